@@ -1,0 +1,894 @@
+"""Backend (weights on devices), Context (one graph), devices, and GGUF metadata.
+
+A ``Backend`` owns ggml backends (CPU, plus GPUs when built with them), a ``ggml_backend_sched``
+that splits graphs across them, and the model weights read from a GGUF file. A ``Context`` builds
+one graph: tensors made in it are nodes, data given with ``from_numpy`` is uploaded at
+``compute``, and results stay readable until the backend computes another graph.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort must not fork gdb first
+
+from pyggml._ggml import ffi, lib  # noqa: E402
+from pyggml.tensor import DType, Tensor, _prepare_host_array, dtype_of_numpy  # noqa: E402
+
+NULL = ffi.NULL
+_LOG_LEVELS = {"none": 0, "debug": 1, "info": 2, "warn": 3, "error": 4}
+lib.pyggml_log_install(_LOG_LEVELS.get(os.environ.get("PYGGML_LOG", "none").lower(), 0))
+
+
+class GGMLError(RuntimeError):
+    """ggml reported a failure (allocation, compute); the message includes ggml's own log."""
+
+
+class GGUFError(ValueError):
+    """A GGUF file is missing, truncated, corrupt or of an unsupported version."""
+
+
+def _ggml_log() -> str:
+    buf = ffi.new("char[]", 8192)
+    n = lib.pyggml_log_take(buf, 8192)
+    return ffi.unpack(buf, n).decode("utf-8", "replace").strip()
+
+
+def _with_log(message: str) -> str:
+    log = _ggml_log()
+    return f"{message}\nggml: {log}" if log else message
+
+
+def ggml_version() -> str:
+    """Version of the ggml sources pyggml was built from."""
+    return ffi.string(lib.ggml_version()).decode()
+
+
+def physical_cores() -> int:
+    """Physical cores available to this process (hyper-threads counted once)."""
+    available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in available:
+        try:
+            base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+            cores.add(((base / "physical_package_id").read_text(), (base / "core_id").read_text()))
+        except OSError:
+            return max(1, len(available))
+    return max(1, len(cores))
+
+
+# ---- devices ------------------------------------------------------------------------------------
+_KINDS = {lib.GGML_BACKEND_DEVICE_TYPE_CPU: "cpu", lib.GGML_BACKEND_DEVICE_TYPE_GPU: "gpu",
+          lib.GGML_BACKEND_DEVICE_TYPE_IGPU: "igpu", lib.GGML_BACKEND_DEVICE_TYPE_ACCEL: "accel"}
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    description: str
+    kind: str  # "cpu" | "gpu" | "igpu" | "accel"
+    memory_free: int
+    memory_total: int
+
+
+def _device_info(dev: Any) -> Device:
+    free, total = ffi.new("size_t *"), ffi.new("size_t *")
+    lib.ggml_backend_dev_memory(dev, free, total)
+    return Device(ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
+                  ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
+                  _KINDS.get(lib.ggml_backend_dev_type(dev), "other"), int(free[0]), int(total[0]))
+
+
+def devices() -> list[Device]:
+    """The compute devices ggml can use, GPUs first if any."""
+    return [_device_info(lib.ggml_backend_dev_get(i)) for i in range(lib.ggml_backend_dev_count())]
+
+
+# ---- GGUF metadata -------------------------------------------------------------------------------
+_SCALAR_GETTERS = {
+    lib.GGUF_TYPE_UINT8: lib.gguf_get_val_u8, lib.GGUF_TYPE_INT8: lib.gguf_get_val_i8,
+    lib.GGUF_TYPE_UINT16: lib.gguf_get_val_u16, lib.GGUF_TYPE_INT16: lib.gguf_get_val_i16,
+    lib.GGUF_TYPE_UINT32: lib.gguf_get_val_u32, lib.GGUF_TYPE_INT32: lib.gguf_get_val_i32,
+    lib.GGUF_TYPE_UINT64: lib.gguf_get_val_u64, lib.GGUF_TYPE_INT64: lib.gguf_get_val_i64,
+    lib.GGUF_TYPE_FLOAT32: lib.gguf_get_val_f32, lib.GGUF_TYPE_FLOAT64: lib.gguf_get_val_f64,
+    lib.GGUF_TYPE_BOOL: lib.gguf_get_val_bool,
+}
+_ARRAY_DTYPES = {
+    lib.GGUF_TYPE_UINT8: np.uint8, lib.GGUF_TYPE_INT8: np.int8, lib.GGUF_TYPE_UINT16: np.uint16,
+    lib.GGUF_TYPE_INT16: np.int16, lib.GGUF_TYPE_UINT32: np.uint32, lib.GGUF_TYPE_INT32: np.int32,
+    lib.GGUF_TYPE_UINT64: np.uint64, lib.GGUF_TYPE_INT64: np.int64, lib.GGUF_TYPE_FLOAT32: np.float32,
+    lib.GGUF_TYPE_FLOAT64: np.float64, lib.GGUF_TYPE_BOOL: np.bool_,
+}
+
+
+def _read_kv(gguf: Any) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for i in range(lib.gguf_get_n_kv(gguf)):
+        key = ffi.string(lib.gguf_get_key(gguf, i)).decode("utf-8", "replace")
+        kind = lib.gguf_get_kv_type(gguf, i)
+        if kind == lib.GGUF_TYPE_STRING:
+            values[key] = ffi.string(lib.gguf_get_val_str(gguf, i)).decode("utf-8", "replace")
+        elif kind == lib.GGUF_TYPE_ARRAY:
+            n = lib.gguf_get_arr_n(gguf, i)
+            item = lib.gguf_get_arr_type(gguf, i)
+            if item == lib.GGUF_TYPE_STRING:
+                get = lib.gguf_get_arr_str
+                values[key] = [ffi.string(get(gguf, i, j)).decode("utf-8", "replace") for j in range(n)]
+            elif item in _ARRAY_DTYPES:
+                dtype = np.dtype(_ARRAY_DTYPES[item])
+                data = ffi.buffer(lib.gguf_get_arr_data(gguf, i), n * dtype.itemsize) if n else b""
+                values[key] = np.frombuffer(data, dtype=dtype).tolist()
+            # arrays of arrays have no getter in gguf.h; they are skipped
+        elif kind in _SCALAR_GETTERS:
+            value = _SCALAR_GETTERS[kind](gguf, i)
+            values[key] = bool(value) if kind == lib.GGUF_TYPE_BOOL else value
+    return values
+
+
+class Config(Mapping[str, Any]):
+    """Typed, read-only GGUF metadata. Keys may omit the ``<architecture>.`` prefix:
+    ``config.uint("block_count")`` reads ``llama.block_count`` for a llama file."""
+
+    def __init__(self, values: dict[str, Any]):
+        self._values = values
+        self.architecture: str = str(values.get("general.architecture", ""))
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def _lookup(self, key: str) -> Any:
+        if key in self._values:
+            return self._values[key]
+        return self._values.get(f"{self.architecture}.{key}")
+
+    def _typed(self, key: str, default: Any, check: Callable[[Any], bool], kind: str) -> Any:
+        value = self._lookup(key)
+        if value is None:
+            return default
+        if not check(value):
+            raise GGUFError(f"metadata {key!r} should be {kind}, found {type(value).__name__} {value!r:.80}")
+        return value
+
+    def uint(self, key: str, default: int | None = 0) -> int | None:
+        return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                           "an unsigned integer")
+
+    def int(self, key: str, default: int | None = 0) -> int | None:
+        return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+
+    def float(self, key: str, default: float | None = 0.0) -> float | None:
+        value = self._typed(key, default, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+                            "a number")
+        return None if value is None else float(value)
+
+    def bool(self, key: str, default: bool | None = False) -> bool | None:
+        return self._typed(key, default, lambda v: isinstance(v, bool), "a boolean")
+
+    def string(self, key: str, default: str | None = "") -> str | None:
+        return self._typed(key, default, lambda v: isinstance(v, str), "a string")
+
+    def strings(self, key: str, default: list[str] | None = None) -> list[str] | None:
+        return self._typed(key, default, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                           "a list of strings")
+
+    def uints(self, key: str, default: list[int] | None = None) -> list[int] | None:
+        return self._typed(key, default, lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v),
+                           "a list of integers")
+
+    def floats(self, key: str, default: list[float] | None = None) -> list[float] | None:
+        value = self._typed(key, default, lambda v: isinstance(v, list), "a list of numbers")
+        return None if value is None else [float(x) for x in value]
+
+
+# ---- parameters ----------------------------------------------------------------------------------
+@dataclass
+class BackendParams:
+    """How to place and run a model. ``gpu_layers``: a count (the last N layers), "all", or a list
+    of layer indices. ``flash_attention=None`` lets the backend decide. ``repack`` lets the CPU
+    backend rearrange quantized weights for its fastest kernels (costs RAM outside the mmap)."""
+
+    n_threads: int | None = None
+    gpu_layers: int | str | Sequence[int] = 0
+    main_gpu: int = 0
+    flash_attention: bool | None = None
+    use_mmap: bool = True
+    repack: bool = True
+
+    def validate(self) -> None:
+        if self.n_threads is not None and (not isinstance(self.n_threads, int) or self.n_threads < 1):
+            raise ValueError(f"n_threads must be a positive integer, got {self.n_threads!r}")
+        g = self.gpu_layers
+        if isinstance(g, str):
+            if g != "all":
+                raise ValueError(f'gpu_layers must be a count, "all" or a list of layers, got {g!r}')
+        elif isinstance(g, int):
+            if g < 0:
+                raise ValueError(f"gpu_layers must be >= 0, got {g}")
+        elif not all(isinstance(x, int) and x >= 0 for x in g):
+            raise ValueError(f"gpu_layers list must hold layer indices, got {g!r}")
+
+
+ProgressFn = Callable[[int, int], None]
+
+_LAYER_RE = re.compile(r"^(?:blk|layers|enc\.blk|dec\.blk|v\.blk)\.(\d+)\.")
+_MAX_GPUS = 16
+
+
+def _pad(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+@dataclass
+class _Memory:
+    weights: int = 0
+    cache: int = 0
+
+
+@dataclass
+class _Storage:
+    """A persistent allocation (weights or cache): its ggml context and buffers."""
+
+    ctx: Any = None
+    buffers: list[Any] = field(default_factory=list)
+
+
+class Backend:
+    """Devices, the scheduler, and (for a loaded model) the weights of a GGUF file."""
+
+    def __init__(self, params: BackendParams | None = None):
+        params = params or BackendParams()
+        params.validate()
+        self.params = params
+        self.n_threads = params.n_threads or physical_cores()
+        self.config = Config({})
+        self.path: Path | None = None
+        self._lock = threading.RLock()
+        self._epoch = 0
+        self._closed = False
+        self._weights: dict[str, Tensor] = {}
+        self._repacked: set[str] = set()
+        self._storages: list[_Storage] = []
+        self._memory: dict[str, _Memory] = {}
+        self._gguf = NULL
+        self._meta_ctx = NULL
+        self._mmap: mmap.mmap | None = None
+        self._mmap_view: Any = None
+        self._threadpool = NULL
+        self._sched = NULL
+        self._sched_size = 0
+        self._init_devices()
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def cpu(cls, n_threads: int | None = None) -> Backend:
+        """A CPU backend with no weights, for scratch computation."""
+        return cls(BackendParams(n_threads=n_threads))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, params: BackendParams | None = None,
+             progress: ProgressFn | None = None) -> Backend:
+        """Read a GGUF file's metadata and put its weights on the devices ``params`` asks for.
+
+        On CPU the file is memory-mapped and wrapped without copying (quantized weights that the
+        CPU kernels repack are copied). ``progress(done_bytes, total_bytes)`` is called as weights load.
+        """
+        backend = cls(params)
+        try:
+            backend._load(Path(path), progress)
+        except BaseException:
+            backend.close()
+            raise
+        return backend
+
+    def _init_devices(self) -> None:
+        gpus, cpu_dev = [], NULL
+        for i in range(lib.ggml_backend_dev_count()):
+            dev = lib.ggml_backend_dev_get(i)
+            kind = lib.ggml_backend_dev_type(dev)
+            if kind == lib.GGML_BACKEND_DEVICE_TYPE_CPU:
+                cpu_dev = dev
+            elif kind in (lib.GGML_BACKEND_DEVICE_TYPE_GPU, lib.GGML_BACKEND_DEVICE_TYPE_IGPU):
+                gpus.append(dev)
+        if cpu_dev == NULL:
+            raise GGMLError("ggml has no CPU device")
+        self._cpu_dev = cpu_dev
+        self._gpu_devs = gpus
+        self._cpu = lib.ggml_backend_dev_init(cpu_dev, NULL)
+        if self._cpu == NULL:
+            raise GGMLError(_with_log("could not start the CPU backend"))
+        tp_params = lib.ggml_threadpool_params_default(self.n_threads)
+        self._threadpool = lib.ggml_threadpool_new(ffi.new("struct ggml_threadpool_params *", tp_params))
+        lib.ggml_backend_cpu_set_n_threads(self._cpu, self.n_threads)
+        if self._threadpool != NULL:
+            lib.ggml_backend_cpu_set_threadpool(self._cpu, self._threadpool)
+        self._gpus = []
+        wanted = self.params.gpu_layers
+        if self._gpu_devs and wanted not in (0, [], ()):
+            for dev in self._gpu_devs:
+                be = lib.ggml_backend_dev_init(dev, NULL)
+                if be == NULL:
+                    raise GGMLError(_with_log(f"could not start {_device_info(dev).name}"))
+                self._gpus.append(be)
+        # the scheduler wants the CPU last
+        self._backends = [*self._gpus, self._cpu]
+        self._extra_bufts = ffi.new("ggml_backend_buffer_type_t[]", 8)
+        self._n_extra_bufts = lib.pyggml_dev_extra_bufts(cpu_dev, self._extra_bufts, 8)
+        self._new_sched(8192)
+
+    def _new_sched(self, size: int) -> None:
+        if self._sched != NULL:
+            lib.ggml_backend_sched_free(self._sched)
+        backends = ffi.new("ggml_backend_t[]", self._backends)
+        bufts = ffi.new("ggml_backend_buffer_type_t[]",
+                        [lib.ggml_backend_get_default_buffer_type(b) for b in self._backends])
+        self._sched = lib.ggml_backend_sched_new(backends, bufts, len(self._backends), size, False,
+                                                 bool(self._gpus))
+        if self._sched == NULL:
+            raise GGMLError(_with_log("could not create the backend scheduler"))
+        self._sched_size = size
+
+    # ---- loading --------------------------------------------------------------------------
+    def _load(self, path: Path, progress: ProgressFn | None) -> None:
+        self.path = path
+        if not path.exists():
+            raise FileNotFoundError(f"no such model file: {path}")
+        if not path.is_file():
+            raise GGUFError(f"{path} is not a file")
+        file_size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = f.read(8)
+        if len(header) < 8 or header[:4] != b"GGUF":
+            raise GGUFError(f"{path} is not a GGUF file (it starts with {header[:4]!r}, not b'GGUF')")
+        version = int.from_bytes(header[4:8], "little")
+        if version == 1:
+            raise GGUFError(f"{path} is GGUF version 1, which is no longer supported: convert it again")
+        if version not in (2, 3):
+            raise GGUFError(f"{path} has unsupported GGUF version {version}")
+
+        meta_ctx = ffi.new("struct ggml_context **")
+        gguf = lib.gguf_init_from_file(str(path).encode(), {"no_alloc": True, "ctx": meta_ctx})
+        if gguf == NULL:
+            raise GGUFError(_with_log(f"{path} is not a valid GGUF file (corrupt or truncated)"))
+        self._gguf, self._meta_ctx = gguf, meta_ctx[0]
+        self.config = Config(_read_kv(gguf))
+        self._check_tensors(path, file_size)
+        self._place_weights(path, file_size, progress)
+
+    def _check_tensors(self, path: Path, file_size: int) -> None:
+        """gguf.h does not check the data section against the file: do it before touching data."""
+        gguf = self._gguf
+        data_offset = lib.gguf_get_data_offset(gguf)
+        alignment = lib.gguf_get_alignment(gguf)
+        known = {int(d) for d in DType}
+        for i in range(lib.gguf_get_n_tensors(gguf)):
+            name = ffi.string(lib.gguf_get_tensor_name(gguf, i)).decode("utf-8", "replace")
+            kind = lib.gguf_get_tensor_type(gguf, i)
+            if kind not in known or DType(kind).type_size == 0:
+                raise GGUFError(f"{path}: tensor {name!r} has unsupported type {kind}")
+            offset = lib.gguf_get_tensor_offset(gguf, i)
+            size = lib.gguf_get_tensor_size(gguf, i)
+            t = lib.ggml_get_tensor(self._meta_ctx, name.encode())
+            if t == NULL:
+                raise GGUFError(f"{path}: tensor {name!r} is listed but has no metadata")
+            if t.ne[0] % DType(kind).block_size:
+                raise GGUFError(f"{path}: tensor {name!r} has {t.ne[0]} columns, not a multiple of the "
+                                f"{DType(kind).name} block size")
+            if offset % alignment:
+                raise GGUFError(f"{path}: tensor {name!r} data is not {alignment}-byte aligned")
+            if data_offset + offset + size > file_size:
+                raise GGUFError(f"{path} is truncated: tensor {name!r} needs bytes up to "
+                                f"{data_offset + offset + size}, the file has {file_size}")
+
+    def _layer_backend(self, name: str) -> int:
+        """Index into self._backends for a weight, by its layer and params.gpu_layers."""
+        if not self._gpus:
+            return len(self._backends) - 1
+        n_layers = self.config.uint("block_count", 0) or 0
+        wanted = self.params.gpu_layers
+        match = _LAYER_RE.match(name)
+        if wanted == "all":
+            on_gpu = True
+        elif isinstance(wanted, int):
+            first = n_layers - wanted
+            on_gpu = (int(match.group(1)) >= first) if match else (wanted > n_layers and not
+                                                                   name.startswith("token_embd"))
+        else:
+            on_gpu = bool(match) and int(match.group(1)) in set(wanted)
+        if not on_gpu:
+            return len(self._backends) - 1
+        return min(self.params.main_gpu, len(self._gpus) - 1)
+
+    def _repack_buft(self, t: Any) -> Any:
+        """The CPU extra buffer type whose kernels can use this weight, or NULL."""
+        name = ffi.string(t.name).decode()
+        if not self.params.repack or name.startswith("token_embd") or t.ne[2] != 1 or t.ne[3] != 1 \
+                or not lib.ggml_is_quantized(t.type):
+            return NULL
+        # tied output embeddings share token_embd; get_rows is unsupported on repacked data
+        for i in range(self._n_extra_bufts):
+            buft = self._extra_bufts[i]
+            if self._probe_mulmat(t, buft):
+                return buft
+        return NULL
+
+    def _probe_mulmat(self, weight: Any, buft: Any) -> bool:
+        probe_ctx = lib.ggml_init({"mem_size": 4 * lib.ggml_tensor_overhead(), "mem_buffer": NULL,
+                                   "no_alloc": True})
+        buf = lib.ggml_backend_buft_alloc_buffer(buft, 0)
+        try:
+            w = lib.ggml_dup_tensor(probe_ctx, weight)
+            w.buffer = buf
+            x = lib.ggml_new_tensor_2d(probe_ctx, lib.GGML_TYPE_F32, weight.ne[0], 8)
+            op = lib.ggml_mul_mat(probe_ctx, w, x)
+            return bool(lib.ggml_backend_dev_supports_op(self._cpu_dev, op))
+        finally:
+            if buf != NULL:
+                lib.ggml_backend_buffer_free(buf)
+            lib.ggml_free(probe_ctx)
+
+    def _place_weights(self, path: Path, file_size: int, progress: ProgressFn | None) -> None:
+        gguf = self._gguf
+        data_offset = lib.gguf_get_data_offset(gguf)
+        cpu_index = len(self._backends) - 1
+        groups: dict[Any, list[tuple[Any, int, int]]] = {}  # buffer type -> [(tensor, file offset, size)]
+        zero_copy: list[tuple[Any, int, int]] = []
+        total = 0
+        for i in range(lib.gguf_get_n_tensors(gguf)):
+            name = lib.gguf_get_tensor_name(gguf, i)
+            t = lib.ggml_get_tensor(self._meta_ctx, name)
+            entry = (t, data_offset + lib.gguf_get_tensor_offset(gguf, i), lib.gguf_get_tensor_size(gguf, i))
+            total += entry[2]
+            index = self._layer_backend(ffi.string(name).decode())
+            repack = self._repack_buft(t) if index == cpu_index else NULL
+            if repack != NULL:
+                groups.setdefault(repack, []).append(entry)
+                self._repacked.add(ffi.string(name).decode())
+            elif index == cpu_index and self.params.use_mmap:
+                zero_copy.append(entry)
+            else:
+                buft = lib.ggml_backend_get_default_buffer_type(self._backends[index])
+                groups.setdefault(buft, []).append(entry)
+
+        storage = _Storage(ctx=self._meta_ctx)
+        self._storages.append(storage)
+        done = 0
+        if zero_copy or groups:
+            self._mmap_file(path, file_size)
+        if zero_copy:
+            base = ffi.cast("char *", self._mmap_view)
+            buf = lib.ggml_backend_dev_buffer_from_host_ptr(self._cpu_dev, base, file_size,
+                                                            max(size for _, _, size in zero_copy))
+            if buf == NULL:
+                raise GGMLError(_with_log("could not wrap the mapped model file in a CPU buffer"))
+            lib.ggml_backend_buffer_set_usage(buf, lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+            storage.buffers.append(buf)
+            for t, offset, size in zero_copy:
+                self._check_status(lib.ggml_backend_tensor_alloc(buf, t, base + offset), "map a weight")
+                done += size
+            self._account(self._cpu_dev, weights=sum(size for _, _, size in zero_copy))
+            if progress:
+                progress(done, total)
+        for buft, entries in groups.items():
+            buf = self._alloc_tensors(buft, [t for t, _, _ in entries], "weights")
+            storage.buffers.append(buf)
+            lib.ggml_backend_buffer_set_usage(buf, lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+            base = ffi.cast("char *", self._mmap_view)
+            for t, offset, size in entries:
+                lib.ggml_backend_tensor_set(t, base + offset, 0, size)  # repacks on the way for CPU_REPACK
+                done += size
+                if progress:
+                    progress(done, total)
+            if not self.params.use_mmap or buft != NULL:
+                # the copied ranges of the mapping are no longer needed in RAM
+                for _, offset, size in entries:
+                    self._release_pages(offset, size)
+        for i in range(lib.gguf_get_n_tensors(gguf)):
+            name = ffi.string(lib.gguf_get_tensor_name(gguf, i)).decode("utf-8", "replace")
+            t = lib.ggml_get_tensor(self._meta_ctx, name.encode())
+            self._weights[name] = Tensor(t, None, max(1, lib.ggml_n_dims(t)), self)
+        if not zero_copy and self._mmap is not None:
+            self._unmap()
+        if progress and total == 0:
+            progress(0, 0)
+
+    def _mmap_file(self, path: Path, file_size: int) -> None:
+        if file_size == 0:
+            raise GGUFError(f"{path} is empty")
+        with open(path, "rb") as f:
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        if hasattr(self._mmap, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+            self._mmap.madvise(mmap.MADV_WILLNEED)
+        self._mmap_view = ffi.from_buffer(self._mmap)
+
+    def _release_pages(self, offset: int, size: int) -> None:
+        if self._mmap is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        page = mmap.PAGESIZE
+        start = _pad(offset, page)
+        end = (offset + size) // page * page
+        if end > start:
+            self._mmap.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def _unmap(self) -> None:
+        if self._mmap_view is not None:
+            ffi.release(self._mmap_view)
+            self._mmap_view = None
+        if self._mmap is not None:
+            self._mmap.close()
+            self._mmap = None
+
+    def _alloc_tensors(self, buft: Any, tensors: list[Any], purpose: str) -> Any:
+        align = lib.ggml_backend_buft_get_alignment(buft)
+        offsets, size = [], 0
+        for t in tensors:
+            size = _pad(size, align)
+            offsets.append(size)
+            size += lib.ggml_backend_buft_get_alloc_size(buft, t)
+        buf = lib.ggml_backend_buft_alloc_buffer(buft, max(size, 1))
+        if buf == NULL:
+            name = ffi.string(lib.ggml_backend_buft_name(buft)).decode()
+            raise MemoryError(_with_log(f"could not allocate {size / 2**20:.1f} MiB of {purpose} on {name}"))
+        base = ffi.cast("char *", lib.ggml_backend_buffer_get_base(buf))
+        for t, off in zip(tensors, offsets):
+            self._check_status(lib.ggml_backend_tensor_alloc(buf, t, base + off), f"place {purpose}")
+        dev = self._cpu_dev
+        for b in self._backends:
+            if lib.ggml_backend_get_default_buffer_type(b) == buft:
+                dev = lib.ggml_backend_get_device(b)
+        self._account(dev, **{purpose: size})
+        return buf
+
+    def _account(self, dev: Any, weights: int = 0, cache: int = 0) -> None:
+        entry = self._memory.setdefault(ffi.string(lib.ggml_backend_dev_name(dev)).decode(), _Memory())
+        entry.weights += weights
+        entry.cache += cache
+
+    @staticmethod
+    def _check_status(status: int, what: str) -> None:
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise GGMLError(_with_log(f"could not {what}: {ffi.string(lib.ggml_status_to_string(status)).decode()}"))
+
+    # ---- public API -------------------------------------------------------------------------
+    @property
+    def flash_attention(self) -> bool:
+        """Whether models should use ggml's fused flash attention."""
+        fa = self.params.flash_attention
+        return bool(self._gpus) if fa is None else fa
+
+    @property
+    def max_graph_nodes(self) -> int:
+        return max(8192, 5 * len(self._weights))
+
+    def tensors(self) -> dict[str, Tensor]:
+        """All weights by GGUF name."""
+        return dict(self._weights)
+
+    def get(self, name: str) -> Tensor | None:
+        """A weight by GGUF tensor name, or None."""
+        return self._weights.get(name)
+
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Bytes per device: weights, cache, and graph (the scheduler's compute buffers)."""
+        out = {name: {"weights": m.weights, "cache": m.cache, "graph": 0} for name, m in self._memory.items()}
+        for be in self._backends:
+            name = ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_get_device(be))).decode()
+            entry = out.setdefault(name, {"weights": 0, "cache": 0, "graph": 0})
+            entry["graph"] += int(lib.ggml_backend_sched_get_buffer_size(self._sched, be))
+        return out
+
+    def new_context(self, max_nodes: int | None = None) -> Context:
+        """A context for building and computing one graph."""
+        self._check_open()
+        return Context(self, max_nodes or self.max_graph_nodes)
+
+    def alloc_persistent(self, dtype: DType | str, shape: Sequence[int], *, layer: int | None = None,
+                         name: str = "", purpose: str = "cache") -> Tensor:
+        """A tensor that outlives graphs (e.g. a KV cache), on the device of ``layer``."""
+        self._check_open()
+        dtype = DType.parse(dtype)
+        shape = tuple(int(s) for s in shape)
+        if not 1 <= len(shape) <= 4 or any(s <= 0 for s in shape) or shape[0] % dtype.block_size:
+            raise ValueError(f"alloc_persistent: bad shape {shape} for {dtype.name}")
+        ctx = lib.ggml_init({"mem_size": 2 * lib.ggml_tensor_overhead(), "mem_buffer": NULL, "no_alloc": True})
+        ne = ffi.new("int64_t[4]", shape + (1,) * (4 - len(shape)))
+        t = lib.ggml_new_tensor(ctx, dtype, len(shape), ne)
+        if name:
+            lib.ggml_set_name(t, name.encode()[:63])
+        index = len(self._backends) - 1
+        if layer is not None:
+            index = self._layer_backend(f"blk.{layer}.")
+        buft = lib.ggml_backend_get_default_buffer_type(self._backends[index])
+        storage = _Storage(ctx=ctx)
+        self._storages.append(storage)
+        storage.buffers.append(self._alloc_tensors(buft, [t], purpose))
+        lib.ggml_backend_buffer_clear(storage.buffers[-1], 0)
+        return Tensor(t, None, len(shape), self)
+
+    def supports_op(self, tensor: Tensor) -> bool:
+        """Whether some device of this backend can compute ``tensor``'s op."""
+        return any(lib.ggml_backend_supports_op(b, tensor._p) for b in self._backends)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("backend is closed")
+
+    def close(self) -> None:
+        """Free the weights, caches, scheduler and threads. Tensors of this backend become invalid."""
+        if self._closed:
+            return
+        self._closed = True
+        self._weights.clear()
+        if self._sched != NULL:
+            lib.ggml_backend_sched_free(self._sched)
+            self._sched = NULL
+        for storage in self._storages:
+            for buf in storage.buffers:
+                lib.ggml_backend_buffer_free(buf)
+            if storage.ctx not in (None, NULL):
+                lib.ggml_free(storage.ctx)
+        self._storages.clear()
+        self._meta_ctx = NULL
+        if self._gguf != NULL:
+            lib.gguf_free(self._gguf)
+            self._gguf = NULL
+        self._unmap()
+        for be in self._backends:
+            lib.ggml_backend_free(be)
+        self._backends = []
+        if self._threadpool != NULL:
+            lib.ggml_threadpool_free(self._threadpool)
+            self._threadpool = NULL
+
+    def __enter__(self) -> Backend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # ---- computing (used by Context) ----------------------------------------------------------
+    def _compute(self, state: _GraphState, reserve_only: bool = False) -> None:
+        with self._lock:
+            self._check_open()
+            if state.graph_size > self._sched_size:
+                self._new_sched(state.graph_size)
+            sched = self._sched
+            lib.ggml_backend_sched_reset(sched)
+            if reserve_only:
+                if not lib.ggml_backend_sched_reserve(sched, state.graph):
+                    raise MemoryError(_with_log("could not reserve memory for the graph"))
+                return
+            for indices, bound, op in state.index_checks:
+                data = state.inputs.get(indices)
+                if data is not None and data.size and (data.min() < 0 or data.max() >= bound):
+                    raise ValueError(f"{op}: index {int(data.max()) if data.max() >= bound else int(data.min())} "
+                                     f"out of range 0..{bound - 1}")
+            if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):
+                raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
+            for ptr, data in state.inputs.items():
+                if ptr.buffer != NULL and data.nbytes:
+                    lib.ggml_backend_tensor_set(ptr, ffi.from_buffer(data), 0, data.nbytes)
+            status = lib.ggml_backend_sched_graph_compute(sched, state.graph)
+            if status != lib.GGML_STATUS_SUCCESS:
+                raise GGMLError(_with_log(f"compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}"))
+            self._epoch += 1
+            state.epoch = self._epoch
+
+
+class _GraphState:
+    """What all handles of one Context share: the ggml context, the graph and pending inputs."""
+
+    __slots__ = ("ptr", "graph", "graph_size", "max_tensors", "n_tensors", "inputs", "index_checks", "epoch",
+                 "closed")
+
+    def __init__(self, max_nodes: int, n_weights: int):
+        self.max_tensors = max_nodes
+        # a graph holds our nodes plus the weights and caches it reads as leafs
+        self.graph_size = max_nodes + n_weights + 64
+        mem = lib.ggml_tensor_overhead() * (max_nodes + 16) + lib.ggml_graph_overhead_custom(self.graph_size, False)
+        self.ptr = lib.ggml_init({"mem_size": mem, "mem_buffer": NULL, "no_alloc": True})
+        if self.ptr == NULL:
+            raise MemoryError("could not create a ggml context")
+        self.graph = lib.ggml_new_graph_custom(self.ptr, self.graph_size, False)
+        self.n_tensors = 1  # the graph object
+        self.inputs: dict[Any, np.ndarray] = {}
+        self.index_checks: list[tuple[Any, int, str]] = []
+        self.epoch = 0
+        self.closed = False
+
+    def __del__(self) -> None:
+        # freed when the last handle (and so the last tensor) of the graph is gone
+        if not self.closed and self.ptr != NULL:
+            lib.ggml_free(self.ptr)
+            self.closed = True
+
+
+class Context:
+    """Builds and computes one graph. Use as a context manager, or call ``close()``."""
+
+    __slots__ = ("backend", "max_nodes", "_state", "_placement")
+
+    def __init__(self, backend: Backend, max_nodes: int, _state: _GraphState | None = None,
+                 _placement: int | None = None):
+        if max_nodes <= 0:
+            raise ValueError(f"max_nodes must be positive, got {max_nodes}")
+        self.backend = backend
+        self.max_nodes = max_nodes
+        self._state = _state or _GraphState(max_nodes, len(backend._weights) + 256)
+        self._placement = _placement
+
+    @property
+    def max_graph_nodes(self) -> int:
+        return self.max_nodes
+
+    @property
+    def n_nodes(self) -> int:
+        """Nodes in the graph so far (after ``forward``)."""
+        return lib.ggml_graph_n_nodes(self._state.graph)
+
+    def _c(self) -> Any:
+        """The ggml context pointer for one more tensor; refuses past capacity or after close."""
+        state = self._state
+        if state.closed:
+            raise ValueError("context is closed")
+        state.n_tensors += 1
+        if state.n_tensors > state.max_tensors:
+            raise ValueError(f"graph is full: more than {state.max_tensors} tensors; "
+                             "create the context with a larger max_nodes")
+        return state.ptr
+
+    def _index_bound(self, indices: Tensor, bound: int, op: str) -> None:
+        self._state.index_checks.append((indices._p, bound, op))
+
+    # ---- making tensors ------------------------------------------------------------------
+    def _new(self, dtype: DType, shape: tuple[int, ...]) -> Tensor:
+        if not 1 <= len(shape) <= 4:
+            raise ValueError(f"tensors have 1 to 4 dims, got shape {shape}")
+        if any(s <= 0 for s in shape):
+            raise ValueError(f"tensor dims must be positive, got {shape}")
+        if shape[0] % dtype.block_size:
+            raise ValueError(f"dim 0 ({shape[0]}) must be a multiple of the {dtype.name} block size "
+                             f"{dtype.block_size}")
+        c = self._c()
+        ne = ffi.new("int64_t[4]", shape + (1,) * (4 - len(shape)))
+        p = lib.ggml_new_tensor(c, dtype, len(shape), ne)
+        lib.ggml_set_input(p)
+        if self._placement is not None:
+            lib.ggml_backend_sched_set_tensor_backend(self.backend._sched, p, self.backend._backends[self._placement])
+        return Tensor(p, self, len(shape))
+
+    def from_numpy(self, array: Any, dtype: DType | str | None = None) -> Tensor:
+        """A graph input holding ``array``: shape ``tuple(reversed(array.shape))``; data is
+        converted to ``dtype`` (F32, F16, I32, ...; default: the array's own type)."""
+        array = np.asarray(array)
+        if array.ndim == 0:
+            array = array.reshape(1)
+        if array.ndim > 4:
+            raise ValueError(f"from_numpy: at most 4 dims, got an array of shape {array.shape}")
+        if dtype is None:
+            dtype = dtype_of_numpy(array.dtype) if array.dtype != np.float64 else DType.F32
+        dtype = DType.parse(dtype)
+        shape = tuple(reversed(array.shape)) if array.size else None
+        if shape is None:
+            raise ValueError("from_numpy: empty arrays have no ggml equivalent")
+        t = self._new(dtype, shape)
+        if dtype.numpy_dtype is None:
+            raise TypeError(f"from_numpy: cannot convert numpy data to {dtype.name}; use F32/F16/I32 inputs")
+        self._set_input(t, _prepare_host_array(array, dtype, shape, "from_numpy"))
+        return t
+
+    def empty(self, dtype: DType | str, *shape: int) -> Tensor:
+        """A graph input with uninitialised data (fill it with ``tensor.set`` before computing)."""
+        return self._new(DType.parse(dtype), tuple(int(s) for s in shape))
+
+    def zeros(self, dtype: DType | str, *shape: int) -> Tensor:
+        dtype = DType.parse(dtype)
+        if dtype.numpy_dtype is None:
+            raise TypeError(f"zeros: {dtype.name} is not supported; use F32/F16/I32")
+        t = self._new(dtype, tuple(int(s) for s in shape))
+        self._set_input(t, np.zeros(tuple(reversed(t.shape)), dtype=dtype.numpy_dtype))
+        return t
+
+    def arange(self, start: float, stop: float, step: float = 1.0, dtype: DType | str = DType.F32) -> Tensor:
+        """Evenly spaced values in [start, stop)."""
+        if step == 0 or (stop - start) / step <= 0:
+            raise ValueError(f"arange: empty or infinite range ({start}, {stop}, {step})")
+        dtype = DType.parse(dtype)
+        values = np.arange(start, stop, step)
+        return self.from_numpy(values.astype(dtype.numpy_dtype or np.float32), dtype)
+
+    def _set_input(self, tensor: Tensor, array: np.ndarray) -> None:
+        self._state.inputs[tensor._p] = array
+
+    def input(self) -> Context:
+        """A handle on this graph whose new tensors live on the device of the model's inputs."""
+        return Context(self.backend, self.max_nodes, self._state, len(self.backend._backends) - 1)
+
+    def layer(self, i: int) -> Context:
+        """A handle on this graph whose new tensors live on layer ``i``'s device."""
+        return Context(self.backend, self.max_nodes, self._state, self.backend._layer_backend(f"blk.{i}."))
+
+    # ---- running -------------------------------------------------------------------------
+    def forward(self, *tensors: Tensor) -> Context:
+        """Add tensors (and everything they depend on) to the graph."""
+        state = self._state
+        if state.closed:
+            raise ValueError("context is closed")
+        for t in tensors:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"forward: expected Tensor, got {type(t).__name__}")
+            if t.ctx is not None and t.ctx._state is not state:
+                raise ValueError("forward: tensor belongs to another context")
+            lib.ggml_build_forward_expand(state.graph, t._p)
+        return self
+
+    def compute(self, *tensors: Tensor) -> Context:
+        """Compute the graph (plus ``tensors``); their ``numpy()`` then holds the results until
+        the backend computes another graph."""
+        for t in tensors:
+            if isinstance(t, Tensor):
+                lib.ggml_set_output(t._p)
+        self.forward(*tensors)
+        self.backend._compute(self._state)
+        return self
+
+    def reserve(self) -> Context:
+        """Allocate the worst-case compute memory for the graph built so far; compute nothing."""
+        self.backend._compute(self._state, reserve_only=True)
+        return self
+
+    def _check_results(self, tensor: Tensor) -> None:
+        state = self._state
+        if state.closed:
+            raise ValueError("numpy: the tensor's context is closed")
+        if tensor._p in state.inputs and state.epoch == 0:
+            return self._raise_pending()
+        if state.epoch == 0:
+            raise ValueError("numpy: the graph has not been computed yet (call ctx.compute(tensor))")
+        if state.epoch != self.backend._epoch:
+            raise ValueError("numpy: the backend computed another graph since; read results before the next "
+                             "compute")
+        if tensor._p.buffer == NULL:
+            raise ValueError("numpy: tensor was not part of the computed graph (pass it to compute)")
+
+    @staticmethod
+    def _raise_pending() -> None:
+        raise ValueError("numpy: the graph has not been computed yet (call ctx.compute(tensor))")
+
+    def close(self) -> None:
+        """Free the graph. Tensors of this context become unusable."""
+        state = self._state
+        if not state.closed:
+            state.closed = True
+            state.inputs.clear()
+            state.index_checks.clear()
+            lib.ggml_free(state.ptr)
+            state.ptr = NULL
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+

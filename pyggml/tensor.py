@@ -1,0 +1,820 @@
+"""Tensor and DType: the ops of one ggml graph, validated in Python before they reach ggml.
+
+Shapes are in **ggml order**: ``t.shape[0]`` is the innermost, contiguous dimension, so
+``t.numpy().shape == tuple(reversed(t.shape))``. ``w.mulmat(x)`` with ``w.shape == (K, M)`` and
+``x.shape == (K, N)`` gives ``(M, N)``.
+
+ggml aborts the whole process on a failed assertion, so every op checks what ggml would assert
+(and what it would silently read out of bounds) and raises ``ValueError``/``TypeError`` naming the
+op and the shapes instead. The checks mirror the list in GGML-NOTES.md.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from pyggml._ggml import ffi, lib
+
+if TYPE_CHECKING:
+    from pyggml.backend import Context
+
+NULL = ffi.NULL
+
+
+class DType(enum.IntEnum):
+    """Every ggml tensor type (values are ggml's ``enum ggml_type``)."""
+
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q8_1 = 9
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    Q8_K = 15
+    IQ2_XXS = 16
+    IQ2_XS = 17
+    IQ3_XXS = 18
+    IQ1_S = 19
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ2_S = 22
+    IQ4_XS = 23
+    I8 = 24
+    I16 = 25
+    I32 = 26
+    I64 = 27
+    F64 = 28
+    IQ1_M = 29
+    BF16 = 30
+    TQ1_0 = 34
+    TQ2_0 = 35
+    MXFP4 = 39
+    NVFP4 = 40
+    Q1_0 = 41
+    Q2_0 = 42
+
+    @property
+    def block_size(self) -> int:
+        """Elements per block (1 for plain types)."""
+        return _BLOCK[self]
+
+    @property
+    def type_size(self) -> int:
+        """Bytes per block."""
+        return _TYPE_SIZE[self]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self not in _NUMPY_OF and self is not DType.BF16
+
+    @property
+    def numpy_dtype(self) -> np.dtype | None:
+        """The numpy dtype holding this type's values as stored, or None (quantized, BF16)."""
+        return _NUMPY_OF.get(self)
+
+    def row_bytes(self, n: int) -> int:
+        """Bytes taken by ``n`` elements (``n`` must be a multiple of ``block_size``)."""
+        return n // self.block_size * self.type_size
+
+    @classmethod
+    def parse(cls, value: DType | str | int) -> DType:
+        """DType from a DType, its name (case-insensitive, e.g. "q4_0") or ggml's integer."""
+        if isinstance(value, DType):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                raise ValueError(f"unknown dtype {value!r}; known: {', '.join(d.name for d in cls)}") from None
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown ggml type {value!r}") from None
+
+
+_BLOCK = {d: int(lib.ggml_blck_size(d)) for d in DType}
+_TYPE_SIZE = {d: int(lib.ggml_type_size(d)) for d in DType}
+_NUMPY_OF = {
+    DType.F32: np.dtype(np.float32),
+    DType.F16: np.dtype(np.float16),
+    DType.F64: np.dtype(np.float64),
+    DType.I8: np.dtype(np.int8),
+    DType.I16: np.dtype(np.int16),
+    DType.I32: np.dtype(np.int32),
+    DType.I64: np.dtype(np.int64),
+}
+_DTYPE_OF_NUMPY = {v: k for k, v in _NUMPY_OF.items()}
+_FLOAT = (DType.F32, DType.F16, DType.BF16)
+_DTYPES = {int(d): d for d in DType}
+
+
+def dtype_of_numpy(dtype: np.dtype) -> DType:
+    """The DType that stores a numpy dtype unchanged (float32 -> F32, int32 -> I32, ...)."""
+    try:
+        return _DTYPE_OF_NUMPY[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"numpy dtype {np.dtype(dtype)} has no ggml equivalent "
+                        f"(use one of {', '.join(str(k) for k in _DTYPE_OF_NUMPY)})") from None
+
+
+class RopeType(enum.IntEnum):
+    NORMAL = 0  # rotate adjacent pairs (x0, x1), (x2, x3), ...   (GGUF llama)
+    NEOX = 2  # rotate halves (x0, x_{d/2}), ...                  (GPT-NeoX, HF rotate_half)
+
+
+def _shape_str(*tensors: Tensor) -> str:
+    return ", ".join(str(t.shape) for t in tensors)
+
+
+def _fail(op: str, message: str, *tensors: Tensor) -> ValueError:
+    shapes = f" (shapes {_shape_str(*tensors)})" if tensors else ""
+    return ValueError(f"{op}: {message}{shapes}")
+
+
+class Tensor:
+    """One ggml tensor: a weight, a cache buffer, or a node of the graph being built.
+
+    Graph tensors remember their ``Context`` (``ctx``); weights and cache tensors have none and
+    take the context of the other operand, or need an explicit ``ctx=``.
+    """
+
+    __slots__ = ("_p", "ctx", "_ne", "_nd", "_keep")
+
+    def __init__(self, ptr: Any, ctx: Context | None, nd: int, keep: Any = None):
+        self._p = ptr
+        self.ctx = ctx
+        self._ne = tuple(ptr.ne)
+        self._nd = max(1, min(nd, 4))
+        self._keep = keep  # whatever must outlive the pointer (a Backend, a mapped file)
+
+    # ---- properties ---------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Dimensions in ggml order (innermost first)."""
+        return self._ne[: self._nd]
+
+    @property
+    def ndim(self) -> int:
+        return self._nd
+
+    @property
+    def dtype(self) -> DType:
+        return _DTYPES[self._p.type]
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Byte strides ``nb`` in ggml order."""
+        return tuple(self._p.nb)[: self._nd]
+
+    @property
+    def nbytes(self) -> int:
+        return int(lib.ggml_nbytes(self._p))
+
+    @property
+    def nelements(self) -> int:
+        return math.prod(self._ne)
+
+    @property
+    def name(self) -> str:
+        return ffi.string(lib.ggml_get_name(self._p)).decode()
+
+    @name.setter
+    def name(self, value: str) -> None:
+        lib.ggml_set_name(self._p, value.encode()[:63])
+
+    def is_contiguous(self) -> bool:
+        return bool(lib.ggml_is_contiguous(self._p))
+
+    def __repr__(self) -> str:
+        name = self.name
+        return f"Tensor({name + ', ' if name else ''}shape={self.shape}, dtype={self.dtype.name})"
+
+    # ---- data ------------------------------------------------------------------------------
+    def numpy(self) -> np.ndarray:
+        """A copy of the data, shaped ``tuple(reversed(self.shape))``; quantized and BF16 data
+        is dequantized to float32."""
+        self._check_readable()
+        dtype = self.dtype
+        p = self._p
+        shape = tuple(reversed(self.shape))
+        np_dtype = dtype.numpy_dtype
+        if np_dtype is not None:
+            if lib.ggml_is_contiguous(p):
+                out = np.empty(shape, dtype=np_dtype)
+                if out.size:
+                    lib.ggml_backend_tensor_get(p, ffi.from_buffer(out), 0, out.nbytes)
+                return out
+            # a strided view: read its whole extent, then pick the elements with numpy strides
+            nbytes = int(lib.ggml_nbytes(p))
+            raw = np.empty(nbytes // np_dtype.itemsize, dtype=np_dtype)
+            lib.ggml_backend_tensor_get(p, ffi.from_buffer(raw), 0, nbytes)
+            full = np.lib.stride_tricks.as_strided(raw, shape=tuple(reversed(self._ne)),
+                                                   strides=tuple(reversed(tuple(p.nb))))
+            return np.array(full).reshape(shape)
+        if not lib.ggml_is_contiguous(p):
+            raise ValueError(f"numpy: cannot read a non-contiguous {dtype.name} view; make it contiguous first")
+        nbytes = int(lib.ggml_nbytes(p))
+        raw = np.empty(nbytes, dtype=np.uint8)
+        lib.ggml_backend_tensor_get(p, ffi.from_buffer(raw), 0, nbytes)
+        out = np.empty(self.nelements, dtype=np.float32)
+        traits = lib.ggml_get_type_traits(dtype)
+        if traits.to_float == NULL:
+            raise TypeError(f"numpy: ggml cannot convert {dtype.name} to float")
+        traits.to_float(ffi.from_buffer(raw), ffi.from_buffer(out), out.size)
+        return out.reshape(shape)
+
+    def set(self, array: np.ndarray) -> None:
+        """Write data: immediately for weight/cache tensors, at the next compute for graph inputs."""
+        array = _prepare_host_array(array, self.dtype, self.shape, "set")
+        if self.ctx is None:
+            if self._p.buffer == NULL:
+                raise ValueError("set: tensor has no storage")
+            lib.ggml_backend_tensor_set(self._p, ffi.from_buffer(array), 0, array.nbytes)
+        else:
+            self.ctx._set_input(self, array)
+
+    def _check_readable(self) -> None:
+        if self.ctx is not None:
+            self.ctx._check_results(self)
+        elif self._p.buffer == NULL:
+            raise ValueError("numpy: tensor has no storage")
+        if self._keep is not None and getattr(self._keep, "_repacked", None) and self.name in self._keep._repacked:
+            raise ValueError(f"numpy: weight {self.name} was repacked for the CPU kernels and cannot be read back")
+
+    # ---- plumbing --------------------------------------------------------------------------
+    def _ctx_with(self, other: Tensor | None, op: str) -> Context:
+        ctx = self.ctx
+        if ctx is None and other is not None:
+            ctx = other.ctx
+        if ctx is None:
+            raise ValueError(f"{op}: all operands are weights; pass ctx= to say which graph to build in")
+        return ctx
+
+    def _wrap(self, ctx: Context, ptr: Any, nd: int) -> Tensor:
+        return Tensor(ptr, ctx, nd)
+
+    # ---- elementwise -----------------------------------------------------------------------
+    def _binary(self, other: Tensor | float, fn: Any, op: str) -> Tensor:
+        if not isinstance(other, Tensor):
+            if op == "add":
+                return self.scale_bias(1.0, float(other))
+            if op == "sub":
+                return self.scale_bias(1.0, -float(other))
+            if op == "mul":
+                return self.scale(float(other))
+            if op == "div":
+                return self.scale(1.0 / float(other))
+            raise TypeError(f"{op}: unsupported operand {other!r}")
+        a, b = self._ne, other._ne
+        if a[0] % b[0] or a[1] % b[1] or a[2] % b[2] or a[3] % b[3]:
+            raise _fail(op, "the right operand must tile the left one (each of its dims divides the left's)",
+                        self, other)
+        if self._p.type not in _FLOAT or other._p.type not in _FLOAT:
+            raise TypeError(f"{op}: only F32/F16/BF16 operands are supported, got "
+                            f"{self.dtype.name} and {other.dtype.name}")
+        ctx = self._ctx_with(other, op)
+        return Tensor(fn(ctx._c(), self._p, other._p), ctx, max(self._nd, other._nd))
+
+    def add(self, other: Tensor | float) -> Tensor:
+        return self._binary(other, lib.ggml_add, "add")
+
+    def sub(self, other: Tensor | float) -> Tensor:
+        return self._binary(other, lib.ggml_sub, "sub")
+
+    def mul(self, other: Tensor | float) -> Tensor:
+        return self._binary(other, lib.ggml_mul, "mul")
+
+    def div(self, other: Tensor | float) -> Tensor:
+        return self._binary(other, lib.ggml_div, "div")
+
+    __add__ = add
+    __sub__ = sub
+    __mul__ = mul
+    __truediv__ = div
+
+    def __radd__(self, other: float) -> Tensor:
+        return self.add(other)
+
+    def __rmul__(self, other: float) -> Tensor:
+        return self.mul(other)
+
+    def __neg__(self) -> Tensor:
+        return self.neg()
+
+    def _unary(self, fn: Any, op: str, float_only: bool = True) -> Tensor:
+        if float_only and self._p.type not in _FLOAT:
+            raise TypeError(f"{op}: needs an F32/F16/BF16 tensor, got {self.dtype.name}")
+        ctx = self._ctx_with(None, op)
+        return Tensor(fn(ctx._c(), self._p), ctx, self._nd)
+
+    def neg(self) -> Tensor:
+        return self._unary(lib.ggml_neg, "neg")
+
+    def sqr(self) -> Tensor:
+        return self._unary(lib.ggml_sqr, "sqr")
+
+    def sqrt(self) -> Tensor:
+        return self._unary(lib.ggml_sqrt, "sqrt")
+
+    def exp(self) -> Tensor:
+        return self._unary(lib.ggml_exp, "exp")
+
+    def log(self) -> Tensor:
+        return self._unary(lib.ggml_log, "log")
+
+    def sin(self) -> Tensor:
+        return self._unary(lib.ggml_sin, "sin")
+
+    def cos(self) -> Tensor:
+        return self._unary(lib.ggml_cos, "cos")
+
+    def abs(self) -> Tensor:
+        return self._unary(lib.ggml_abs, "abs")
+
+    def tanh(self) -> Tensor:
+        return self._unary(lib.ggml_tanh, "tanh")
+
+    def relu(self) -> Tensor:
+        return self._unary(lib.ggml_relu, "relu")
+
+    def sigmoid(self) -> Tensor:
+        return self._unary(lib.ggml_sigmoid, "sigmoid")
+
+    def silu(self, up: Tensor | None = None) -> Tensor:
+        """SiLU; with ``up``, the fused SwiGLU ``silu(self) * up``."""
+        if up is None:
+            return self._unary(lib.ggml_silu, "silu")
+        return self._glu(up, lib.ggml_swiglu_split, "silu")
+
+    def gelu(self, up: Tensor | None = None) -> Tensor:
+        """GELU (tanh approximation); with ``up``, the fused GeGLU ``gelu(self) * up``."""
+        if up is None:
+            return self._unary(lib.ggml_gelu, "gelu")
+        return self._glu(up, lib.ggml_geglu_split, "gelu")
+
+    def gelu_erf(self) -> Tensor:
+        return self._unary(lib.ggml_gelu_erf, "gelu_erf")
+
+    def gelu_quick(self) -> Tensor:
+        return self._unary(lib.ggml_gelu_quick, "gelu_quick")
+
+    def _glu(self, up: Tensor, fn: Any, op: str) -> Tensor:
+        if self._ne != up._ne:
+            raise _fail(op, "gate and up must have the same shape", self, up)
+        if self._p.type not in _FLOAT or up._p.type != self._p.type:
+            raise TypeError(f"{op}: gate and up must both be F32/F16, got {self.dtype.name} and {up.dtype.name}")
+        if not lib.ggml_is_contiguous_rows(self._p) or not lib.ggml_is_contiguous_rows(up._p):
+            raise _fail(op, "gate and up need contiguous rows", self, up)
+        ctx = self._ctx_with(up, op)
+        return Tensor(fn(ctx._c(), self._p, up._p), ctx, self._nd)
+
+    def scale(self, s: float) -> Tensor:
+        return self._float_param_op(lib.ggml_scale, "scale", float(s))
+
+    def scale_bias(self, s: float, b: float) -> Tensor:
+        """``self * s + b``."""
+        return self._float_param_op(lib.ggml_scale_bias, "scale_bias", float(s), float(b))
+
+    def clamp(self, min_value: float, max_value: float) -> Tensor:
+        if min_value > max_value:
+            raise ValueError(f"clamp: min {min_value} > max {max_value}")
+        return self._float_param_op(lib.ggml_clamp, "clamp", float(min_value), float(max_value))
+
+    def _float_param_op(self, fn: Any, op: str, *params: float) -> Tensor:
+        if self._p.type not in _FLOAT:
+            raise TypeError(f"{op}: needs an F32/F16/BF16 tensor, got {self.dtype.name}")
+        ctx = self._ctx_with(None, op)
+        return Tensor(fn(ctx._c(), self._p, *params), ctx, self._nd)
+
+    # ---- reductions and normalisation ------------------------------------------------------
+    def sum_rows(self) -> Tensor:
+        """Sum along dim 0 (result has ``shape[0] == 1``)."""
+        return self._unary(lib.ggml_sum_rows, "sum_rows")
+
+    def mean(self) -> Tensor:
+        """Mean along dim 0 (result has ``shape[0] == 1``)."""
+        return self._unary(lib.ggml_mean, "mean")
+
+    def sum(self) -> Tensor:
+        """Sum of all elements (a one-element tensor)."""
+        ctx = self._ctx_with(None, "sum")
+        if self._p.type not in _FLOAT:
+            raise TypeError(f"sum: needs an F32/F16/BF16 tensor, got {self.dtype.name}")
+        return Tensor(lib.ggml_sum(ctx._c(), self._p), ctx, 1)
+
+    def argmax(self) -> Tensor:
+        """Index of the largest value of each row (I32, shape ``(rows,)``)."""
+        if self._p.type != DType.F32 or self._nd > 2:
+            raise _fail("argmax", f"needs an F32 matrix, got {self.dtype.name}", self)
+        ctx = self._ctx_with(None, "argmax")
+        return Tensor(lib.ggml_argmax(ctx._c(), self._p), ctx, 1)
+
+    def _norm(self, fn: Any, op: str, eps: float) -> Tensor:
+        if self._p.type != DType.F32:
+            raise TypeError(f"{op}: needs an F32 tensor, got {self.dtype.name}")
+        if not lib.ggml_is_contiguous_rows(self._p):
+            raise _fail(op, "rows must be contiguous", self)
+        ctx = self._ctx_with(None, op)
+        return Tensor(fn(ctx._c(), self._p, float(eps)), ctx, self._nd)
+
+    def rms_norm(self, eps: float, weight: Tensor | None = None) -> Tensor:
+        """Normalise each row by its root mean square; multiply by ``weight`` when given."""
+        out = self._norm(lib.ggml_rms_norm, "rms_norm", eps)
+        return out if weight is None else out.mul(weight)
+
+    def norm(self, eps: float, weight: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
+        """Layer norm of each row (mean 0, variance 1), then ``* weight + bias`` when given."""
+        out = self._norm(lib.ggml_norm, "norm", eps)
+        if weight is not None:
+            out = out.mul(weight)
+        return out if bias is None else out.add(bias)
+
+    layer_norm = norm
+
+    def l2_norm(self, eps: float) -> Tensor:
+        return self._norm(lib.ggml_l2_norm, "l2_norm", eps)
+
+    def group_norm(self, n_groups: int, eps: float) -> Tensor:
+        if n_groups <= 0 or self._ne[2] % n_groups:
+            raise _fail("group_norm", f"n_groups={n_groups} must divide dim 2", self)
+        if self._p.type != DType.F32:
+            raise TypeError(f"group_norm: needs an F32 tensor, got {self.dtype.name}")
+        ctx = self._ctx_with(None, "group_norm")
+        return Tensor(lib.ggml_group_norm(ctx._c(), self._p, int(n_groups), float(eps)), ctx, self._nd)
+
+    def softmax(self, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0) -> Tensor:
+        """Softmax along dim 0 of ``self * scale + mask`` (mask broadcast over dims 2 and 3)."""
+        a = self._ne
+        if self._p.type != DType.F32:
+            raise TypeError(f"softmax: needs an F32 tensor, got {self.dtype.name}")
+        if not lib.ggml_is_contiguous(self._p):
+            raise _fail("softmax", "input must be contiguous (call .contiguous())", self)
+        mp = NULL
+        if mask is not None:
+            m = mask._ne
+            if mask._p.type not in (DType.F32, DType.F16):
+                raise TypeError(f"softmax: mask must be F32 or F16, got {mask.dtype.name}")
+            if not lib.ggml_is_contiguous(mask._p):
+                raise _fail("softmax", "mask must be contiguous", self, mask)
+            if m[0] != a[0] or m[1] < a[1] or a[2] % m[2] or a[3] % m[3]:
+                raise _fail("softmax", "mask must be (n_kv, >= n_tokens[, heads dividing, ...]) for the scores",
+                            self, mask)
+            mp = mask._p
+        ctx = self._ctx_with(mask, "softmax")
+        return Tensor(lib.ggml_soft_max_ext(ctx._c(), self._p, mp, float(scale), float(max_bias)), ctx, self._nd)
+
+    # ---- matrix products -------------------------------------------------------------------
+    def mulmat(self, other: Tensor) -> Tensor:
+        """ggml's matrix product: ``(K, M, ...) x (K, N, ...) -> (M, N, ...)``, broadcasting dims 2, 3."""
+        a, b = self._ne, other._ne
+        if a[0] != b[0]:
+            raise _fail("mulmat", f"inner dimensions differ ({a[0]} vs {b[0]})", self, other)
+        if b[2] % a[2] or b[3] % a[3]:
+            raise _fail("mulmat", "dims 2 and 3 of the left operand must divide the right's", self, other)
+        pa = self._p
+        if pa.nb[0] > pa.nb[1]:
+            raise _fail("mulmat", "the left operand must not be transposed (call .contiguous())", self, other)
+        if other._p.type not in _FLOAT:
+            raise TypeError(f"mulmat: the right operand must be F32/F16/BF16, got {other.dtype.name}")
+        ctx = self._ctx_with(other, "mulmat")
+        return Tensor(lib.ggml_mul_mat(ctx._c(), pa, other._p), ctx, max(self._nd, other._nd, 2))
+
+    def mulmat_full_prec(self, other: Tensor) -> Tensor:
+        """``mulmat`` accumulating in F32 on backends that would otherwise use F16."""
+        out = self.mulmat(other)
+        lib.ggml_prec_set_acc(out._p, lib.GGML_PREC_F32)
+        return out
+
+    def mulmat_id(self, other: Tensor, ids: Tensor) -> Tensor:
+        """Mixture-of-experts product: ``self`` is (K, M, n_experts), ``other`` (K, n_used or 1, N),
+        ``ids`` I32 (n_used, N) selects the expert per column. Result (M, n_used, N)."""
+        a, b, i = self._ne, other._ne, ids._ne
+        if ids._p.type != DType.I32:
+            raise TypeError(f"mulmat_id: ids must be I32, got {ids.dtype.name}")
+        if a[0] != b[0] or a[3] != 1 or b[3] != 1 or i[2] != 1 or i[3] != 1 or b[2] != i[1] or \
+                i[0] % b[1] or (b[1] != 1 and b[1] != i[0]):
+            raise _fail("mulmat_id", "expects (K, M, E) x (K, U|1, N) with ids (U, N)", self, other, ids)
+        ctx = self._ctx_with(other, "mulmat_id")
+        return Tensor(lib.ggml_mul_mat_id(ctx._c(), self._p, other._p, ids._p), ctx, 3)
+
+    # ---- shape and layout ------------------------------------------------------------------
+    def reshape(self, *shape: int) -> Tensor:
+        """Same data, new shape (ggml order); the tensor must be contiguous."""
+        shape = _shape_arg(shape)
+        if any(s <= 0 for s in shape):
+            raise ValueError(f"reshape: bad shape {shape}")
+        if math.prod(shape) != self.nelements:
+            raise _fail("reshape", f"cannot reshape {self.nelements} elements into {shape}", self)
+        if not lib.ggml_is_contiguous(self._p):
+            raise _fail("reshape", "tensor must be contiguous (call .contiguous())", self)
+        if shape[0] % self.dtype.block_size:
+            raise _fail("reshape", f"dim 0 must stay a multiple of the {self.dtype.name} block size", self)
+        ctx = self._ctx_with(None, "reshape")
+        c, p, n = ctx._c(), self._p, len(shape)
+        if n == 1:
+            out = lib.ggml_reshape_1d(c, p, shape[0])
+        elif n == 2:
+            out = lib.ggml_reshape_2d(c, p, shape[0], shape[1])
+        elif n == 3:
+            out = lib.ggml_reshape_3d(c, p, shape[0], shape[1], shape[2])
+        else:
+            out = lib.ggml_reshape_4d(c, p, shape[0], shape[1], shape[2], shape[3])
+        return Tensor(out, ctx, n)
+
+    def view(self, offset: int, shape: Sequence[int], strides: Sequence[int] | None = None) -> Tensor:
+        """A view of ``shape`` starting ``offset`` bytes in; ``strides`` are the byte strides of
+        dims 1.. (dim 0 stays contiguous). Defaults to the contiguous strides of ``shape``."""
+        shape = _shape_arg(tuple(shape))
+        n = len(shape)
+        dtype = self.dtype
+        if any(s <= 0 for s in shape) or offset < 0:
+            raise _fail("view", f"bad shape {shape} or offset {offset}", self)
+        if shape[0] % dtype.block_size:
+            raise _fail("view", f"dim 0 must be a multiple of the {dtype.name} block size", self)
+        row = dtype.row_bytes(shape[0])
+        if strides is None:
+            nb = [row]
+            for s in shape[1:-1]:
+                nb.append(nb[-1] * s)
+        else:
+            nb = [int(s) for s in strides]
+        if len(nb) != n - 1:
+            raise _fail("view", f"need {n - 1} strides for a {n}-d view, got {len(nb)}", self)
+        # ggml checks only a contiguous-size bound: check the strided extent ourselves.
+        extent = offset + row + sum((shape[i + 1] - 1) * nb[i] for i in range(n - 1))
+        if extent > self.nbytes:
+            raise _fail("view", f"view of {shape} at offset {offset} with strides {nb} reads {extent} bytes "
+                        f"of a {self.nbytes}-byte tensor", self)
+        ctx = self._ctx_with(None, "view")
+        c, p = ctx._c(), self._p
+        if n == 1:
+            out = lib.ggml_view_1d(c, p, shape[0], offset)
+        elif n == 2:
+            out = lib.ggml_view_2d(c, p, shape[0], shape[1], nb[0], offset)
+        elif n == 3:
+            out = lib.ggml_view_3d(c, p, shape[0], shape[1], shape[2], nb[0], nb[1], offset)
+        else:
+            out = lib.ggml_view_4d(c, p, shape[0], shape[1], shape[2], shape[3], nb[0], nb[1], nb[2], offset)
+        return Tensor(out, ctx, n)
+
+    def permute(self, *axes: int) -> Tensor:
+        """Move dim i to position ``axes[i]`` (ggml's convention); e.g. ``permute(0, 2, 1, 3)``."""
+        axes = tuple(axes)
+        full = axes + tuple(range(len(axes), 4))
+        if len(full) != 4 or sorted(full) != [0, 1, 2, 3]:
+            raise _fail("permute", f"axes {axes} must be a permutation of 0..{max(len(axes), 1) - 1}", self)
+        ctx = self._ctx_with(None, "permute")
+        return Tensor(lib.ggml_permute(ctx._c(), self._p, *full), ctx, max(self._nd, len(axes)))
+
+    def transpose(self) -> Tensor:
+        """Swap dims 0 and 1 (a view)."""
+        ctx = self._ctx_with(None, "transpose")
+        return Tensor(lib.ggml_transpose(ctx._c(), self._p), ctx, max(self._nd, 2))
+
+    def contiguous(self, *shape: int) -> Tensor:
+        """A contiguous copy (optionally reshaped to ``shape``)."""
+        ctx = self._ctx_with(None, "contiguous")
+        out = Tensor(lib.ggml_cont(ctx._c(), self._p), ctx, self._nd)
+        return out.reshape(*shape) if shape else out
+
+    def concat(self, other: Tensor, dim: int) -> Tensor:
+        if not 0 <= dim < 4:
+            raise ValueError(f"concat: dim {dim} not in 0..3")
+        if self._p.type != other._p.type:
+            raise TypeError(f"concat: types differ ({self.dtype.name} vs {other.dtype.name})")
+        if any(self._ne[i] != other._ne[i] for i in range(4) if i != dim):
+            raise _fail("concat", f"all dims but {dim} must be equal", self, other)
+        ctx = self._ctx_with(other, "concat")
+        return Tensor(lib.ggml_concat(ctx._c(), self._p, other._p, dim), ctx, max(self._nd, other._nd, dim + 1))
+
+    def pad(self, *padding: int) -> Tensor:
+        """Append ``padding[i]`` zeros at the end of dim i."""
+        p = tuple(padding) + (0,) * (4 - len(padding))
+        if len(p) != 4 or any(x < 0 for x in p):
+            raise ValueError(f"pad: need up to 4 non-negative amounts, got {padding}")
+        if self._p.type != DType.F32:
+            raise TypeError(f"pad: needs an F32 tensor, got {self.dtype.name}")
+        ctx = self._ctx_with(None, "pad")
+        return Tensor(lib.ggml_pad(ctx._c(), self._p, *p), ctx, max(self._nd, len(padding)))
+
+    def repeat(self, *shape: int) -> Tensor:
+        """Tile to ``shape`` (each dim of ``shape`` a multiple of this tensor's)."""
+        shape = _shape_arg(shape)
+        full = shape + (1,) * (4 - len(shape))
+        if any(full[i] <= 0 or full[i] % self._ne[i] for i in range(4)):
+            raise _fail("repeat", f"target {shape} must be a multiple of the shape in every dim", self)
+        if self._p.type not in _FLOAT:
+            raise TypeError(f"repeat: needs F32/F16/BF16, got {self.dtype.name}")
+        ctx = self._ctx_with(None, "repeat")
+        return Tensor(lib.ggml_repeat_4d(ctx._c(), self._p, *full), ctx, max(self._nd, len(shape)))
+
+    def copy(self, dst: Tensor) -> Tensor:
+        """Copy (converting type) into ``dst``; returns the node that performs the copy."""
+        if self.nelements != dst.nelements:
+            raise _fail("copy", "element counts differ", self, dst)
+        if (self.dtype.is_quantized or self._p.type == DType.I32) and dst._p.type != DType.F32 and \
+                dst._p.type != self._p.type:
+            raise TypeError(f"copy: {self.dtype.name} can only be copied to F32")
+        if dst._ne[0] % dst.dtype.block_size:
+            raise _fail("copy", f"destination rows must be a multiple of the {dst.dtype.name} block size", self, dst)
+        ctx = self._ctx_with(dst, "copy")
+        return Tensor(lib.ggml_cpy(ctx._c(), self._p, dst._p), ctx, dst._nd)
+
+    def cast(self, dtype: DType | str) -> Tensor:
+        dtype = DType.parse(dtype)
+        if self.dtype.is_quantized and dtype != DType.F32:
+            raise TypeError(f"cast: {self.dtype.name} can only be cast to F32")
+        if self._ne[0] % dtype.block_size:
+            raise _fail("cast", f"dim 0 must be a multiple of the {dtype.name} block size", self)
+        ctx = self._ctx_with(None, "cast")
+        return Tensor(lib.ggml_cast(ctx._c(), self._p, dtype), ctx, self._nd)
+
+    # ---- indexing --------------------------------------------------------------------------
+    def rows(self, indices: Tensor) -> Tensor:
+        """Gather rows: ``self`` (K, R[, B]) and I32 ``indices`` (N[, B]) give (K, N[, B]) in F32."""
+        a, i = self._ne, indices._ne
+        if indices._p.type != DType.I32:
+            raise TypeError(f"rows: indices must be I32, got {indices.dtype.name}")
+        if a[2] != i[1] or a[3] != i[2] or i[3] != 1:
+            raise _fail("rows", "indices must be (n, dim2, dim3) matching the table's dims 2 and 3", self, indices)
+        ctx = self._ctx_with(indices, "rows")
+        ctx._index_bound(indices, a[1], "rows")
+        return Tensor(lib.ggml_get_rows(ctx._c(), self._p, indices._p), ctx, max(self._nd, indices._nd + 1))
+
+    def set_rows(self, src: Tensor, indices: Tensor) -> Tensor:
+        """Scatter: row ``indices[j]`` of ``self`` becomes row j of ``src`` (converting type).
+        Returns a view of ``self`` to add to the graph."""
+        a, b, i = self._ne, src._ne, indices._ne
+        if src._p.type not in (DType.F32, DType.F16):
+            raise TypeError(f"set_rows: src must be F32 or F16, got {src.dtype.name}")
+        if indices._p.type not in (DType.I32, DType.I64):
+            raise TypeError(f"set_rows: indices must be I32 or I64, got {indices.dtype.name}")
+        if a[0] != b[0] or b[1] != i[0] or b[2] % a[2] or b[3] % a[3] or i[1] != b[2] or i[2] != b[3]:
+            raise _fail("set_rows", "need dst (K, R, ...), src (K, N, ...), indices (N, ...)", self, src, indices)
+        ctx = self._ctx_with(src, "set_rows")
+        ctx._index_bound(indices, a[1], "set_rows")
+        return Tensor(lib.ggml_set_rows(ctx._c(), self._p, src._p, indices._p), ctx, self._nd)
+
+    def top_k(self, k: int) -> Tensor:
+        """Indices (I32) of the ``k`` largest values of each row, in no particular order."""
+        if not 0 < k <= self._ne[0]:
+            raise _fail("top_k", f"k={k} must be in 1..{self._ne[0]}", self)
+        if self._p.type != DType.F32:
+            raise TypeError(f"top_k: needs F32, got {self.dtype.name}")
+        ctx = self._ctx_with(None, "top_k")
+        return Tensor(lib.ggml_top_k(ctx._c(), self._p, int(k)), ctx, self._nd)
+
+    def argsort(self, descending: bool = False) -> Tensor:
+        """Indices (I32) that sort each row."""
+        if self._p.type != DType.F32:
+            raise TypeError(f"argsort: needs F32, got {self.dtype.name}")
+        ctx = self._ctx_with(None, "argsort")
+        order = lib.GGML_SORT_ORDER_DESC if descending else lib.GGML_SORT_ORDER_ASC
+        return Tensor(lib.ggml_argsort(ctx._c(), self._p, order), ctx, self._nd)
+
+    # ---- position encodings and attention --------------------------------------------------
+    def rope(self, positions: Tensor, n_dims: int, base: float, scale: float = 1.0, *,
+             mode: RopeType | int = RopeType.NORMAL, freq_factors: Tensor | None = None, n_ctx_orig: int = 0,
+             ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+             beta_slow: float = 1.0) -> Tensor:
+        """Rotary position embedding of ``self`` (head_dim, n_heads, n_tokens) by I32 ``positions``
+        (n_tokens,). ``scale`` is the frequency scale (1/linear factor); YaRN via ext_factor etc."""
+        a = self._ne
+        if positions._p.type != DType.I32:
+            raise TypeError(f"rope: positions must be I32, got {positions.dtype.name}")
+        if positions._nd != 1 or positions._ne[0] != a[2]:
+            raise _fail("rope", f"positions must be 1-d with one entry per token (dim 2 = {a[2]})", self, positions)
+        if n_dims <= 0 or n_dims % 2 or n_dims > a[0]:
+            raise _fail("rope", f"n_dims={n_dims} must be even and at most dim 0", self)
+        if self._p.type not in (DType.F32, DType.F16):
+            raise TypeError(f"rope: needs F32 or F16, got {self.dtype.name}")
+        if int(mode) not in (RopeType.NORMAL, RopeType.NEOX):
+            raise ValueError(f"rope: mode must be RopeType.NORMAL or RopeType.NEOX, got {mode}")
+        fp = NULL
+        if freq_factors is not None:
+            if freq_factors._p.type != DType.F32 or freq_factors._ne[0] < n_dims // 2:
+                raise _fail("rope", f"freq_factors must be F32 with at least n_dims/2 = {n_dims // 2} entries",
+                            self, freq_factors)
+            fp = freq_factors._p
+        ctx = self._ctx_with(positions, "rope")
+        out = lib.ggml_rope_ext(ctx._c(), self._p, positions._p, fp, int(n_dims), int(mode), int(n_ctx_orig),
+                                float(base), float(scale), float(ext_factor), float(attn_factor),
+                                float(beta_fast), float(beta_slow))
+        return Tensor(out, ctx, self._nd)
+
+    def scaled_dot_product_attention(self, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, *,
+                                     flash: bool = False, softcap: float = 0.0) -> Tensor:
+        """Attention of queries ``self`` (head_dim, n_tokens, n_heads) over ``key``
+        (head_dim, n_kv, n_kv_heads) and ``value`` (head_dim_v, n_kv, n_kv_heads), with an additive
+        ``mask`` (n_kv, >= n_tokens). Returns (head_dim_v, n_heads, n_tokens).
+
+        ``flash=True`` uses ggml_flash_attn_ext (the mask is converted to F16); otherwise
+        softmax(K^T Q * scale + mask) V with plain ops.
+        """
+        q, k, v = self._ne, key._ne, value._ne
+        if q[0] != k[0] or k[1] != v[1] or k[2] != v[2] or q[2] % k[2] or q[3] != k[3] or k[3] != v[3]:
+            raise _fail("scaled_dot_product_attention",
+                        "need q (D, T, H), k (D, KV, Hkv), v (Dv, KV, Hkv) with H a multiple of Hkv",
+                        self, key, value)
+        if mask is not None:
+            m = mask._ne
+            if m[0] != k[1] or m[1] < q[1] or q[2] % m[2] or q[3] % m[3]:
+                raise _fail("scaled_dot_product_attention", "mask must be (n_kv, >= n_tokens)",
+                            self, key, mask)
+        ctx = self._ctx_with(key, "scaled_dot_product_attention")
+        if flash:
+            mp = NULL
+            if mask is not None:
+                if mask._p.type != DType.F16:
+                    mask = mask.cast(DType.F16)
+                elif not lib.ggml_is_contiguous(mask._p):
+                    mask = mask.contiguous()
+                mp = mask._p
+            out = lib.ggml_flash_attn_ext(ctx._c(), self._p, key._p, value._p, mp, float(scale), 0.0,
+                                          float(softcap))
+            lib.ggml_prec_set_acc(out, lib.GGML_PREC_F32)
+            return Tensor(out, ctx, 3).reshape(v[0], q[2], q[1])
+        scores = key.mulmat(self)  # (KV, T, H)
+        if softcap:
+            scores = scores.scale(scale / softcap).tanh().scale(softcap)
+            scale = 1.0
+        if mask is not None and not lib.ggml_is_contiguous(mask._p):
+            mask = mask.contiguous()
+        probs = scores.softmax(mask, scale)
+        v_t = value.permute(1, 0, 2, 3).contiguous()  # (KV, Dv, Hkv)
+        out = v_t.mulmat(probs)  # (Dv, T, H)
+        return out.permute(0, 2, 1, 3).contiguous()  # (Dv, H, T)
+
+    # ---- convolution and pooling (vision encoders) -----------------------------------------
+    def im2col(self, kernel: Tensor, s0: int, s1: int, p0: int, p1: int, d0: int, d1: int, *,
+               is_2d: bool = True, dtype: DType = DType.F32) -> Tensor:
+        """Unfold ``self`` (W, H, C, N) into patches for the kernel (KW, KH, C, OC)."""
+        if any(x <= 0 for x in (s0, s1, d0, d1)) or p0 < 0 or p1 < 0:
+            raise ValueError("im2col: strides and dilations must be positive, paddings non-negative")
+        if is_2d and kernel._ne[2] != self._ne[2]:
+            raise _fail("im2col", "kernel channels (dim 2) must equal input channels", kernel, self)
+        ctx = self._ctx_with(kernel, "im2col")
+        return Tensor(lib.ggml_im2col(ctx._c(), kernel._p, self._p, s0, s1, p0, p1, d0, d1, is_2d, dtype), ctx, 4)
+
+    def conv_2d(self, kernel: Tensor, s0: int = 1, s1: int = 1, p0: int = 0, p1: int = 0, d0: int = 1,
+                d1: int = 1) -> Tensor:
+        """2-D convolution of ``self`` (W, H, C, N) with ``kernel`` (KW, KH, C, OC) -> (OW, OH, OC, N)."""
+        if any(x <= 0 for x in (s0, s1, d0, d1)) or p0 < 0 or p1 < 0:
+            raise ValueError("conv_2d: strides and dilations must be positive, paddings non-negative")
+        if kernel._ne[2] != self._ne[2]:
+            raise _fail("conv_2d", "kernel channels (dim 2) must equal input channels", kernel, self)
+        w_out = (self._ne[0] + 2 * p0 - d0 * (kernel._ne[0] - 1) - 1) // s0 + 1
+        h_out = (self._ne[1] + 2 * p1 - d1 * (kernel._ne[1] - 1) - 1) // s1 + 1
+        if w_out <= 0 or h_out <= 0:
+            raise _fail("conv_2d", "kernel larger than the padded input", kernel, self)
+        ctx = self._ctx_with(kernel, "conv_2d")
+        return Tensor(lib.ggml_conv_2d(ctx._c(), kernel._p, self._p, s0, s1, p0, p1, d0, d1), ctx, 4)
+
+    def avg_pool_2d(self, kernel: int, stride: int, padding: float = 0.0) -> Tensor:
+        if kernel <= 0 or stride <= 0 or padding < 0:
+            raise ValueError("avg_pool_2d: kernel and stride must be positive")
+        if kernel > self._ne[0] + 2 * padding or kernel > self._ne[1] + 2 * padding:
+            raise _fail("avg_pool_2d", f"kernel {kernel} larger than the input", self)
+        ctx = self._ctx_with(None, "avg_pool_2d")
+        out = lib.ggml_pool_2d(ctx._c(), self._p, lib.GGML_OP_POOL_AVG, kernel, kernel, stride, stride,
+                               float(padding), float(padding))
+        return Tensor(out, ctx, max(self._nd, 2))
+
+
+def _shape_arg(shape: tuple) -> tuple[int, ...]:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    if not 1 <= len(shape) <= 4:
+        raise ValueError(f"shape must have 1 to 4 dims, got {shape}")
+    return tuple(int(s) for s in shape)
+
+
+def _prepare_host_array(array: Any, dtype: DType, shape: tuple[int, ...], op: str) -> np.ndarray:
+    """A C-contiguous array holding exactly the bytes ggml expects for (dtype, shape)."""
+    array = np.asarray(array)
+    expected = tuple(reversed(shape))
+    if math.prod(array.shape) != math.prod(expected):
+        raise ValueError(f"{op}: data of shape {array.shape} does not fit a tensor of shape {shape} "
+                         f"(numpy shape {expected})")
+    np_dtype = dtype.numpy_dtype
+    if np_dtype is None:
+        if array.dtype != np.uint8 or array.nbytes != dtype.row_bytes(shape[0]) * math.prod(shape[1:]):
+            raise TypeError(f"{op}: {dtype.name} data must be given as raw uint8 blocks")
+        return np.ascontiguousarray(array)
+    if array.dtype != np_dtype:
+        if array.dtype.kind == "f" and np_dtype.kind in "iu":
+            raise TypeError(f"{op}: refusing to truncate {array.dtype} data into a {dtype.name} tensor")
+        array = array.astype(np_dtype)
+    return np.ascontiguousarray(array)
