@@ -232,7 +232,7 @@ class Tensor:
         traits = lib.ggml_get_type_traits(dtype)
         if traits.to_float == NULL:
             raise TypeError(f"numpy: ggml cannot convert {dtype.name} to float")
-        traits.to_float(ffi.from_buffer(raw), ffi.from_buffer(out), out.size)
+        traits.to_float(ffi.from_buffer(raw), ffi.from_buffer("float[]", out), out.size)
         return out.reshape(shape)
 
     def set(self, array: np.ndarray) -> None:
@@ -254,7 +254,9 @@ class Tensor:
             raise ValueError(f"numpy: weight {self.name} was repacked for the CPU kernels and cannot be read back")
 
     # ---- plumbing --------------------------------------------------------------------------
-    def _ctx_with(self, other: Tensor | None, op: str) -> Context:
+    def _ctx_with(self, other: Tensor | None, op: str, ctx: Context | None = None) -> Context:
+        if ctx is not None:
+            return ctx
         ctx = self.ctx
         if ctx is None and other is not None:
             ctx = other.ctx
@@ -476,7 +478,7 @@ class Tensor:
         return Tensor(lib.ggml_soft_max_ext(ctx._c(), self._p, mp, float(scale), float(max_bias)), ctx, self._nd)
 
     # ---- matrix products -------------------------------------------------------------------
-    def mulmat(self, other: Tensor) -> Tensor:
+    def mulmat(self, other: Tensor, *, ctx: Context | None = None) -> Tensor:
         """ggml's matrix product: ``(K, M, ...) x (K, N, ...) -> (M, N, ...)``, broadcasting dims 2, 3."""
         a, b = self._ne, other._ne
         if a[0] != b[0]:
@@ -488,7 +490,7 @@ class Tensor:
             raise _fail("mulmat", "the left operand must not be transposed (call .contiguous())", self, other)
         if other._p.type not in _FLOAT:
             raise TypeError(f"mulmat: the right operand must be F32/F16/BF16, got {other.dtype.name}")
-        ctx = self._ctx_with(other, "mulmat")
+        ctx = self._ctx_with(other, "mulmat", ctx)
         return Tensor(lib.ggml_mul_mat(ctx._c(), pa, other._p), ctx, max(self._nd, other._nd, 2))
 
     def mulmat_full_prec(self, other: Tensor) -> Tensor:
@@ -510,7 +512,7 @@ class Tensor:
         return Tensor(lib.ggml_mul_mat_id(ctx._c(), self._p, other._p, ids._p), ctx, 3)
 
     # ---- shape and layout ------------------------------------------------------------------
-    def reshape(self, *shape: int) -> Tensor:
+    def reshape(self, *shape: int, ctx: Context | None = None) -> Tensor:
         """Same data, new shape (ggml order); the tensor must be contiguous."""
         shape = _shape_arg(shape)
         if any(s <= 0 for s in shape):
@@ -521,7 +523,7 @@ class Tensor:
             raise _fail("reshape", "tensor must be contiguous (call .contiguous())", self)
         if shape[0] % self.dtype.block_size:
             raise _fail("reshape", f"dim 0 must stay a multiple of the {self.dtype.name} block size", self)
-        ctx = self._ctx_with(None, "reshape")
+        ctx = self._ctx_with(None, "reshape", ctx)
         c, p, n = ctx._c(), self._p, len(shape)
         if n == 1:
             out = lib.ggml_reshape_1d(c, p, shape[0])
@@ -533,7 +535,8 @@ class Tensor:
             out = lib.ggml_reshape_4d(c, p, shape[0], shape[1], shape[2], shape[3])
         return Tensor(out, ctx, n)
 
-    def view(self, offset: int, shape: Sequence[int], strides: Sequence[int] | None = None) -> Tensor:
+    def view(self, offset: int, shape: Sequence[int], strides: Sequence[int] | None = None, *,
+             ctx: Context | None = None) -> Tensor:
         """A view of ``shape`` starting ``offset`` bytes in; ``strides`` are the byte strides of
         dims 1.. (dim 0 stays contiguous). Defaults to the contiguous strides of ``shape``."""
         shape = _shape_arg(tuple(shape))
@@ -557,7 +560,7 @@ class Tensor:
         if extent > self.nbytes:
             raise _fail("view", f"view of {shape} at offset {offset} with strides {nb} reads {extent} bytes "
                         f"of a {self.nbytes}-byte tensor", self)
-        ctx = self._ctx_with(None, "view")
+        ctx = self._ctx_with(None, "view", ctx)
         c, p = ctx._c(), self._p
         if n == 1:
             out = lib.ggml_view_1d(c, p, shape[0], offset)
@@ -569,13 +572,13 @@ class Tensor:
             out = lib.ggml_view_4d(c, p, shape[0], shape[1], shape[2], shape[3], nb[0], nb[1], nb[2], offset)
         return Tensor(out, ctx, n)
 
-    def permute(self, *axes: int) -> Tensor:
+    def permute(self, *axes: int, ctx: Context | None = None) -> Tensor:
         """Move dim i to position ``axes[i]`` (ggml's convention); e.g. ``permute(0, 2, 1, 3)``."""
         axes = tuple(axes)
         full = axes + tuple(range(len(axes), 4))
         if len(full) != 4 or sorted(full) != [0, 1, 2, 3]:
             raise _fail("permute", f"axes {axes} must be a permutation of 0..{max(len(axes), 1) - 1}", self)
-        ctx = self._ctx_with(None, "permute")
+        ctx = self._ctx_with(None, "permute", ctx)
         return Tensor(lib.ggml_permute(ctx._c(), self._p, *full), ctx, max(self._nd, len(axes)))
 
     def transpose(self) -> Tensor:
@@ -583,9 +586,9 @@ class Tensor:
         ctx = self._ctx_with(None, "transpose")
         return Tensor(lib.ggml_transpose(ctx._c(), self._p), ctx, max(self._nd, 2))
 
-    def contiguous(self, *shape: int) -> Tensor:
+    def contiguous(self, *shape: int, ctx: Context | None = None) -> Tensor:
         """A contiguous copy (optionally reshaped to ``shape``)."""
-        ctx = self._ctx_with(None, "contiguous")
+        ctx = self._ctx_with(None, "contiguous", ctx)
         out = Tensor(lib.ggml_cont(ctx._c(), self._p), ctx, self._nd)
         return out.reshape(*shape) if shape else out
 
@@ -632,28 +635,28 @@ class Tensor:
         ctx = self._ctx_with(dst, "copy")
         return Tensor(lib.ggml_cpy(ctx._c(), self._p, dst._p), ctx, dst._nd)
 
-    def cast(self, dtype: DType | str) -> Tensor:
+    def cast(self, dtype: DType | str, *, ctx: Context | None = None) -> Tensor:
         dtype = DType.parse(dtype)
         if self.dtype.is_quantized and dtype != DType.F32:
             raise TypeError(f"cast: {self.dtype.name} can only be cast to F32")
         if self._ne[0] % dtype.block_size:
             raise _fail("cast", f"dim 0 must be a multiple of the {dtype.name} block size", self)
-        ctx = self._ctx_with(None, "cast")
+        ctx = self._ctx_with(None, "cast", ctx)
         return Tensor(lib.ggml_cast(ctx._c(), self._p, dtype), ctx, self._nd)
 
     # ---- indexing --------------------------------------------------------------------------
-    def rows(self, indices: Tensor) -> Tensor:
+    def rows(self, indices: Tensor, *, ctx: Context | None = None) -> Tensor:
         """Gather rows: ``self`` (K, R[, B]) and I32 ``indices`` (N[, B]) give (K, N[, B]) in F32."""
         a, i = self._ne, indices._ne
         if indices._p.type != DType.I32:
             raise TypeError(f"rows: indices must be I32, got {indices.dtype.name}")
         if a[2] != i[1] or a[3] != i[2] or i[3] != 1:
             raise _fail("rows", "indices must be (n, dim2, dim3) matching the table's dims 2 and 3", self, indices)
-        ctx = self._ctx_with(indices, "rows")
+        ctx = self._ctx_with(indices, "rows", ctx)
         ctx._index_bound(indices, a[1], "rows")
         return Tensor(lib.ggml_get_rows(ctx._c(), self._p, indices._p), ctx, max(self._nd, indices._nd + 1))
 
-    def set_rows(self, src: Tensor, indices: Tensor) -> Tensor:
+    def set_rows(self, src: Tensor, indices: Tensor, *, ctx: Context | None = None) -> Tensor:
         """Scatter: row ``indices[j]`` of ``self`` becomes row j of ``src`` (converting type).
         Returns a view of ``self`` to add to the graph."""
         a, b, i = self._ne, src._ne, indices._ne
@@ -663,7 +666,7 @@ class Tensor:
             raise TypeError(f"set_rows: indices must be I32 or I64, got {indices.dtype.name}")
         if a[0] != b[0] or b[1] != i[0] or b[2] % a[2] or b[3] % a[3] or i[1] != b[2] or i[2] != b[3]:
             raise _fail("set_rows", "need dst (K, R, ...), src (K, N, ...), indices (N, ...)", self, src, indices)
-        ctx = self._ctx_with(src, "set_rows")
+        ctx = self._ctx_with(src, "set_rows", ctx)
         ctx._index_bound(indices, a[1], "set_rows")
         return Tensor(lib.ggml_set_rows(ctx._c(), self._p, src._p, indices._p), ctx, self._nd)
 

@@ -1,0 +1,87 @@
+"""The cache interface models and the runner program against (mirrors Ollama's kvcache.Cache)."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pyggml.kvcache.cells import CacheFullError, NotSupportedError
+from pyggml.tensor import DType, Tensor
+
+if TYPE_CHECKING:
+    from pyggml.backend import Backend, Context
+    from pyggml.models.input import Batch
+
+__all__ = ["Cache", "CacheConfig", "CacheFullError", "NotSupportedError", "ShiftFn"]
+
+# shift_fn(ctx, layer, key, shift) -> key re-rotated by ``shift`` positions (I32, one per key row)
+ShiftFn = Callable[["Context", int, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """What the backend's attention kernels need from the cache.
+
+    ``padding``: the number of cells attention reads is rounded up to a multiple of this, so
+    graph shapes change rarely. ``permuted_v``: store V transposed (for the non-flash path).
+    ``mask_dtype``: F16 for flash attention, F32 otherwise.
+    """
+
+    padding: int = 1
+    permuted_v: bool = False
+    mask_dtype: DType = DType.F32
+
+
+class Cache(abc.ABC):
+    """A KV cache shared by several sequences.
+
+    Models call ``set_layer``, ``put`` and ``get``; the runner calls the rest. Shapes (ggml order):
+    ``put(ctx, key, value)`` takes key (head_dim_k, n_kv_heads, n_tokens) and value
+    (head_dim_v, n_kv_heads, n_tokens); ``get`` returns key (head_dim_k, n_kv, n_kv_heads),
+    value (head_dim_v, n_kv, n_kv_heads) and mask (n_kv, n_tokens) with 0 where a token may attend
+    and -inf where not.
+    """
+
+    @abc.abstractmethod
+    def init(self, backend: Backend, dtype: DType, max_sequences: int, capacity: int, max_batch: int) -> None:
+        """Set up for ``max_sequences`` sequences of up to ``capacity`` positions each."""
+
+    def set_config(self, config: CacheConfig) -> None:
+        """Override the backend's default cache configuration (call before ``init``)."""
+        self.config = config
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the cache's memory."""
+
+    @abc.abstractmethod
+    def start_forward(self, ctx: Context, batch: Batch, reserve: bool = False) -> None:
+        """Place the batch's tokens; raises CacheFullError (cache unchanged) when there is no room.
+        ``reserve=True`` builds worst-case shapes and stores nothing."""
+
+    @abc.abstractmethod
+    def set_layer(self, layer: int) -> None:
+        """Select the layer that following ``put``/``get`` calls address."""
+
+    @abc.abstractmethod
+    def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
+        """Store the batch's keys and values for the current layer."""
+
+    @abc.abstractmethod
+    def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Keys, values and mask of the current layer's history (see class docstring)."""
+
+    @abc.abstractmethod
+    def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
+        """Make positions [0, length) of ``src_seq`` visible to ``dst_seq`` (no data copied)."""
+
+    @abc.abstractmethod
+    def can_resume(self, seq: int, pos: int) -> bool:
+        """Whether ``seq`` can continue from ``pos`` with what is stored."""
+
+    @abc.abstractmethod
+    def remove(self, seq: int, begin: int, end: int | None = None) -> None:
+        """Forget positions [begin, end) of ``seq`` (``None``: to the end); later positions shift
+        down. Raises NotSupportedError (cache unchanged) when that needs a shift the model lacks."""

@@ -1,0 +1,90 @@
+"""Model interface and the registry of architectures by GGUF ``general.architecture``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pyggml.models.input import Batch, Input, Multimodal, MultimodalIndex
+
+if TYPE_CHECKING:
+    from pyggml.backend import Backend, BackendParams, Context, ProgressFn
+    from pyggml.kvcache import Cache
+    from pyggml.tensor import Tensor
+
+__all__ = ["Batch", "Input", "Model", "ModelError", "Multimodal", "MultimodalIndex", "load", "register",
+           "registry"]
+
+
+class ModelError(ValueError):
+    """A model file that pyggml cannot run: unknown architecture, bad hyper-parameters, wrong shapes."""
+
+
+class Model:
+    """A network built from a Backend's weights. Subclasses declare weights as annotated fields
+    (see ``pyggml.nn``) and implement ``forward``."""
+
+    architecture: ClassVar[str] = ""
+    backend: Backend
+    config: Any
+    cache: Cache | None
+    tokenizer: Any
+
+    def forward(self, ctx: Context, batch: Batch) -> Tensor:
+        """Logits (vocab, len(batch.outputs)) for the batch."""
+        raise NotImplementedError
+
+    def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:
+        """Re-rotate cached keys by ``shift`` positions (for context shifting); None if unsupported."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        self.backend.close()
+
+
+_REGISTRY: dict[str, type[Model]] = {}
+
+
+def register(architecture: str) -> Callable[[type[Model]], type[Model]]:
+    """Class decorator: run GGUF files whose ``general.architecture`` is ``architecture`` with it."""
+
+    def wrap(cls: type[Model]) -> type[Model]:
+        cls.architecture = architecture
+        _REGISTRY[architecture] = cls
+        return cls
+
+    return wrap
+
+
+def registry() -> dict[str, type[Model]]:
+    _import_builtin()
+    return dict(_REGISTRY)
+
+
+def _import_builtin() -> None:
+    from pyggml.models import llama  # noqa: F401  (registers itself)
+
+
+def load(path: str | os.PathLike, params: BackendParams | None = None, progress: ProgressFn | None = None) -> Model:
+    """Load a GGUF file and build the model its architecture names, with its tokenizer."""
+    from pyggml.backend import Backend
+    from pyggml.tokenizer import from_metadata
+
+    _import_builtin()
+    backend = Backend.load(path, params, progress)
+    try:
+        arch = backend.config.architecture
+        cls = _REGISTRY.get(arch)
+        if cls is None:
+            raise ModelError(f"{path}: unsupported architecture {arch or '(none)'!r}; "
+                             f"supported: {', '.join(sorted(_REGISTRY))}")
+        model = cls(backend)
+        model.config = backend.config
+        model.tokenizer = from_metadata(backend.config) if "tokenizer.ggml.model" in backend.config else None
+        return model
+    except BaseException:
+        backend.close()
+        raise
