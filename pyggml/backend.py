@@ -328,7 +328,7 @@ class Backend:
         self._backends = [*self._gpus, self._cpu]
         self._extra_bufts = ffi.new("ggml_backend_buffer_type_t[]", 8)
         self._n_extra_bufts = lib.pyggml_dev_extra_bufts(cpu_dev, self._extra_bufts, 8)
-        self._new_sched(8192)
+        self._new_sched(self._graph_size(8192))
 
     def _new_sched(self, size: int) -> None:
         if self._sched != NULL:
@@ -501,6 +501,7 @@ class Backend:
             name = ffi.string(lib.gguf_get_tensor_name(gguf, i)).decode("utf-8", "replace")
             t = lib.ggml_get_tensor(self._meta_ctx, name.encode())
             self._weights[name] = Tensor(t, None, max(1, lib.ggml_n_dims(t)), self)
+        self._new_sched(self._graph_size(self.max_graph_nodes))
         if not zero_copy and self._mmap is not None:
             self._unmap()
         if progress and total == 0:
@@ -573,6 +574,10 @@ class Backend:
     @property
     def max_graph_nodes(self) -> int:
         return max(8192, 5 * len(self._weights))
+
+    def _graph_size(self, max_nodes: int) -> int:
+        """Graph slots for ``max_nodes`` of our tensors plus the weights and caches read as leafs."""
+        return max_nodes + len(self._weights) + 512
 
     def tensors(self) -> dict[str, Tensor]:
         """All weights by GGUF name."""
@@ -701,10 +706,9 @@ class _GraphState:
     __slots__ = ("ptr", "graph", "graph_size", "max_tensors", "n_tensors", "inputs", "index_checks", "epoch",
                  "closed")
 
-    def __init__(self, max_nodes: int, n_weights: int):
+    def __init__(self, max_nodes: int, graph_size: int):
         self.max_tensors = max_nodes
-        # a graph holds our nodes plus the weights and caches it reads as leafs
-        self.graph_size = max_nodes + n_weights + 64
+        self.graph_size = graph_size
         mem = lib.ggml_tensor_overhead() * (max_nodes + 16) + lib.ggml_graph_overhead_custom(self.graph_size, False)
         self.ptr = lib.ggml_init({"mem_size": mem, "mem_buffer": NULL, "no_alloc": True})
         if self.ptr == NULL:
@@ -734,7 +738,7 @@ class Context:
             raise ValueError(f"max_nodes must be positive, got {max_nodes}")
         self.backend = backend
         self.max_nodes = max_nodes
-        self._state = _state or _GraphState(max_nodes, len(backend._weights) + 256)
+        self._state = _state or _GraphState(max_nodes, backend._graph_size(max_nodes))
         self._placement = _placement
 
     @property

@@ -1,0 +1,198 @@
+"""The ``pyggml`` command: run, show and convert models.
+
+``pyggml run demo "Once upon a time"`` uses the built-in demo model (tiny, random weights, made
+on first use): it shows the whole pipeline working on a fresh machine, not sensible text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+DEMO = "demo"
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, drawn only for a terminal and work worth watching."""
+
+    def __init__(self, label: str, min_total: int = 64 << 20):
+        self.label = label
+        self.min_total = min_total
+        self.enabled = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled or total < self.min_total:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.1:
+            return
+        self._last = now
+        width = 30
+        filled = int(width * done / total) if total else width
+        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] "
+                         f"{done / 2**20:,.0f}/{total / 2**20:,.0f} MiB")
+        if done >= total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def _model_path(name: str) -> Path:
+    if name == DEMO and not Path(name).exists():
+        from pyggml.tiny import default_model_path
+
+        return default_model_path()
+    path = Path(name)
+    if not path.exists():
+        raise SystemExit(f"pyggml: no such model file: {name} (use '{DEMO}' for the built-in demo model)")
+    return path
+
+
+def _load(args: argparse.Namespace) -> Any:
+    import pyggml
+
+    path = _model_path(args.model)
+    if args.model == DEMO:
+        print("pyggml: using the built-in demo model (random weights: the text will be gibberish)",
+              file=sys.stderr)
+    options = {"num_ctx": args.ctx, "n_threads": args.threads}
+    return pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v})
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    llm = _load(args)
+    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    prompts = [args.prompt] if args.prompt is not None else None
+    if prompts is None and not sys.stdin.isatty():
+        prompts = [sys.stdin.read()]
+    try:
+        if prompts is None:
+            return _interactive(llm, options, args.verbose)
+        for prompt in prompts:
+            _stream(llm, prompt, options, args.verbose)
+    finally:
+        llm.close()
+    return 0
+
+
+def _stream(llm: Any, prompt: str, options: dict, verbose: bool) -> None:
+    for piece in llm.generate(prompt, stream=True, **options):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if verbose:
+        s = llm.stats
+        print(f"load: {s.load_seconds:.2f} s | prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tokens/s"
+              f" ({s.cached_tokens} cached) | generation: {s.generated_tokens} tokens, {s.generate_tps:.1f} tokens/s"
+              f" | stop: {s.finish_reason}", file=sys.stderr)
+
+
+def _interactive(llm: Any, options: dict, verbose: bool) -> int:
+    print("pyggml interactive: type a prompt, an empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            prompt = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if not prompt.strip():
+            return 0
+        _stream(llm, prompt, options, verbose)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from pyggml.backend import Backend, BackendParams
+
+    backend = Backend.load(_model_path(args.model), BackendParams(repack=False))
+    try:
+        c = backend.config
+        tensors = backend.tensors()
+        n_params = sum(t.nelements for t in tensors.values())
+        types: dict[str, int] = {}
+        for t in tensors.values():
+            types[t.dtype.name] = types.get(t.dtype.name, 0) + t.nelements
+        main_type = max(types, key=types.get) if types else "-"
+        rows = [
+            ("architecture", c.architecture or "-"),
+            ("name", c.string("general.name", "") or "-"),
+            ("parameters", f"{n_params:,} ({n_params / 1e9:.2f} B)"),
+            ("quantization", f"{main_type} (" + ", ".join(f"{k} {v / max(n_params, 1):.0%}" for k, v in
+                                                          sorted(types.items(), key=lambda kv: -kv[1])) + ")"),
+            ("context length", c.uint("context_length", 0) or "-"),
+            ("embedding length", c.uint("embedding_length", 0) or "-"),
+            ("layers", c.uint("block_count", 0) or "-"),
+            ("heads / kv heads", f"{c.uint('attention.head_count', 0)} / {c.uint('attention.head_count_kv', 0)}"),
+            ("tokenizer", f"{c.string('tokenizer.ggml.model', '') or '-'} "
+                          f"({len(c.get('tokenizer.ggml.tokens', ()))} tokens)"),
+            ("file", f"{backend.path} ({os.path.getsize(backend.path) / 2**20:,.1f} MiB)"),
+        ]
+        for key, value in rows:
+            print(f"{key:>18}  {value}")
+        if args.verbose:
+            print("\nmetadata:")
+            for key, value in c.items():
+                text = repr(value)
+                print(f"  {key} = {text if len(text) < 100 else text[:97] + '...'}")
+        print(f"\n{'tensor':<40} {'shape':<24} {'type':<8} {'MiB':>9}")
+        for name, t in tensors.items():
+            print(f"{name:<40} {str(t.shape):<24} {t.dtype.name:<8} {t.nbytes / 2**20:>9.2f}")
+    finally:
+        backend.close()
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pyggml.convert import convert_hf
+
+    bar = ProgressBar("converting", min_total=0)
+    out = convert_hf(args.hf_dir, args.out, out_type=args.type, progress=bar)
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pyggml", description="Run GGUF language models with ggml from Python.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate text (interactive when no prompt is given on a terminal)")
+    run.add_argument("model", help=f"GGUF file, or '{DEMO}' for the built-in demo model")
+    run.add_argument("prompt", nargs="?", help="prompt (default: stdin, or an interactive prompt)")
+    run.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    run.add_argument("--ctx", type=int, default=None, help="context length (default: min(4096, trained))")
+    run.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--verbose", action="store_true", help="print load time and tokens/s")
+    run.set_defaults(func=cmd_run)
+
+    show = sub.add_parser("show", help="architecture, parameters, quantization and tensor table")
+    show.add_argument("model")
+    show.add_argument("--verbose", action="store_true", help="also print all metadata")
+    show.set_defaults(func=cmd_show)
+
+    convert = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral directory to GGUF")
+    convert.add_argument("hf_dir")
+    convert.add_argument("out")
+    convert.add_argument("--type", choices=["f32", "f16", "q8_0"], default="f16")
+    convert.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # e.g. `pyggml show model.gguf | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except (ValueError, OSError, TypeError) as e:
+        print(f"pyggml: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
