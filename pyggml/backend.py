@@ -326,8 +326,12 @@ class Backend:
                 self._gpus.append(be)
         # the scheduler wants the CPU last
         self._backends = [*self._gpus, self._cpu]
-        self._extra_bufts = ffi.new("ggml_backend_buffer_type_t[]", 8)
-        self._n_extra_bufts = lib.pyggml_dev_extra_bufts(cpu_dev, self._extra_bufts, 8)
+        # Only CPU_REPACK: weights in the AMX buffer type crashed in compute on these (virtualised)
+        # Xeons, and repacking gives the AVX-512 kernels most of the speed-up anyway.
+        extra = ffi.new("ggml_backend_buffer_type_t[]", 8)
+        n_extra = lib.pyggml_dev_extra_bufts(cpu_dev, extra, 8)
+        self._repack_bufts = [extra[i] for i in range(n_extra)
+                              if ffi.string(lib.ggml_backend_buft_name(extra[i])) == b"CPU_REPACK"]
         self._new_sched(self._graph_size(8192))
 
     def _new_sched(self, size: int) -> None:
@@ -420,8 +424,7 @@ class Backend:
                 or not lib.ggml_is_quantized(t.type):
             return NULL
         # tied output embeddings share token_embd; get_rows is unsupported on repacked data
-        for i in range(self._n_extra_bufts):
-            buft = self._extra_bufts[i]
+        for buft in self._repack_bufts:
             if self._probe_mulmat(t, buft):
                 return buft
         return NULL
@@ -644,10 +647,9 @@ class Backend:
         for storage in self._storages:
             for buf in storage.buffers:
                 lib.ggml_backend_buffer_free(buf)
-            if storage.ctx not in (None, NULL):
-                lib.ggml_free(storage.ctx)
-        self._storages.clear()
-        self._meta_ctx = NULL
+            storage.buffers.clear()
+        # the tensor headers (storage.ctx) stay until this object goes: weights keep it alive, and a
+        # stale weight's shape or repr reads them; its ops and reads refuse the closed backend
         if self._gguf != NULL:
             lib.gguf_free(self._gguf)
             self._gguf = NULL
@@ -668,6 +670,13 @@ class Backend:
     def __del__(self) -> None:
         try:
             self.close()
+            ctxs = [storage.ctx for storage in self._storages if storage.ctx not in (None, NULL)]
+            if self._meta_ctx != NULL and self._meta_ctx not in ctxs:
+                ctxs.append(self._meta_ctx)  # a load that failed before placing the weights
+            for c in ctxs:
+                lib.ggml_free(c)
+            self._storages.clear()
+            self._meta_ctx = NULL
         except Exception:
             pass
 
@@ -685,6 +694,8 @@ class Backend:
                 return
             for indices, bound, op in state.index_checks:
                 data = state.inputs.get(indices)
+                if data is None and indices.flags & 1:  # GGML_TENSOR_FLAG_INPUT: made by ctx.empty, never set
+                    raise ValueError(f"{op}: the indices were never given data (call .set() before compute)")
                 if data is not None and data.size and (data.min() < 0 or data.max() >= bound):
                     raise ValueError(f"{op}: index {int(data.max()) if data.max() >= bound else int(data.min())} "
                                      f"out of range 0..{bound - 1}")
@@ -721,9 +732,11 @@ class _GraphState:
         self.closed = False
 
     def __del__(self) -> None:
-        # freed when the last handle (and so the last tensor) of the graph is gone
-        if not self.closed and self.ptr != NULL:
+        # freed when the last handle (and so the last tensor) of the graph is gone, even after close():
+        # a stale tensor's shape, dtype and repr read this memory
+        if self.ptr != NULL:
             lib.ggml_free(self.ptr)
+            self.ptr = NULL
             self.closed = True
 
 
@@ -762,7 +775,10 @@ class Context:
         return state.ptr
 
     def _index_bound(self, indices: Tensor, bound: int, op: str) -> None:
-        self._state.index_checks.append((indices._p, bound, op))
+        p = indices._p
+        if p.view_src != NULL:  # a reshape or view of an input: check the input's data
+            p = p.view_src
+        self._state.index_checks.append((p, bound, op))
 
     # ---- making tensors ------------------------------------------------------------------
     def _new(self, dtype: DType, shape: tuple[int, ...]) -> Tensor:
@@ -880,14 +896,14 @@ class Context:
         raise ValueError("numpy: the graph has not been computed yet (call ctx.compute(tensor))")
 
     def close(self) -> None:
-        """Free the graph. Tensors of this context become unusable."""
+        """Close the graph: its tensors refuse further ops, computes and reads. The ggml memory
+        goes when the last tensor of the graph does (freeing it here would let a stale tensor's
+        ``shape`` or ``repr`` read freed memory)."""
         state = self._state
         if not state.closed:
             state.closed = True
             state.inputs.clear()
             state.index_checks.clear()
-            lib.ggml_free(state.ptr)
-            state.ptr = NULL
 
     def __enter__(self) -> Context:
         return self
