@@ -118,6 +118,11 @@ _NUMPY_OF = {
 _DTYPE_OF_NUMPY = {v: k for k, v in _NUMPY_OF.items()}
 _FLOAT = (DType.F32, DType.F16, DType.BF16)
 _DTYPES = {int(d): d for d in DType}
+# types ggml's CPU matrix product cannot take as the left operand (no vec_dot kernel)
+_NOT_MATMUL = frozenset({DType.I8, DType.I16, DType.I32, DType.I64, DType.F64, DType.Q8_1, DType.Q8_K})
+# quantized types without a CPU quantizer: nothing can be converted to them in a graph
+_NO_FROM_FLOAT = frozenset({DType.IQ2_XXS, DType.IQ2_XS, DType.IQ2_S, DType.IQ3_XXS, DType.IQ3_S, DType.IQ1_S,
+                            DType.IQ1_M})
 
 
 def dtype_of_numpy(dtype: np.dtype) -> DType:
@@ -239,6 +244,8 @@ class Tensor:
         """Write data: immediately for weight/cache tensors, at the next compute for graph inputs."""
         array = _prepare_host_array(array, self.dtype, self.shape, "set")
         if self.ctx is None:
+            _check_alive(self, "set")
+            _check_writable(self, "set")
             if self._p.buffer == NULL:
                 raise ValueError("set: tensor has no storage")
             lib.ggml_backend_tensor_set(self._p, ffi.from_buffer(array), 0, array.nbytes)
@@ -248,6 +255,8 @@ class Tensor:
     def _check_readable(self) -> None:
         if self.ctx is not None:
             self.ctx._check_results(self)
+        elif self._keep is not None and getattr(self._keep, "_closed", False):
+            raise ValueError("numpy: the tensor's backend is closed")
         elif self._p.buffer == NULL:
             raise ValueError("numpy: tensor has no storage")
         if self._keep is not None and getattr(self._keep, "_repacked", None) and self.name in self._keep._repacked:
@@ -255,14 +264,41 @@ class Tensor:
 
     # ---- plumbing --------------------------------------------------------------------------
     def _ctx_with(self, other: Tensor | None, op: str, ctx: Context | None = None) -> Context:
-        if ctx is not None:
-            return ctx
-        ctx = self.ctx
-        if ctx is None and other is not None:
-            ctx = other.ctx
         if ctx is None:
-            raise ValueError(f"{op}: all operands are weights; pass ctx= to say which graph to build in")
+            ctx = self.ctx
+            if ctx is None and other is not None:
+                ctx = other.ctx
+            if ctx is None:
+                raise ValueError(f"{op}: all operands are weights; pass ctx= to say which graph to build in")
+        state = ctx._state
+        if state.closed:
+            raise ValueError(f"{op}: the context is closed")
+        if state.n_tensors >= state.max_tensors:
+            raise ValueError(f"{op}: graph is full ({state.max_tensors} tensors); create the context with a "
+                             "larger max_nodes")
+        # a node must not point into another graph's memory or a closed backend's weights
+        c = self.ctx
+        if c is None:
+            _check_alive(self, op, op != "mulmat")
+        elif c._state is not state:
+            raise ValueError(f"{op}: operands belong to different contexts; build one graph per context")
+        if other is not None:
+            c = other.ctx
+            if c is None:
+                _check_alive(other, op, True)
+            elif c._state is not state:
+                raise ValueError(f"{op}: operands belong to different contexts; build one graph per context")
         return ctx
+
+    @staticmethod
+    def _same_graph(ctx: Context, op: str, *tensors: Tensor | None) -> None:
+        """The checks of ``_ctx_with`` for the third and later operands of an op."""
+        for t in tensors:
+            if t is not None:
+                if t.ctx is None:
+                    _check_alive(t, op, True)
+                elif t.ctx._state is not ctx._state:
+                    raise ValueError(f"{op}: operands belong to different contexts; build one graph per context")
 
     def _wrap(self, ctx: Context, ptr: Any, nd: int) -> Tensor:
         return Tensor(ptr, ctx, nd)
@@ -270,22 +306,25 @@ class Tensor:
     # ---- elementwise -----------------------------------------------------------------------
     def _binary(self, other: Tensor | float, fn: Any, op: str) -> Tensor:
         if not isinstance(other, Tensor):
+            if not isinstance(other, (int, float)):
+                raise TypeError(f"{op}: unsupported operand {other!r}")
             if op == "add":
-                return self.scale_bias(1.0, float(other))
+                return self._float_param_op(lib.ggml_scale_bias, op, 1.0, float(other))
             if op == "sub":
-                return self.scale_bias(1.0, -float(other))
+                return self._float_param_op(lib.ggml_scale_bias, op, 1.0, -float(other))
             if op == "mul":
-                return self.scale(float(other))
-            if op == "div":
-                return self.scale(1.0 / float(other))
-            raise TypeError(f"{op}: unsupported operand {other!r}")
+                return self._float_param_op(lib.ggml_scale, op, float(other))
+            return self._float_param_op(lib.ggml_scale, op, 1.0 / float(other))
         a, b = self._ne, other._ne
         if a[0] % b[0] or a[1] % b[1] or a[2] % b[2] or a[3] % b[3]:
             raise _fail(op, "the right operand must tile the left one (each of its dims divides the left's)",
                         self, other)
-        if self._p.type not in _FLOAT or other._p.type not in _FLOAT:
-            raise TypeError(f"{op}: only F32/F16/BF16 operands are supported, got "
-                            f"{self.dtype.name} and {other.dtype.name}")
+        ta, tb = self._p.type, other._p.type
+        if ta not in _FLOAT or (tb != ta and tb != DType.F32):
+            raise TypeError(f"{op}: operands must be F32/F16/BF16 with the right one of the same type or F32, "
+                            f"got {self.dtype.name} and {other.dtype.name}")
+        if not _rows_packed(self._p):
+            raise _fail(op, "the left operand needs contiguous rows (call .contiguous())", self, other)
         ctx = self._ctx_with(other, op)
         return Tensor(fn(ctx._c(), self._p, other._p), ctx, max(self._nd, other._nd))
 
@@ -318,6 +357,8 @@ class Tensor:
     def _unary(self, fn: Any, op: str, float_only: bool = True) -> Tensor:
         if float_only and self._p.type not in _FLOAT:
             raise TypeError(f"{op}: needs an F32/F16/BF16 tensor, got {self.dtype.name}")
+        if not _rows_packed(self._p):
+            raise _fail(op, "rows must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, op)
         return Tensor(fn(ctx._c(), self._p), ctx, self._nd)
 
@@ -377,8 +418,9 @@ class Tensor:
             raise _fail(op, "gate and up must have the same shape", self, up)
         if self._p.type not in _FLOAT or up._p.type != self._p.type:
             raise TypeError(f"{op}: gate and up must both be F32/F16, got {self.dtype.name} and {up.dtype.name}")
-        if not lib.ggml_is_contiguous_rows(self._p) or not lib.ggml_is_contiguous_rows(up._p):
-            raise _fail(op, "gate and up need contiguous rows", self, up)
+        if not _contiguous_1(self._p) or not _contiguous_1(up._p):
+            raise _fail(op, "gate and up need contiguous rows packed in dims 2 and 3 (call .contiguous())",
+                        self, up)
         ctx = self._ctx_with(up, op)
         return Tensor(fn(ctx._c(), self._p, up._p), ctx, self._nd)
 
@@ -395,18 +437,28 @@ class Tensor:
         return self._float_param_op(lib.ggml_clamp, "clamp", float(min_value), float(max_value))
 
     def _float_param_op(self, fn: Any, op: str, *params: float) -> Tensor:
-        if self._p.type not in _FLOAT:
-            raise TypeError(f"{op}: needs an F32/F16/BF16 tensor, got {self.dtype.name}")
+        # ggml's CPU scale is F32 only and needs dims 1..3 packed; clamp takes F32/F16 with contiguous rows
+        p = self._p
+        if p.type != DType.F32 and (fn is not lib.ggml_clamp or p.type != DType.F16):
+            raise TypeError(f"{op}: needs an F32 tensor{' (or F16)' if fn is lib.ggml_clamp else ''}, "
+                            f"got {self.dtype.name}")
+        if not _rows_packed(p) or (fn is not lib.ggml_clamp and (
+                p.nb[2] != p.nb[1] * p.ne[1] or p.nb[3] != p.nb[2] * p.ne[2])):
+            raise _fail(op, "the tensor must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, op)
         return Tensor(fn(ctx._c(), self._p, *params), ctx, self._nd)
 
     # ---- reductions and normalisation ------------------------------------------------------
     def sum_rows(self) -> Tensor:
         """Sum along dim 0 (result has ``shape[0] == 1``)."""
+        if self._p.type != DType.F32:
+            raise TypeError(f"sum_rows: needs an F32 tensor, got {self.dtype.name}")
         return self._unary(lib.ggml_sum_rows, "sum_rows")
 
     def mean(self) -> Tensor:
         """Mean along dim 0 (result has ``shape[0] == 1``)."""
+        if self._p.type != DType.F32:
+            raise TypeError(f"mean: needs an F32 tensor, got {self.dtype.name}")
         return self._unary(lib.ggml_mean, "mean")
 
     def sum(self) -> Tensor:
@@ -426,7 +478,7 @@ class Tensor:
     def _norm(self, fn: Any, op: str, eps: float) -> Tensor:
         if self._p.type != DType.F32:
             raise TypeError(f"{op}: needs an F32 tensor, got {self.dtype.name}")
-        if not lib.ggml_is_contiguous_rows(self._p):
+        if not _rows_packed(self._p):
             raise _fail(op, "rows must be contiguous", self)
         ctx = self._ctx_with(None, op)
         return Tensor(fn(ctx._c(), self._p, float(eps)), ctx, self._nd)
@@ -488,8 +540,14 @@ class Tensor:
         pa = self._p
         if pa.nb[0] > pa.nb[1]:
             raise _fail("mulmat", "the left operand must not be transposed (call .contiguous())", self, other)
-        if other._p.type not in _FLOAT:
-            raise TypeError(f"mulmat: the right operand must be F32/F16/BF16, got {other.dtype.name}")
+        ta, tb = pa.type, other._p.type
+        # what ggml's CPU kernels take: F32 on the right always, F16/BF16 only with a matching left
+        if ta in _NOT_MATMUL or not (tb == DType.F32 or (tb == DType.F16 and ta == DType.F16) or
+                                      (tb == DType.BF16 and ta in (DType.BF16, DType.F32))):
+            raise TypeError(f"mulmat: unsupported types {self.dtype.name} x {other.dtype.name} (the right operand "
+                            "must be F32, or F16/BF16 like a float left operand)")
+        if not _rows_packed(other._p):
+            raise _fail("mulmat", "the right operand needs contiguous rows (call .contiguous())", self, other)
         ctx = self._ctx_with(other, "mulmat", ctx)
         return Tensor(lib.ggml_mul_mat(ctx._c(), pa, other._p), ctx, max(self._nd, other._nd, 2))
 
@@ -508,7 +566,14 @@ class Tensor:
         if a[0] != b[0] or a[3] != 1 or b[3] != 1 or i[2] != 1 or i[3] != 1 or b[2] != i[1] or \
                 i[0] % b[1] or (b[1] != 1 and b[1] != i[0]):
             raise _fail("mulmat_id", "expects (K, M, E) x (K, U|1, N) with ids (U, N)", self, other, ids)
+        if self._p.type in _NOT_MATMUL or other._p.type != DType.F32:
+            raise TypeError(f"mulmat_id: needs float or quantized experts and an F32 right operand, got "
+                            f"{self.dtype.name} and {other.dtype.name}")
+        if self._p.nb[0] > self._p.nb[1] or not _rows_packed(other._p):
+            raise _fail("mulmat_id", "operands must not be transposed (call .contiguous())", self, other)
         ctx = self._ctx_with(other, "mulmat_id")
+        self._same_graph(ctx, "mulmat_id", ids)
+        ctx._index_bound(ids, a[2], "mulmat_id")
         return Tensor(lib.ggml_mul_mat_id(ctx._c(), self._p, other._p, ids._p), ctx, 3)
 
     # ---- shape and layout ------------------------------------------------------------------
@@ -553,13 +618,23 @@ class Tensor:
                 nb.append(nb[-1] * s)
         else:
             nb = [int(s) for s in strides]
-        if len(nb) != n - 1:
-            raise _fail("view", f"need {n - 1} strides for a {n}-d view, got {len(nb)}", self)
+        if len(nb) != n - 1 or any(s < 0 for s in nb):
+            raise _fail("view", f"need {n - 1} non-negative strides for a {n}-d view, got {nb}", self)
         # ggml checks only a contiguous-size bound: check the strided extent ourselves.
         extent = offset + row + sum((shape[i + 1] - 1) * nb[i] for i in range(n - 1))
         if extent > self.nbytes:
             raise _fail("view", f"view of {shape} at offset {offset} with strides {nb} reads {extent} bytes "
                         f"of a {self.nbytes}-byte tensor", self)
+        # ...and ggml asserts that bound (row * rows after the offset, within the viewed base tensor),
+        # which overlapping views with strides smaller than a packed layout can exceed
+        base, base_offset = self._p, offset
+        if base.view_src != NULL:
+            base_offset += base.view_offs
+            base = base.view_src
+        if base_offset + row * math.prod(shape[1:]) > lib.ggml_nbytes(base):
+            raise _fail("view", f"ggml needs the packed size of {shape} ({row * math.prod(shape[1:])} bytes) to "
+                        f"fit after offset {offset}; use fewer rows or repeat() instead of overlapping strides",
+                        self)
         ctx = self._ctx_with(None, "view", ctx)
         c, p = ctx._c(), self._p
         if n == 1:
@@ -579,7 +654,9 @@ class Tensor:
         if len(full) != 4 or sorted(full) != [0, 1, 2, 3]:
             raise _fail("permute", f"axes {axes} must be a permutation of 0..{max(len(axes), 1) - 1}", self)
         ctx = self._ctx_with(None, "permute", ctx)
-        return Tensor(lib.ggml_permute(ctx._c(), self._p, *full), ctx, max(self._nd, len(axes)))
+        # as many dims as the highest one a real dim moves to (permute(0, 2, 1, 3) keeps a 3-d tensor 3-d)
+        nd = max(self._nd, 1 + max(full[: self._nd]))
+        return Tensor(lib.ggml_permute(ctx._c(), self._p, *full), ctx, nd)
 
     def transpose(self) -> Tensor:
         """Swap dims 0 and 1 (a view)."""
@@ -588,6 +665,9 @@ class Tensor:
 
     def contiguous(self, *shape: int, ctx: Context | None = None) -> Tensor:
         """A contiguous copy (optionally reshaped to ``shape``)."""
+        if self._ne[0] % _BLOCK[self._p.type]:
+            raise _fail("contiguous", f"a {self.dtype.name} copy needs dim 0 to be a multiple of the block size "
+                        f"{_BLOCK[self._p.type]} (cast to F32 first)", self)
         ctx = self._ctx_with(None, "contiguous", ctx)
         out = Tensor(lib.ggml_cont(ctx._c(), self._p), ctx, self._nd)
         return out.reshape(*shape) if shape else out
@@ -620,6 +700,8 @@ class Tensor:
             raise _fail("repeat", f"target {shape} must be a multiple of the shape in every dim", self)
         if self._p.type not in _FLOAT:
             raise TypeError(f"repeat: needs F32/F16/BF16, got {self.dtype.name}")
+        if not _rows_packed(self._p):
+            raise _fail("repeat", "rows must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, "repeat")
         return Tensor(lib.ggml_repeat_4d(ctx._c(), self._p, *full), ctx, max(self._nd, len(shape)))
 
@@ -627,20 +709,24 @@ class Tensor:
         """Copy (converting type) into ``dst``; returns the node that performs the copy."""
         if self.nelements != dst.nelements:
             raise _fail("copy", "element counts differ", self, dst)
-        if (self.dtype.is_quantized or self._p.type == DType.I32) and dst._p.type != DType.F32 and \
-                dst._p.type != self._p.type:
-            raise TypeError(f"copy: {self.dtype.name} can only be copied to F32")
+        _check_convert("copy", self.dtype, dst.dtype)
         if dst._ne[0] % dst.dtype.block_size:
             raise _fail("copy", f"destination rows must be a multiple of the {dst.dtype.name} block size", self, dst)
+        if dst.dtype.is_quantized and (self._ne[0] % dst.dtype.block_size or not lib.ggml_is_contiguous(dst._p)
+                                       or not _rows_packed(self._p)):
+            raise _fail("copy", f"quantizing to {dst.dtype.name} needs a contiguous destination and source rows "
+                        "of whole blocks (call .contiguous())", self, dst)
+        _check_writable(dst, "copy")
         ctx = self._ctx_with(dst, "copy")
         return Tensor(lib.ggml_cpy(ctx._c(), self._p, dst._p), ctx, dst._nd)
 
     def cast(self, dtype: DType | str, *, ctx: Context | None = None) -> Tensor:
         dtype = DType.parse(dtype)
-        if self.dtype.is_quantized and dtype != DType.F32:
-            raise TypeError(f"cast: {self.dtype.name} can only be cast to F32")
+        _check_convert("cast", self.dtype, dtype)
         if self._ne[0] % dtype.block_size:
             raise _fail("cast", f"dim 0 must be a multiple of the {dtype.name} block size", self)
+        if dtype.is_quantized and not _rows_packed(self._p):
+            raise _fail("cast", f"quantizing to {dtype.name} needs contiguous rows (call .contiguous())", self)
         ctx = self._ctx_with(None, "cast", ctx)
         return Tensor(lib.ggml_cast(ctx._c(), self._p, dtype), ctx, self._nd)
 
@@ -666,7 +752,12 @@ class Tensor:
             raise TypeError(f"set_rows: indices must be I32 or I64, got {indices.dtype.name}")
         if a[0] != b[0] or b[1] != i[0] or b[2] % a[2] or b[3] % a[3] or i[1] != b[2] or i[2] != b[3]:
             raise _fail("set_rows", "need dst (K, R, ...), src (K, N, ...), indices (N, ...)", self, src, indices)
+        _check_convert("set_rows", DType.F32, self.dtype)
+        if not _rows_packed(src._p):
+            raise _fail("set_rows", "src rows must be contiguous (call .contiguous())", self, src)
+        _check_writable(self, "set_rows")
         ctx = self._ctx_with(src, "set_rows", ctx)
+        self._same_graph(ctx, "set_rows", indices)
         ctx._index_bound(indices, a[1], "set_rows")
         return Tensor(lib.ggml_set_rows(ctx._c(), self._p, src._p, indices._p), ctx, self._nd)
 
@@ -703,6 +794,8 @@ class Tensor:
             raise _fail("rope", f"n_dims={n_dims} must be even and at most dim 0", self)
         if self._p.type not in (DType.F32, DType.F16):
             raise TypeError(f"rope: needs F32 or F16, got {self.dtype.name}")
+        if not _rows_packed(self._p):
+            raise _fail("rope", "rows must be contiguous (call .contiguous())", self)
         if int(mode) not in (RopeType.NORMAL, RopeType.NEOX):
             raise ValueError(f"rope: mode must be RopeType.NORMAL or RopeType.NEOX, got {mode}")
         fp = NULL
@@ -712,6 +805,7 @@ class Tensor:
                             self, freq_factors)
             fp = freq_factors._p
         ctx = self._ctx_with(positions, "rope")
+        self._same_graph(ctx, "rope", freq_factors)
         out = lib.ggml_rope_ext(ctx._c(), self._p, positions._p, fp, int(n_dims), int(mode), int(n_ctx_orig),
                                 float(base), float(scale), float(ext_factor), float(attn_factor),
                                 float(beta_fast), float(beta_slow))
@@ -737,6 +831,7 @@ class Tensor:
                 raise _fail("scaled_dot_product_attention", "mask must be (n_kv, >= n_tokens)",
                             self, key, mask)
         ctx = self._ctx_with(key, "scaled_dot_product_attention")
+        self._same_graph(ctx, "scaled_dot_product_attention", value, mask)
         if flash:
             mp = NULL
             if mask is not None:
@@ -748,7 +843,7 @@ class Tensor:
             out = lib.ggml_flash_attn_ext(ctx._c(), self._p, key._p, value._p, mp, float(scale), 0.0,
                                           float(softcap))
             lib.ggml_prec_set_acc(out, lib.GGML_PREC_F32)
-            return Tensor(out, ctx, 3).reshape(v[0], q[2], q[1])
+            return Tensor(out, ctx, 4).reshape(v[0], q[2], q[1], *((q[3],) if q[3] > 1 else ()))
         scores = key.mulmat(self)  # (KV, T, H)
         if softcap:
             scores = scores.scale(scale / softcap).tanh().scale(softcap)
@@ -756,6 +851,8 @@ class Tensor:
         if mask is not None and not lib.ggml_is_contiguous(mask._p):
             mask = mask.contiguous()
         probs = scores.softmax(mask, scale)
+        if value.dtype.is_quantized:  # a quantized V cannot be transposed block-wise: dequantize it
+            value = value.cast(DType.F32, ctx=ctx)
         v_t = value.permute(1, 0, 2, 3).contiguous()  # (KV, Dv, Hkv)
         out = v_t.mulmat(probs)  # (Dv, T, H)
         return out.permute(0, 2, 1, 3).contiguous()  # (Dv, H, T)
@@ -766,8 +863,16 @@ class Tensor:
         """Unfold ``self`` (W, H, C, N) into patches for the kernel (KW, KH, C, OC)."""
         if any(x <= 0 for x in (s0, s1, d0, d1)) or p0 < 0 or p1 < 0:
             raise ValueError("im2col: strides and dilations must be positive, paddings non-negative")
-        if is_2d and kernel._ne[2] != self._ne[2]:
-            raise _fail("im2col", "kernel channels (dim 2) must equal input channels", kernel, self)
+        k, x = kernel._ne, self._ne
+        if (is_2d and k[2] != x[2]) or (not is_2d and (k[1] != x[1] or x[3] != 1)):
+            raise _fail("im2col", "kernel channels (dim 2, or dim 1 for 1-d) must equal input channels",
+                        kernel, self)
+        if (x[0] + 2 * p0 - d0 * (k[0] - 1) - 1) // s0 + 1 <= 0 or \
+                (is_2d and (x[1] + 2 * p1 - d1 * (k[1] - 1) - 1) // s1 + 1 <= 0):
+            raise _fail("im2col", "kernel larger than the padded input", kernel, self)
+        dtype = DType.parse(dtype)
+        if dtype not in (DType.F32, DType.F16):
+            raise TypeError(f"im2col: output dtype must be F32 or F16, got {dtype.name}")
         ctx = self._ctx_with(kernel, "im2col")
         return Tensor(lib.ggml_im2col(ctx._c(), kernel._p, self._p, s0, s1, p0, p1, d0, d1, is_2d, dtype), ctx, 4)
 
@@ -790,10 +895,67 @@ class Tensor:
             raise ValueError("avg_pool_2d: kernel and stride must be positive")
         if kernel > self._ne[0] + 2 * padding or kernel > self._ne[1] + 2 * padding:
             raise _fail("avg_pool_2d", f"kernel {kernel} larger than the input", self)
+        if self._p.type not in (DType.F32, DType.F16):
+            raise TypeError(f"avg_pool_2d: needs F32 or F16, got {self.dtype.name}")
+        if not lib.ggml_is_contiguous(self._p):
+            raise _fail("avg_pool_2d", "input must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, "avg_pool_2d")
         out = lib.ggml_pool_2d(ctx._c(), self._p, lib.GGML_OP_POOL_AVG, kernel, kernel, stride, stride,
                                float(padding), float(padding))
         return Tensor(out, ctx, max(self._nd, 2))
+
+
+def _check_convert(op: str, src: DType, dst: DType) -> None:
+    """The conversions ggml's CPU copy implements (others abort inside a compute)."""
+    if src in _FLOAT:
+        ok = dst in _FLOAT or (dst == DType.I32 and src == DType.F32) or (
+            dst.is_quantized and dst not in _NO_FROM_FLOAT)
+    elif src == DType.I32:
+        ok = dst in (DType.F32, DType.I32)
+    elif src.is_quantized:
+        ok = dst == DType.F32
+    else:
+        ok = False
+    if not ok:
+        raise TypeError(f"{op}: ggml cannot convert {src.name} to {dst.name}")
+
+
+def _contiguous_1(p: Any) -> bool:
+    """ggml_is_contiguous_1: rows contiguous, dims 2 and 3 packed after dim 1 (which may be strided)."""
+    ne, nb = p.ne, p.nb
+    next_nb = _TYPE_SIZE[p.type]
+    if ne[0] != _BLOCK[p.type] and nb[0] != next_nb:
+        return False
+    next_nb *= ne[0] // _BLOCK[p.type]
+    for i in (1, 2, 3):
+        if ne[i] != 1:
+            if i > 1:
+                if nb[i] != next_nb:
+                    return False
+                next_nb *= ne[i]
+            else:
+                next_nb = ne[i] * nb[i]
+    return True
+
+
+def _check_writable(t: Tensor, op: str) -> None:
+    keep = t._keep
+    if t.ctx is None and keep is not None:
+        weight = getattr(keep, "_weights", {}).get(t.name)
+        if weight is not None and weight._p == t._p:
+            raise ValueError(f"{op}: cannot write into model weight {t.name!r} (it may be a read-only file mapping)")
+
+
+def _check_alive(t: Tensor, op: str, no_repacked: bool = False) -> None:
+    """A weight or cache tensor must belong to an open backend; a weight the CPU backend repacked
+    can only be the left operand of mulmat (ggml has no other kernel for it and would abort)."""
+    keep = t._keep
+    if keep is not None:
+        if getattr(keep, "_closed", False):
+            raise ValueError(f"{op}: the tensor belongs to a closed backend")
+        if no_repacked and getattr(keep, "_repacked", None) and t.name in keep._repacked:
+            raise ValueError(f"{op}: weight {t.name!r} was repacked for the CPU matrix kernels; only "
+                             f"{t.name}.mulmat(x) can use it (load with BackendParams(repack=False) otherwise)")
 
 
 def _shape_arg(shape: tuple) -> tuple[int, ...]:
@@ -821,3 +983,28 @@ def _prepare_host_array(array: Any, dtype: DType, shape: tuple[int, ...], op: st
             raise TypeError(f"{op}: refusing to truncate {array.dtype} data into a {dtype.name} tensor")
         array = array.astype(np_dtype)
     return np.ascontiguousarray(array)
+
+
+def quantize(data: np.ndarray, dtype: DType | str) -> np.ndarray:
+    """Quantize float rows (numpy layout: the last axis is ggml's dim 0) with ggml's own code.
+
+    Returns the raw blocks as uint8, shaped like ``data`` with the last axis in bytes. Types
+    that need an importance matrix (some IQ types) are refused.
+    """
+    dtype = DType.parse(dtype)
+    data = np.ascontiguousarray(data, dtype=np.float32)
+    if data.ndim == 0 or data.size == 0:
+        raise ValueError("quantize: need a non-empty array")
+    n_per_row = data.shape[-1]
+    if n_per_row % dtype.block_size:
+        raise ValueError(f"quantize: rows of {n_per_row} are not a multiple of the {dtype.name} block size "
+                         f"{dtype.block_size}")
+    if dtype in (DType.F32, DType.F16):
+        return data.astype(dtype.numpy_dtype).view(np.uint8)
+    if not dtype.is_quantized or lib.ggml_quantize_requires_imatrix(dtype):
+        raise ValueError(f"quantize: cannot quantize to {dtype.name} without an importance matrix")
+    n_rows = data.size // n_per_row
+    out = np.empty(data.shape[:-1] + (dtype.row_bytes(n_per_row),), dtype=np.uint8)
+    lib.ggml_quantize_chunk(dtype, ffi.cast("float *", ffi.from_buffer(data)), ffi.from_buffer(out), 0, n_rows,
+                            n_per_row, NULL)
+    return out

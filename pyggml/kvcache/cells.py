@@ -1,0 +1,390 @@
+"""Tensor-free bookkeeping of the KV cache: which cell holds which (sequence, position).
+
+`Cells` picks the cell each token of a batch is written to and builds the attention
+mask over the cells; the `Causal` cache wraps it and owns the ggml tensors (keys and
+values are written with ``set_rows`` at the cells `place` returns, and read through a
+view of the first ``n_kv`` cells). Everything done per step is vectorised numpy.
+
+State, per cell ``c``: ``pos[c]`` (the token position stored there, -1 when free),
+``member[s, c]`` (whether sequence ``s`` sees it; cells are shared after
+`Cells.copy_prefix`) and ``count[c]`` (how many sequences see it; free iff 0).
+Each (sequence, position) pair is stored in at most one cell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
+
+_I32 = np.iinfo(np.int32)
+_NO_CELLS = np.zeros(0, np.int64)
+
+
+class CacheFullError(RuntimeError):
+    """Not enough free cells for a batch (or for the copies a shift needs)."""
+
+
+class NotSupportedError(RuntimeError):
+    """The operation needs a key shift, and the model cannot shift keys."""
+
+
+@dataclass(frozen=True)
+class Shift:
+    """Tensor work a removal from the middle of a sequence needs, in this order.
+
+    1. copy the K/V rows of cells ``copies[:, 0]`` to cells ``copies[:, 1]``
+       (cells shared with other sequences, split off for the shifted sequence);
+    2. re-rotate the keys of ``cells`` by ``delta`` positions (``delta < 0``).
+    """
+
+    copies: np.ndarray  # (n, 2) int32: source cell, destination cell
+    cells: np.ndarray  # int32
+    delta: int
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _as_int32(name: str, values: ArrayLike) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise ValueError(f"{name} must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+    if arr.dtype != np.int32 and arr.size and (arr.min() < _I32.min or arr.max() > _I32.max):
+        raise ValueError(f"{name} must fit in int32")
+    return arr.astype(np.int32, copy=False)
+
+
+class Cells:
+    """Cell allocation and masks for a KV cache of ``capacity`` cells shared by sequences.
+
+    Decisions:
+
+    * Any free cell will do (writes go through ``set_rows``), lowest index first so
+      that ``n_kv`` stays small: a batch fits whenever enough cells are free.
+    * Placing a (sequence, position) that is already stored overwrites it: the same
+      cell is reused when only that sequence sees it; a cell shared with other
+      sequences keeps their data and the token gets a new cell.
+    * Sliding window: before placing, each batch sequence forgets its cells more
+      than ``swa_memory`` positions before its *lowest* position in the batch (the
+      lowest, not the newest, so every token of a long batch still sees its window).
+    * Chunked attention only masks; it frees nothing.
+    * A removal from the middle moves later positions down; cells shared with other
+      sequences are split (a copy for the shifted sequence), see `Shift`.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        max_sequences: int,
+        *,
+        swa_window: int | None = None,
+        swa_memory: int | None = None,
+        chunk_size: int | None = None,
+    ) -> None:
+        if capacity < 1 or max_sequences < 1:
+            raise ValueError(f"Cells: capacity ({capacity}) and max_sequences ({max_sequences}) must be >= 1")
+        if swa_window is not None and swa_window < 1:
+            raise ValueError(f"Cells: swa_window must be >= 1, got {swa_window}")
+        if swa_memory is not None and (swa_window is None or swa_memory < swa_window):
+            raise ValueError(f"Cells: swa_memory ({swa_memory}) needs a swa_window ({swa_window}) <= it")
+        if chunk_size is not None and chunk_size < 1:
+            raise ValueError(f"Cells: chunk_size must be >= 1, got {chunk_size}")
+        self.capacity = capacity
+        self.max_sequences = max_sequences
+        self.swa_window = swa_window
+        self.swa_memory = swa_window if swa_memory is None else swa_memory
+        self.chunk_size = chunk_size
+        self._pos = np.full(capacity, -1, np.int32)
+        self._member = np.zeros((max_sequences, capacity), bool)
+        self._count = np.zeros(capacity, np.int32)
+        # upper bound of each sequence's highest stored position (-1: none), to skip lookups
+        self._top = np.full(max_sequences, -1, np.int64)
+
+    # ---- queries -------------------------------------------------------------------
+
+    @property
+    def free_count(self) -> int:
+        """Number of cells no sequence sees."""
+        return int(np.count_nonzero(self._count == 0))
+
+    @property
+    def cell_positions(self) -> np.ndarray:
+        """Read-only view of the position stored in each cell (-1 = free)."""
+        view = self._pos.view()
+        view.flags.writeable = False
+        return view
+
+    def seq_cells(self, seq: int) -> np.ndarray:
+        """Cells ``seq`` sees, in position order."""
+        self._check_seq(seq)
+        cells = np.flatnonzero(self._member[seq])
+        return cells[np.argsort(self._pos[cells], kind="stable")]
+
+    def seq_positions(self, seq: int) -> np.ndarray:
+        """Sorted positions stored for ``seq``."""
+        return self._pos[self.seq_cells(seq)]
+
+    def used_extent(self, padding: int = 1) -> int:
+        """Cells attention must read: the highest used cell + 1, rounded up to ``padding``.
+
+        Capped at ``capacity`` (keep ``capacity`` a multiple of ``padding``).
+        """
+        if padding < 1:
+            raise ValueError(f"used_extent: padding must be >= 1, got {padding}")
+        used = self._count[::-1] != 0
+        top = self.capacity - int(np.argmax(used)) if used.any() else 0
+        return min(_round_up(top, padding), self.capacity)
+
+    def can_resume(self, seq: int, pos: int) -> bool:
+        """Whether generation of ``seq`` can restart at ``pos`` from what is stored.
+
+        With a sliding window the positions ``[pos - swa_window, pos)`` must all still
+        be stored (older ones may have been dropped); always true without a window.
+        """
+        self._check_seq(seq)
+        if pos < 0:
+            raise ValueError(f"can_resume: pos must be >= 0, got {pos}")
+        if self.swa_window is None:
+            return True
+        start = max(0, pos - self.swa_window)
+        stored = self._pos[self._member[seq]]
+        return int(np.count_nonzero((stored >= start) & (stored < pos))) == pos - start
+
+    # ---- batch ---------------------------------------------------------------------
+
+    def place(self, positions: ArrayLike, sequences: ArrayLike) -> np.ndarray:
+        """Choose the cell for each token of a batch (int32, one per token) and record it.
+
+        Raises `CacheFullError`, with nothing changed, when too few cells are free.
+        """
+        pos, seq = self._batch("place", positions, sequences)
+        n = pos.size
+        keys = np.sort((seq.astype(np.int64) << 32) | pos)
+        if n > 1 and (keys[1:] == keys[:-1]).any():
+            raise ValueError("place: a (sequence, position) pair appears twice in the batch")
+
+        # Plan on a copy of the counts; commit only once the batch is known to fit.
+        count = self._count.copy()
+        gone_seq, gone_cell = self._window_drops(pos, seq)
+        if gone_cell.size:
+            np.subtract.at(count, gone_cell, 1)
+        cells = np.full(n, -1, np.int32)  # -1: needs a free cell
+        tok, old = self._lookup(pos, seq)
+        if tok.size:
+            reuse = count[old] == 1  # only this sequence sees the cell: overwrite in place
+            cells[tok[reuse]] = old[reuse]
+            detach = ~reuse  # shared: the token gets a new cell, the others keep this one
+            np.subtract.at(count, old[detach], 1)
+            gone_seq = np.concatenate([gone_seq, seq[tok[detach]]])
+            gone_cell = np.concatenate([gone_cell, old[detach]])
+        fresh = np.flatnonzero(cells < 0)
+        new = np.flatnonzero(count == 0)[: fresh.size]
+        if new.size < fresh.size:
+            raise CacheFullError(
+                f"place: {fresh.size} tokens need a free cell, only {new.size} of {self.capacity} are free"
+            )
+
+        if gone_cell.size:
+            self._member[gone_seq, gone_cell] = False
+            self._pos[gone_cell[count[gone_cell] == 0]] = -1
+        self._count = count
+        self._pos[new] = pos[fresh]
+        self._member[seq[fresh], new] = True
+        count[new] = 1
+        cells[fresh] = new
+        np.maximum.at(self._top, seq, pos)
+        return cells
+
+    def mask(
+        self,
+        positions: ArrayLike,
+        sequences: ArrayLike,
+        *,
+        n_kv: int | None = None,
+        padding: int = 1,
+        row_padding: int = 1,
+        noncausal: Sequence[tuple[int, int]] = (),
+        dtype: DTypeLike = np.float32,
+    ) -> np.ndarray:
+        """Attention mask of a placed batch, shaped (rows, n_kv): 0 visible, -inf hidden.
+
+        Row ``i`` is batch token ``i``, column ``j`` is cell ``j``. A cell is visible when
+        it holds the token's sequence at a position <= the token's; with a sliding
+        window also less than ``swa_window`` positions back; with chunks also in the
+        token's chunk. ``noncausal`` lists batch row ranges ``[start, end)`` (e.g. image
+        tokens) whose rows also see the cells of their sequence within the positions of
+        that range, in either order (window and chunk limits still apply).
+
+        ``n_kv`` defaults to ``used_extent(padding)``; pass a larger one (up to
+        ``capacity``) to keep graph shapes fixed. Rows are padded with fully hidden
+        rows up to a multiple of ``row_padding`` (older ggml wanted flash-attention
+        masks padded to GGML_KQ_MASK_PAD; the vendored ggml has no such constant and
+        only needs ``mask rows >= batch``, so 1 suffices; its flash attention wants F16).
+        """
+        pos, seq = self._batch("mask", positions, sequences)
+        if row_padding < 1:
+            raise ValueError(f"mask: row_padding must be >= 1, got {row_padding}")
+        if n_kv is None:
+            n_kv = self.used_extent(padding)
+        elif not self.used_extent() <= n_kv <= self.capacity:
+            raise ValueError(
+                f"mask: n_kv {n_kv} must cover the used cells ({self.used_extent()}) "
+                f"and fit the capacity ({self.capacity})"
+            )
+        visible = self._visible(pos, seq, n_kv, noncausal)
+        out = np.full((_round_up(pos.size, row_padding), n_kv), -np.inf, dtype)
+        np.copyto(out[: pos.size], 0, where=visible)
+        return out
+
+    # ---- sequence edits ------------------------------------------------------------
+
+    def remove(self, seq: int, begin: int, end: int | None = None, *, can_shift: bool = True) -> Shift | None:
+        """Forget positions ``[begin, end)`` of ``seq`` (``end=None``: to the end).
+
+        Later positions of ``seq`` move down by ``end - begin``; the returned `Shift`
+        says which keys to re-rotate (``None`` when nothing moves). With
+        ``can_shift=False`` such a removal raises `NotSupportedError`; when splitting
+        shared cells needs more free cells than there are, `CacheFullError`. Either
+        way nothing is changed.
+        """
+        self._check_seq(seq)
+        if begin < 0 or (end is not None and end < begin):
+            raise ValueError(f"remove: need 0 <= begin <= end, got begin={begin} end={end}")
+        cells = np.flatnonzero(self._member[seq])
+        stored = self._pos[cells]
+        if end is None:
+            self._unlink(seq, cells[stored >= begin])
+            self._refresh_top(seq)
+            return None
+        later = cells[stored >= end]
+        if later.size and end > begin and not can_shift:
+            raise NotSupportedError(
+                f"remove: positions [{begin}, {end}) of sequence {seq} are followed by others, "
+                "and the model cannot shift keys; remove to the end instead"
+            )
+        gone = cells[(stored >= begin) & (stored < end)]
+        if not later.size or end == begin:
+            self._unlink(seq, gone)
+            self._refresh_top(seq)
+            return None
+
+        count = self._count.copy()
+        count[gone] -= 1
+        shared = later[count[later] > 1]
+        own = later[count[later] == 1]
+        split = np.flatnonzero(count == 0)[: shared.size]
+        if split.size < shared.size:
+            raise CacheFullError(
+                f"remove: shifting sequence {seq} must split {shared.size} shared cells, "
+                f"only {split.size} cells are free"
+            )
+
+        delta = begin - end
+        self._unlink(seq, gone)
+        self._unlink(seq, shared)
+        self._pos[split] = self._pos[shared]
+        self._member[seq, split] = True
+        self._count[split] = 1
+        moved = np.concatenate([own, split]).astype(np.int32)
+        self._pos[moved] += delta
+        self._refresh_top(seq)
+        copies = np.stack([shared, split], axis=1).astype(np.int32)
+        return Shift(copies=copies, cells=moved, delta=delta)
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Make ``dst`` exactly ``src``'s positions ``< length``, sharing its cells (no data copy).
+
+        Whatever ``dst`` held before is forgotten, as in Ollama.
+        """
+        self._check_seq(src)
+        self._check_seq(dst)
+        if length < 0:
+            raise ValueError(f"copy_prefix: length must be >= 0, got {length}")
+        prefix = self._member[src] & (self._pos < length)
+        self._unlink(dst, np.flatnonzero(self._member[dst] & ~prefix))
+        added = np.flatnonzero(prefix & ~self._member[dst])
+        self._member[dst, added] = True
+        self._count[added] += 1
+        self._refresh_top(dst)
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self._pos.fill(-1)
+        self._member.fill(False)
+        self._count.fill(0)
+        self._top.fill(-1)
+
+    # ---- internals -----------------------------------------------------------------
+
+    def _check_seq(self, seq: int) -> None:
+        if not 0 <= seq < self.max_sequences:
+            raise ValueError(f"sequence {seq} out of range [0, {self.max_sequences})")
+
+    def _batch(self, op: str, positions: ArrayLike, sequences: ArrayLike) -> tuple[np.ndarray, np.ndarray]:
+        pos = _as_int32("positions", positions)
+        seq = _as_int32("sequences", sequences)
+        if pos.shape != seq.shape:
+            raise ValueError(f"{op}: positions {pos.shape} and sequences {seq.shape} differ in length")
+        if pos.size:
+            if pos.min() < 0:
+                raise ValueError(f"{op}: positions must be >= 0, got {pos.min()}")
+            if seq.view(np.uint32).max() >= self.max_sequences:  # negatives wrap to large values
+                raise ValueError(f"{op}: sequences must lie in [0, {self.max_sequences})")
+        return pos, seq
+
+    def _window_drops(self, pos: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(sequence, cell) pairs the batch leaves outside every sequence's sliding memory."""
+        if self.swa_window is None or not pos.size:
+            return _NO_CELLS, _NO_CELLS
+        low = np.full(self.max_sequences, _I32.max, np.int64)
+        np.minimum.at(low, seq, pos)
+        batch_seqs = np.flatnonzero(low != _I32.max)
+        limit = low[batch_seqs] - self.swa_memory
+        if limit.max() <= 0:
+            return _NO_CELLS, _NO_CELLS
+        cand = np.flatnonzero(self._pos.view(np.uint32) < limit.max())  # free cells (-1) wrap high
+        stale = self._member[batch_seqs[:, None], cand] & (self._pos[cand] < limit[:, None])
+        row, j = np.divmod(np.flatnonzero(stale), cand.size)
+        return batch_seqs[row], cand[j]
+
+    def _lookup(self, pos: np.ndarray, seq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(token index, cell) for the batch tokens whose (sequence, position) is stored."""
+        if (pos > self._top[seq]).all():  # appending: the usual case
+            return _NO_CELLS, _NO_CELLS
+        cand = np.flatnonzero(np.isin(self._pos, pos))
+        if not cand.size:
+            return _NO_CELLS, _NO_CELLS
+        hit = self._member[seq[:, None], cand] & (self._pos[cand] == pos[:, None])
+        tok, j = np.divmod(np.flatnonzero(hit), cand.size)
+        return tok, cand[j]
+
+    def _unlink(self, seqs: np.ndarray | int, cells: np.ndarray) -> None:
+        """Take sequences out of cells (pairwise); cells nobody sees any more become free."""
+        self._member[seqs, cells] = False
+        np.subtract.at(self._count, cells, 1)
+        self._pos[cells[self._count[cells] == 0]] = -1
+
+    def _refresh_top(self, seq: int) -> None:
+        self._top[seq] = int(self._pos[self._member[seq]].max(initial=-1))
+
+    def _visible(self, pos: np.ndarray, seq: np.ndarray, n_kv: int, noncausal: Sequence[tuple[int, int]]) -> np.ndarray:
+        """Bool (n_tokens, n_kv): which cells each batch token attends to."""
+        cell_pos = self._pos[:n_kv]
+        tok_pos = pos[:, None]
+        visible = self._member[seq, :n_kv] & (cell_pos <= tok_pos)
+        for start, end in noncausal:
+            if not 0 <= start <= end <= pos.size:
+                raise ValueError(f"mask: noncausal range ({start}, {end}) outside the batch of {pos.size}")
+            for s in np.unique(seq[start:end]):
+                rows = start + np.flatnonzero(seq[start:end] == s)
+                lo, hi = pos[rows].min(), pos[rows].max()
+                visible[rows] |= self._member[s, :n_kv] & (cell_pos >= lo) & (cell_pos <= hi)
+        if self.swa_window is not None:
+            visible &= tok_pos - cell_pos < self.swa_window
+        if self.chunk_size is not None:
+            visible &= cell_pos // self.chunk_size == tok_pos // self.chunk_size
+        return visible
