@@ -1,0 +1,162 @@
+"""Tiny, randomly initialised Hugging Face Llama/Mistral checkpoints built offline.
+
+Shared by the converter tests and the logits-parity tests: everything is built
+locally from a fixed seed (a generated corpus, a BPE or SentencePiece tokenizer
+trained on it, a model constructed from its config), so no network is needed.
+Requires torch, transformers and tokenizers (bpe) or sentencepiece (spm).
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+_WORDS = (
+    "the of and to in is it you that he was for on are with as his they be at one have this from "
+    "or had by hot word but what some we can out other were all there when up use your how said an "
+    "each she which do their time if will way about many then them write would like so these her long "
+    "make thing see him two has look more day could go come did number sound no most people my over "
+    "know water than call first who may down side been now find head stand own page should country "
+    "found answer school grow study still learn plant cover food sun four between state keep eye never"
+).split()
+
+
+def corpus(seed: int = 0, n_lines: int = 300) -> list[str]:
+    """Deterministic English-like lines with some punctuation, digits and non-ASCII."""
+    rng = random.Random(seed)
+    extras = ["42", "2024", "café", "naïve", "über", "—", "?", "!", ",", "'s", "(x)"]
+    lines = []
+    for _ in range(n_lines):
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 14))]
+        if rng.random() < 0.5:
+            words.insert(rng.randrange(len(words)), rng.choice(extras))
+        line = " ".join(words)
+        lines.append(line[0].upper() + line[1:] + rng.choice([".", "?", "!", ""]))
+    return lines
+
+
+def make_bpe_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384) -> int:
+    """Train a byte-level BPE with Llama 3's split pattern; write tokenizer.json and tokenizer_config.json.
+
+    Returns the number of token ids (base vocabulary plus added tokens).
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(seed), trainer)
+    tok.add_tokens(["<tool>"])  # a non-special added token: USER_DEFINED in GGUF
+    bos = tok.token_to_id("<|begin_of_text|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+        special_tokens=[("<|begin_of_text|>", bos)])
+    tok.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|begin_of_text|>",
+        "eos_token": "<|end_of_text|>", "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 256,
+    })
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
+def make_spm_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 400) -> int:
+    """Train a SentencePiece BPE with byte fallback (Llama 2 style ids); write tokenizer.model and config."""
+    import sentencepiece
+
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus(seed)), model_writer=model, vocab_size=vocab_size,
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, user_defined_symbols=["<tool>"],
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+    (out_dir / "tokenizer.model").write_bytes(model.getvalue())
+    _write_json(out_dir / "tokenizer_config.json", {
+        "tokenizer_class": "LlamaTokenizer", "add_bos_token": True, "add_eos_token": False,
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE,
+    })
+    return vocab_size
+
+
+def make_tiny_llama(
+    tmp_path: Path,
+    *,
+    n_kv_heads: int = 2,
+    tie: bool = False,
+    rope_scaling: dict[str, Any] | None = None,
+    vocab: str = "bpe",
+    seed: int = 0,
+    head_dim: int | None = None,
+    intermediate_size: int = 128,
+    arch: str = "llama",
+    max_shard_size: str | None = None,
+) -> tuple[Path, Any]:
+    """Build and save a 2-layer, 4-head, 64-wide random model with a locally trained tokenizer.
+
+    Returns ``(hf_dir, hf_model)``; the model is float32 in eval mode. ``vocab`` is
+    "bpe" (tokenizer.json) or "spm" (tokenizer.model); the embedding is padded to a
+    multiple of 32 rows, as many real checkpoints are. Norm weights are randomised
+    around 1 so that a swapped or missing norm shows up in parity tests.
+    """
+    import torch
+    import transformers
+
+    hf_dir = Path(tmp_path) / f"tiny-{arch}-{vocab}-kv{n_kv_heads}-{'tied' if tie else 'untied'}-s{seed}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    if vocab == "bpe":
+        n_tokens = make_bpe_tokenizer(hf_dir, seed)
+        bos, eos = 0, 1  # the trainer puts special tokens first
+    elif vocab == "spm":
+        n_tokens = make_spm_tokenizer(hf_dir, seed)
+        bos, eos = 1, 2
+    else:
+        raise ValueError(f"vocab must be 'bpe' or 'spm', not {vocab!r}")
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    }[arch]
+    extra = {"head_dim": head_dim} if head_dim else {}
+    if rope_scaling is not None:
+        extra["rope_scaling"] = rope_scaling
+    config = config_cls(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=intermediate_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=n_kv_heads,
+        max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.05,
+        tie_word_embeddings=tie, bos_token_id=bos, eos_token_id=eos, **extra)
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+
+    kwargs: dict[str, Any] = {}
+    params = inspect.signature(model.save_pretrained).parameters
+    if "safe_serialization" in params:  # transformers 4.x; 5.x always writes safetensors
+        kwargs["safe_serialization"] = True
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(hf_dir, **kwargs)
+    return hf_dir, model
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")

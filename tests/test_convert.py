@@ -1,0 +1,323 @@
+"""pyggml.convert: HF Llama/Mistral checkpoints to GGUF, checked against the HF model itself."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from pyggml.convert import convert_hf, from_interleaved_rope, to_interleaved_rope
+
+torch = pytest.importorskip("torch", reason="the converter tests build HF models with torch")
+transformers = pytest.importorskip("transformers", reason="the converter tests build HF models")
+
+from .hf_fixtures import make_tiny_llama  # noqa: E402  (needs torch/transformers)
+
+HF_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+            "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+            "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+
+
+def read_gguf(path: Path) -> tuple[dict, dict[str, tuple[str, np.ndarray]]]:
+    """(metadata without GGUF.* header fields, name -> (type name, float32 data in numpy order))."""
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    tensors = {t.name: (t.tensor_type.name, gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32))
+               for t in reader.tensors}
+    return meta, tensors
+
+
+def hf_weights(model) -> dict[str, np.ndarray]:
+    """HF state dict keyed by GGUF names, q/k still in HF row order."""
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    out = {"token_embd.weight": sd["model.embed_tokens.weight"]}
+    for i in range(model.config.num_hidden_layers):
+        for ours, theirs in HF_NAMES.items():
+            out[f"blk.{i}.{ours}.weight"] = sd[f"model.layers.{i}.{theirs}.weight"]
+    out["output_norm.weight"] = sd["model.norm.weight"]
+    if not model.config.tie_word_embeddings:
+        out["output.weight"] = sd["lm_head.weight"]
+    return out
+
+
+def unpermuted(name: str, data: np.ndarray, cfg) -> np.ndarray:
+    if ".attn_q." in name:
+        return from_interleaved_rope(data, cfg.num_attention_heads)
+    if ".attn_k." in name:
+        return from_interleaved_rope(data, cfg.num_key_value_heads)
+    return data
+
+
+def test_permutation_moves_half_split_pairs_next_to_each_other():
+    rows = np.arange(2 * 8)[:, None]  # 2 heads of dim 8
+    moved = to_interleaved_rope(rows, 2)[:, 0]
+    # head 0: rows (0, 4), (1, 5), ... become adjacent; head 1 likewise
+    assert moved.tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+    assert np.array_equal(from_interleaved_rope(to_interleaved_rope(rows, 2), 2), rows)
+
+
+def test_bpe_untied_gqa_f32_roundtrips_every_weight(tmp_path):
+    hf_dir, model = make_tiny_llama(tmp_path, n_kv_heads=2, tie=False, vocab="bpe")
+    calls = []
+    out = convert_hf(hf_dir, tmp_path / "m.gguf", "f32", progress=lambda d, t: calls.append((d, t)))
+    meta, tensors = read_gguf(out)
+    cfg = model.config
+
+    assert meta["general.architecture"] == "llama"
+    assert meta["general.name"] == hf_dir.name
+    assert meta["general.file_type"] == gguf.LlamaFileType.ALL_F32
+    expected = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
+                "attention.head_count": 4, "attention.head_count_kv": 2, "rope.dimension_count": 16,
+                "vocab_size": cfg.vocab_size, "rope.freq_base": 10000.0}
+    for key, value in expected.items():
+        assert meta[f"llama.{key}"] == value, key
+    assert meta["llama.attention.layer_norm_rms_epsilon"] == pytest.approx(1e-5)
+    assert not any(k.startswith("llama.rope.scaling") or k == "llama.attention.key_length" for k in meta)
+
+    ref = hf_weights(model)
+    assert list(tensors) == list(ref)  # token_embd, blk.*, output_norm, output
+    for name, (kind, data) in tensors.items():
+        assert kind == "F32", name
+        assert data.shape == ref[name].shape, name
+        np.testing.assert_array_equal(unpermuted(name, data, cfg), ref[name], err_msg=name)
+    # q/k really are reordered (not just passed through)
+    assert not np.array_equal(tensors["blk.0.attn_q.weight"][1], ref["blk.0.attn_q.weight"][1])
+    assert calls == [(i + 1, len(tensors)) for i in range(len(tensors))]
+
+
+def test_bpe_vocabulary(tmp_path):
+    hf_dir, model = make_tiny_llama(tmp_path, n_kv_heads=4, tie=True, vocab="bpe")
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf"))
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    n = model.config.vocab_size
+
+    assert meta["tokenizer.ggml.model"] == "gpt2"
+    assert meta["tokenizer.ggml.pre"] == "llama-bpe"
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    assert len(tokens) == len(types) == n
+    for text, i in tok["model"]["vocab"].items():
+        assert tokens[i] == text
+    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    assert types[added["<|begin_of_text|>"]] == gguf.TokenType.CONTROL
+    assert types[added["<tool>"]] == gguf.TokenType.USER_DEFINED
+    assert types[300] == gguf.TokenType.NORMAL
+    n_real = max(added.values()) + 1
+    assert tokens[n_real:] == [f"[PAD{i}]" for i in range(n_real, n)]
+    assert set(types[n_real:]) == {gguf.TokenType.UNUSED}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    assert meta["tokenizer.ggml.merges"] == merges
+    assert meta["tokenizer.ggml.bos_token_id"] == added["<|begin_of_text|>"]
+    assert meta["tokenizer.ggml.eos_token_id"] == added["<|end_of_text|>"]
+    assert meta["tokenizer.ggml.padding_token_id"] == added["<|pad|>"]
+    assert meta["tokenizer.ggml.add_bos_token"] is True  # from the TemplateProcessing post-processor
+    assert meta["tokenizer.chat_template"].startswith("{% for m in messages %}")
+    # tied embeddings: no output.weight; MHA (kv heads == heads)
+    assert "output.weight" not in tensors
+    assert meta["llama.attention.head_count_kv"] == 4
+    assert meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_F16
+    assert tensors["token_embd.weight"][0] == "F16" and tensors["output_norm.weight"][0] == "F32"
+
+
+def test_spm_vocabulary_matches_sentencepiece(tmp_path):
+    sentencepiece = pytest.importorskip("sentencepiece")
+    hf_dir, model = make_tiny_llama(tmp_path, n_kv_heads=1, tie=True, vocab="spm")
+    meta, _ = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf"))
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(hf_dir / "tokenizer.model"))
+    n = sp.get_piece_size()
+
+    assert meta["tokenizer.ggml.model"] == "llama"
+    assert "tokenizer.ggml.pre" not in meta and "tokenizer.ggml.merges" not in meta
+    tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+    scores = meta["tokenizer.ggml.scores"]
+    assert len(tokens) == len(types) == len(scores) == model.config.vocab_size
+    assert tokens[:n] == [sp.id_to_piece(i) for i in range(n)]
+    np.testing.assert_array_equal(np.float32(scores[:n]), np.float32([sp.get_score(i) for i in range(n)]))
+    for i in range(n):
+        want = (gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+                else gguf.TokenType.BYTE if sp.is_byte(i)
+                else gguf.TokenType.USER_DEFINED if sp.id_to_piece(i) == "<tool>" else gguf.TokenType.NORMAL)
+        assert types[i] == want, (i, sp.id_to_piece(i))
+    assert tokens[sp.piece_to_id("<0x41>")] == "<0x41>"
+    assert set(types[n:]) <= {gguf.TokenType.UNUSED}
+    assert (meta["tokenizer.ggml.unknown_token_id"], meta["tokenizer.ggml.bos_token_id"],
+            meta["tokenizer.ggml.eos_token_id"]) == (sp.unk_id(), sp.bos_id(), sp.eos_id())
+    assert "tokenizer.ggml.padding_token_id" not in meta
+    assert meta["tokenizer.ggml.add_bos_token"] is True and meta["tokenizer.ggml.add_eos_token"] is False
+    assert meta["tokenizer.ggml.add_space_prefix"] is True
+    assert meta["llama.attention.head_count_kv"] == 1
+
+
+def rope_normal(x: np.ndarray, pos: np.ndarray, base: float, freq_factors=None) -> np.ndarray:
+    """ggml's normal (GGML_ROPE_TYPE_NORMAL) rope on (n_tokens, n_heads, head_dim): pairs (2i, 2i+1)."""
+    d = x.shape[-1]
+    theta = pos[:, None] * base ** (-np.arange(0, d, 2) / d)
+    if freq_factors is not None:
+        theta = theta / freq_factors
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = x0 * cos - x1 * sin
+    out[..., 1::2] = x0 * sin + x1 * cos
+    return out
+
+
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_gguf_qk_with_ggml_rope_give_hf_attention_scores(tmp_path, rope_scaling):
+    """The permutation is right only if ggml's interleaved rope on GGUF q/k reproduces HF's rope."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    hf_dir, model = make_tiny_llama(tmp_path, n_kv_heads=2, tie=False, rope_scaling=rope_scaling)
+    _, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "f32"))
+    n_tok, d = 200, 16
+    x = np.random.default_rng(0).standard_normal((n_tok, 64)).astype(np.float32)
+    pos = np.arange(n_tok)
+    factors = tensors["rope_freqs.weight"][1] if rope_scaling else None
+
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        xt = torch.from_numpy(x)[None]
+        q = attn.q_proj(xt).view(1, n_tok, 4, d).transpose(1, 2)
+        k = attn.k_proj(xt).view(1, n_tok, 2, d).transpose(1, 2)
+        cos, sin = model.model.rotary_emb(xt, torch.from_numpy(pos)[None])
+        q_hf, k_hf = (t[0].transpose(0, 1).numpy() for t in apply_rotary_pos_emb(q, k, cos, sin))
+
+    q_gg = rope_normal((x @ tensors["blk.0.attn_q.weight"][1].T).reshape(n_tok, 4, d), pos, 10000.0, factors)
+    k_gg = rope_normal((x @ tensors["blk.0.attn_k.weight"][1].T).reshape(n_tok, 2, d), pos, 10000.0, factors)
+    # same vectors, up to the per-head reordering of dimensions
+    np.testing.assert_allclose(from_interleaved_rope(q_gg.reshape(n_tok, 64).T, 4).T,
+                               q_hf.reshape(n_tok, 64), atol=2e-5)
+    for h in range(4):  # attention scores, query head h against its kv head h // 2
+        s_hf = q_hf[:, h] @ k_hf[:, h // 2].T
+        s_gg = q_gg[:, h] @ k_gg[:, h // 2].T
+        np.testing.assert_allclose(s_gg, s_hf, atol=1e-4)
+
+
+def test_llama3_rope_freqs_match_transformers(tmp_path):
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    hf_dir, model = make_tiny_llama(tmp_path, n_kv_heads=2, tie=False, rope_scaling=scaling)
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf"))
+    kind, factors = tensors["rope_freqs.weight"]
+    assert kind == "F32" and factors.shape == (8,)
+    assert list(tensors)[0] == "rope_freqs.weight"
+    assert "llama.rope.scaling.type" not in meta  # llama3 scaling lives in the tensor alone
+    base_inv_freq = 10000.0 ** -(np.arange(0, 16, 2) / 16)
+    hf_inv_freq = model.model.rotary_emb.inv_freq.numpy()
+    np.testing.assert_allclose(base_inv_freq / factors, hf_inv_freq, rtol=1e-5)
+    assert factors[0] == 1.0 and 1.0 < factors[1] < 8.0 and factors[-1] == 8.0  # all three bands
+
+
+def test_linear_and_yarn_rope_scaling_metadata(tmp_path):
+    hf_dir, _ = make_tiny_llama(tmp_path / "lin", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "lin.gguf"))
+    assert meta["llama.rope.scaling.type"] == "linear"
+    assert meta["llama.rope.scaling.factor"] == 4.0
+    assert "rope_freqs.weight" not in tensors
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+            "beta_fast": 16.0, "beta_slow": 2.0}
+    hf_dir, _ = make_tiny_llama(tmp_path / "yarn", rope_scaling=yarn)
+    meta, _ = read_gguf(convert_hf(hf_dir, tmp_path / "yarn.gguf"))
+    assert meta["llama.rope.scaling.type"] == "yarn"
+    assert meta["llama.rope.scaling.factor"] == 4.0
+    assert meta["llama.rope.scaling.original_context_length"] == 64
+    assert meta["llama.rope.scaling.yarn_beta_fast"] == 16.0
+    assert meta["llama.rope.scaling.yarn_beta_slow"] == 2.0
+
+
+def test_q8_0_dequantises_close_and_short_rows_fall_back_to_f16(tmp_path):
+    # intermediate 80: ffn_down rows have 80 columns, not a multiple of the q8_0 block of 32
+    hf_dir, model = make_tiny_llama(tmp_path, n_kv_heads=2, tie=False, intermediate_size=80)
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "q8_0"))
+    assert meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
+    ref = hf_weights(model)
+    for name, (kind, data) in tensors.items():
+        want = unpermuted(name, data, model.config)
+        if name.endswith("norm.weight"):
+            assert kind == "F32", name
+            np.testing.assert_array_equal(want, ref[name])
+        elif ".ffn_down." in name:
+            assert kind == "F16", name
+            np.testing.assert_allclose(want, ref[name], rtol=1e-3, atol=1e-6)
+        else:
+            assert kind == "Q8_0", name
+            # error at most half a quantisation step of the 32-wide block, plus the f16 scale's
+            # rounding (2**-11 relative, times up to 127 steps)
+            step = np.abs(ref[name]).reshape(-1, 32).max(axis=1) / 127
+            err = np.abs(want - ref[name]).reshape(-1, 32).max(axis=1)
+            assert np.all(err <= step * (0.5 + 127 * 2.0**-11)), name
+
+
+def test_key_length_written_when_head_dim_is_not_hidden_over_heads(tmp_path):
+    hf_dir, model = make_tiny_llama(tmp_path, n_kv_heads=2, head_dim=32, arch="mistral")
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "f32"))
+    assert meta["llama.attention.key_length"] == meta["llama.attention.value_length"] == 32
+    assert meta["llama.rope.dimension_count"] == 32
+    assert tensors["blk.0.attn_q.weight"][1].shape == (4 * 32, 64)
+    ref = hf_weights(model)
+    np.testing.assert_array_equal(unpermuted("blk.1.attn_k.weight", tensors["blk.1.attn_k.weight"][1],
+                                             model.config), ref["blk.1.attn_k.weight"])
+
+
+def test_sharded_and_bf16_checkpoints(tmp_path):
+    hf_dir, model = make_tiny_llama(tmp_path / "one", n_kv_heads=2)
+    sharded_dir, _ = make_tiny_llama(tmp_path / "many", n_kv_heads=2, max_shard_size="40KB")
+    assert (sharded_dir / "model.safetensors.index.json").exists()
+    one, many = (convert_hf(d, tmp_path / f"{i}.gguf", "f32") for i, d in enumerate((hf_dir, sharded_dir)))
+    assert one.read_bytes() == many.read_bytes()
+
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "bf16" / f).write_bytes((hf_dir / f).read_bytes())
+    _, tensors = read_gguf(convert_hf(tmp_path / "bf16", tmp_path / "bf16.gguf", "f32"))
+    ref = hf_weights(model)  # the model itself is now bfloat16
+    np.testing.assert_array_equal(tensors["blk.0.ffn_up.weight"][1], ref["blk.0.ffn_up.weight"])
+
+
+def test_errors_are_clear_and_leave_no_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        convert_hf(tmp_path, tmp_path / "x.gguf")
+
+    hf_dir, _ = make_tiny_llama(tmp_path, n_kv_heads=2)
+    with pytest.raises(ValueError, match="out_type.*f32, f16, q8_0"):
+        convert_hf(hf_dir, tmp_path / "x.gguf", "q4_k")
+
+    from safetensors.numpy import load_file, save_file
+
+    weights = load_file(hf_dir / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, hf_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing 1 tensor\(s\): model.layers.1.mlp.up_proj.weight"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+    assert not list(tmp_path.glob("x.gguf*"))
+
+
+def test_bpe_pre_tokenizer_name_rule(tmp_path):
+    hf_dir, _ = make_tiny_llama(tmp_path, n_kv_heads=2)
+    path = hf_dir / "tokenizer.json"
+    tok = json.loads(path.read_text())
+
+    def pre_after(pre_tokenizer) -> str:
+        path.write_text(json.dumps({**tok, "pre_tokenizer": pre_tokenizer}))
+        meta, _ = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf"))
+        return meta["tokenizer.ggml.pre"]
+
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    assert pre_after(byte_level) == "gpt-2"  # GPT-2's own regex
+    other_split = {"type": "Split", "pattern": {"Regex": r"\s+"}, "behavior": "Isolated", "invert": False}
+    assert pre_after({"type": "Sequence", "pretokenizers": [other_split, byte_level]}) == "default"
+
+    path.write_text(json.dumps({**tok, "pre_tokenizer": None, "decoder": {"type": "Metaspace"}}))
+    with pytest.raises(ValueError, match="tokenizer.model"):
+        convert_hf(hf_dir, tmp_path / "m.gguf")

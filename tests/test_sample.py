@@ -1,0 +1,176 @@
+"""pyggml.sample: each filter on crafted distributions, and draws against softmax."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pyggml.sample import Sampler, logprobs
+
+
+def logits_of(probs) -> np.ndarray:
+    return np.log(np.asarray(probs, dtype=np.float64)).astype(np.float32)
+
+
+def support(sampler: Sampler, logits: np.ndarray, n: int = 2000, history=()) -> set[int]:
+    return {sampler.sample(logits, history) for _ in range(n)}
+
+
+def frequencies(sampler: Sampler, logits: np.ndarray, n: int) -> np.ndarray:
+    draws = [sampler.sample(logits) for _ in range(n)]
+    return np.bincount(draws, minlength=logits.size) / n
+
+
+def test_greedy_is_argmax_and_ignores_seed():
+    logits = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    for temp in (0.0, -1.0):
+        assert Sampler(temperature=temp).sample(logits) == int(np.argmax(logits))
+    assert Sampler(temperature=0.0, seed=1).sample(logits) == Sampler(temperature=0.0, seed=2).sample(logits)
+
+
+def test_top_k_1_equals_greedy():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        logits = rng.standard_normal(5000).astype(np.float32)
+        s = Sampler(temperature=1.5, top_k=1, top_p=1.0, seed=0)
+        assert s.sample(logits) == int(np.argmax(logits))
+
+
+def test_seed_reproducible_and_different_seeds_differ():
+    logits = np.random.default_rng(2).standard_normal(500).astype(np.float32)
+    kw = dict(temperature=1.0, top_k=0, top_p=1.0)
+    s1, s2, s3 = Sampler(**kw, seed=7), Sampler(**kw, seed=7), Sampler(**kw, seed=8)
+    seq1 = [s1.sample(logits) for _ in range(50)]
+    assert seq1 == [s2.sample(logits) for _ in range(50)]
+    assert seq1 != [s3.sample(logits) for _ in range(50)]
+
+
+def test_top_k_keeps_exactly_the_k_largest_on_a_large_vocab():
+    logits = np.random.default_rng(3).permutation(np.arange(128_000, dtype=np.float32) / 1000)
+    s = Sampler(temperature=100.0, top_k=5, top_p=1.0, seed=0)  # hot: all 5 get drawn
+    assert support(s, logits, 500) == set(np.argsort(logits)[-5:].tolist())
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    logits = logits_of([0.5, 0.3, 0.1, 0.06, 0.04])
+    s = lambda p: Sampler(temperature=1.0, top_k=0, top_p=p, seed=0)  # noqa: E731
+    assert support(s(0.5), logits) == {0}
+    assert support(s(0.75), logits) == {0, 1}
+    assert support(s(0.85), logits) == {0, 1, 2}
+    assert support(s(1.0), logits) == {0, 1, 2, 3, 4}
+    # the same on a 50k vocabulary where the mass sits in three tokens among thousands of tiny ones
+    big = np.full(50_000, -20.0, dtype=np.float32)
+    big[[10, 20_000, 49_999]] = [3.0, 2.0, 1.0]
+    assert support(s(0.7), big, 100) == {10, 20_000}
+
+
+def test_min_p_keeps_tokens_above_a_fraction_of_the_best():
+    logits = logits_of([0.4, 0.3, 0.15, 0.1, 0.05])
+    s = lambda m: Sampler(temperature=1.0, top_k=0, top_p=1.0, min_p=m, seed=0)  # noqa: E731
+    assert support(s(0.5), logits) == {0, 1}  # >= 0.2
+    assert support(s(0.25), logits) == {0, 1, 2, 3}  # >= 0.1
+    assert support(s(1.0), logits) == {0}
+
+
+def test_typical_keeps_tokens_closest_to_entropy():
+    probs = np.array([0.6, 0.2, 0.1, 0.05, 0.05])
+    entropy = -(probs * np.log(probs)).sum()
+    order = np.argsort(np.abs(-np.log(probs) - entropy), kind="stable")
+    s = Sampler(temperature=1.0, top_k=0, top_p=1.0, typical_p=0.25, seed=0)
+    assert support(s, logits_of(probs)) == {int(order[0]), int(order[1])}  # 0.2 alone is not > 0.25
+
+
+def test_filters_apply_before_temperature():
+    # top_p at 0.6 keeps {0, 1} whatever the temperature: a very hot sampler still never picks 2..4
+    logits = logits_of([0.5, 0.3, 0.1, 0.06, 0.04])
+    assert support(Sampler(temperature=50.0, top_k=0, top_p=0.6, seed=0), logits) == {0, 1}
+
+
+def test_repeat_presence_and_frequency_penalties():
+    logits = np.array([2.0, 1.9, -1.0, 0.5], dtype=np.float32)
+    greedy = dict(temperature=0.0)
+    assert Sampler(**greedy).sample(logits, history=[0]) == 0
+    assert Sampler(**greedy, repeat_penalty=1.1).sample(logits, history=[0]) == 1  # 2.0/1.1 < 1.9
+    assert Sampler(**greedy, presence_penalty=0.2).sample(logits, history=[0, 0, 0]) == 1
+    s = Sampler(**greedy, frequency_penalty=0.3)
+    assert s.sample(logits, history=[0]) == 1 and s.sample(logits, history=[0, 1]) == 0
+    # only the last repeat_last_n tokens count; -1 means the whole history
+    hist = [0] + [3] * 10
+    assert Sampler(**greedy, repeat_penalty=2.0, repeat_last_n=5).sample(logits, hist) == 0
+    assert Sampler(**greedy, repeat_penalty=2.0, repeat_last_n=-1).sample(logits, hist) == 1
+    assert Sampler(**greedy, repeat_penalty=2.0, repeat_last_n=0).sample(logits, hist) == 0
+    # negative logits are pushed further down (multiplied), not towards zero
+    neg = np.array([-1.0, -1.05], dtype=np.float32)
+    assert Sampler(**greedy, repeat_penalty=1.2).sample(neg, history=[0]) == 1
+    # the caller's array is never modified
+    before = logits.copy()
+    Sampler(**greedy, repeat_penalty=1.5, logit_bias={2: 5.0}).sample(logits, history=[0, 1])
+    np.testing.assert_array_equal(logits, before)
+
+
+def test_logit_bias_bans_and_boosts():
+    logits = np.array([3.0, 2.0, 1.0], dtype=np.float32)
+    assert Sampler(temperature=0.0, logit_bias={0: -math.inf}).sample(logits) == 1
+    assert Sampler(temperature=0.0, logit_bias={2: 2.5}).sample(logits) == 2
+    banned = Sampler(temperature=1.0, top_k=0, top_p=1.0, logit_bias={0: -math.inf, 1: -math.inf}, seed=0)
+    assert support(banned, logits, 200) == {2}
+    with pytest.raises(ValueError, match="-inf"):
+        Sampler(logit_bias={0: -math.inf, 1: -math.inf, 2: -math.inf}).sample(logits)
+    with pytest.raises(ValueError, match="out of range"):
+        Sampler(logit_bias={3: 1.0}).sample(logits)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_draws_follow_softmax(temperature):
+    logits = np.random.default_rng(4).standard_normal(12).astype(np.float32)
+    want = np.exp(logits / temperature) / np.exp(logits / temperature).sum()
+    n = 20_000
+    got = frequencies(Sampler(temperature=temperature, top_k=0, top_p=1.0, seed=123), logits, n)
+    # 5 standard errors per token: a wrong distribution fails, sampling noise does not
+    assert np.all(np.abs(got - want) <= 5 * np.sqrt(want * (1 - want) / n) + 1e-9)
+
+
+def test_draws_within_top_k_follow_renormalised_softmax():
+    logits = np.random.default_rng(5).standard_normal(200).astype(np.float32)
+    top = np.argsort(logits)[-4:]
+    want = np.zeros(200)
+    want[top] = np.exp(logits[top]) / np.exp(logits[top]).sum()
+    n = 20_000
+    got = frequencies(Sampler(temperature=1.0, top_k=4, top_p=1.0, seed=9), logits, n)
+    assert np.all(np.abs(got - want) <= 5 * np.sqrt(want * (1 - want) / n) + 1e-9)
+
+
+def test_logprobs():
+    logits = np.array([1.0, 2.0, 3.0, 0.5], dtype=np.float32)
+    ref = logits - np.log(np.exp(logits.astype(np.float64)).sum())
+    lp, top = logprobs(logits, 1, top_n=2)
+    assert lp == pytest.approx(ref[1], abs=1e-6)
+    assert [i for i, _ in top] == [2, 1]
+    assert [v for _, v in top] == pytest.approx([ref[2], ref[1]], abs=1e-6)
+    assert logprobs(logits, 0)[1] == []
+    assert len(logprobs(logits, 0, top_n=10)[1]) == 4
+    with pytest.raises(ValueError):
+        logprobs(logits, 4)
+
+
+@pytest.mark.parametrize("options", [
+    dict(top_k=-1), dict(top_p=0.0), dict(top_p=1.5), dict(min_p=-0.1), dict(min_p=2.0),
+    dict(typical_p=0.0), dict(repeat_penalty=0.0), dict(repeat_last_n=-2), dict(temperature=math.nan),
+    dict(presence_penalty=math.inf), dict(logit_bias={-1: 1.0}), dict(logit_bias={0: math.nan}),
+    dict(top_k=2.5),
+])
+def test_invalid_options_raise(options):
+    with pytest.raises(ValueError, match="Sampler"):
+        Sampler(**options)
+
+
+def test_invalid_inputs_raise():
+    s = Sampler(repeat_penalty=1.1)
+    with pytest.raises(ValueError, match="1-D"):
+        s.sample(np.zeros((2, 3), dtype=np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        s.sample(np.array([0.0, np.nan], dtype=np.float32))
+    with pytest.raises(ValueError, match="history"):
+        s.sample(np.zeros(4, dtype=np.float32), history=[7])
