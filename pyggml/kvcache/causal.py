@@ -131,9 +131,10 @@ class Causal(Cache):
         _, mask, n_kv = self._cur
         k_store, v_store = self.keys[self._layer], self.values[self._layer]
         dk, heads, dv = self._head_dims
-        key = k_store.view(0, (dk, heads, n_kv), (k_store.strides[1] // heads, k_store.strides[1]), ctx=ctx)
-        value = v_store.view(0, (dv, heads, n_kv), (v_store.strides[1] // heads, v_store.strides[1]), ctx=ctx)
-        return key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3), mask
+        # rows hold (head_dim, heads) per cell: view them as (head_dim, cells, heads) directly
+        key = k_store.view(0, (dk, n_kv, heads), (k_store.strides[1], self.dtype.row_bytes(dk)), ctx=ctx)
+        value = v_store.view(0, (dv, n_kv, heads), (v_store.strides[1], self.dtype.row_bytes(dv)), ctx=ctx)
+        return key, value, mask
 
     # ---- sequence management ------------------------------------------------------------------
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
