@@ -114,7 +114,7 @@ class Tokenizer:
         if piece is None:
             self._check_id(id)
             ttype, text = self._types[id], self.vocab.tokens[id]
-            if ttype == TokenType.BYTE:
+            if ttype == TokenType.BYTE and len(text) == 6 and text.startswith("<0x"):
                 piece = bytes([int(text[3:5], 16)])
             elif ttype in SPECIAL_TYPES:
                 piece = text.encode()

@@ -38,7 +38,8 @@ _PATTERNS: dict[str, list[str]] = {
     "starcoder": [r"\p{N}", _GPT2],
     "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"],
     "deepseek-llm": [
-        "[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", r"\s?[!-/:-~！-／：-～‘-‟　-。]+",
+        # U+3000 left out of the punctuation class: llama.cpp's regex engine never matches it there
+        "[\r\n]", rf"\s?[{_DEEPSEEK_LETTERS}]+", r"\s?[!-/:-~！-／：-～‘-‟、-。]+",
         r"\s+\Z", _CJK, r"\p{N}+",
     ],
     "deepseek-coder": ["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"],
