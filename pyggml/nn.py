@@ -174,7 +174,7 @@ class Rope:
     def from_config(cls, config: Any, n_dims: int, mode: RopeType = RopeType.NORMAL) -> Rope:
         kind = config.string("rope.scaling.type", "") or ""
         factor = config.float("rope.scaling.factor", 0.0) or 0.0
-        if kind not in ("", "none", "linear", "yarn") and not (kind == "llama3"):
+        if kind not in ("", "none", "linear", "yarn", "llama3"):  # llama3 scales through rope_freqs.weight
             raise ValueError(f"unsupported rope scaling type {kind!r}")
         freq_scale = 1.0 / factor if factor > 0 and kind in ("linear", "yarn") else 1.0
         if config.float("rope.scale_linear", 0.0):
