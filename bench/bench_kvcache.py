@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 from pyggml.kvcache.cells import Cells
 
@@ -72,3 +73,34 @@ def test_prompt_batch(benchmark):
 
     mask = benchmark.pedantic(step, setup=forget, rounds=300, warmup_rounds=10)
     assert mask.shape == (512, PROMPT + 512)
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["f32-mask", "flash-f16-mask"])
+def test_causal_start_forward(benchmark, flash):
+    """`Causal.start_forward` for a decode step (Cells work + the two graph inputs). Target < 0.2 ms."""
+    from pyggml import Backend, BackendParams
+    from pyggml.kvcache import Causal
+    from pyggml.models import Batch
+
+    backend = Backend(BackendParams(n_threads=1, flash_attention=flash))
+    cache = Causal()
+    cache.init(backend, max_sequences=N_SEQ, capacity=CAPACITY // N_SEQ, max_batch=512)
+    assert cache.cells.capacity == CAPACITY
+    for s in range(N_SEQ):
+        cache.cells.place(np.arange(PROMPT, dtype=np.int32), np.full(PROMPT, s, np.int32))
+    batch = Batch(inputs=[0] * N_SEQ, positions=[PROMPT] * N_SEQ, sequences=list(range(N_SEQ)))
+    contexts = []
+
+    def fresh() -> tuple[tuple, dict]:  # untimed: free the cells again and start a new graph
+        for s in range(N_SEQ):
+            cache.cells.remove(s, PROMPT)
+        if contexts:
+            contexts.pop().close()
+        contexts.append(backend.new_context())
+        return (contexts[-1],), {}
+
+    benchmark.pedantic(lambda ctx: cache.start_forward(ctx, batch), setup=fresh, rounds=3000, warmup_rounds=100)
+    padding = 256 if flash else 32
+    assert cache._pass.n_kv == -(-(PROMPT + 1) * N_SEQ // padding) * padding
+    contexts.pop().close()
+    backend.close()

@@ -1,11 +1,15 @@
 """KV caches: one interface (``Cache``), several memory layouts.
 
 ``Causal`` (optionally sliding-window or chunked) stores keys/values of decoder layers;
-``Cells`` is its tensor-free bookkeeping.
+``Encoder`` keeps a multimodal input's cross-attention keys/values across batches; ``Wrapper``
+routes each layer to one of several caches. ``Cells`` is Causal's tensor-free bookkeeping.
 """
 
 from pyggml.kvcache.base import Cache, CacheConfig, CacheFullError, NotSupportedError, ShiftFn
 from pyggml.kvcache.causal import Causal
 from pyggml.kvcache.cells import Cells
+from pyggml.kvcache.encoder import Encoder
+from pyggml.kvcache.wrapper import Wrapper
 
-__all__ = ["Cache", "CacheConfig", "CacheFullError", "Causal", "Cells", "NotSupportedError", "ShiftFn"]
+__all__ = ["Cache", "CacheConfig", "CacheFullError", "Causal", "Cells", "Encoder", "NotSupportedError", "ShiftFn",
+           "Wrapper"]

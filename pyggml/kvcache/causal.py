@@ -1,18 +1,22 @@
 """Causal KV cache (with optional sliding window or chunked attention) over ggml tensors.
 
 Keys and values of layer L live in two persistent tensors of shape (head_dim * n_kv_heads, cells)
-on that layer's device. Each forward pass writes the batch's rows with ``set_rows`` at the cells
-``Cells.place`` chose (any free cells, so no fragmentation) and attends over a view of the first
-``n_kv`` cells, ``n_kv`` rounded up to ``config.padding`` so the graph's shape changes rarely.
+on that layer's device, allocated at the layer's first ``put`` (a ``reserve`` pass counts). Each
+forward pass writes the batch's rows with ``set_rows`` at the cells ``Cells.place`` chose (any free
+cells, so no fragmentation) and attends over a view of the first ``n_kv`` cells, ``n_kv`` rounded
+up to ``config.padding`` so the graph's shape changes rarely. Per step the graph gets exactly two
+new inputs: the cell index of each token and the mask.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pyggml.kvcache.base import Cache, CacheConfig, NotSupportedError, ShiftFn
+from pyggml.kvcache.base import Cache, CacheConfig, ShiftFn
 from pyggml.kvcache.cells import Cells, Shift
 from pyggml.tensor import DType, Tensor
 
@@ -20,8 +24,45 @@ if TYPE_CHECKING:
     from pyggml.backend import Backend, Context
     from pyggml.models.input import Batch
 
+CACHE_TYPES = (DType.F16, DType.F32, DType.Q8_0, DType.Q4_0)
+
+
+def check_cache_type(op: str, backend: Backend, dtype: DType | str) -> DType:
+    """The cache types pyggml supports; quantized ones only where attention is flash attention
+    (the plain path would dequantize the whole history every step)."""
+    dtype = DType.parse(dtype)
+    if dtype not in CACHE_TYPES:
+        raise ValueError(f"{op}: cache type {dtype.name} not supported (F16, F32, Q8_0, Q4_0)")
+    if dtype.is_quantized and not backend.flash_attention:
+        raise ValueError(f"{op}: a {dtype.name} cache needs flash attention (BackendParams(flash_attention=True))")
+    return dtype
+
+
+class _Pass:
+    """What one forward pass placed: the batch, its cells, the mask and the ranges that bend it."""
+
+    __slots__ = ("positions", "sequences", "cells", "mask", "n_kv", "reserve", "noncausal")
+
+    def __init__(self, positions: np.ndarray, sequences: np.ndarray, cells: Tensor, mask: Tensor | None,
+                 n_kv: int, reserve: bool):
+        self.positions, self.sequences, self.cells = positions, sequences, cells
+        self.mask, self.n_kv, self.reserve = mask, n_kv, reserve
+        self.noncausal: list[tuple[int, int]] = []
+
 
 class Causal(Cache):
+    """Decoder self-attention cache shared by ``max_sequences`` sequences.
+
+    ``put(ctx, key, value)``: key (head_dim_k, n_kv_heads, n_tokens), value (head_dim_v,
+    n_kv_heads, n_tokens), in batch order. ``get(ctx)``: key (head_dim_k, n_kv, n_kv_heads), value
+    (head_dim_v, n_kv, n_kv_heads) (strided views of the cache, no copy) and mask (n_kv, n_tokens)
+    in ``config.mask_dtype``, 0 where a token may attend and -inf where not.
+
+    ``swa_window``/``swa_memory``: sliding-window attention; a sequence keeps ``swa_memory``
+    (default: the window) positions before its batch, so its storage is ``swa_memory + max_batch``
+    cells. ``chunk_size``: chunked attention (a token sees only its chunk; nothing is freed early).
+    """
+
     def __init__(self, shift_fn: ShiftFn | None = None, *, swa_window: int | None = None,
                  swa_memory: int | None = None, chunk_size: int | None = None):
         self.shift_fn = shift_fn
@@ -29,125 +70,195 @@ class Causal(Cache):
         self.swa_memory = swa_memory
         self.chunk_size = chunk_size
         self.config: CacheConfig | None = None
+        self._config_override: CacheConfig | None = None
         self.backend: Backend | None = None
         self.cells: Cells | None = None
         self.keys: dict[int, Tensor] = {}
         self.values: dict[int, Tensor] = {}
+        self._dims: dict[int, tuple[int, int, int]] = {}  # layer -> (head_dim_k, n_kv_heads, head_dim_v)
         self._layer = 0
-        self._noncausal: list[tuple[int, int]] = []
-        self._cur: tuple[Tensor, Tensor | None, int] | None = None  # (cell indices, mask, n_kv)
+        self._pass: _Pass | None = None
 
     # ---- set-up -------------------------------------------------------------------------------
-    def init(self, backend: Backend, dtype: DType = DType.F16, max_sequences: int = 1, capacity: int = 4096,
+    def set_config(self, config: CacheConfig) -> None:
+        """Override the backend's default configuration (before ``init``; kept by later inits)."""
+        self.config = self._config_override = config
+
+    def init(self, backend: Backend, dtype: DType | str = DType.F16, max_sequences: int = 1, capacity: int = 4096,
              max_batch: int = 512) -> None:
         if max_sequences < 1 or capacity < 1 or max_batch < 1:
             raise ValueError("Causal.init: max_sequences, capacity and max_batch must be positive")
-        dtype = DType.parse(dtype)
-        if dtype not in (DType.F16, DType.F32, DType.Q8_0, DType.Q4_0):
-            raise ValueError(f"Causal.init: cache type {dtype.name} not supported (F16, F32, Q8_0, Q4_0)")
-        if dtype.is_quantized and not backend.flash_attention:
-            raise ValueError(f"Causal.init: a {dtype.name} cache needs flash attention")
-        if self.config is None:
-            self.config = CacheConfig(padding=256 if backend.flash_attention else 32,
-                                      mask_dtype=DType.F16 if backend.flash_attention else DType.F32)
+        dtype = check_cache_type("Causal.init", backend, dtype)
+        config = self._config_override or CacheConfig(padding=256 if backend.flash_attention else 32,
+                                                      mask_dtype=DType.F16 if backend.flash_attention else DType.F32)
+        if config.permuted_v:
+            raise ValueError("Causal.init: permuted_v is not supported (attention lays V out itself)")
+        if config.padding < 1 or config.mask_dtype not in (DType.F32, DType.F16):
+            raise ValueError(f"Causal.init: bad config {config} (padding >= 1, mask F32 or F16)")
         per_seq = capacity
         if self.swa_window is not None:
             per_seq = min(capacity, (self.swa_memory or self.swa_window) + max_batch)
-        cells = per_seq * max_sequences
-        pad = self.config.padding
-        cells = -(-cells // pad) * pad
-        self.backend, self.dtype = backend, dtype
+        n_cells = -(-per_seq * max_sequences // config.padding) * config.padding
+        cells = Cells(n_cells, max_sequences, swa_window=self.swa_window, swa_memory=self.swa_memory,
+                      chunk_size=self.chunk_size)
+        self.config, self.backend, self.dtype, self.cells = config, backend, dtype, cells
         self.max_sequences, self.capacity, self.max_batch = max_sequences, capacity, max_batch
-        self.cells = Cells(cells, max_sequences, swa_window=self.swa_window, swa_memory=self.swa_memory,
-                           chunk_size=self.chunk_size)
+        self._mask_dtype = np.dtype(config.mask_dtype.numpy_dtype)
+        self.keys, self.values, self._dims = {}, {}, {}  # a new init never reuses another size's tensors
+        self._pass = None
 
     def close(self) -> None:
         self.keys.clear()  # the backend frees the memory when it closes
         self.values.clear()
+        self._dims.clear()
         self.cells = None
+        self._pass = None
 
     def _storage(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        if layer not in self.keys:
-            n = self.cells.capacity
-            k_row, v_row = key.shape[0] * key.shape[1], value.shape[0] * value.shape[1]
-            if self.dtype.is_quantized and (k_row % self.dtype.block_size or v_row % self.dtype.block_size):
-                raise ValueError(f"cache rows ({k_row}, {v_row}) are not multiples of the {self.dtype.name} block")
-            self.keys[layer] = self.backend.alloc_persistent(self.dtype, (k_row, n), layer=layer,
-                                                             name=f"cache_k_l{layer}")
-            self.values[layer] = self.backend.alloc_persistent(self.dtype, (v_row, n), layer=layer,
-                                                               name=f"cache_v_l{layer}")
+        dims = (key.shape[0], (key.shape + (1,))[1], value.shape[0])
+        if dims[1] != (value.shape + (1,))[1]:
+            raise ValueError(f"Causal.put: key {key.shape} and value {value.shape} differ in heads (dim 1)")
+        if layer in self.keys:
+            if dims != self._dims[layer]:
+                raise ValueError(f"Causal.put: layer {layer} stores (head_dim_k, heads, head_dim_v) = "
+                                 f"{self._dims[layer]}, got key {key.shape} and value {value.shape}")
+            return self.keys[layer], self.values[layer]
+        block = self.dtype.block_size
+        if dims[0] % block or dims[2] % block:
+            raise ValueError(f"Causal.put: head dims ({dims[0]}, {dims[2]}) are not multiples of the {self.dtype.name} "
+                             f"block of {block}")
+        n = self.cells.capacity
+        self.keys[layer] = self.backend.alloc_persistent(self.dtype, (dims[0] * dims[1], n), layer=layer,
+                                                         name=f"cache_k_l{layer}")
+        self.values[layer] = self.backend.alloc_persistent(self.dtype, (dims[2] * dims[1], n), layer=layer,
+                                                           name=f"cache_v_l{layer}")
+        self._dims[layer] = dims
         return self.keys[layer], self.values[layer]
 
     # ---- per forward pass ---------------------------------------------------------------------
     def start_forward(self, ctx: Context, batch: Batch, reserve: bool = False) -> None:
-        if self.cells is None:
-            raise ValueError("cache is not initialised (call init)")
+        """Place the batch (``reserve``: a worst-case pass over every cell that places nothing).
+
+        Raises CacheFullError, or ValueError for a bad batch, with the cache unchanged."""
+        cells = self.cells
+        if cells is None:
+            raise ValueError("Causal.start_forward: cache is not initialised (call init)")
+        self._pass = None
         positions = np.asarray(batch.positions, dtype=np.int32)
         sequences = np.asarray(batch.sequences, dtype=np.int32)
-        if positions.shape != sequences.shape or positions.size != len(batch.inputs):
-            raise ValueError(f"batch has {len(batch.inputs)} inputs, {positions.size} positions and "
+        n = positions.size
+        if positions.shape != sequences.shape or n != len(batch.inputs) or positions.ndim != 1:
+            raise ValueError(f"Causal.start_forward: batch has {len(batch.inputs)} inputs, {n} positions and "
                              f"{sequences.size} sequences")
-        if positions.size > self.max_batch:
-            raise ValueError(f"batch of {positions.size} tokens exceeds the cache's max_batch {self.max_batch}")
+        if n > self.max_batch:
+            raise ValueError(f"Causal.start_forward: batch of {n} tokens exceeds the cache's max_batch "
+                             f"{self.max_batch}")
         if reserve:
-            n_kv = self.cells.capacity
-            cells = np.arange(positions.size, dtype=np.int32) % n_kv
-            mask = np.zeros((positions.size, n_kv), np.float32)
+            n_kv = cells.capacity
+            index = np.arange(n, dtype=np.int32) % n_kv
+            mask = np.zeros((n, n_kv), self._mask_dtype)
         else:
-            if self.swa_window is None and positions.size and int(positions.max()) >= self.capacity:
-                raise ValueError(f"position {int(positions.max())} is beyond the cache's context of "
-                                 f"{self.capacity} positions per sequence")
-            cells = self.cells.place(positions, sequences)
-            n_kv = self.cells.used_extent(self.config.padding)
-            mask = self.cells.mask(positions, sequences, n_kv=n_kv, noncausal=self._noncausal)
-        self._noncausal = []
-        mask_t = ctx.input().from_numpy(mask, self.config.mask_dtype)
-        self._cur = (ctx.input().from_numpy(cells, DType.I32), mask_t, n_kv)
+            if self.swa_window is None and n and int(positions.max()) >= self.capacity:
+                raise ValueError(f"Causal.start_forward: position {int(positions.max())} is beyond the cache's "
+                                 f"context of {self.capacity} positions per sequence")
+            index = cells.place(positions, sequences)
+            mask = cells.mask(positions, sequences, padding=self.config.padding, dtype=self._mask_dtype)
+            n_kv = mask.shape[1]  # the used cells rounded up to the padding
+        if not n:  # nothing to attend with; put/get refuse such a pass
+            self._pass = _Pass(positions, sequences, None, None, n_kv, reserve)
+            return
+        inputs = ctx.input()
+        self._pass = _Pass(positions, sequences, inputs.from_numpy(index, DType.I32),
+                           inputs.from_numpy(mask, self.config.mask_dtype), n_kv, reserve)
 
     def set_noncausal(self, start: int, end: int) -> None:
-        """Let batch rows [start, end) attend to each other both ways in the next forward pass
-        (image tokens); reset after that pass."""
-        self._noncausal.append((start, end))
+        """Let batch rows [start, end) of the forward pass in progress also see each other's
+        positions in both directions (an image's tokens). Call it after ``start_forward`` (from the
+        model's forward, as Ollama's SetCausal); ``get`` calls after it get the bent mask. The next
+        ``start_forward`` resets it."""
+        p = self._pass
+        if p is None:
+            raise ValueError("Causal.set_noncausal: call start_forward first")
+        if not 0 <= start <= end <= p.positions.size:
+            raise ValueError(f"Causal.set_noncausal: range ({start}, {end}) outside the batch of "
+                             f"{p.positions.size} tokens")
+        if not p.reserve and end > start:
+            p.noncausal.append((start, end))
+            p.mask = None  # rebuilt by the next get
 
     def set_layer(self, layer: int) -> None:
         self._layer = layer
 
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
-        if self._cur is None:
-            raise ValueError("put: call start_forward first")
-        cells = self._cur[0]
+        p = self._pass
+        if p is None:
+            raise ValueError("Causal.put: call start_forward first")
+        n = p.positions.size
+        if key.ndim > 3 or value.ndim > 3 or (key.shape + (1, 1))[2] != n or (value.shape + (1, 1))[2] != n:
+            raise ValueError(f"Causal.put: key {key.shape} / value {value.shape} must be (head_dim, heads, {n}) "
+                             f"for the batch of {n} tokens")
         k_store, v_store = self._storage(self._layer, key, value)
-        n = key.shape[2]
-        if n != cells.shape[0] or value.shape[2] != n:
-            raise ValueError(f"put: key {key.shape} / value {value.shape} do not match the batch of "
-                             f"{cells.shape[0]} tokens")
-        ctx.forward(k_store.set_rows(key.reshape(k_store.shape[0], n), cells),
-                    v_store.set_rows(value.reshape(v_store.shape[0], n), cells))
-        self._head_dims = (key.shape[0], key.shape[1], value.shape[0])
+        ctx.forward(k_store.set_rows(key.reshape(k_store.shape[0], n), p.cells),
+                    v_store.set_rows(value.reshape(v_store.shape[0], n), p.cells))
 
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor | None]:
-        if self._cur is None:
-            raise ValueError("get: call start_forward first")
-        _, mask, n_kv = self._cur
-        k_store, v_store = self.keys[self._layer], self.values[self._layer]
-        dk, heads, dv = self._head_dims
-        # rows hold (head_dim, heads) per cell: view them as (head_dim, cells, heads) directly
-        key = k_store.view(0, (dk, n_kv, heads), (k_store.strides[1], self.dtype.row_bytes(dk)), ctx=ctx)
-        value = v_store.view(0, (dv, n_kv, heads), (v_store.strides[1], self.dtype.row_bytes(dv)), ctx=ctx)
-        return key, value, mask
+        p = self._pass
+        if p is None:
+            raise ValueError("Causal.get: call start_forward first")
+        if p.cells is None:
+            raise ValueError("Causal.get: the batch is empty")
+        layer = self._layer
+        if layer not in self.keys:
+            raise ValueError(f"Causal.get: layer {layer} has nothing stored (put comes first)")
+        if p.mask is None:
+            mask = self.cells.mask(p.positions, p.sequences, n_kv=p.n_kv, noncausal=p.noncausal,
+                                   dtype=self._mask_dtype)
+            p.mask = ctx.input().from_numpy(mask, self.config.mask_dtype)
+        k_store, v_store = self.keys[layer], self.values[layer]
+        dk, heads, dv = self._dims[layer]
+        # a cell's row holds (head_dim, heads): view it as (head_dim, cells, heads) directly
+        key = k_store.view(0, (dk, p.n_kv, heads), (k_store.strides[1], self.dtype.row_bytes(dk)), ctx=ctx)
+        value = v_store.view(0, (dv, p.n_kv, heads), (v_store.strides[1], self.dtype.row_bytes(dv)), ctx=ctx)
+        return key, value, p.mask
 
     # ---- sequence management ------------------------------------------------------------------
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
+        self._check_init("copy_prefix")
         self.cells.copy_prefix(src_seq, dst_seq, length)
 
     def can_resume(self, seq: int, pos: int) -> bool:
+        self._check_init("can_resume")
         return self.cells.can_resume(seq, pos)
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
-        shift = self.cells.remove(seq, begin, end, can_shift=self.shift_fn is not None)
-        if shift is None or not self.keys:
-            return
-        self._apply_shift(shift)
+        """Forget positions [begin, end) of ``seq``; later positions move down, their keys re-rotated
+        by ``shift_fn`` (split cells copied first), in graphs of their own. NotSupportedError (no
+        ``shift_fn``) or CacheFullError (no room to split shared cells) leave everything unchanged."""
+        self.plan_remove(seq, begin, end)()
+
+    def plan_remove(self, seq: int, begin: int, end: int | None = None) -> Callable[[], None]:
+        """Check a removal without doing it: raises as ``remove`` would, else returns the function
+        that does it (call it before anything else touches the cache). ``Wrapper`` uses this to
+        change all its caches or none."""
+        self._check_init("remove")
+        planned = copy.deepcopy(self.cells)
+        shift = planned.remove(seq, begin, end, can_shift=self.shift_fn is not None)
+
+        def commit() -> None:
+            self.cells = planned
+            if shift is not None and self.keys:
+                self._apply_shift(shift)
+
+        return commit
+
+    def snapshot(self) -> object:
+        """The bookkeeping (not the tensors), for ``restore`` after a failed multi-cache step."""
+        self._check_init("snapshot")
+        return copy.deepcopy(self.cells)
+
+    def restore(self, snapshot: object) -> None:
+        self.cells = snapshot
+        self._pass = None
 
     def _apply_shift(self, shift: Shift) -> None:
         """Copy the split cells, then re-rotate the moved keys by ``shift.delta`` (graphs of their own)."""
@@ -157,13 +268,17 @@ class Causal(Cache):
                 dst = ctx.from_numpy(shift.copies[:, 1], DType.I32)
                 ctx.compute(*[store.set_rows(store.rows(src), dst)
                               for stores in (self.keys, self.values) for store in stores.values()])
+        n = shift.cells.size
         with self.backend.new_context() as ctx:
             moved = ctx.from_numpy(shift.cells, DType.I32)
-            delta = ctx.from_numpy(np.full(shift.cells.size, shift.delta, np.int32), DType.I32)
-            dk, heads, _ = self._head_dims
+            delta = ctx.from_numpy(np.full(n, shift.delta, np.int32), DType.I32)
             outputs = []
             for layer, store in self.keys.items():
-                keys = store.rows(moved).reshape(dk, heads, shift.cells.size)
-                rotated = self.shift_fn(ctx, layer, keys, delta)
-                outputs.append(store.set_rows(rotated.reshape(dk * heads, shift.cells.size), moved))
+                dk, heads, _ = self._dims[layer]
+                rotated = self.shift_fn(ctx, layer, store.rows(moved).reshape(dk, heads, n), delta)
+                outputs.append(store.set_rows(rotated.reshape(dk * heads, n), moved))
             ctx.compute(*outputs)
+
+    def _check_init(self, op: str) -> None:
+        if self.cells is None:
+            raise ValueError(f"Causal.{op}: cache is not initialised (call init)")

@@ -1,0 +1,129 @@
+"""Several caches behind one ``Cache``: each layer uses one of them.
+
+For models whose layers attend differently: cross-attention layers (``Encoder``) among
+self-attention ones (``Causal``), or sliding-window layers among full-attention ones (two
+``Causal``). Management calls go to every cache and change all of them or none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from pyggml.kvcache.base import Cache, CacheConfig
+from pyggml.tensor import DType, Tensor
+
+if TYPE_CHECKING:
+    from pyggml.backend import Backend, Context
+    from pyggml.models.input import Batch
+
+
+class Wrapper(Cache):
+    """Route layers to ``caches``: ``layer_types[layer]`` (a sequence or a function) names the
+    cache index ``set_layer`` selects; without it the model selects with ``set_layer_type(index)``
+    (as Ollama's WrapperCache.SetLayerType), and each ``start_forward`` selects cache 0 again.
+    ``put``/``get`` shapes are those of the selected cache.
+
+    Consistency: a cache may offer ``snapshot()``/``restore(state)`` (its bookkeeping) and
+    ``plan_remove(seq, begin, end) -> commit`` (check first, change later), as ``Causal`` and
+    ``Encoder`` do. Then a ``start_forward`` or ``copy_prefix`` that fails in one cache is undone
+    in all, and ``remove`` is checked in every cache before any changes (a NotSupportedError from
+    one leaves all unchanged). Caches without these are called in order, as in Ollama.
+    """
+
+    def __init__(self, *caches: Cache, layer_types: Sequence[int] | Callable[[int], int] | None = None):
+        if not caches:
+            raise ValueError("Wrapper: needs at least one cache")
+        self.caches = caches
+        self.layer_types = layer_types
+        self._current = 0
+
+    # ---- routing ------------------------------------------------------------------------------
+    def set_layer(self, layer: int) -> None:
+        for cache in self.caches:
+            cache.set_layer(layer)
+        if self.layer_types is not None:
+            types = self.layer_types
+            self.set_layer_type(types(layer) if callable(types) else types[layer])
+
+    def set_layer_type(self, index: int) -> None:
+        """Make ``put``/``get`` use ``caches[index]`` until the next selection."""
+        if not 0 <= index < len(self.caches):
+            raise ValueError(f"Wrapper.set_layer_type: index {index} out of range for {len(self.caches)} caches")
+        self._current = index
+
+    @property
+    def current(self) -> Cache:
+        """The cache ``put``/``get`` address now."""
+        return self.caches[self._current]
+
+    def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
+        self.current.put(ctx, key, value)
+
+    def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor | None]:
+        return self.current.get(ctx)
+
+    def set_noncausal(self, start: int, end: int) -> None:
+        """Forwarded to the caches that have masks to bend (see ``Causal.set_noncausal``)."""
+        for cache in self.caches:
+            if hasattr(cache, "set_noncausal"):
+                cache.set_noncausal(start, end)
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def set_config(self, config: CacheConfig) -> None:
+        self.config = config
+        for cache in self.caches:
+            cache.set_config(config)
+
+    def init(self, backend: Backend, dtype: DType | str = DType.F16, max_sequences: int = 1, capacity: int = 4096,
+             max_batch: int = 512) -> None:
+        for cache in self.caches:
+            cache.init(backend, dtype, max_sequences, capacity, max_batch)
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.close()
+
+    # ---- management: all or none ----------------------------------------------------------------
+    def start_forward(self, ctx: Context, batch: Batch, reserve: bool = False) -> None:
+        self._all_or_none(lambda cache: cache.start_forward(ctx, batch, reserve))
+        if self.layer_types is None:
+            self._current = 0
+
+    def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
+        self._all_or_none(lambda cache: cache.copy_prefix(src_seq, dst_seq, length))
+
+    def can_resume(self, seq: int, pos: int) -> bool:
+        return all(cache.can_resume(seq, pos) for cache in self.caches)
+
+    def remove(self, seq: int, begin: int, end: int | None = None) -> None:
+        self.plan_remove(seq, begin, end)()
+
+    def plan_remove(self, seq: int, begin: int, end: int | None = None) -> Callable[[], None]:
+        """Check the removal in every cache (raising changes nothing); returns the function that
+        does it in all."""
+        commits = [cache.plan_remove(seq, begin, end) if hasattr(cache, "plan_remove")
+                   else (lambda cache=cache: cache.remove(seq, begin, end)) for cache in self.caches]
+
+        def commit() -> None:
+            for fn in commits:
+                fn()
+
+        return commit
+
+    def snapshot(self) -> object:
+        return [cache.snapshot() if hasattr(cache, "snapshot") else None for cache in self.caches]
+
+    def restore(self, snapshot: object) -> None:
+        for cache, state in zip(self.caches, snapshot, strict=True):
+            if state is not None:
+                cache.restore(state)
+
+    def _all_or_none(self, op: Callable[[Cache], None]) -> None:
+        states = self.snapshot()
+        try:
+            for cache in self.caches:
+                op(cache)
+        except BaseException:
+            self.restore(states)
+            raise
