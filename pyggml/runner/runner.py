@@ -1,0 +1,415 @@
+"""Continuous batching: many sequences share one model, one KV cache and every forward pass.
+
+A loop thread owns the model. Each step it admits waiting requests into free cache slots
+(reusing cached prompt prefixes, see ``InputCache``), packs one batch of at most ``batch_size``
+inputs (first one decode token per generating sequence, then pending prompt tokens), asks for
+logits only where a token will be sampled (a sequence's last pending input), computes, and
+samples each sequence with its own Sampler.
+
+Build-ahead: with ``build_ahead=True`` the loop builds batch N+1's graph while batch N computes
+in a worker thread (cffi releases the GIL around ggml's compute). Nothing in the KV bookkeeping of N+1 depends on N's
+results: a sequence whose next token is still being computed gets a placeholder input, and its
+id is written into N+1's token array after N is sampled, just before N+1 is launched (the same
+scheme as Ollama's runner). The one compute outside batches, a context shift (re-rotating keys),
+first waits for the batch in flight, so the tensors always see the bookkeeping's order.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pyggml.models import Batch, Input, Model, ModelError
+from pyggml.runner.inputcache import InputCache, ReprocessInputsError
+from pyggml.runner.sequence import MAX_LOGPROBS, CompletionRequest, CompletionStream, RunningSequence
+from pyggml.tensor import DType
+
+log = logging.getLogger(__name__)
+
+_UNSET = -1  # token id of a placeholder input whose token is not sampled yet
+
+
+class EmbeddingsNotSupportedError(NotImplementedError):
+    """The model produces no embeddings (it has no pooling output)."""
+
+
+class RunnerClosedError(RuntimeError):
+    """The runner was closed (or stopped on an internal error)."""
+
+
+class _Batch(Batch):
+    """A batch whose token ids are one int32 array that the graph reads when it computes, so ids
+    sampled from the previous batch can still be written after the graph is built."""
+
+    def __init__(self, ids: np.ndarray, **fields):
+        super().__init__(inputs=ids, **fields)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.inputs
+
+
+@dataclass(eq=False)
+class _Step:
+    """One built batch: its graph, where each sequence's logits row is, and the inputs whose
+    token ids are filled in just before it computes."""
+
+    ctx: Any = None
+    logits: Any = None
+    ids: np.ndarray | None = None
+    rows: list[RunningSequence] = field(default_factory=list)  # the sequence of each logits row
+    late: list[tuple[int, Input, RunningSequence]] = field(default_factory=list)  # placeholders by batch index
+    seqs: list[RunningSequence] = field(default_factory=list)  # every sequence with inputs in the batch
+    finishing: list[RunningSequence] = field(default_factory=list)  # done once the batch is computed
+    future: Future | None = None
+
+
+class Runner:
+    """Serves completions of ``parallel`` sequences at once, each with a context of ``num_ctx``
+    tokens (the model's cache holds ``parallel * num_ctx``). ``completion`` may be called from
+    any thread; one loop thread does all model work. One runner per model; close it before the
+    model."""
+
+    def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
+                 cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool = True):
+        if model.tokenizer is None:
+            raise ModelError("the model file has no tokenizer (tokenizer.ggml.* keys)")
+        if model.cache is None:
+            raise ModelError("the model has no KV cache; the runner needs one")
+        for name, value, low in (("parallel", parallel, 1), ("num_ctx", num_ctx, 2), ("batch_size", batch_size, 1)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"Runner: {name} must be an int >= {low}, got {value!r}")
+        self.model, self.tokenizer = model, model.tokenizer
+        self.parallel, self.num_ctx = parallel, num_ctx
+        self.batch_size = min(batch_size, num_ctx)
+        model.cache.init(model.backend, DType.parse(cache_type), max_sequences=parallel, capacity=num_ctx,
+                         max_batch=self.batch_size)
+        self.input_cache = InputCache(parallel * num_ctx, parallel, multi_user_cache, model.cache, self.batch_size)
+        in_place = self._reserve()
+        self.build_ahead = build_ahead and in_place
+        self._cond = threading.Condition()
+        self._waiting: deque[RunningSequence] = deque()
+        self._active: list[RunningSequence] = []
+        self._closing = False
+        self._in_flight: _Step | None = None  # the batch computing in the worker (build-ahead)
+        self._error: BaseException | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-compute") if self.build_ahead else None
+        self._thread = threading.Thread(target=self._loop, name="pyggml-runner", daemon=True)
+        self._thread.start()
+
+    # ---- start-up -------------------------------------------------------------------------------
+    def _reserve(self) -> bool:
+        """Allocate the KV cache and the compute memory of the largest batch now, so running out of
+        memory fails here rather than mid-request. Returns whether the model's graph reads the
+        batch's token array in place (what build-ahead needs)."""
+        n = self.batch_size
+        n_out = min(n, self.parallel)
+        batch = _Batch(np.zeros(n, np.int32), outputs=list(range(n - n_out, n)), positions=list(range(n)),
+                       sequences=[0] * n)
+        backend = self.model.backend
+        try:
+            with backend.new_context() as ctx:
+                self.model.cache.start_forward(ctx, batch, reserve=True)
+                ctx.forward(self.model.forward(ctx, batch))
+                in_place = _reads_in_place(ctx, batch.tokens)
+                ctx.reserve()
+        except MemoryError as exc:
+            raise MemoryError(f"not enough memory for {self.parallel} sequences of {self.num_ctx} tokens and "
+                              f"batches of {n}: lower parallel, num_ctx or batch_size ({exc})") from exc
+        return in_place
+
+    # ---- API ------------------------------------------------------------------------------------
+    def completion(self, request: CompletionRequest) -> CompletionStream:
+        """Queue a completion; iterate the result for its chunks (the last has ``done=True``)."""
+        seq = self._prepare(request)
+        with self._cond:
+            if self._closing:
+                raise RunnerClosedError(f"the runner is closed{f': {self._error}' if self._error else ''}")
+            self._waiting.append(seq)
+            self._cond.notify()
+        return CompletionStream(seq, self._wake)
+
+    def embedding(self, text: str) -> np.ndarray:
+        raise EmbeddingsNotSupportedError(
+            f"the {self.model.architecture or 'loaded'} model generates text and has no embedding output; "
+            "embeddings need an embedding model (none is supported yet)")
+
+    @property
+    def active_sequences(self) -> int:
+        return len(self._active)
+
+    def close(self) -> None:
+        """Cancel what is running or waiting and stop the loop thread (the model stays open)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        if self._pool is not None:
+            self._pool.shutdown()
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _prepare(self, request: CompletionRequest) -> RunningSequence:
+        """Validate a request (ValueError saying what is wrong) and tokenize its prompt."""
+        if not isinstance(request, CompletionRequest):
+            raise TypeError(f"completion: expected a CompletionRequest, got {type(request).__name__}")
+        prompt = request.prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("empty prompt")
+            ids = self.tokenizer.encode(prompt, add_special=True)
+        elif isinstance(prompt, Sequence) and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.tokenizer.vocab_size]
+            if bad:
+                raise ValueError(f"prompt token ids out of range 0..{self.tokenizer.vocab_size - 1}: {bad[:5]}")
+        else:
+            raise ValueError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise ValueError("empty prompt")
+        if len(ids) > self.num_ctx:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {self.num_ctx} tokens "
+                             "(raise num_ctx or shorten the prompt)")
+        _check_int("max_tokens", request.max_tokens, -1)
+        _check_int("num_keep", request.num_keep, -1)
+        _check_int("logprobs", request.logprobs, 0, MAX_LOGPROBS)
+        stops = [request.stop] if isinstance(request.stop, str) else list(request.stop)
+        if not all(isinstance(s, str) for s in stops):
+            raise ValueError(f"stop must be a string or a list of strings, got {request.stop!r}")
+        bias = dict(request.logit_bias or {})
+        if any(not isinstance(t, (int, np.integer)) or not 0 <= t < self.tokenizer.vocab_size for t in bias):
+            raise ValueError(f"logit_bias keys must be token ids in 0..{self.tokenizer.vocab_size - 1}")
+        if any(not isinstance(v, (int, float)) or math.isnan(v) for v in bias.values()):
+            raise ValueError("logit_bias values must be numbers")
+        if request.seed is not None:
+            _check_int("seed", request.seed, 0)
+        num_keep = len(ids) if request.num_keep < 0 else request.num_keep
+        try:  # the Sampler checks the sampling options
+            return RunningSequence(request, ids, self.tokenizer, [s for s in stops if s],
+                                   min(num_keep, self.num_ctx - 1))
+        except TypeError as exc:
+            raise ValueError(f"bad sampling option: {exc}") from exc
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._closing or self._waiting or self._active or self._in_flight):
+                        self._cond.wait()
+                    closing = self._closing
+                    dropped = [s for s in self._waiting if s.cancelled]
+                    for seq in dropped:
+                        self._waiting.remove(seq)
+                    admitted = []
+                    while self._waiting and len(self._active) + len(admitted) < self.parallel and not closing:
+                        admitted.append(self._waiting.popleft())
+                for seq in dropped:
+                    seq.finish("cancelled")
+                if closing:
+                    break
+                for seq in admitted:
+                    self._admit(seq)
+                step = self._build()
+                if self._in_flight is not None:
+                    self._complete(self._in_flight)
+                    self._in_flight = None
+                if step is None:
+                    continue
+                self._fill(step)
+                if self.build_ahead:
+                    step.future = self._pool.submit(self._compute, step)
+                    self._in_flight = step
+                else:
+                    self._complete(step)
+        except BaseException as exc:  # a bug: fail everything rather than hang the callers
+            log.exception("runner loop stopped")
+            self._error = exc
+        finally:
+            if self._in_flight is not None:
+                wait([self._in_flight.future])  # let it finish before the model is touched again
+            with self._cond:
+                self._closing = True
+                stranded = list(self._waiting) + [s for s in self._active if not s.done]
+                self._waiting.clear()
+            for seq in stranded:
+                if self._error is None:
+                    self._release(seq, "cancelled")
+                else:
+                    self._release(seq, error=RunnerClosedError(f"the runner stopped: {self._error!r}"))
+
+    def _admit(self, seq: RunningSequence) -> None:
+        seq.t_start = time.perf_counter()
+        slot, remaining = self.input_cache.load_cache_slot(seq.prompt, seq.request.cache_prompt)
+        seq.slot, seq.pending = slot, deque(remaining)
+        seq.cached_tokens = len(seq.prompt) - len(remaining)
+        self._active.append(seq)
+
+    def _build(self) -> _Step | None:
+        """Pack the next batch: decode tokens first, then prompt tokens in arrival order."""
+        ids, positions, sequences, outputs = [], [], [], []
+        step = _Step()
+        for seq in sorted(self._active, key=lambda s: len(s.pending) > 1):
+            if seq.done:
+                continue
+            if seq.cancelled:
+                if not seq.outputs_in_flight:
+                    self._release(seq, "cancelled")
+                continue
+            if not seq.pending and seq.outputs_in_flight and self.build_ahead and seq.wants_logits \
+                    and seq.placeholder is None:
+                seq.placeholder = Input(token=_UNSET)
+                seq.pending.append(seq.placeholder)
+            room = self.batch_size - len(ids)
+            if not seq.pending or not room:
+                continue
+            slot, taken = seq.slot, 0
+            while seq.pending and taken < room:
+                if len(slot.inputs) >= self.num_ctx:
+                    if taken:  # shift only when none of this sequence's inputs wait in a batch being built
+                        break
+                    self._shift(seq)
+                    continue
+                inp = seq.pending.popleft()
+                if inp.token == _UNSET:
+                    step.late.append((len(ids), inp, seq))
+                ids.append(inp.token)
+                positions.append(len(slot.inputs))
+                sequences.append(slot.id)
+                slot.inputs.append(inp)
+                taken += 1
+            if taken:
+                step.seqs.append(seq)
+            if taken and not seq.pending:
+                if seq.wants_logits:
+                    outputs.append(len(ids) - 1)
+                    step.rows.append(seq)
+                    seq.outputs_in_flight += 1
+                else:
+                    step.finishing.append(seq)
+        if not ids:
+            return None
+        step.ids = np.array(ids, np.int32)
+        batch = _Batch(step.ids, outputs=outputs, positions=positions, sequences=sequences)
+        ctx = self.model.backend.new_context()
+        try:
+            self.model.cache.start_forward(ctx, batch)
+            step.ctx, step.logits = ctx, self.model.forward(ctx, batch)
+            if step.late and not _reads_in_place(ctx, step.ids):  # the start-up check did not hold
+                self.build_ahead = False
+                raise RuntimeError("the model copied the batch's token ids; build-ahead is now off")
+        except Exception as exc:
+            ctx.close()
+            self._fail_step(step, exc)
+            return None
+        return step
+
+    def _shift(self, seq: RunningSequence) -> None:
+        """Make room in a full slot. Moving keys computes on the cache: the batch in flight, built
+        before the move, must have written its keys and values first (and had its logits read)."""
+        if self._in_flight is not None:
+            wait([self._in_flight.future])
+        try:
+            self.input_cache.shift_cache_slot(seq.slot, seq.num_keep)
+        except ReprocessInputsError as exc:
+            seq.pending.extendleft(reversed(exc.inputs))
+
+    def _fill(self, step: _Step) -> None:
+        """Write the ids sampled since the batch was built. A sequence that failed meanwhile left
+        its placeholder unset (-1 in its slot never matches a prompt): any valid id will do."""
+        for index, inp, seq in step.late:
+            if inp.token == _UNSET and not seq.done:
+                raise RuntimeError("internal error: a batch input has no token id")
+            step.ids[index] = max(inp.token, 0)
+
+    def _compute(self, step: _Step) -> np.ndarray | None:
+        try:
+            step.ctx.compute(step.logits)
+            return step.logits.numpy() if step.rows else None
+        finally:
+            step.ctx.close()
+
+    def _complete(self, step: _Step) -> None:
+        """Wait for a batch, then sample each sequence that has a row in it."""
+        try:
+            logits = step.future.result() if step.future is not None else self._compute(step)
+        except Exception as exc:
+            # its keys and values are missing, and later prompts may share them: start over
+            log.error("batch failed: %r", exc)
+            for slot in self.input_cache.slots:
+                slot.inputs = []
+                self.model.cache.remove(slot.id, 0)
+            for seq in list(self._active):
+                self._release(seq, error=exc)
+            return
+        for row, seq in enumerate(step.rows):
+            seq.outputs_in_flight -= 1
+            if seq.done:
+                continue
+            try:
+                token = seq.sampler.sample(logits[row], seq.history)
+            except Exception as exc:
+                self._release(seq, error=exc)
+                continue
+            placeholder, seq.placeholder = seq.placeholder, None
+            if placeholder is not None:
+                placeholder.token = token
+            reason = "cancelled" if seq.cancelled else seq.accept(token, logits[row])
+            if reason:
+                self._release(seq, reason)
+            elif placeholder is None:
+                seq.pending.append(Input(token=token))
+        for seq in step.finishing:
+            if not seq.done:
+                self._release(seq, "cancelled" if seq.cancelled else "length")
+
+    def _fail_step(self, step: _Step, exc: BaseException) -> None:
+        """A batch could not be built: its sequences fail and their slots start over."""
+        log.error("batch could not be built: %r", exc)
+        for seq in step.seqs + step.rows:
+            if not seq.done:
+                seq.slot.inputs = []
+                self.model.cache.remove(seq.slot.id, 0)
+                self._release(seq, error=exc)
+
+    def _release(self, seq: RunningSequence, reason: str = "", error: BaseException | None = None) -> None:
+        """Finish a sequence and free its slot (what it computed stays cached for later prompts)."""
+        if seq.slot is not None:
+            seq.slot.in_use = False
+        if seq in self._active:
+            self._active.remove(seq)
+        if error is not None:
+            seq.fail(error)
+        else:
+            seq.finish(reason)
+
+
+def _reads_in_place(ctx, ids: np.ndarray) -> bool:
+    """Whether the graph's token input is ``ids`` itself rather than a copy. The Context keeps
+    its inputs' host arrays until it computes; there is no public accessor for them yet."""
+    return any(np.may_share_memory(data, ids) for data in ctx._state.inputs.values())
+
+
+def _check_int(name: str, value: object, low: int, high: int | None = None) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low or \
+            (high is not None and value > high):
+        limits = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"{name} must be an int {limits}, got {value!r}")

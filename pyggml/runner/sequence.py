@@ -1,0 +1,235 @@
+"""Requests and streamed chunks; one running sequence's sampling, detokenizing and stop logic; the
+consumer's side of a completion (``CompletionStream``)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pyggml.models import Input
+from pyggml.runner.inputcache import InputCacheSlot
+from pyggml.sample import Sampler, logprobs
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class CompletionRequest:
+    """One completion. ``max_tokens=-1`` generates until an end-of-generation token, a stop string
+    or cancellation (shifting the context as needed); ``0`` only processes (and caches) the prompt.
+    ``logprobs=n`` reports each token's log-probability and the ``n`` most likely alternatives.
+    ``num_keep``: prompt tokens kept at the start when the context shifts (-1: the whole prompt)."""
+
+    prompt: str | Sequence[int]
+    max_tokens: int = 128
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.9
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] = ()
+    logprobs: int = 0
+    cache_prompt: bool = True
+    num_keep: int = 4
+
+    def sampler(self) -> Sampler:
+        return Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                       typical_p=self.typical_p, repeat_penalty=self.repeat_penalty,
+                       repeat_last_n=self.repeat_last_n, presence_penalty=self.presence_penalty,
+                       frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, seed=self.seed)
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, logprob), most likely first
+
+
+@dataclass
+class Timings:
+    queued_seconds: float = 0.0  # waiting for a free sequence
+    prompt_seconds: float = 0.0  # from admission to the first sampled token
+    generate_seconds: float = 0.0  # from the first sampled token to the end
+
+
+@dataclass
+class CompletionChunk:
+    """A piece of streamed output: ``text`` (always whole characters) and the token ids sampled
+    since the previous chunk. The last chunk has ``done=True``, the finish reason and the counts:
+    ``prompt_tokens`` (the whole prompt), ``cached_tokens`` (of which reused from the cache),
+    ``generated_tokens`` (sampled, including an end-of-generation token)."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    done: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    timings: Timings | None = None
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index of the earliest stop string in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def partial_stop(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class RunningSequence:
+    """A request while the runner works on it. Only the runner's loop thread touches it, except
+    ``cancelled`` (set by the consumer) and ``out`` (read by the consumer)."""
+
+    def __init__(self, request: CompletionRequest, ids: list[int], tokenizer, stops: list[str], num_keep: int):
+        self.request = request
+        self.prompt = [Input(token=t) for t in ids]
+        self.history = list(ids)  # prompt + generated tokens, for the penalties
+        self.sampler = request.sampler()
+        self.tokenizer = tokenizer
+        self.decoder = tokenizer.stream(skip_special=True, continuation=True)
+        self.stops = stops
+        self.num_keep = num_keep
+        self.slot: InputCacheSlot | None = None
+        self.pending: deque[Input] = deque()  # inputs still to put in a batch
+        self.outputs_in_flight = 0  # outputs of this sequence in batches not yet sampled
+        self.placeholder: Input | None = None  # an input in a built batch whose token the next sample gives
+        self.generated = 0
+        self.cached_tokens = 0
+        self.cancelled = False
+        self.done = False
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.finished = threading.Event()
+        self._text = ""  # decoded text held back (it may begin a stop string)
+        self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self.t_queued = time.perf_counter()
+        self.t_start = self.t_first = 0.0
+
+    @property
+    def wants_logits(self) -> bool:
+        """Whether another token will be sampled after the outputs already in flight."""
+        limit = self.request.max_tokens
+        return limit < 0 or self.generated + self.outputs_in_flight < limit
+
+    def accept(self, token: int, logits: np.ndarray) -> str | None:
+        """Take a sampled token: stream the text it completes; returns a finish reason or None."""
+        if not self.generated:
+            self.t_first = time.perf_counter()
+        self.generated += 1
+        if self.tokenizer.is_eog(token):
+            return "stop"
+        self.history.append(token)
+        self._tokens.append(token)
+        if self.request.logprobs:
+            lp, top = logprobs(logits, token, self.request.logprobs)
+            self._logprobs.append(TokenLogprob(token, lp, top))
+        self._text += self.decoder.feed(token)
+        cut = find_stop(self._text, self.stops)
+        if cut is not None:
+            self._text = self._text[:cut]
+            return "stop"
+        emit = len(self._text) - partial_stop(self._text, self.stops)
+        if emit:
+            self.out.put(self._chunk(self._text[:emit]))
+            self._text = self._text[emit:]
+        if 0 <= self.request.max_tokens <= self.generated:
+            return "length"
+        return None
+
+    def finish(self, reason: str) -> None:
+        """Send the held-back text and the final counts."""
+        self.done = True
+        if reason == "length":
+            self._text += self.decoder.flush()
+            cut = find_stop(self._text, self.stops)
+            if cut is not None:
+                self._text, reason = self._text[:cut], "stop"
+        now = time.perf_counter()
+        start = self.t_start or now
+        first = self.t_first or now
+        chunk = self._chunk(self._text)
+        chunk.done, chunk.finish_reason = True, reason
+        chunk.prompt_tokens, chunk.cached_tokens = len(self.prompt), self.cached_tokens
+        chunk.generated_tokens = self.generated
+        chunk.timings = Timings(queued_seconds=start - self.t_queued, prompt_seconds=first - start,
+                                generate_seconds=now - first)
+        self._text = ""
+        self.out.put(chunk)
+        self.finished.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.done = True
+        self.out.put(error)
+        self.finished.set()
+
+    def _chunk(self, text: str) -> CompletionChunk:
+        chunk = CompletionChunk(text=text, tokens=self._tokens,
+                                logprobs=self._logprobs if self.request.logprobs else None)
+        self._tokens, self._logprobs = [], []
+        return chunk
+
+
+class CompletionStream(Iterator[CompletionChunk]):
+    """The chunks of one completion. ``close()``/``cancel()`` stop it and free its slot."""
+
+    def __init__(self, seq: RunningSequence, wake: Callable[[], None]):
+        self._seq, self._wake = seq, wake
+        self._over = False
+
+    def __next__(self) -> CompletionChunk:
+        if self._over:
+            raise StopIteration
+        item = self._seq.out.get()
+        if isinstance(item, BaseException):
+            self._over = True
+            raise item
+        self._over = item.done
+        return item
+
+    def cancel(self) -> None:
+        """Stop generating; the final chunk (finish_reason "cancelled") is still queued."""
+        if not self._seq.finished.is_set():
+            self._seq.cancelled = True
+            self._wake()
+
+    def close(self) -> None:
+        """Cancel and end the iteration."""
+        self.cancel()
+        self._over = True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the runner is done with this completion (its slot is free)."""
+        return self._seq.finished.wait(timeout)
+
+    def __enter__(self) -> CompletionStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.cancel()

@@ -1,0 +1,386 @@
+"""Runner: continuous batching gives each request what it gets alone; prompt reuse across
+requests; context shift; stops; cancellation; validation. On stories260K (when present) and on a
+synthetic random-weight model (always)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from pyggml import BackendParams, models
+from pyggml.backend import Context
+from pyggml.kvcache import Causal
+from pyggml.runner import (
+    CompletionRequest,
+    EmbeddingsNotSupportedError,
+    Runner,
+    RunnerClosedError,
+    count_common_prefix,
+)
+from pyggml.runner.sequence import RunningSequence
+from pyggml.synthetic import write_synthetic
+
+from .conftest import SHARED_MODELS
+
+STORIES = SHARED_MODELS / "stories260K.gguf"
+
+
+def load(path):
+    return models.load(path, BackendParams(n_threads=1))
+
+
+@pytest.fixture(scope="module")
+def synthetic_path(tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("synthetic") / "tiny.gguf", "tiny", "f32")
+
+
+@pytest.fixture(scope="module")
+def stories_path():
+    if not STORIES.exists():
+        pytest.skip(f"{STORIES} is absent")
+    return STORIES
+
+
+@pytest.fixture(params=["stories", "synthetic"])
+def model_path(request):
+    return request.getfixturevalue(f"{request.param}_path")
+
+
+@pytest.fixture
+def stories(stories_path):
+    model = load(stories_path)
+    yield model
+    model.close()
+
+
+def run(runner: Runner, prompt, **options):
+    """(text, chunks) of one completion; greedy unless options say otherwise."""
+    options.setdefault("temperature", 0.0)
+    chunks = list(runner.completion(CompletionRequest(prompt, **options)))
+    return "".join(c.text for c in chunks), chunks
+
+
+def run_concurrently(runner: Runner, requests: list[dict]) -> list[tuple[str, list]]:
+    results: list = [None] * len(requests)
+
+    def work(i):
+        results[i] = run(runner, **requests[i])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def tokens_of(chunks) -> list[int]:
+    return [t for c in chunks for t in c.tokens]
+
+
+def slots_free(runner: Runner) -> bool:
+    return all(not s.in_use for s in runner.input_cache.slots) and runner.active_sequences == 0
+
+
+def test_completion_streams_text_then_a_final_chunk(stories):
+    with Runner(stories, parallel=2, num_ctx=128, batch_size=32) as runner:
+        text, chunks = run(runner, "Once upon a time", max_tokens=24)
+    assert text.startswith(", there was a little girl named Lily.")
+    assert len(chunks) > 2 and all(not c.done for c in chunks[:-1])
+    last = chunks[-1]
+    assert last.done and last.finish_reason == "length"
+    assert last.generated_tokens == 24 and last.prompt_tokens == 5 and last.cached_tokens == 0
+    assert stories.tokenizer.decode(tokens_of(chunks), continuation=True) == text
+    assert last.timings.prompt_seconds > 0 and last.timings.generate_seconds > 0
+
+
+@pytest.mark.parametrize("build_ahead", [True, False])
+def test_concurrent_greedy_requests_match_each_request_alone(model_path, build_ahead):
+    model = load(model_path)
+    requests = [dict(prompt=p, max_tokens=n) for p, n in
+                [("Once upon a time", 30), ("Lily went to the", 12), ("The cat", 25), ("Tom had a big red", 18)]]
+    with Runner(model, parallel=4, num_ctx=128, batch_size=16, build_ahead=build_ahead) as runner:
+        assert runner.build_ahead == build_ahead
+        alone = [run(runner, **r) for r in requests]
+        together = run_concurrently(runner, requests)
+    model.close()
+    for (text, chunks), (text2, chunks2) in zip(alone, together, strict=True):
+        assert text2 == text and tokens_of(chunks2) == tokens_of(chunks)
+        assert chunks2[-1].generated_tokens == chunks[-1].generated_tokens
+
+
+def test_concurrent_seeded_requests_match_each_request_alone(model_path):
+    model = load(model_path)
+    requests = [dict(prompt="Once upon a time", max_tokens=20, temperature=1.0, top_k=0, top_p=1.0, seed=s)
+                for s in (1, 2, 3)]
+    with Runner(model, parallel=3, num_ctx=64, batch_size=16) as runner:
+        alone = [run(runner, **r)[0] for r in requests]
+        together = [text for text, _ in run_concurrently(runner, requests)]
+    model.close()
+    assert together == alone
+    assert len(set(alone)) > 1  # different seeds, different samples
+
+
+@pytest.mark.parametrize("multi_user", [True, False])
+def test_a_shared_system_prompt_is_processed_once(stories, multi_user):
+    system = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park."
+    prompts = [system + " One day", system + " Tom came", system + " The sun was"]
+    ids = [stories.tokenizer.encode(p) for p in prompts]
+    shared = min(count_common_prefix(ids[0], other) for other in ids[1:])  # count_common_prefix works on ints too
+    assert shared > 20
+    with Runner(stories, parallel=3, num_ctx=128, batch_size=32, multi_user_cache=multi_user) as runner:
+        first = run(runner, prompts[0], max_tokens=8)
+        if multi_user:
+            later = run_concurrently(runner, [dict(prompt=p, max_tokens=8) for p in prompts[1:]])
+        else:
+            later = [run(runner, p, max_tokens=8) for p in prompts[1:]]
+        fresh = [run(runner, p, max_tokens=8, cache_prompt=False) for p in prompts]
+    assert first[1][-1].cached_tokens == 0
+    for (_, chunks), prompt_ids in zip(later, ids[1:], strict=True):
+        last = chunks[-1]
+        assert last.prompt_tokens == len(prompt_ids) and last.cached_tokens == shared
+    for (text, _), (fresh_text, fresh_chunks) in zip([first, *later], fresh, strict=True):
+        assert text == fresh_text and fresh_chunks[-1].cached_tokens == 0
+
+
+def test_a_repeated_prompt_reuses_all_but_its_last_token(stories):
+    with Runner(stories, parallel=1, num_ctx=64, batch_size=16) as runner:
+        a, _ = run(runner, "Once upon a time", max_tokens=6)
+        b, chunks = run(runner, "Once upon a time", max_tokens=6)
+    assert a == b and chunks[-1].cached_tokens == chunks[-1].prompt_tokens - 1
+
+
+def test_context_shift_keeps_generating_past_num_ctx(stories):
+    with Runner(stories, parallel=2, num_ctx=32, batch_size=16) as runner:
+        _, long_ctx = run(runner, "Once upon a time", max_tokens=26)
+        text, chunks = run(runner, "Once upon a time", max_tokens=80, cache_prompt=False)
+        assert all(len(s.inputs) <= 32 for s in runner.input_cache.slots)
+    assert chunks[-1].finish_reason == "length" and chunks[-1].generated_tokens == 80
+    assert tokens_of(chunks)[:26] == tokens_of(long_ctx)  # identical until the first shift
+    assert len(text) > len("".join(c.text for c in long_ctx))
+
+
+def test_a_prompt_filling_the_whole_context_shifts_before_its_first_token(stories):
+    prompt = stories.tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play "
+                                      "outside in the park with her friends")[:32]
+    with Runner(stories, parallel=1, num_ctx=32, batch_size=16) as runner:
+        _, chunks = run(runner, prompt, max_tokens=5, num_keep=-1)  # keeps 31, the most it can
+    assert len(prompt) == 32 and chunks[-1].generated_tokens == 5
+
+
+@pytest.mark.parametrize("build_ahead", [True, False])
+def test_concurrent_requests_with_shifts_and_cancels_match_solo_runs(stories, build_ahead):
+    words = "Lily Tom park sun cat dog played little big red ball happy".split()
+    requests = [dict(prompt="Once upon a time " + " ".join(words[i:i + 2 + i]), max_tokens=n, seed=i,
+                     temperature=t, stop=stop)
+                for i, (n, t, stop) in enumerate([(40, 0.0, ()), (6, 0.9, ()), (35, 0.9, ("park.",)),
+                                                  (12, 0.0, ("Lily",)), (30, 0.0, ()), (45, 0.9, ())])]
+    with Runner(stories, parallel=1, num_ctx=32, batch_size=8, build_ahead=False) as solo_runner:
+        solo = [run(solo_runner, **r, cache_prompt=False) for r in requests]
+    with Runner(stories, parallel=3, num_ctx=32, batch_size=8, build_ahead=build_ahead) as runner:
+        cancelled = runner.completion(CompletionRequest("Once upon a time", max_tokens=-1))
+        next(cancelled)
+        together = run_concurrently(runner, requests)
+        cancelled.close()
+        assert cancelled.wait(30) and slots_free(runner)
+    for (text, chunks), (text2, chunks2) in zip(solo, together, strict=True):
+        assert (text2, chunks2[-1].finish_reason) == (text, chunks[-1].finish_reason)
+    assert any(c[-1].generated_tokens + c[-1].prompt_tokens > 32 for _, c in solo)  # some shifted
+
+
+def test_context_shift_reprocesses_when_the_cache_cannot_shift(stories_path):
+    model = load(stories_path)
+    model.cache = Causal(None)  # a model without a key-shift function
+    with Runner(model, parallel=1, num_ctx=32, batch_size=16) as runner:
+        text, chunks = run(runner, "Once upon a time", max_tokens=60)
+        slot = runner.input_cache.slots[0]
+        assert 0 < len(slot.inputs) <= 32
+    model.close()
+    assert chunks[-1].generated_tokens == 60 and text
+
+
+def test_stop_string_split_across_tokens_is_held_back_and_cut(stories):
+    with Runner(stories, parallel=1, num_ctx=128, batch_size=32) as runner:
+        whole, _ = run(runner, "Once upon a time", max_tokens=40)
+        assert len(stories.tokenizer.encode(" girl named", add_special=False)) > 1
+        text, chunks = run(runner, "Once upon a time", max_tokens=40, stop=["girl named", "zzz"])
+        assert text == whole[:whole.index("girl named")]
+        assert chunks[-1].finish_reason == "stop"
+        assert not any("girl" in c.text for c in chunks)  # "girl" was held back, never sent
+        text, _ = run(runner, "Once upon a time", max_tokens=40, stop="Lily")
+        assert text == whole[:whole.index("Lily")]
+
+
+def test_end_of_generation_token_stops(model_path):
+    model = load(model_path)
+    eos = model.tokenizer.eos
+    with Runner(model, parallel=1, num_ctx=64, batch_size=16) as runner:
+        text, chunks = run(runner, "Once upon a time", max_tokens=10, logit_bias={eos: 1000.0})
+    model.close()
+    assert text == "" and chunks[-1].finish_reason == "stop" and chunks[-1].generated_tokens == 1
+    assert tokens_of(chunks) == []
+
+
+def test_logprobs_are_reported_per_token(stories):
+    with Runner(stories, parallel=1, num_ctx=64, batch_size=16) as runner:
+        _, chunks = run(runner, "Once upon a time", max_tokens=5, logprobs=3)
+    entries = [lp for c in chunks for lp in (c.logprobs or [])]
+    assert [e.token for e in entries] == tokens_of(chunks) and len(entries) == 5
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top) == 3
+        assert e.top[0][0] == e.token  # greedy picks the most likely
+        assert [p for _, p in e.top] == sorted((p for _, p in e.top), reverse=True)
+
+
+def test_max_tokens_zero_only_caches_the_prompt(stories):
+    with Runner(stories, parallel=1, num_ctx=64, batch_size=16) as runner:
+        text, chunks = run(runner, "Once upon a time, Lily", max_tokens=0)
+        _, again = run(runner, "Once upon a time, Lily went", max_tokens=3)
+    assert text == "" and chunks[-1].finish_reason == "length" and chunks[-1].generated_tokens == 0
+    assert again[-1].cached_tokens == len(stories.tokenizer.encode("Once upon a time, Lily"))
+
+
+def test_prompt_as_token_ids(stories):
+    with Runner(stories, parallel=1, num_ctx=64, batch_size=16) as runner:
+        by_text, _ = run(runner, "Once upon a time", max_tokens=8)
+        by_ids, _ = run(runner, stories.tokenizer.encode("Once upon a time"), max_tokens=8)
+    assert by_ids == by_text
+
+
+def test_closing_the_stream_cancels_and_frees_the_slot(model_path):
+    model = load(model_path)
+    with Runner(model, parallel=2, num_ctx=64, batch_size=16) as runner:
+        stream = runner.completion(CompletionRequest("Once upon a time", max_tokens=-1, temperature=0))
+        first = next(stream)
+        assert not first.done
+        stream.close()
+        assert stream.wait(30) and slots_free(runner)
+        with pytest.raises(StopIteration):
+            next(stream)
+        text, chunks = run(runner, "Once upon a time", max_tokens=4)  # the runner goes on
+        assert chunks[-1].finish_reason == "length"
+    model.close()
+
+
+def test_cancel_reports_a_cancelled_final_chunk(stories):
+    with Runner(stories, parallel=1, num_ctx=64, batch_size=16) as runner:
+        stream = runner.completion(CompletionRequest("Once upon a time", max_tokens=-1, temperature=0))
+        chunks = [next(stream)]
+        stream.cancel()
+        chunks += list(stream)
+        assert chunks[-1].done and chunks[-1].finish_reason == "cancelled"
+        assert slots_free(runner)
+
+
+def test_more_requests_than_parallel_wait_their_turn(stories):
+    with Runner(stories, parallel=2, num_ctx=64, batch_size=16) as runner:
+        results = run_concurrently(runner, [dict(prompt="Once upon a time", max_tokens=n) for n in (3, 5, 7, 9, 11)])
+        blocker = runner.completion(CompletionRequest("Lily", max_tokens=-1))
+        waiting = [runner.completion(CompletionRequest("Tom", max_tokens=-1)) for _ in range(2)]
+        waiting[1].cancel()  # cancelled before it got a slot
+        assert waiting[1].wait(30)
+        blocker.close()
+        waiting[0].close()
+        assert blocker.wait(30) and waiting[0].wait(30) and slots_free(runner)
+    assert [r[1][-1].generated_tokens for r in results] == [3, 5, 7, 9, 11]
+    assert [c.finish_reason for c in waiting[1]][-1] == "cancelled"
+
+
+def test_an_error_in_one_sequence_fails_only_that_sequence(stories):
+    banned = {t: float("-inf") for t in range(stories.tokenizer.vocab_size)}
+    with Runner(stories, parallel=2, num_ctx=64, batch_size=16) as runner:
+        other = runner.completion(CompletionRequest("Once upon a time", max_tokens=20, temperature=0))
+        with pytest.raises(ValueError, match="every token has logit -inf"):
+            list(runner.completion(CompletionRequest("Lily", logit_bias=banned)))
+        assert [c.finish_reason for c in other][-1] == "length"
+        assert slots_free(runner)
+
+
+def test_a_failed_compute_fails_the_running_sequences_and_the_runner_goes_on(stories, monkeypatch):
+    compute = Context.compute
+    calls = []
+
+    def flaky(self, *tensors):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("compute failed: simulated")
+        return compute(self, *tensors)
+
+    monkeypatch.setattr(Context, "compute", flaky)
+    with Runner(stories, parallel=2, num_ctx=64, batch_size=16) as runner:
+        with pytest.raises(RuntimeError, match="simulated"):
+            list(runner.completion(CompletionRequest("Once upon a time", max_tokens=10)))
+        assert slots_free(runner) and all(s.inputs == [] for s in runner.input_cache.slots)
+        text, chunks = run(runner, "Once upon a time", max_tokens=24)
+    assert text.startswith(", there was a little girl named Lily.") and chunks[-1].cached_tokens == 0
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(prompt=""), "empty prompt"),
+    (dict(prompt=[]), "empty prompt"),
+    (dict(prompt="Lily " * 200), "does not fit the context of 64"),
+    (dict(prompt=[1, 99999]), "token ids out of range"),
+    (dict(prompt=3.5), "prompt must be a string or a list of token ids"),
+    (dict(prompt="Lily", top_p=2.0), "top_p"),
+    (dict(prompt="Lily", temperature=float("nan")), "temperature"),
+    (dict(prompt="Lily", max_tokens=-2), "max_tokens must be an int >= -1"),
+    (dict(prompt="Lily", logprobs=21), "logprobs must be an int in 0..20"),
+    (dict(prompt="Lily", num_keep=-5), "num_keep"),
+    (dict(prompt="Lily", stop=[1]), "stop must be a string or a list of strings"),
+    (dict(prompt="Lily", logit_bias={99999: 1.0}), "logit_bias keys"),
+    (dict(prompt="Lily", seed=-1), "seed must be an int >= 0"),
+    (dict(prompt="Lily", top_k="many"), "bad sampling option|top_k"),
+])
+def test_bad_requests_are_value_errors(stories, options, match):
+    with Runner(stories, parallel=1, num_ctx=64, batch_size=16) as runner:
+        with pytest.raises(ValueError, match=match):
+            runner.completion(CompletionRequest(**options))
+        assert slots_free(runner)
+
+
+def test_runner_options_are_checked(stories):
+    with pytest.raises(ValueError, match="parallel must be an int >= 1"):
+        Runner(stories, parallel=0)
+    with pytest.raises(ValueError, match="num_ctx"):
+        Runner(stories, num_ctx=1)
+
+
+def test_reserve_fails_fast_with_a_clear_error(stories, monkeypatch):
+    def no_memory(self):
+        raise MemoryError("could not reserve memory for the graph")
+
+    monkeypatch.setattr(Context, "reserve", no_memory)
+    with pytest.raises(MemoryError, match="not enough memory for 2 sequences of 64 tokens and batches of 16"):
+        Runner(stories, parallel=2, num_ctx=64, batch_size=16)
+
+
+def test_embedding_is_not_supported_yet(stories):
+    with Runner(stories, parallel=1, num_ctx=64, batch_size=16) as runner:
+        with pytest.raises(EmbeddingsNotSupportedError, match="no embedding output"):
+            runner.embedding("hello")
+        assert isinstance(EmbeddingsNotSupportedError("x"), NotImplementedError)
+
+
+def test_close_stops_the_loop_and_refuses_new_requests(stories):
+    runner = Runner(stories, parallel=1, num_ctx=64, batch_size=16)
+    stream = runner.completion(CompletionRequest("Once upon a time", max_tokens=-1))
+    next(stream)
+    runner.close()
+    assert not runner._thread.is_alive()
+    assert [c.finish_reason for c in stream][-1] == "cancelled"
+    with pytest.raises(RunnerClosedError):
+        runner.completion(CompletionRequest("Lily"))
+
+
+def test_streamed_text_waits_for_whole_utf8_characters(synthetic_path):
+    model = load(synthetic_path)
+    tok = model.tokenizer
+    seq = RunningSequence(CompletionRequest("x"), [1], tok, stops=[], num_keep=0)
+    euro = [tok.vocab.tokens.index(f"<0x{b:02X}>") for b in "€".encode()]
+    for t in euro[:-1]:
+        assert seq.accept(t, None) is None and seq.out.empty()
+    seq.accept(euro[-1], None)
+    chunk = seq.out.get()
+    assert chunk.text == "€" and chunk.tokens == euro
+    model.close()
