@@ -699,6 +699,8 @@ class Backend:
                 if data is not None and data.size and (data.min() < 0 or data.max() >= bound):
                     raise ValueError(f"{op}: index {int(data.max()) if data.max() >= bound else int(data.min())} "
                                      f"out of range 0..{bound - 1}")
+            if state.leaf_outputs and not lib.ggml_backend_sched_reserve(sched, state.graph):
+                raise MemoryError(_with_log("could not reserve memory for the graph"))
             if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):
                 raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
             for ptr, data in state.inputs.items():
@@ -715,7 +717,7 @@ class _GraphState:
     """What all handles of one Context share: the ggml context, the graph and pending inputs."""
 
     __slots__ = ("ptr", "graph", "graph_size", "max_tensors", "n_tensors", "inputs", "index_checks", "epoch",
-                 "closed")
+                 "closed", "leaf_outputs", "named", "anonymous_inputs")
 
     def __init__(self, max_nodes: int, graph_size: int):
         self.max_tensors = max_nodes
@@ -728,8 +730,13 @@ class _GraphState:
         self.n_tensors = 1  # the graph object
         self.inputs: dict[Any, np.ndarray] = {}
         self.index_checks: list[tuple[Any, int, str]] = []
+        self.named: dict[str, Tensor] = {}
+        self.anonymous_inputs = 0
         self.epoch = 0
         self.closed = False
+        # an input read back as it is (a leaf no node uses): ggml's allocator does not size-check such
+        # leaves when it reuses the previous graph's buffers, so these graphs are re-measured first
+        self.leaf_outputs = False
 
     def __del__(self) -> None:
         # freed when the last handle (and so the last tensor) of the graph is gone, even after close():
@@ -797,9 +804,12 @@ class Context:
             lib.ggml_backend_sched_set_tensor_backend(self.backend._sched, p, self.backend._backends[self._placement])
         return Tensor(p, self, len(shape))
 
-    def from_numpy(self, array: Any, dtype: DType | str | None = None) -> Tensor:
+    def from_numpy(self, array: Any, dtype: DType | str | None = None, *, name: str | None = None) -> Tensor:
         """A graph input holding ``array``: shape ``tuple(reversed(array.shape))``; data is
-        converted to ``dtype`` (F32, F16, I32, ...; default: the array's own type)."""
+        converted to ``dtype`` (F32, F16, I32, ...; default: the array's own type).
+
+        A ``name`` lets the data be replaced later with ``set_input(name, array)``, so the graph
+        can be computed again for new inputs of the same shape without being rebuilt."""
         array = np.asarray(array)
         if array.ndim == 0:
             array = array.reshape(1)
@@ -815,7 +825,31 @@ class Context:
         if dtype.numpy_dtype is None:
             raise TypeError(f"from_numpy: cannot convert numpy data to {dtype.name}; use F32/F16/I32 inputs")
         self._set_input(t, _prepare_host_array(array, dtype, shape, "from_numpy"))
+        state = self._state
+        if name is None:
+            state.anonymous_inputs += 1
+        elif name in state.named:
+            raise ValueError(f"from_numpy: this graph already has an input named {name!r}")
+        else:
+            state.named[name] = t
         return t
+
+    def set_input(self, name: str, array: Any) -> None:
+        """Replace the data of the input created with ``from_numpy(..., name=name)``."""
+        tensor = self._state.named.get(name)
+        if tensor is None:
+            raise KeyError(f"set_input: this graph has no input named {name!r}")
+        self._set_input(tensor, _prepare_host_array(array, tensor.dtype, tensor.shape, "set_input"))
+
+    def input_shape(self, name: str) -> tuple[int, ...] | None:
+        """Shape (ggml order) of the named input, or None if the graph has none."""
+        tensor = self._state.named.get(name)
+        return None if tensor is None else tensor.shape
+
+    @property
+    def reusable(self) -> bool:
+        """Whether every input with data is named, so ``set_input`` can refill all of them."""
+        return self._state.anonymous_inputs == 0
 
     def empty(self, dtype: DType | str, *shape: int) -> Tensor:
         """A graph input with uninitialised data (fill it with ``tensor.set`` before computing)."""
@@ -859,6 +893,8 @@ class Context:
                 raise TypeError(f"forward: expected Tensor, got {type(t).__name__}")
             if t.ctx is not None and t.ctx._state is not state:
                 raise ValueError("forward: tensor belongs to another context")
+            if t.ctx is not None and t._p.op == 0:  # GGML_OP_NONE: a graph input
+                state.leaf_outputs = True
             lib.ggml_build_forward_expand(state.graph, t._p)
         return self
 

@@ -219,6 +219,6 @@ def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Ca
     return out.reshape(d_v * n_heads, n_tokens)
 
 
-def int32_input(ctx: Context, values: Any) -> Tensor:
-    """A 1-d I32 graph input."""
-    return ctx.from_numpy(np.asarray(values, dtype=np.int32).reshape(-1), DType.I32)
+def int32_input(ctx: Context, values: Any, name: str | None = None) -> Tensor:
+    """A 1-d I32 graph input (``name``: refillable with ``ctx.set_input`` for graph reuse)."""
+    return ctx.from_numpy(np.asarray(values, dtype=np.int32).reshape(-1), DType.I32, name=name)

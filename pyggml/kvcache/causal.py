@@ -168,8 +168,32 @@ class Causal(Cache):
             self._pass = _Pass(positions, sequences, None, None, n_kv, reserve)
             return
         inputs = ctx.input()
-        self._pass = _Pass(positions, sequences, inputs.from_numpy(index, DType.I32),
-                           inputs.from_numpy(mask, self.config.mask_dtype), n_kv, reserve)
+        self._pass = _Pass(positions, sequences, inputs.from_numpy(index, DType.I32, name="kv_cells"),
+                           inputs.from_numpy(mask, self.config.mask_dtype, name="kv_mask"), n_kv, reserve)
+
+    def refill(self, ctx: Context, batch: Batch) -> bool:
+        """Place ``batch`` and write its cells and mask into a graph that an earlier
+        ``start_forward`` built for a batch of the same shape, so the graph can be computed again
+        unchanged. Returns False, with the cache unchanged, when the attention width (``n_kv``)
+        moved past the graph's: build a new graph then."""
+        shape = ctx.input_shape("kv_mask")
+        if shape is None or self.cells is None:
+            return False
+        snapshot = self.snapshot()
+        positions = np.asarray(batch.positions, dtype=np.int32)
+        sequences = np.asarray(batch.sequences, dtype=np.int32)
+        if self.swa_window is None and positions.size and int(positions.max()) >= self.capacity:
+            raise ValueError(f"Causal.refill: position {int(positions.max())} is beyond the cache's "
+                             f"context of {self.capacity} positions per sequence")
+        index = self.cells.place(positions, sequences)
+        if self.cells.used_extent(self.config.padding) != shape[0] or positions.size > shape[1]:
+            self.restore(snapshot)
+            return False
+        mask = self.cells.mask(positions, sequences, n_kv=shape[0], dtype=self._mask_dtype)
+        ctx.set_input("kv_cells", index)
+        ctx.set_input("kv_mask", mask)
+        self._pass = None
+        return True
 
     def set_noncausal(self, start: int, end: int) -> None:
         """Let batch rows [start, end) of the forward pass in progress also see each other's

@@ -58,3 +58,9 @@ class Batch:
     @property
     def tokens(self) -> list[int]:
         return [x.token if isinstance(x, Input) else int(x) for x in self.inputs]
+
+    @property
+    def output_rows(self) -> list[int]:
+        """Rows whose logits the model computes: ``outputs``, or the last row when none are wanted
+        (a prompt chunk still needs a valid graph; its logits are ignored)."""
+        return list(self.outputs) if len(self.outputs) else [len(self.inputs) - 1]

@@ -140,10 +140,9 @@ class Llama(Model):
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         w, o = self.weights, self.options
-        tokens = nn.int32_input(ctx.input(), batch.tokens)
-        positions = nn.int32_input(ctx, batch.positions)
-        # with no logits wanted (a prompt chunk), the last row is computed and ignored
-        outputs = nn.int32_input(ctx, batch.outputs if len(batch.outputs) else [len(batch.inputs) - 1])
+        tokens = nn.int32_input(ctx.input(), batch.tokens, "tokens")
+        positions = nn.int32_input(ctx, batch.positions, "positions")
+        outputs = nn.int32_input(ctx, batch.output_rows, "outputs")
         freq_factors = w.rope_freqs.weight if w.rope_freqs is not None else None
         h = w.token_embd(tokens)
         for i, layer in enumerate(w.blk):
