@@ -116,7 +116,10 @@ _NUMPY_OF = {
     DType.I64: np.dtype(np.int64),
 }
 _DTYPE_OF_NUMPY = {v: k for k, v in _NUMPY_OF.items()}
-_FLOAT = (DType.F32, DType.F16, DType.BF16)
+_FLOAT = frozenset({DType.F32, DType.F16, DType.BF16})
+_F32, _F16, _BF16 = int(DType.F32), int(DType.F16), int(DType.BF16)  # plain ints: the cheapest comparisons
+_PERMUTE_TAIL = ((0, 1, 2, 3), (1, 2, 3), (2, 3), (3,), ())
+_ONES = ((1, 1, 1, 1), (1, 1, 1), (1, 1), (1,), ())  # pads an n-d shape to ggml's 4 dims
 _DTYPES = {int(d): d for d in DType}
 # types ggml's CPU matrix product cannot take as the left operand (no vec_dot kernel)
 _NOT_MATMUL = frozenset({DType.I8, DType.I16, DType.I32, DType.I64, DType.F64, DType.Q8_1, DType.Q8_K})
@@ -157,11 +160,11 @@ class Tensor:
 
     __slots__ = ("_p", "ctx", "_ne", "_nd", "_keep")
 
-    def __init__(self, ptr: Any, ctx: Context | None, nd: int, keep: Any = None):
+    def __init__(self, ptr: Any, ctx: Context | None, nd: int, keep: Any = None, ne: tuple | None = None):
         self._p = ptr
         self.ctx = ctx
-        self._ne = tuple(ptr.ne)
-        self._nd = max(1, min(nd, 4))
+        self._ne = tuple(ptr.ne) if ne is None else ne  # ops that keep the shape pass it (saves a C read)
+        self._nd = nd if 0 < nd <= 4 else max(1, min(nd, 4))
         self._keep = keep  # whatever must outlive the pointer (a Backend, a mapped file)
 
     # ---- properties ---------------------------------------------------------------------
@@ -223,7 +226,7 @@ class Tensor:
                 return out
             # a strided view: read its whole extent, then pick the elements with numpy strides
             nbytes = int(lib.ggml_nbytes(p))
-            raw = np.empty(nbytes // np_dtype.itemsize, dtype=np_dtype)
+            raw = np.empty(-(-nbytes // np_dtype.itemsize), dtype=np_dtype)  # never fewer bytes than nbytes
             lib.ggml_backend_tensor_get(p, ffi.from_buffer(raw), 0, nbytes)
             full = np.lib.stride_tricks.as_strided(raw, shape=tuple(reversed(self._ne)),
                                                    strides=tuple(reversed(tuple(p.nb))))
@@ -319,14 +322,15 @@ class Tensor:
         if a[0] % b[0] or a[1] % b[1] or a[2] % b[2] or a[3] % b[3]:
             raise _fail(op, "the right operand must tile the left one (each of its dims divides the left's)",
                         self, other)
-        ta, tb = self._p.type, other._p.type
-        if ta not in _FLOAT or (tb != ta and tb != DType.F32):
+        p, q = self._p, other._p
+        ta, tb = p.type, q.type
+        if ta not in _FLOAT or (tb != ta and tb != _F32):
             raise TypeError(f"{op}: operands must be F32/F16/BF16 with the right one of the same type or F32, "
                             f"got {self.dtype.name} and {other.dtype.name}")
-        if not _rows_packed(self._p):
+        if p.nb[0] != _TYPE_SIZE[ta]:
             raise _fail(op, "the left operand needs contiguous rows (call .contiguous())", self, other)
         ctx = self._ctx_with(other, op)
-        return Tensor(fn(ctx._c(), self._p, other._p), ctx, max(self._nd, other._nd))
+        return Tensor(fn(ctx._c(), p, q), ctx, self._nd if self._nd > other._nd else other._nd, None, a)
 
     def add(self, other: Tensor | float) -> Tensor:
         return self._binary(other, lib.ggml_add, "add")
@@ -354,13 +358,15 @@ class Tensor:
     def __neg__(self) -> Tensor:
         return self.neg()
 
-    def _unary(self, fn: Any, op: str, float_only: bool = True) -> Tensor:
-        if float_only and self._p.type not in _FLOAT:
+    def _unary(self, fn: Any, op: str, float_only: bool = True, same_shape: bool = True) -> Tensor:
+        p = self._p
+        t = p.type
+        if float_only and t not in _FLOAT:
             raise TypeError(f"{op}: needs an F32/F16/BF16 tensor, got {self.dtype.name}")
-        if not _rows_packed(self._p):
+        if p.nb[0] != _TYPE_SIZE[t]:
             raise _fail(op, "rows must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, op)
-        return Tensor(fn(ctx._c(), self._p), ctx, self._nd)
+        return Tensor(fn(ctx._c(), p), ctx, self._nd, None, self._ne if same_shape else None)
 
     def neg(self) -> Tensor:
         return self._unary(lib.ggml_neg, "neg")
@@ -422,7 +428,7 @@ class Tensor:
             raise _fail(op, "gate and up need contiguous rows packed in dims 2 and 3 (call .contiguous())",
                         self, up)
         ctx = self._ctx_with(up, op)
-        return Tensor(fn(ctx._c(), self._p, up._p), ctx, self._nd)
+        return Tensor(fn(ctx._c(), self._p, up._p), ctx, self._nd, None, self._ne)
 
     def scale(self, s: float) -> Tensor:
         return self._float_param_op(lib.ggml_scale, "scale", float(s))
@@ -437,29 +443,34 @@ class Tensor:
         return self._float_param_op(lib.ggml_clamp, "clamp", float(min_value), float(max_value))
 
     def _float_param_op(self, fn: Any, op: str, *params: float) -> Tensor:
-        # ggml's CPU scale is F32 only and needs dims 1..3 packed; clamp takes F32/F16 with contiguous rows
+        # ggml's CPU scale is F32 only and needs a contiguous tensor; clamp takes F32/F16 with packed rows
         p = self._p
-        if p.type != DType.F32 and (fn is not lib.ggml_clamp or p.type != DType.F16):
-            raise TypeError(f"{op}: needs an F32 tensor{' (or F16)' if fn is lib.ggml_clamp else ''}, "
-                            f"got {self.dtype.name}")
-        if not _rows_packed(p) or (fn is not lib.ggml_clamp and (
-                p.nb[2] != p.nb[1] * p.ne[1] or p.nb[3] != p.nb[2] * p.ne[2])):
+        t = p.type
+        clamp = fn is lib.ggml_clamp
+        if t != _F32 and (not clamp or t != _F16):
+            raise TypeError(f"{op}: needs an F32 tensor{' (or F16)' if clamp else ''}, got {self.dtype.name}")
+        nb, ne = tuple(p.nb), self._ne
+        # both need ggml_is_padded_1d (packed rows, evenly spaced: the kernels walk row i at i * nb[1]);
+        # scale also ggml_is_contiguous
+        if nb[0] != _TYPE_SIZE[t] or nb[2] != nb[1] * ne[1] or nb[3] != nb[2] * ne[2] or not clamp and not (
+                (ne[1] == 1 or nb[1] == nb[0] * ne[0]) and (ne[2] == 1 or nb[2] == nb[0] * ne[0] * ne[1]) and
+                (ne[3] == 1 or nb[3] == nb[0] * ne[0] * ne[1] * ne[2])):
             raise _fail(op, "the tensor must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, op)
-        return Tensor(fn(ctx._c(), self._p, *params), ctx, self._nd)
+        return Tensor(fn(ctx._c(), self._p, *params), ctx, self._nd, None, self._ne)
 
     # ---- reductions and normalisation ------------------------------------------------------
     def sum_rows(self) -> Tensor:
         """Sum along dim 0 (result has ``shape[0] == 1``)."""
         if self._p.type != DType.F32:
             raise TypeError(f"sum_rows: needs an F32 tensor, got {self.dtype.name}")
-        return self._unary(lib.ggml_sum_rows, "sum_rows")
+        return self._unary(lib.ggml_sum_rows, "sum_rows", same_shape=False)
 
     def mean(self) -> Tensor:
         """Mean along dim 0 (result has ``shape[0] == 1``)."""
         if self._p.type != DType.F32:
             raise TypeError(f"mean: needs an F32 tensor, got {self.dtype.name}")
-        return self._unary(lib.ggml_mean, "mean")
+        return self._unary(lib.ggml_mean, "mean", same_shape=False)
 
     def sum(self) -> Tensor:
         """Sum of all elements (a one-element tensor)."""
@@ -472,6 +483,8 @@ class Tensor:
         """Index of the largest value of each row (I32, shape ``(rows,)``)."""
         if self._p.type != DType.F32 or self._nd > 2:
             raise _fail("argmax", f"needs an F32 matrix, got {self.dtype.name}", self)
+        if not _rows_packed(self._p):
+            raise _fail("argmax", "rows must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, "argmax")
         return Tensor(lib.ggml_argmax(ctx._c(), self._p), ctx, 1)
 
@@ -481,7 +494,7 @@ class Tensor:
         if not _rows_packed(self._p):
             raise _fail(op, "rows must be contiguous", self)
         ctx = self._ctx_with(None, op)
-        return Tensor(fn(ctx._c(), self._p, float(eps)), ctx, self._nd)
+        return Tensor(fn(ctx._c(), self._p, float(eps)), ctx, self._nd, None, self._ne)
 
     def rms_norm(self, eps: float, weight: Tensor | None = None) -> Tensor:
         """Normalise each row by its root mean square; multiply by ``weight`` when given."""
@@ -505,6 +518,8 @@ class Tensor:
             raise _fail("group_norm", f"n_groups={n_groups} must divide dim 2", self)
         if self._p.type != DType.F32:
             raise TypeError(f"group_norm: needs an F32 tensor, got {self.dtype.name}")
+        if not _rows_packed(self._p):
+            raise _fail("group_norm", "rows must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, "group_norm")
         return Tensor(lib.ggml_group_norm(ctx._c(), self._p, int(n_groups), float(eps)), ctx, self._nd)
 
@@ -527,7 +542,8 @@ class Tensor:
                             self, mask)
             mp = mask._p
         ctx = self._ctx_with(mask, "softmax")
-        return Tensor(lib.ggml_soft_max_ext(ctx._c(), self._p, mp, float(scale), float(max_bias)), ctx, self._nd)
+        return Tensor(lib.ggml_soft_max_ext(ctx._c(), self._p, mp, float(scale), float(max_bias)), ctx, self._nd,
+                      None, self._ne)
 
     # ---- matrix products -------------------------------------------------------------------
     def mulmat(self, other: Tensor, *, ctx: Context | None = None) -> Tensor:
@@ -537,19 +553,21 @@ class Tensor:
             raise _fail("mulmat", f"inner dimensions differ ({a[0]} vs {b[0]})", self, other)
         if b[2] % a[2] or b[3] % a[3]:
             raise _fail("mulmat", "dims 2 and 3 of the left operand must divide the right's", self, other)
-        pa = self._p
-        if pa.nb[0] > pa.nb[1]:
+        pa, pb = self._p, other._p
+        ta, tb = pa.type, pb.type
+        nb = pa.nb
+        if nb[0] != _TYPE_SIZE[ta] or nb[0] > nb[1]:
             raise _fail("mulmat", "the left operand must not be transposed (call .contiguous())", self, other)
-        ta, tb = pa.type, other._p.type
         # what ggml's CPU kernels take: F32 on the right always, F16/BF16 only with a matching left
-        if ta in _NOT_MATMUL or not (tb == DType.F32 or (tb == DType.F16 and ta == DType.F16) or
-                                      (tb == DType.BF16 and ta in (DType.BF16, DType.F32))):
+        if ta in _NOT_MATMUL or (tb != _F32 and not ((tb == _F16 and ta == _F16) or
+                                                      (tb == _BF16 and (ta == _BF16 or ta == _F32)))):
             raise TypeError(f"mulmat: unsupported types {self.dtype.name} x {other.dtype.name} (the right operand "
                             "must be F32, or F16/BF16 like a float left operand)")
-        if not _rows_packed(other._p):
+        if pb.nb[0] != _TYPE_SIZE[tb]:
             raise _fail("mulmat", "the right operand needs contiguous rows (call .contiguous())", self, other)
         ctx = self._ctx_with(other, "mulmat", ctx)
-        return Tensor(lib.ggml_mul_mat(ctx._c(), pa, other._p), ctx, max(self._nd, other._nd, 2))
+        nd = self._nd if self._nd > other._nd else other._nd
+        return Tensor(lib.ggml_mul_mat(ctx._c(), pa, pb), ctx, nd if nd > 2 else 2, None, (a[1], b[1], b[2], b[3]))
 
     def mulmat_full_prec(self, other: Tensor) -> Tensor:
         """``mulmat`` accumulating in F32 on backends that would otherwise use F16."""
@@ -569,7 +587,7 @@ class Tensor:
         if self._p.type in _NOT_MATMUL or other._p.type != DType.F32:
             raise TypeError(f"mulmat_id: needs float or quantized experts and an F32 right operand, got "
                             f"{self.dtype.name} and {other.dtype.name}")
-        if self._p.nb[0] > self._p.nb[1] or not _rows_packed(other._p):
+        if self._p.nb[0] > self._p.nb[1] or not _rows_packed(self._p) or not _rows_packed(other._p):
             raise _fail("mulmat_id", "operands must not be transposed (call .contiguous())", self, other)
         ctx = self._ctx_with(other, "mulmat_id")
         self._same_graph(ctx, "mulmat_id", ids)
@@ -580,16 +598,17 @@ class Tensor:
     def reshape(self, *shape: int, ctx: Context | None = None) -> Tensor:
         """Same data, new shape (ggml order); the tensor must be contiguous."""
         shape = _shape_arg(shape)
-        if any(s <= 0 for s in shape):
+        if min(shape) <= 0:
             raise ValueError(f"reshape: bad shape {shape}")
-        if math.prod(shape) != self.nelements:
+        if math.prod(shape) != math.prod(self._ne):
             raise _fail("reshape", f"cannot reshape {self.nelements} elements into {shape}", self)
-        if not lib.ggml_is_contiguous(self._p):
+        p = self._p
+        if not lib.ggml_is_contiguous(p):
             raise _fail("reshape", "tensor must be contiguous (call .contiguous())", self)
-        if shape[0] % self.dtype.block_size:
+        if shape[0] % _BLOCK[p.type]:
             raise _fail("reshape", f"dim 0 must stay a multiple of the {self.dtype.name} block size", self)
         ctx = self._ctx_with(None, "reshape", ctx)
-        c, p, n = ctx._c(), self._p, len(shape)
+        c, n = ctx._c(), len(shape)
         if n == 1:
             out = lib.ggml_reshape_1d(c, p, shape[0])
         elif n == 2:
@@ -598,7 +617,7 @@ class Tensor:
             out = lib.ggml_reshape_3d(c, p, shape[0], shape[1], shape[2])
         else:
             out = lib.ggml_reshape_4d(c, p, shape[0], shape[1], shape[2], shape[3])
-        return Tensor(out, ctx, n)
+        return Tensor(out, ctx, n, None, shape + _ONES[n])
 
     def view(self, offset: int, shape: Sequence[int], strides: Sequence[int] | None = None, *,
              ctx: Context | None = None) -> Tensor:
@@ -606,35 +625,45 @@ class Tensor:
         dims 1.. (dim 0 stays contiguous). Defaults to the contiguous strides of ``shape``."""
         shape = _shape_arg(tuple(shape))
         n = len(shape)
-        dtype = self.dtype
-        if any(s <= 0 for s in shape) or offset < 0:
+        p = self._p
+        t = p.type
+        block, size = _BLOCK[t], _TYPE_SIZE[t]
+        if min(shape) <= 0 or offset < 0:
             raise _fail("view", f"bad shape {shape} or offset {offset}", self)
-        if shape[0] % dtype.block_size:
-            raise _fail("view", f"dim 0 must be a multiple of the {dtype.name} block size", self)
-        row = dtype.row_bytes(shape[0])
-        if strides is None:
+        if shape[0] % block:
+            raise _fail("view", f"dim 0 must be a multiple of the {self.dtype.name} block size", self)
+        row = shape[0] // block * size
+        if strides is None:  # packed
             nb = [row]
             for s in shape[1:-1]:
                 nb.append(nb[-1] * s)
+            nb = nb[: n - 1]  # a 1-d view has no strides
         else:
             nb = [int(s) for s in strides]
-        if len(nb) != n - 1 or any(s < 0 for s in nb):
+        if len(nb) != n - 1 or (nb and min(nb) < 0):
             raise _fail("view", f"need {n - 1} non-negative strides for a {n}-d view, got {nb}", self)
+        if offset % size or any(s % size for s in nb):
+            raise _fail("view", f"offset {offset} and strides {nb} must be multiples of the {self.dtype.name} "
+                        f"element size {size}", self)
         # ggml checks only a contiguous-size bound: check the strided extent ourselves.
-        extent = offset + row + sum((shape[i + 1] - 1) * nb[i] for i in range(n - 1))
-        if extent > self.nbytes:
+        extent = offset + row
+        for i in range(n - 1):
+            extent += (shape[i + 1] - 1) * nb[i]
+        nbytes = lib.ggml_nbytes(p)
+        if extent > nbytes:
             raise _fail("view", f"view of {shape} at offset {offset} with strides {nb} reads {extent} bytes "
-                        f"of a {self.nbytes}-byte tensor", self)
+                        f"of a {nbytes}-byte tensor", self)
         # ...and ggml asserts that bound (row * rows after the offset, within the viewed base tensor),
         # which overlapping views with strides smaller than a packed layout can exceed
-        base, base_offset = self._p, offset
-        if base.view_src != NULL:
-            base_offset += base.view_offs
-            base = base.view_src
-        if base_offset + row * math.prod(shape[1:]) > lib.ggml_nbytes(base):
-            raise _fail("view", f"ggml needs the packed size of {shape} ({row * math.prod(shape[1:])} bytes) to "
-                        f"fit after offset {offset}; use fewer rows or repeat() instead of overlapping strides",
-                        self)
+        packed = row * math.prod(shape[1:])
+        base = p.view_src
+        if base == NULL:
+            too_big = offset + packed > nbytes
+        else:
+            too_big = offset + p.view_offs + packed > lib.ggml_nbytes(base)
+        if too_big:
+            raise _fail("view", f"ggml needs the packed size of {shape} ({packed} bytes) to fit after offset "
+                        f"{offset}; use fewer rows or repeat() instead of overlapping strides", self)
         ctx = self._ctx_with(None, "view", ctx)
         c, p = ctx._c(), self._p
         if n == 1:
@@ -645,23 +674,26 @@ class Tensor:
             out = lib.ggml_view_3d(c, p, shape[0], shape[1], shape[2], nb[0], nb[1], offset)
         else:
             out = lib.ggml_view_4d(c, p, shape[0], shape[1], shape[2], shape[3], nb[0], nb[1], nb[2], offset)
-        return Tensor(out, ctx, n)
+        return Tensor(out, ctx, n, None, shape + _ONES[n])
 
     def permute(self, *axes: int, ctx: Context | None = None) -> Tensor:
         """Move dim i to position ``axes[i]`` (ggml's convention); e.g. ``permute(0, 2, 1, 3)``."""
-        axes = tuple(axes)
-        full = axes + tuple(range(len(axes), 4))
+        full = axes + _PERMUTE_TAIL[len(axes)] if len(axes) <= 4 else axes
         if len(full) != 4 or sorted(full) != [0, 1, 2, 3]:
             raise _fail("permute", f"axes {axes} must be a permutation of 0..{max(len(axes), 1) - 1}", self)
         ctx = self._ctx_with(None, "permute", ctx)
         # as many dims as the highest one a real dim moves to (permute(0, 2, 1, 3) keeps a 3-d tensor 3-d)
         nd = max(self._nd, 1 + max(full[: self._nd]))
-        return Tensor(lib.ggml_permute(ctx._c(), self._p, *full), ctx, nd)
+        a, ne = self._ne, [0, 0, 0, 0]
+        for i in range(4):
+            ne[full[i]] = a[i]
+        return Tensor(lib.ggml_permute(ctx._c(), self._p, *full), ctx, nd, None, tuple(ne))
 
     def transpose(self) -> Tensor:
         """Swap dims 0 and 1 (a view)."""
         ctx = self._ctx_with(None, "transpose")
-        return Tensor(lib.ggml_transpose(ctx._c(), self._p), ctx, max(self._nd, 2))
+        a = self._ne
+        return Tensor(lib.ggml_transpose(ctx._c(), self._p), ctx, max(self._nd, 2), None, (a[1], a[0], a[2], a[3]))
 
     def contiguous(self, *shape: int, ctx: Context | None = None) -> Tensor:
         """A contiguous copy (optionally reshaped to ``shape``)."""
@@ -669,7 +701,7 @@ class Tensor:
             raise _fail("contiguous", f"a {self.dtype.name} copy needs dim 0 to be a multiple of the block size "
                         f"{_BLOCK[self._p.type]} (cast to F32 first)", self)
         ctx = self._ctx_with(None, "contiguous", ctx)
-        out = Tensor(lib.ggml_cont(ctx._c(), self._p), ctx, self._nd)
+        out = Tensor(lib.ggml_cont(ctx._c(), self._p), ctx, self._nd, None, self._ne)
         return out.reshape(*shape) if shape else out
 
     def concat(self, other: Tensor, dim: int) -> Tensor:
@@ -710,15 +742,26 @@ class Tensor:
         if self.nelements != dst.nelements:
             raise _fail("copy", "element counts differ", self, dst)
         _check_convert("copy", self.dtype, dst.dtype)
+        # conversions through a per-row F32 scratch: ggml sizes it by the destination's rows but fills it
+        # with the source's (a longer source row overflows the heap)
+        pair = {self._p.type, dst._p.type}
+        if self._ne[0] != dst._ne[0] and (dst.dtype.is_quantized or pair in ({DType.F16, DType.BF16},
+                                                                              {DType.F32, DType.I32})):
+            raise _fail("copy", f"converting {self.dtype.name} to {dst.dtype.name} needs rows of equal length "
+                        "(reshape the source to the destination's dim 0)", self, dst)
         if dst._ne[0] % dst.dtype.block_size:
             raise _fail("copy", f"destination rows must be a multiple of the {dst.dtype.name} block size", self, dst)
         if dst.dtype.is_quantized and (self._ne[0] % dst.dtype.block_size or not lib.ggml_is_contiguous(dst._p)
                                        or not _rows_packed(self._p)):
             raise _fail("copy", f"quantizing to {dst.dtype.name} needs a contiguous destination and source rows "
                         "of whole blocks (call .contiguous())", self, dst)
+        if self.dtype.is_quantized and (self._ne[0] % self.dtype.block_size or not _rows_packed(dst._p) or (
+                dst._ne[0] % self.dtype.block_size and not lib.ggml_is_contiguous(dst._p))):
+            raise _fail("copy", f"dequantizing {self.dtype.name} needs whole blocks per source row and a "
+                        "destination with packed rows of whole blocks (or contiguous)", self, dst)
         _check_writable(dst, "copy")
         ctx = self._ctx_with(dst, "copy")
-        return Tensor(lib.ggml_cpy(ctx._c(), self._p, dst._p), ctx, dst._nd)
+        return Tensor(lib.ggml_cpy(ctx._c(), self._p, dst._p), ctx, dst._nd, None, dst._ne)
 
     def cast(self, dtype: DType | str, *, ctx: Context | None = None) -> Tensor:
         dtype = DType.parse(dtype)
@@ -728,7 +771,7 @@ class Tensor:
         if dtype.is_quantized and not _rows_packed(self._p):
             raise _fail("cast", f"quantizing to {dtype.name} needs contiguous rows (call .contiguous())", self)
         ctx = self._ctx_with(None, "cast", ctx)
-        return Tensor(lib.ggml_cast(ctx._c(), self._p, dtype), ctx, self._nd)
+        return Tensor(lib.ggml_cast(ctx._c(), self._p, dtype), ctx, self._nd, None, self._ne)
 
     # ---- indexing --------------------------------------------------------------------------
     def rows(self, indices: Tensor, *, ctx: Context | None = None) -> Tensor:
@@ -736,6 +779,8 @@ class Tensor:
         a, i = self._ne, indices._ne
         if indices._p.type != DType.I32:
             raise TypeError(f"rows: indices must be I32, got {indices.dtype.name}")
+        if self._p.type in (DType.I8, DType.I16, DType.I64, DType.F64):
+            raise TypeError(f"rows: ggml cannot gather rows of a {self.dtype.name} table")
         if a[2] != i[1] or a[3] != i[2] or i[3] != 1:
             raise _fail("rows", "indices must be (n, dim2, dim3) matching the table's dims 2 and 3", self, indices)
         ctx = self._ctx_with(indices, "rows", ctx)
@@ -767,6 +812,8 @@ class Tensor:
             raise _fail("top_k", f"k={k} must be in 1..{self._ne[0]}", self)
         if self._p.type != DType.F32:
             raise TypeError(f"top_k: needs F32, got {self.dtype.name}")
+        if not _rows_uniform(self._p, self._ne):
+            raise _fail("top_k", "rows must be contiguous and evenly spaced (call .contiguous())", self)
         ctx = self._ctx_with(None, "top_k")
         return Tensor(lib.ggml_top_k(ctx._c(), self._p, int(k)), ctx, self._nd)
 
@@ -774,6 +821,8 @@ class Tensor:
         """Indices (I32) that sort each row."""
         if self._p.type != DType.F32:
             raise TypeError(f"argsort: needs F32, got {self.dtype.name}")
+        if not _rows_uniform(self._p, self._ne):
+            raise _fail("argsort", "rows must be contiguous and evenly spaced (call .contiguous())", self)
         ctx = self._ctx_with(None, "argsort")
         order = lib.GGML_SORT_ORDER_DESC if descending else lib.GGML_SORT_ORDER_ASC
         return Tensor(lib.ggml_argsort(ctx._c(), self._p, order), ctx, self._nd)
@@ -809,7 +858,7 @@ class Tensor:
         out = lib.ggml_rope_ext(ctx._c(), self._p, positions._p, fp, int(n_dims), int(mode), int(n_ctx_orig),
                                 float(base), float(scale), float(ext_factor), float(attn_factor),
                                 float(beta_fast), float(beta_slow))
-        return Tensor(out, ctx, self._nd)
+        return Tensor(out, ctx, self._nd, None, self._ne)
 
     def scaled_dot_product_attention(self, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, *,
                                      flash: bool = False, softcap: float = 0.0) -> Tensor:
@@ -833,6 +882,14 @@ class Tensor:
         ctx = self._ctx_with(key, "scaled_dot_product_attention")
         self._same_graph(ctx, "scaled_dot_product_attention", value, mask)
         if flash:
+            # ggml's CPU kernel reads q as F32 and needs packed rows, a K with a dot product and a V it can
+            # convert to float
+            if self._p.type != DType.F32 or key._p.type in _NOT_MATMUL or value._p.type in _NOT_MATMUL:
+                raise TypeError(f"scaled_dot_product_attention: flash needs F32 queries and float or quantized "
+                                f"K/V, got {self.dtype.name}, {key.dtype.name}, {value.dtype.name}")
+            if not (_rows_packed(self._p) and _rows_packed(key._p) and _rows_packed(value._p)):
+                raise _fail("scaled_dot_product_attention", "flash needs q, k and v with contiguous rows",
+                            self, key, value)
             mp = NULL
             if mask is not None:
                 if mask._p.type != DType.F16:
@@ -871,8 +928,11 @@ class Tensor:
                 (is_2d and (x[1] + 2 * p1 - d1 * (k[1] - 1) - 1) // s1 + 1 <= 0):
             raise _fail("im2col", "kernel larger than the padded input", kernel, self)
         dtype = DType.parse(dtype)
-        if dtype not in (DType.F32, DType.F16):
-            raise TypeError(f"im2col: output dtype must be F32 or F16, got {dtype.name}")
+        if dtype not in (DType.F32, DType.F16) or self._p.type not in (DType.F32, dtype):
+            raise TypeError(f"im2col: needs an F32 output from an F32 input, or F16 from F32/F16; got "
+                            f"{dtype.name} from {self.dtype.name}")
+        if not _rows_packed(self._p):
+            raise _fail("im2col", "the input needs contiguous rows (call .contiguous())", kernel, self)
         ctx = self._ctx_with(kernel, "im2col")
         return Tensor(lib.ggml_im2col(ctx._c(), kernel._p, self._p, s0, s1, p0, p1, d0, d1, is_2d, dtype), ctx, 4)
 
@@ -887,6 +947,15 @@ class Tensor:
         h_out = (self._ne[1] + 2 * p1 - d1 * (kernel._ne[1] - 1) - 1) // s1 + 1
         if w_out <= 0 or h_out <= 0:
             raise _fail("conv_2d", "kernel larger than the padded input", kernel, self)
+        # ggml unfolds the input to F16 (to F32 for a BF16 kernel) and multiplies by the reshaped kernel
+        tk, tx = kernel._p.type, self._p.type
+        if tk not in _FLOAT or tx not in (DType.F32, DType.F16) or (tk == DType.BF16 and tx != DType.F32):
+            raise TypeError(f"conv_2d: needs an F32/F16/BF16 kernel and an F32/F16 input (F32 with BF16), got "
+                            f"{kernel.dtype.name} and {self.dtype.name}")
+        if not lib.ggml_is_contiguous(kernel._p):
+            raise _fail("conv_2d", "the kernel must be contiguous (call .contiguous())", kernel, self)
+        if not _rows_packed(self._p):
+            raise _fail("conv_2d", "the input needs contiguous rows (call .contiguous())", kernel, self)
         ctx = self._ctx_with(kernel, "conv_2d")
         return Tensor(lib.ggml_conv_2d(ctx._c(), kernel._p, self._p, s0, s1, p0, p1, d0, d1), ctx, 4)
 
@@ -920,21 +989,29 @@ def _check_convert(op: str, src: DType, dst: DType) -> None:
         raise TypeError(f"{op}: ggml cannot convert {src.name} to {dst.name}")
 
 
+def _rows_packed(p: Any) -> bool:
+    """dim 0 is packed (``nb[0]`` is the type size). ggml_is_contiguous_rows also accepts any
+    ``nb[0]`` when ``ne[0]`` is 1, but the CPU kernels assert the stricter form."""
+    return p.nb[0] == _TYPE_SIZE[p.type]
+
+
+def _rows_uniform(p: Any, ne: tuple[int, ...]) -> bool:
+    """ggml_is_padded_1d: packed rows, row i at ``i * nb[1]`` (kernels that walk ``nrows`` need it)."""
+    nb = tuple(p.nb)
+    return nb[0] == _TYPE_SIZE[p.type] and nb[2] == nb[1] * ne[1] and nb[3] == nb[2] * ne[2]
+
+
 def _contiguous_1(p: Any) -> bool:
-    """ggml_is_contiguous_1: rows contiguous, dims 2 and 3 packed after dim 1 (which may be strided)."""
+    """ggml_is_contiguous_1 (rows contiguous, dims 2 and 3 packed after dim 1, which may be
+    strided), with dim 0 packed as the kernels assert."""
     ne, nb = p.ne, p.nb
-    next_nb = _TYPE_SIZE[p.type]
-    if ne[0] != _BLOCK[p.type] and nb[0] != next_nb:
+    if nb[0] != _TYPE_SIZE[p.type]:
         return False
-    next_nb *= ne[0] // _BLOCK[p.type]
-    for i in (1, 2, 3):
-        if ne[i] != 1:
-            if i > 1:
-                if nb[i] != next_nb:
-                    return False
-                next_nb *= ne[i]
-            else:
-                next_nb = ne[i] * nb[i]
+    next_nb = ne[1] * nb[1]
+    for i in (2, 3):
+        if ne[i] != 1 and nb[i] != next_nb:
+            return False
+        next_nb *= ne[i]
     return True
 
 
@@ -963,21 +1040,22 @@ def _shape_arg(shape: tuple) -> tuple[int, ...]:
         shape = tuple(shape[0])
     if not 1 <= len(shape) <= 4:
         raise ValueError(f"shape must have 1 to 4 dims, got {shape}")
-    return tuple(int(s) for s in shape)
+    return tuple(map(int, shape))
 
 
 def _prepare_host_array(array: Any, dtype: DType, shape: tuple[int, ...], op: str) -> np.ndarray:
     """A C-contiguous array holding exactly the bytes ggml expects for (dtype, shape)."""
     array = np.asarray(array)
     expected = tuple(reversed(shape))
+    np_dtype = dtype.numpy_dtype
+    if np_dtype is None:  # quantized/BF16: raw blocks, so the byte count is what must match
+        if array.dtype != np.uint8 or array.nbytes != dtype.row_bytes(shape[0]) * math.prod(shape[1:]):
+            raise TypeError(f"{op}: {dtype.name} data must be given as raw uint8 blocks "
+                            f"({dtype.row_bytes(shape[0]) * math.prod(shape[1:])} bytes)")
+        return np.ascontiguousarray(array)
     if math.prod(array.shape) != math.prod(expected):
         raise ValueError(f"{op}: data of shape {array.shape} does not fit a tensor of shape {shape} "
                          f"(numpy shape {expected})")
-    np_dtype = dtype.numpy_dtype
-    if np_dtype is None:
-        if array.dtype != np.uint8 or array.nbytes != dtype.row_bytes(shape[0]) * math.prod(shape[1:]):
-            raise TypeError(f"{op}: {dtype.name} data must be given as raw uint8 blocks")
-        return np.ascontiguousarray(array)
     if array.dtype != np_dtype:
         if array.dtype.kind == "f" and np_dtype.kind in "iu":
             raise TypeError(f"{op}: refusing to truncate {array.dtype} data into a {dtype.name} tensor")

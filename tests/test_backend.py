@@ -1,0 +1,250 @@
+"""Backend, Context and DType: lifecycle, inputs, persistent tensors, memory, and leak checks."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import numpy as np
+import pytest
+
+import pyggml
+from pyggml import Backend, BackendParams, DType
+from pyggml.tensor import dtype_of_numpy
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+# ---- package and devices ----------------------------------------------------------------------
+def test_version_and_devices():
+    assert pyggml.__version__
+    assert pyggml.ggml_version().count(".") >= 1
+    devs = pyggml.devices()
+    cpus = [d for d in devs if d.kind == "cpu"]
+    assert len(cpus) == 1 and cpus[0].name
+    assert all(d.kind in ("cpu", "gpu", "igpu", "accel") for d in devs)
+
+
+@pytest.mark.parametrize("params", [
+    dict(n_threads=0), dict(n_threads=-2), dict(n_threads=1.5), dict(gpu_layers=-1), dict(gpu_layers="most"),
+    dict(gpu_layers=[0, -1]),
+])
+def test_backend_params_validation(params):
+    with pytest.raises(ValueError):
+        Backend(BackendParams(**params))
+
+
+def test_cpu_backend_basics(cpu):
+    assert cpu.n_threads == 2
+    assert cpu.config.architecture == "" and len(cpu.config) == 0
+    assert cpu.tensors() == {} and cpu.get("anything") is None
+    assert cpu.max_graph_nodes >= 8192
+    assert isinstance(cpu.flash_attention, bool)
+    with pytest.raises(ValueError, match="max_nodes"):
+        cpu.new_context(max_nodes=-1)
+    with pytest.raises(ValueError, match="max_nodes"):
+        pyggml.Context(cpu, 0)
+
+
+# ---- DType -------------------------------------------------------------------------------------
+def test_dtype():
+    assert DType.parse("q4_0") is DType.Q4_0 and DType.parse(8) is DType.Q8_0 and DType.parse(DType.F16) is DType.F16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        DType.parse("q3_0")
+    with pytest.raises(ValueError, match="unknown ggml type"):
+        DType.parse(1000)
+    assert (DType.Q4_0.block_size, DType.Q4_0.type_size) == (32, 18)
+    assert (DType.Q8_0.block_size, DType.Q8_0.type_size) == (32, 34)
+    assert (DType.Q4_K.block_size, DType.Q6_K.block_size) == (256, 256)
+    assert (DType.F16.block_size, DType.F16.type_size) == (1, 2)
+    assert DType.Q4_0.row_bytes(64) == 36 and DType.F32.row_bytes(3) == 12
+    assert DType.Q4_K.is_quantized and not DType.F16.is_quantized and not DType.BF16.is_quantized
+    assert DType.I32.numpy_dtype == np.int32 and DType.Q8_0.numpy_dtype is None
+    assert dtype_of_numpy(np.float16) is DType.F16 and dtype_of_numpy(np.int64) is DType.I64
+    with pytest.raises(TypeError, match="no ggml equivalent"):
+        dtype_of_numpy(np.complex64)
+
+
+# ---- contexts and inputs ------------------------------------------------------------------------
+def test_context_inputs(cpu):
+    with cpu.new_context() as ctx:
+        e = ctx.empty(DType.F32, 4, 2)
+        z = ctx.zeros("i32", 3)
+        r = ctx.arange(0, 5, 1)
+        ri = ctx.arange(2, 11, 3, DType.I32)
+        e.set(np.arange(8, dtype=np.float32).reshape(2, 4))
+        y = e * 2.0
+        ctx.compute(y, z, r, ri)
+        np.testing.assert_array_equal(y.numpy(), np.arange(8).reshape(2, 4) * 2)
+        np.testing.assert_array_equal(z.numpy(), [0, 0, 0])
+        np.testing.assert_array_equal(r.numpy(), [0, 1, 2, 3, 4])
+        np.testing.assert_array_equal(ri.numpy(), [2, 5, 8])
+    with cpu.new_context() as ctx:
+        with pytest.raises(ValueError, match="dims"):
+            ctx.empty(DType.F32, 0, 2)
+        with pytest.raises(ValueError, match="block size"):
+            ctx.empty(DType.Q4_0, 16)
+        with pytest.raises(ValueError, match="1 to 4 dims"):
+            ctx.empty(DType.F32, 1, 1, 1, 1, 1)
+        with pytest.raises(ValueError, match="empty"):
+            ctx.from_numpy(np.zeros((0, 3), np.float32))
+        with pytest.raises(ValueError, match="at most 4 dims"):
+            ctx.from_numpy(np.zeros((1, 1, 1, 1, 2), np.float32))
+        with pytest.raises(TypeError, match="from_numpy"):
+            ctx.from_numpy(np.zeros(32, np.float32), DType.Q8_0)
+        with pytest.raises(ValueError, match="arange"):
+            ctx.arange(0, 5, 0)
+        with pytest.raises(ValueError, match="set"):
+            ctx.empty(DType.F32, 4).set(np.zeros(5, np.float32))
+        with pytest.raises(TypeError, match="truncate"):
+            ctx.empty(DType.I32, 4).set(np.zeros(4, np.float32))
+        with pytest.raises(TypeError, match="forward"):
+            ctx.forward("not a tensor")
+
+
+def test_graph_reuse_with_new_inputs(cpu):
+    """One built graph computed repeatedly, inputs rewritten with set() in between."""
+    with cpu.new_context() as ctx:
+        x = ctx.empty(DType.F32, 8)
+        w = ctx.from_numpy(np.full(8, 3.0, np.float32))
+        y = (x * w).sum()
+        for i in range(5):
+            x.set(np.full(8, float(i), np.float32))
+            ctx.compute(y)
+            assert y.numpy()[0] == pytest.approx(24.0 * i)
+
+
+def test_forward_reserve_and_nodes(cpu):
+    with cpu.new_context() as ctx:
+        x = ctx.from_numpy(np.ones((16, 32), np.float32))
+        y = (x + x).exp().sum_rows()
+        ctx.forward(y)
+        assert ctx.n_nodes == 3
+        ctx.reserve()
+        assert cpu.memory()[next(iter(cpu.memory()))]["graph"] > 0
+        ctx.compute(y)
+        np.testing.assert_allclose(y.numpy()[:, 0], np.full(16, 32 * np.exp(2)), rtol=1e-5)
+
+
+def test_input_and_layer_subcontexts(cpu):
+    with cpu.new_context() as ctx:
+        a = ctx.input().from_numpy(np.ones(4, np.float32))
+        b = ctx.layer(0).from_numpy(np.full(4, 2.0, np.float32))
+        y = a + b
+        assert y.ctx._state is ctx._state
+        ctx.compute(y)
+        np.testing.assert_array_equal(y.numpy(), [3, 3, 3, 3])
+
+
+def test_tensor_name_and_repr(cpu):
+    with cpu.new_context() as ctx:
+        x = ctx.from_numpy(np.ones((2, 3), np.float32))
+        x.name = "hello"
+        assert x.name == "hello"
+        assert repr(x) == "Tensor(hello, shape=(3, 2), dtype=F32)"
+        x.name = "x" * 100  # truncated to ggml's limit, not an overflow
+        assert x.name == "x" * 63
+        assert x.strides == (4, 12) and x.nbytes == 24 and x.nelements == 6 and x.is_contiguous()
+        assert not x.transpose().is_contiguous()
+
+
+# ---- persistent tensors -------------------------------------------------------------------------
+def test_alloc_persistent(cpu):
+    before = sum(m["cache"] for m in cpu.memory().values())
+    cache = cpu.alloc_persistent("f16", (8, 4), name="kv")
+    assert cache.name == "kv" and cache.dtype == DType.F16 and cache.ctx is None
+    assert sum(m["cache"] for m in cpu.memory().values()) >= before + 64
+    np.testing.assert_array_equal(cache.numpy(), np.zeros((4, 8), np.float16))  # cleared
+    data = np.arange(32, dtype=np.float32).reshape(4, 8)
+    cache.set(data)  # immediate for persistent tensors
+    np.testing.assert_array_equal(cache.numpy(), data.astype(np.float16))
+    q = cpu.alloc_persistent(DType.Q8_0, (64, 2))
+    assert q.nbytes == 2 * 2 * 34
+    for bad in [(0, 4), (8, 4, 1, 1, 1), (33,)]:
+        with pytest.raises(ValueError, match="alloc_persistent"):
+            cpu.alloc_persistent(DType.Q8_0 if bad == (33,) else DType.F32, bad)
+    with cpu.new_context() as ctx:
+        y = cache.mulmat(ctx.from_numpy(np.ones((1, 8), np.float32)))
+        assert cpu.supports_op(y)
+        ctx.compute(y)
+        np.testing.assert_allclose(y.numpy()[0], data.sum(1), rtol=1e-3)
+
+
+def test_backend_close():
+    backend = Backend.cpu(n_threads=1)
+    ctx = backend.new_context()
+    y = ctx.from_numpy(np.ones(3, np.float32)) + 1.0
+    backend.close()
+    backend.close()  # idempotent
+    with pytest.raises(ValueError, match="closed"):
+        ctx.compute(y)
+    with pytest.raises(ValueError, match="closed"):
+        backend.new_context()
+    with pytest.raises(ValueError, match="closed"):
+        backend.alloc_persistent(DType.F32, (4,))
+    with Backend.cpu(n_threads=1) as b2:
+        assert not b2._closed
+    assert b2._closed
+
+
+# ---- leaks --------------------------------------------------------------------------------------
+def test_no_leak_building_graphs():
+    """2,000 small graphs, each in a new context that is closed: RSS stays flat after warm-up."""
+    backend = Backend.cpu(n_threads=1)  # one thread: no pool hand-offs, fast on a busy machine
+    a = np.arange(32, dtype=np.float32).reshape(4, 8)
+
+    def step():
+        with backend.new_context() as ctx:
+            x = ctx.from_numpy(a)
+            y = ((x * 2.0 + x).silu().sum_rows() - 1.0).scale(0.5)
+            ctx.compute(y)
+            return y.numpy()
+
+    for _ in range(300):
+        step()
+    gc.collect()
+    start = rss_bytes()
+    for _ in range(2000):
+        out = step()
+    gc.collect()
+    grown = rss_bytes() - start
+    backend.close()
+    assert out.shape == (4, 1)
+    assert grown < 4 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over 2,000 graphs"
+
+
+def test_no_leak_load_close(tmp_path):
+    """Backend.load + close of a small GGUF 200 times keeps RSS flat."""
+    import gguf
+
+    path = tmp_path / "small.gguf"
+    writer = gguf.GGUFWriter(path, arch="llama")
+    writer.add_uint32("llama.block_count", 1)
+    writer.add_tensor("a", np.ones((8, 32), np.float32))
+    q = gguf.quants.quantize(np.ones((16, 64), np.float32), gguf.GGMLQuantizationType.Q4_0)
+    writer.add_tensor("b", q, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    def once(repack: bool):
+        with Backend.load(path, BackendParams(n_threads=1, repack=repack)) as backend:
+            with backend.new_context() as ctx:
+                y = backend.get("b").mulmat(ctx.from_numpy(np.ones((2, 64), np.float32)))
+                ctx.compute(y)
+                return y.numpy()
+
+    for i in range(30):
+        once(i % 2 == 0)
+    gc.collect()
+    start = rss_bytes()
+    for i in range(200):
+        out = once(i % 2 == 0)
+    gc.collect()
+    grown = rss_bytes() - start
+    np.testing.assert_allclose(out, np.full((2, 16), 64.0), rtol=1e-2)
+    assert grown < 4 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over 200 loads"

@@ -1,0 +1,369 @@
+"""Bad calls through the public API raise Python exceptions; none may abort the interpreter.
+
+ggml answers a failed assertion with abort() (and some bad inputs with a segfault), so these run in
+a child process: the test passes when the child exits 0 after printing its "done" marker. The child
+runs the abort conditions listed in GGML-NOTES.md ("Aborts") one by one, then several hundred
+seeded random op/shape/dtype/layout combinations, each computed when it builds. ValueError and
+TypeError are the expected refusals; any other exception is reported as a failure too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(r'''
+    import collections, os, sys, traceback
+    import numpy as np
+    import gguf
+    from pyggml import Backend, BackendParams, DType, GGUFError
+    from pyggml.tensor import RopeType
+
+    backend = Backend.cpu(n_threads=1)
+    stats = collections.Counter()
+    unexpected = []
+
+    def attempt(label, fn):
+        """Run fn(ctx) in a fresh context; compute and read whatever it returns."""
+        try:
+            with backend.new_context(max_nodes=256) as ctx:
+                out = fn(ctx)
+                outs = out if isinstance(out, tuple) else (out,)
+                outs = [o for o in outs if o is not None]
+                if outs:
+                    ctx.compute(*outs)
+                    for o in outs:
+                        o.numpy()
+            stats["ok"] += 1
+        except (ValueError, TypeError) as e:
+            stats["refused"] += 1
+        except Exception as e:  # anything else is a bug in the validation, but not a crash
+            unexpected.append(f"{label}: {type(e).__name__}: {e}")
+
+    def arr(*shape, dtype=np.float32, seed=0):
+        return np.random.default_rng(seed).standard_normal(tuple(reversed(shape))).astype(dtype)
+
+    def T(ctx, *shape, dtype=None):
+        a = arr(*shape)
+        if dtype in (DType.I32, "i32"):
+            return ctx.from_numpy(a.astype(np.int32))
+        return ctx.from_numpy(a, dtype)
+
+    def I(ctx, *values, dtype=np.int32):
+        return ctx.from_numpy(np.array(values, dtype=dtype))
+
+    # ---- the abort conditions of GGML-NOTES.md, one by one --------------------------------------
+    specific = {
+        "mulmat ne0": lambda c: T(c, 8, 3).mulmat(T(c, 9, 2)),
+        "mulmat ne2": lambda c: T(c, 8, 3, 2).mulmat(T(c, 8, 2, 3)),
+        "mulmat ne3": lambda c: T(c, 8, 3, 1, 2).mulmat(T(c, 8, 2, 1, 3)),
+        "mulmat transposed a": lambda c: T(c, 3, 8).transpose().mulmat(T(c, 3, 2)),
+        "mulmat transposed b": lambda c: T(c, 8, 3).mulmat(T(c, 2, 8).transpose()),
+        "mulmat i32": lambda c: T(c, 8, 3, dtype="i32").mulmat(T(c, 8, 2)),
+        "mulmat f32 x f16": lambda c: T(c, 8, 3).mulmat(T(c, 8, 2, dtype=DType.F16)),
+        "mulmat q x f16": lambda c: T(c, 32, 3).cast("q8_0").mulmat(T(c, 32, 2, dtype=DType.F16)),
+        "add no tile": lambda c: T(c, 8, 3) + T(c, 3, 3),
+        "add i32": lambda c: T(c, 8, dtype="i32") + T(c, 8, dtype="i32"),
+        "add f32+f16": lambda c: T(c, 8) + T(c, 8, dtype=DType.F16),
+        "add transposed": lambda c: T(c, 3, 8).transpose() + T(c, 8, 3),
+        "div no tile": lambda c: T(c, 4, 4) / T(c, 3),
+        "reshape non-contiguous": lambda c: T(c, 3, 8).transpose().reshape(24),
+        "reshape count": lambda c: T(c, 8, 3).reshape(25),
+        "permute repeated": lambda c: T(c, 8, 3).permute(1, 1, 0, 2),
+        "permute range": lambda c: T(c, 8, 3).permute(0, 4, 1, 2),
+        "view past end": lambda c: T(c, 8, 3).view(8, (8, 3)),
+        "view strided past end": lambda c: T(c, 8, 3).view(0, (8, 2), [96]),
+        "view overlapping": lambda c: T(c, 8, 3).view(0, (8, 6), [0]),
+        "rows idx f32": lambda c: T(c, 8, 3).rows(T(c, 2)),
+        "rows dims": lambda c: T(c, 8, 3, 2).rows(I(c, 0, 1)),
+        "rows range": lambda c: T(c, 8, 3).rows(I(c, 0, 3)),
+        "rows negative": lambda c: T(c, 8, 3).rows(I(c, -1, 0)),
+        "rows reshaped range": lambda c: T(c, 8, 3).rows(I(c, 5, 0).reshape(2)),
+        "rows never set": lambda c: T(c, 8, 3).rows(c.empty(DType.I32, 2)),
+        "set_rows ne0": lambda c: backend.alloc_persistent(DType.F16, (8, 4)).set_rows(T(c, 7, 2), I(c, 0, 1)),
+        "set_rows count": lambda c: backend.alloc_persistent(DType.F16, (8, 4)).set_rows(T(c, 8, 2), I(c, 0)),
+        "set_rows src i32": lambda c: backend.alloc_persistent(DType.F32, (8, 4)).set_rows(T(c, 8, 2, dtype="i32"),
+                                                                                       I(c, 0, 1)),
+        "set_rows range": lambda c: backend.alloc_persistent(DType.F32, (8, 4)).set_rows(T(c, 8, 2), I(c, 0, 4)),
+        "set_rows i64 range": lambda c: backend.alloc_persistent(DType.F32, (8, 4)).set_rows(
+            T(c, 8, 2), I(c, 9, 0, dtype=np.int64)),
+        "set_rows into f64": lambda c: backend.alloc_persistent(DType.F64, (8, 4)).set_rows(T(c, 8, 2), I(c, 0, 1)),
+        "set_rows into iq2": lambda c: backend.alloc_persistent(DType.IQ2_XXS, (256, 4)).set_rows(T(c, 256, 2),
+                                                                                              I(c, 0, 1)),
+        "rope positions f32": lambda c: T(c, 8, 2, 3).rope(T(c, 3), 8, 1e4),
+        "rope positions len": lambda c: T(c, 8, 2, 3).rope(I(c, 0, 1), 8, 1e4),
+        "rope n_dims odd": lambda c: T(c, 8, 2, 3).rope(I(c, 0, 1, 2), 7, 1e4),
+        "rope n_dims big": lambda c: T(c, 8, 2, 3).rope(I(c, 0, 1, 2), 10, 1e4),
+        "rope freq factors short": lambda c: T(c, 8, 2, 3).rope(I(c, 0, 1, 2), 8, 1e4, freq_factors=T(c, 3)),
+        "rope transposed": lambda c: T(c, 2, 8, 3).transpose().rope(I(c, 0, 1, 2), 2, 1e4),
+        "rope mode": lambda c: T(c, 8, 2, 3).rope(I(c, 0, 1, 2), 8, 1e4, mode=24),
+        "softmax non-contiguous": lambda c: T(c, 3, 8).transpose().softmax(),
+        "softmax mask i32": lambda c: T(c, 8, 3).softmax(T(c, 8, 3, dtype="i32")),
+        "softmax mask ne0": lambda c: T(c, 8, 3).softmax(T(c, 7, 3)),
+        "softmax mask rows": lambda c: T(c, 8, 3).softmax(T(c, 8, 2)),
+        "softmax mask non-contiguous": lambda c: T(c, 8, 3).softmax(T(c, 3, 8).transpose()),
+        "flash head dim": lambda c: T(c, 16, 3, 4).scaled_dot_product_attention(T(c, 8, 5, 2), T(c, 8, 5, 2), None,
+                                                                               1.0, flash=True),
+        "flash q.ne3": lambda c: T(c, 8, 3, 4, 2).scaled_dot_product_attention(T(c, 8, 5, 2), T(c, 8, 5, 2), None,
+                                                                               1.0, flash=True),
+        "flash mask rows": lambda c: T(c, 8, 3, 4).scaled_dot_product_attention(T(c, 8, 5, 2), T(c, 8, 5, 2),
+                                                                                T(c, 5, 2), 1.0, flash=True),
+        "flash mask kv": lambda c: T(c, 8, 3, 4).scaled_dot_product_attention(T(c, 8, 5, 2), T(c, 8, 5, 2),
+                                                                              T(c, 4, 3), 1.0, flash=True),
+        "attention heads": lambda c: T(c, 8, 3, 3).scaled_dot_product_attention(T(c, 8, 5, 2), T(c, 8, 5, 2), None,
+                                                                                 1.0),
+        "attention kv len": lambda c: T(c, 8, 3, 4).scaled_dot_product_attention(T(c, 8, 5, 2), T(c, 8, 4, 2), None,
+                                                                                 1.0),
+        "concat dim": lambda c: T(c, 8, 3).concat(T(c, 8, 3), 4),
+        "concat type": lambda c: T(c, 8, 3).concat(T(c, 8, 3, dtype=DType.F16), 0),
+        "concat dims": lambda c: T(c, 8, 3).concat(T(c, 7, 2), 0),
+        "copy counts": lambda c: T(c, 8, 3).copy(c.empty(DType.F32, 8, 2)),
+        "copy i32 to f16": lambda c: T(c, 8, dtype="i32").copy(c.empty(DType.F16, 8)),
+        "copy q to f16": lambda c: T(c, 32).cast("q8_0").copy(c.empty(DType.F16, 32)),
+        "copy strided into q": lambda c: T(c, 8, 32).transpose().copy(c.empty(DType.Q8_0, 32, 8)),
+        "cast f16 to i32": lambda c: T(c, 8, dtype=DType.F16).cast(DType.I32),
+        "cast to iq2": lambda c: T(c, 256).cast(DType.IQ2_XXS),
+        "cast to f64": lambda c: T(c, 8).cast(DType.F64),
+        "cast partial block": lambda c: T(c, 16).cast(DType.Q4_0),
+        "quantized input partial block": lambda c: c.empty(DType.Q4_0, 16, 2),
+        "quantized view partial block": lambda c: T(c, 64, 2).cast("q4_0").view(0, (16, 2)),
+        "quantized transposed copy": lambda c: T(c, 32, 4).cast("q8_0").transpose().contiguous(),
+        "persistent partial block": lambda c: backend.alloc_persistent(DType.Q4_0, (16, 2)),
+        "graph full": lambda c: [c.from_numpy(np.ones(4, np.float32)) for _ in range(300)][-1],
+        "scale f16": lambda c: T(c, 8, dtype=DType.F16).scale(2.0),
+        "scale permuted": lambda c: T(c, 8, 2, 3).permute(0, 2, 1, 3).scale(2.0),
+        "clamp bf16": lambda c: T(c, 8, dtype=DType.BF16).clamp(0, 1),
+        "clamp permuted": lambda c: T(c, 32, 8, 1, 32, dtype=DType.F16).permute(0, 3, 1, 2).clamp(-1, 1),
+        "argsort permuted": lambda c: T(c, 32, 64, 1, 32).permute(0, 3, 1, 2).argsort(),
+        "top_k permuted": lambda c: T(c, 32, 64, 1, 32).permute(0, 3, 1, 2).top_k(4),
+        "argmax transposed": lambda c: T(c, 64, 32).transpose().argmax(),
+        "sum_rows f16": lambda c: T(c, 8, dtype=DType.F16).sum_rows(),
+        "mean transposed": lambda c: T(c, 3, 8).transpose().mean(),
+        "unary transposed": lambda c: T(c, 3, 8).transpose().silu(),
+        "sqrt transposed": lambda c: T(c, 3, 8).transpose().sqrt(),
+        "glu permuted": lambda c: (lambda p: p.silu(p))(T(c, 8, 2, 3).permute(0, 2, 1, 3)),
+        "repeat transposed": lambda c: T(c, 3, 8).transpose().repeat(8, 6),
+        "pool permuted": lambda c: T(c, 8, 2, 8).permute(0, 2, 1, 3).avg_pool_2d(2, 2),
+        "pool bf16": lambda c: T(c, 8, 8, dtype=DType.BF16).avg_pool_2d(2, 2),
+        "pool too big": lambda c: T(c, 4, 4).avg_pool_2d(9, 1),
+        "im2col 1d channels": lambda c: T(c, 8, 8, 3).im2col(T(c, 3, 3, 3, 4), 1, 1, 1, 1, 1, 1, is_2d=False),
+        "im2col too big": lambda c: T(c, 4, 4, 3).im2col(T(c, 9, 9, 3, 2), 1, 1, 0, 0, 1, 1),
+        "conv channels": lambda c: T(c, 8, 8, 3).conv_2d(T(c, 3, 3, 2, 4)),
+        "mulmat_id range": lambda c: T(c, 8, 3, 2).mulmat_id(T(c, 8, 1, 2), I(c, 2, 0).reshape(1, 2)),
+        "mulmat_id f16 x": lambda c: T(c, 8, 3, 2).mulmat_id(T(c, 8, 1, 2, dtype=DType.F16), I(c, 1, 0).reshape(1, 2)),
+        "top_k k": lambda c: T(c, 8, 3).top_k(9),
+        "argmax 3d": lambda c: T(c, 8, 3, 2).argmax(),
+        "cross context": lambda c: T(c, 8) + backend.new_context().from_numpy(np.ones(8, np.float32)),
+        "weights without ctx": lambda c: backend.alloc_persistent(DType.F32, (8, 2)).exp(),
+    }
+
+    for label, fn in specific.items():
+        attempt(label, fn)
+    print("specific", dict(stats), flush=True)
+
+    # ---- lifetime misuse ------------------------------------------------------------------------
+    def lifetimes():
+        ctx = backend.new_context()
+        x = ctx.from_numpy(np.ones((2, 8), np.float32))
+        y = x * 2.0
+        ctx.close()
+        repr(x), x.shape, x.dtype, y.strides  # must not read freed memory
+        for fn in (lambda: y.numpy(), lambda: x + x, lambda: ctx.compute(y), lambda: x.set(np.ones((2, 8))),
+                   lambda: ctx.from_numpy(np.ones(2))):
+            try:
+                fn()
+            except (ValueError, TypeError):
+                stats["refused"] += 1
+        other = Backend.cpu(n_threads=1)
+        cache = other.alloc_persistent(DType.F32, (8, 2))
+        other.close()
+        repr(cache)
+        with backend.new_context() as c2:
+            for fn in (lambda: cache.numpy(), lambda: cache.set(np.zeros((2, 8), np.float32)),
+                       lambda: cache.mulmat(c2.from_numpy(np.ones((1, 8), np.float32))),
+                       lambda: c2.from_numpy(np.ones((2, 8), np.float32)).set_rows(
+                           c2.from_numpy(np.ones((1, 8), np.float32)), c2.from_numpy(np.zeros(1, np.int32)))):
+                try:
+                    out = fn()
+                    if out is not None and hasattr(out, "ctx"):
+                        c2.compute(out)
+                except (ValueError, TypeError):
+                    stats["refused"] += 1
+        with backend.new_context() as c3:
+            z = c3.from_numpy(np.ones(4, np.float32)) + 1.0
+            w = c3.from_numpy(np.ones(4, np.float32)) * 3.0
+            c3.compute(z)
+            try:
+                w.numpy()  # not part of the computed graph's outputs
+            except ValueError:
+                stats["refused"] += 1
+
+    try:
+        lifetimes()
+    except Exception as e:
+        unexpected.append(f"lifetimes: {type(e).__name__}: {e}")
+
+    # ---- model weights are read-only (they may be a read-only file mapping) -------------------------
+    def weights(tmpdir):
+        path = os.path.join(tmpdir, "w.gguf")
+        writer = gguf.GGUFWriter(path, arch="llama")
+        writer.add_tensor("w", np.ones((4, 32), np.float32))
+        writer.add_tensor("q", gguf.quants.quantize(np.ones((8, 32), np.float32), gguf.GGMLQuantizationType.Q4_0),
+                          raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+        writer.write_header_to_file(); writer.write_kv_data_to_file(); writer.write_tensors_to_file(); writer.close()
+        with Backend.load(path, BackendParams(n_threads=1)) as b:
+            w, q = b.get("w"), b.get("q")
+            for fn in (lambda c: w.set(np.zeros((4, 32), np.float32)),
+                       lambda c: w.set_rows(c.from_numpy(np.zeros((1, 32), np.float32)),
+                                            c.from_numpy(np.zeros(1, np.int32))),
+                       lambda c: c.from_numpy(np.zeros((4, 32), np.float32)).copy(w),
+                       lambda c: q.numpy(),  # repacked: unreadable
+                       lambda c: q.rows(c.from_numpy(np.zeros(1, np.int32))),
+                       lambda c: w.mulmat(w),
+                       lambda c: w.reshape(64, 2, ctx=c).transpose().mulmat(c.from_numpy(np.ones((1, 2), np.float32)))):
+                try:
+                    with b.new_context() as c:
+                        out = fn(c)
+                        if out is not None and hasattr(out, "ctx"):
+                            c.compute(out)
+                            out.numpy()
+                    stats["ok"] += 1
+                except (ValueError, TypeError):
+                    stats["refused"] += 1
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmpdir:
+        try:
+            weights(tmpdir)
+        except Exception as e:
+            unexpected.append(f"weights: {type(e).__name__}: {traceback.format_exc()}")
+    print("misuse", dict(stats), flush=True)
+
+    # ---- seeded random combinations --------------------------------------------------------------
+    rng = np.random.default_rng(int(sys.argv[1]))
+    SIZES = [1, 2, 3, 4, 5, 8, 16, 32, 64]
+    DTYPES = [DType.F32] * 8 + [DType.F16, DType.F16, DType.BF16, DType.I32, DType.Q8_0, DType.Q4_0, DType.I64]
+
+    def rand_shape(limit=8192):
+        while True:
+            shape = tuple(int(rng.choice(SIZES)) for _ in range(int(rng.integers(1, 5))))
+            if np.prod(shape) <= limit:
+                return shape
+
+    def rand_tensor(ctx, like=None):
+        shape = rand_shape()
+        dtype = DTYPES[int(rng.integers(len(DTYPES)))]
+        if like is not None:  # often something that fits the first operand
+            pick = rng.random()
+            if pick < 0.35:
+                shape = like.shape
+            elif pick < 0.55:
+                shape = (like.shape[0],) + shape[1:]
+            elif pick < 0.7:
+                shape = tuple(max(1, d // int(rng.choice([1, 2]))) for d in like.shape)
+            if rng.random() < 0.7:
+                dtype = DType.F32
+        a = np.random.default_rng(int(rng.integers(1 << 30))).standard_normal(tuple(reversed(shape)))
+        if dtype in (DType.I32, DType.I64):
+            t = ctx.from_numpy((a * 4).astype(dtype.numpy_dtype))
+        elif dtype.is_quantized:
+            t = ctx.from_numpy(a.astype(np.float32)).cast(dtype)
+        else:
+            t = ctx.from_numpy(a.astype(np.float32), dtype)
+        layout = int(rng.integers(8))
+        if layout == 1:
+            t = t.transpose()
+        elif layout == 2:
+            t = t.permute(*[int(v) for v in rng.permutation(4)])
+        elif layout == 3 and t.ndim >= 2:
+            shp = list(t.shape)
+            shp[1] = max(1, shp[1] // 2)
+            t = t.view(0, shp, [s * 2 for s in t.strides[1:]][: len(shp) - 1])
+        return t
+
+    def rand_int(lo=-2, hi=70):
+        return int(rng.integers(lo, hi))
+
+    OPS = [
+        lambda c, a, b: a + b, lambda c, a, b: a - b, lambda c, a, b: a * b, lambda c, a, b: a / b,
+        lambda c, a, b: a + float(rng.standard_normal()), lambda c, a, b: a * 3.0,
+        lambda c, a, b: getattr(a, str(rng.choice(["neg", "sqr", "sqrt", "exp", "log", "sin", "cos", "abs",
+                                                    "tanh", "relu", "sigmoid", "silu", "gelu", "gelu_erf",
+                                                    "gelu_quick", "sum_rows", "mean", "sum", "argmax",
+                                                    "argsort", "transpose", "contiguous"])))(),
+        lambda c, a, b: a.silu(b), lambda c, a, b: a.gelu(b),
+        lambda c, a, b: a.scale(0.5), lambda c, a, b: a.scale_bias(2.0, 1.0), lambda c, a, b: a.clamp(-1.0, 1.0),
+        lambda c, a, b: a.rms_norm(1e-5, b if rng.random() < 0.5 else None), lambda c, a, b: a.norm(1e-5),
+        lambda c, a, b: a.l2_norm(1e-5), lambda c, a, b: a.group_norm(rand_int(0, 4), 1e-5),
+        lambda c, a, b: a.softmax(b if rng.random() < 0.6 else None, 0.5),
+        lambda c, a, b: a.mulmat(b), lambda c, a, b: b.mulmat(a),
+        lambda c, a, b: a.mulmat_id(b, rand_tensor(c, like=b)),
+        lambda c, a, b: a.reshape(*rand_shape()), lambda c, a, b: a.reshape(a.nelements // max(1, a.shape[0]),
+                                                                            a.shape[0]),
+        lambda c, a, b: a.view(rand_int(-4, 400), rand_shape()),
+        lambda c, a, b: (lambda s: a.view(rand_int(0, 64), s, [rand_int(-8, 512) for _ in s[1:]]))(rand_shape()),
+        lambda c, a, b: a.permute(*[rand_int(-1, 5) for _ in range(int(rng.integers(1, 6)))]),
+        lambda c, a, b: a.permute(*[int(v) for v in rng.permutation(4)]),
+        lambda c, a, b: a.concat(b, rand_int(-1, 5)),
+        lambda c, a, b: a.pad(*[rand_int(-1, 3) for _ in range(int(rng.integers(1, 5)))]),
+        lambda c, a, b: a.repeat(*rand_shape()),
+        lambda c, a, b: a.copy(b), lambda c, a, b: a.cast(DTYPES[int(rng.integers(len(DTYPES)))]),
+        lambda c, a, b: a.cast(DType(int(rng.choice([d.value for d in DType])))),
+        lambda c, a, b: a.rows(b), lambda c, a, b: a.rows(c.from_numpy(rng.integers(-2, 10, int(rng.integers(1, 6)))
+                                                                        .astype(np.int32))),
+        lambda c, a, b: backend.alloc_persistent(DTYPES[int(rng.integers(len(DTYPES)))],
+                                                 rand_shape(1024)).set_rows(a, b),
+        lambda c, a, b: a.top_k(rand_int(-1, 10)),
+        lambda c, a, b: a.rope(b, rand_int(-2, 20), 1e4, mode=int(rng.choice([0, 2, 8])),
+                               freq_factors=rand_tensor(c) if rng.random() < 0.3 else None),
+        lambda c, a, b: a.scaled_dot_product_attention(b, rand_tensor(c, like=b), rand_tensor(c) if rng.random() < 0.5
+                                                       else None, 0.1, flash=bool(rng.random() < 0.5)),
+        lambda c, a, b: a.conv_2d(b, *[rand_int(-1, 3) for _ in range(6)]),
+        lambda c, a, b: a.im2col(b, *[rand_int(-1, 3) for _ in range(6)], is_2d=bool(rng.random() < 0.7)),
+        lambda c, a, b: a.avg_pool_2d(rand_int(-1, 5), rand_int(-1, 3), float(rand_int(-1, 3))),
+        lambda c, a, b: c.empty(DTYPES[int(rng.integers(len(DTYPES)))], *[rand_int(-1, 40) for _ in range(3)]),
+    ]
+
+    def random_case(c):
+        a = rand_tensor(c)
+        b = rand_tensor(c, like=a)
+        out = None
+        for _ in range(int(rng.integers(1, 4))):
+            op = OPS[int(rng.integers(len(OPS)))]
+            out = op(c, a if out is None else out, b)
+        return out
+
+    n_random = int(sys.argv[2])
+    for i in range(n_random):
+        attempt(f"random #{i}", random_case)
+    print("random", dict(stats), flush=True)
+    for u in unexpected:
+        print("UNEXPECTED", u)
+    print("done", len(unexpected))
+''')
+
+
+# glibc's malloc checker (when installed) turns a heap overflow inside ggml into an abort here
+MALLOC_DEBUG = Path("/lib/x86_64-linux-gnu/libc_malloc_debug.so.0")
+
+
+@pytest.mark.parametrize("seed", [20240601, 7, 119])
+def test_bad_calls_never_crash(tmp_path, seed):
+    script = tmp_path / "bad_calls.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, GGML_NO_BACKTRACE="1", PYTHONFAULTHANDLER="1", MALLOC_PERTURB_="165")
+    if MALLOC_DEBUG.exists():
+        env.update(LD_PRELOAD=str(MALLOC_DEBUG), MALLOC_CHECK_="3")
+    proc = subprocess.run([sys.executable, str(script), str(seed), "600"], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    tail = (proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-4000:])
+    assert proc.returncode == 0, f"child died with {proc.returncode} (negative: killed by signal)\n{tail}"
+    assert "\ndone 0" in proc.stdout, tail
+    refused, ok = (int(x) for x in re.search(r"random \{'refused': (\d+), 'ok': (\d+)\}", proc.stdout).groups())
+    assert refused > 300 and ok > 20  # both paths exercised: refusals and graphs that compute
