@@ -548,7 +548,7 @@ class Backend:
             name = ffi.string(lib.ggml_backend_buft_name(buft)).decode()
             raise MemoryError(_with_log(f"could not allocate {size / 2**20:.1f} MiB of {purpose} on {name}"))
         base = ffi.cast("char *", lib.ggml_backend_buffer_get_base(buf))
-        for t, off in zip(tensors, offsets):
+        for t, off in zip(tensors, offsets, strict=True):
             self._check_status(lib.ggml_backend_tensor_alloc(buf, t, base + off), f"place {purpose}")
         dev = self._cpu_dev
         for b in self._backends:

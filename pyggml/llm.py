@@ -175,7 +175,7 @@ class LLM:
     def _prefill(self, ids: list[int]) -> np.ndarray:
         """Process the prompt, reusing the cached common prefix; returns the last position's logits."""
         common = 0
-        for a, b in zip(self._cached, ids):
+        for a, b in zip(self._cached, ids, strict=False):
             if a != b:
                 break
             common += 1

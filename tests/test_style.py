@@ -1,0 +1,15 @@
+"""The code base stays `ruff` clean (the rules are in pyproject.toml)."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed (the `test` extra has it)")
+def test_ruff_clean():
+    out = subprocess.run(["ruff", "check", "pyggml", "tests", "bench"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
