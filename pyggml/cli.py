@@ -179,7 +179,34 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("out")
     convert.add_argument("--type", choices=["f32", "f16", "q8_0"], default="f16")
     convert.set_defaults(func=cmd_convert)
+
+    # ---- bench, make-model: defined in pyggml/bench.py (imports only the standard library at load) ----
+    from pyggml.bench import add_parsers as add_bench_parsers
+
+    add_bench_parsers(sub)
+    # ---- end bench ----
+    serve = sub.add_parser("serve", help="serve a model over HTTP: Ollama's API (/api) and OpenAI's (/v1)")
+    serve.add_argument("model", help=f"GGUF file, or '{DEMO}' for the built-in demo model")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    serve.add_argument("--port", type=int, default=11434, help="default: 11434, Ollama's")
+    serve.add_argument("--parallel", type=int, default=4, help="sequences generated at once (default: 4)")
+    serve.add_argument("--queue", type=int, default=None,
+                       help="requests that may wait for a free sequence (default: 2 x parallel); more get 503")
+    serve.add_argument("--ctx", type=int, default=None, help="context per sequence (default: min(4096, trained))")
+    serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    serve.add_argument("--batch-size", type=int, default=512, help="most tokens per forward pass (default: 512)")
+    serve.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:  # the HTTP stack loads only for this command
+        from pyggml.server import serve
+    except ImportError as exc:
+        raise SystemExit(f"pyggml serve needs starlette and uvicorn (pip install starlette uvicorn): {exc}") from exc
+
+    return serve(_model_path(args.model), host=args.host, port=args.port, parallel=args.parallel, queue=args.queue,
+                 num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,7 +83,7 @@ def write_synthetic(path: str | os.PathLike, shape: str | Shape = "tinyllama-1.1
     total = sum(int(np.prod(s)) for _, s, _ in tensors)
     done = 0
     for _name, numpy_shape, kind in tensors:
-        if kind == DType.F32:  # norms: around 1, as trained models have
+        if len(numpy_shape) == 1:  # norms: around 1, as trained models have
             data = (1.0 + 0.1 * rng.standard_normal(numpy_shape, dtype=np.float32)).astype(np.float32)
             writer.write_tensor_data(data)
         else:

@@ -1,0 +1,225 @@
+"""``pyggml bench`` / ``make-model`` and bench/compare_baseline.py: output formats, schema, exit codes.
+
+The timings themselves are not checked (CI machines are noisy); the shape of the output is, since
+scripts and dashboards read it. Runs use the "tiny" synthetic model and one thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import csv
+import importlib.util
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyggml import bench
+from pyggml.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEMA = ROOT / "docs" / "bench.schema.json"
+DOC = ROOT / "docs" / "bench.md"
+ARGS = ["bench", "--synthetic", "tiny", "-p", "16", "-n", "4", "-r", "2", "-t", "1"]
+
+
+def run_cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pyggml-cache")
+    old = os.environ.get("PYGGML_CACHE_DIR")
+    os.environ["PYGGML_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        del os.environ["PYGGML_CACHE_DIR"]
+    else:
+        os.environ["PYGGML_CACHE_DIR"] = old
+
+
+@pytest.fixture(scope="module")
+def json_doc(cache_dir) -> dict:
+    code, out, err = run_cli([*ARGS, "-o", "json"])
+    assert code == 0, err
+    return json.loads(out)
+
+
+def validate(doc: dict) -> None:
+    schema = json.loads(SCHEMA.read_text())
+    try:
+        import jsonschema
+    except ImportError:  # a small stand-in: required keys and no undocumented ones, recursively
+        _hand_check(doc, schema, schema)
+        return
+    jsonschema.validate(doc, schema, cls=jsonschema.Draft202012Validator)
+
+
+def _hand_check(value, node: dict, root: dict, where: str = "$") -> None:
+    if "$ref" in node:
+        node = root["$defs"][node["$ref"].rsplit("/", 1)[1]]
+    if isinstance(value, dict) and "properties" in node:
+        missing = set(node.get("required", ())) - set(value)
+        extra = set(value) - set(node["properties"])
+        assert not missing and not extra, f"{where}: missing {missing}, undocumented {extra}"
+        for key, item in value.items():
+            _hand_check(item, node["properties"][key], root, f"{where}.{key}")
+    elif isinstance(value, list) and "items" in node:
+        for i, item in enumerate(value):
+            _hand_check(item, node["items"], root, f"{where}[{i}]")
+
+
+def test_json_validates_against_schema(json_doc):
+    validate(json_doc)
+    results = json_doc["results"]
+    assert [r["test"] for r in results] == ["pp16", "tg4"]
+    assert json_doc["model"]["synthetic"] == {"shape": "tiny", "type": "q4_0"}
+    assert json_doc["model"]["filename"] == "synthetic-tiny-q4_0.gguf" and json_doc["model"]["type"] == "Q4_0"
+    assert json_doc["model"]["n_params"] > 0 and json_doc["build"]["devices"]
+
+
+def test_json_figures_are_consistent(json_doc):
+    for r in json_doc["results"]:
+        assert r["repetitions"] == len(r["samples_ns"]) == len(r["samples_ts"]) == 2
+        n = r["n_prompt"] or r["n_gen"]
+        assert r["samples_ts"] == pytest.approx([n * 1e9 / ns for ns in r["samples_ns"]])
+        parts = r["cache_ms"] + r["graph_ms"] + r["compute_ms"] + r["output_ms"]
+        assert 0.5 * r["step_ms"] <= parts <= r["step_ms"] * 1.001  # the parts are timed inside the step
+        assert r["ggml_compute_ms"] <= r["compute_ms"]
+        assert 0 <= r["python_share"] <= r["host_share"] <= 1
+        assert r["graph_nodes"] > 0 and r["n_threads"] == 1
+
+
+def test_schema_and_docs_name_every_field(json_doc):
+    text = DOC.read_text()
+    names = set(json_doc["build"]) | set(json_doc["build"]["cpu"]) | set(json_doc["model"])
+    names |= set(json_doc["results"][0]) | set(json_doc)
+    undocumented = sorted(n for n in names if f"`{n}`" not in text)
+    assert not undocumented, f"docs/bench.md does not describe {undocumented}"
+
+
+def test_csv_has_the_documented_columns(cache_dir):
+    code, out, err = run_cli([*ARGS, "-o", "csv"])
+    assert code == 0, err
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert tuple(rows[0]) == bench.CSV_COLUMNS
+    assert [r["test"] for r in rows] == ["pp16", "tg4"]
+    assert float(rows[1]["avg_ts"]) > 0 and len(rows[1]["samples_ns"].split(";")) == 2
+    documented = _documented_list("CSV columns")
+    assert documented == list(bench.CSV_COLUMNS)
+
+
+def test_markdown_has_the_documented_columns(cache_dir):
+    code, out, err = run_cli([*ARGS, "-o", "md"])
+    assert code == 0, err
+    lines = out.splitlines()
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    assert header == list(bench.MD_COLUMNS) == _documented_list("Markdown columns")
+    rows = [line for line in lines[2:] if line.startswith("|")]
+    assert len(rows) == 2 and "pp16" in rows[0] and "tg4" in rows[1]
+    assert "ggml" in lines[-1]  # the build line under the table
+
+
+def _documented_list(title: str) -> list[str]:
+    """The backquoted names on the line of docs/bench.md that starts with ``title:``."""
+    line = next(line for line in DOC.read_text().splitlines() if line.startswith(title + ":"))
+    return re.findall(r"`([^`]+)`", line)
+
+
+def test_synthetic_model_is_written_once(cache_dir, json_doc):
+    path = cache_dir / "synthetic-tiny-q4_0.gguf"
+    stamp = path.stat().st_mtime_ns
+    code, _, err = run_cli([*ARGS[:3], "-p", "8", "-n", "0", "-r", "1", "-t", "1", "-o", "json"])
+    assert code == 0, err
+    assert path.stat().st_mtime_ns == stamp and "writing synthetic" not in err
+
+
+def test_missing_model_fails(tmp_path):
+    code, out, err = run_cli(["bench", str(tmp_path / "missing.gguf"), "-p", "8", "-n", "0", "-r", "1"])
+    assert code != 0 and "no such model file" in err and not out
+
+
+def test_failure_exits_nonzero_from_the_shell(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "pyggml.cli", "bench", str(tmp_path / "missing.gguf")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "error" in proc.stderr
+
+
+def test_unsupported_setting_fails(cache_dir):
+    code, _, err = run_cli([*ARGS, "--cache-type", "q8_0", "-o", "json"])  # a quantized cache needs flash attention
+    assert code == 1 and "flash attention" in err
+
+
+def test_make_model(tmp_path):
+    out = tmp_path / "m.gguf"
+    code, text, err = run_cli(["make-model", "tiny", str(out), "--type", "q8_0"])
+    assert code == 0, err
+    assert out.is_file() and "wrote" in text
+    code, _, err = run_cli(["make-model", "no-such-shape", str(tmp_path / "x.gguf")])
+    assert code == 1 and "unknown model shape" in err
+
+
+# ---- bench/compare_baseline.py ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def compare_baseline():
+    spec = importlib.util.spec_from_file_location("compare_baseline", ROOT / "bench" / "compare_baseline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _pytest_benchmark(means: dict[str, float]) -> dict:
+    return {"machine_info": {}, "benchmarks": [
+        {"name": n.split("::")[-1], "fullname": n, "stats": {"mean": m, "median": m, "min": m, "max": m}}
+        for n, m in means.items()]}
+
+
+def _check(compare_baseline, tmp_path, base: dict, cur: dict) -> tuple[int, str]:
+    a, b = tmp_path / "base.json", tmp_path / "cur.json"
+    a.write_text(json.dumps(base))
+    b.write_text(json.dumps(cur))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = compare_baseline.main([str(a), str(b), "--threshold", "0.10"])
+    return code, out.getvalue()
+
+
+def test_baseline_pytest_benchmark(compare_baseline, tmp_path):
+    base = {"bench/bench_e2e.py::test_pp[tiny]": 0.010, "bench/bench_e2e.py::test_tg[tiny]": 0.200}
+    assert _check(compare_baseline, tmp_path, _pytest_benchmark(base), _pytest_benchmark(base))[0] == 0
+    slower = {**base, "bench/bench_e2e.py::test_tg[tiny]": 0.240}  # 20% slower
+    code, text = _check(compare_baseline, tmp_path, _pytest_benchmark(base), _pytest_benchmark(slower))
+    assert code == 1 and "test_tg[tiny]" in text and "test_pp[tiny]" not in text.split("regressed")[1]
+    faster = {k: v * 0.5 for k, v in base.items()}
+    noise = {k: v * 1.05 for k, v in base.items()}
+    assert _check(compare_baseline, tmp_path, _pytest_benchmark(base), _pytest_benchmark(faster))[0] == 0
+    assert _check(compare_baseline, tmp_path, _pytest_benchmark(base), _pytest_benchmark(noise))[0] == 0
+
+
+def test_baseline_pyggml_bench(compare_baseline, tmp_path, json_doc):
+    assert _check(compare_baseline, tmp_path, json_doc, json_doc)[0] == 0
+    slower = copy.deepcopy(json_doc)
+    slower["results"][1]["avg_ts"] *= 0.8  # tg 20% fewer tokens/s
+    code, text = _check(compare_baseline, tmp_path, json_doc, slower)
+    assert code == 1 and "tg4" in text and "pp16" not in text
+    faster = copy.deepcopy(json_doc)
+    for r in faster["results"]:
+        r["avg_ts"] *= 1.5
+    assert _check(compare_baseline, tmp_path, json_doc, faster)[0] == 0
+
+
+def test_baseline_bad_input(compare_baseline, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        assert compare_baseline.main([str(bad), str(bad)]) == 2
