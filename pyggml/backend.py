@@ -493,13 +493,12 @@ class Backend:
             base = ffi.cast("char *", self._mmap_view)
             for t, offset, size in entries:
                 lib.ggml_backend_tensor_set(t, base + offset, 0, size)  # repacks on the way for CPU_REPACK
+                # the copied range of the mapping is not needed in RAM any more: drop it right away so
+                # the peak stays near one copy of the weights
+                self._release_pages(offset, size)
                 done += size
                 if progress:
                     progress(done, total)
-            if not self.params.use_mmap or buft != NULL:
-                # the copied ranges of the mapping are no longer needed in RAM
-                for _, offset, size in entries:
-                    self._release_pages(offset, size)
         for i in range(lib.gguf_get_n_tensors(gguf)):
             name = ffi.string(lib.gguf_get_tensor_name(gguf, i)).decode("utf-8", "replace")
             t = lib.ggml_get_tensor(self._meta_ctx, name.encode())
