@@ -1,0 +1,97 @@
+"""The ASGI app (Starlette) and ``serve()``: one model, one Runner, uvicorn in this process.
+
+uvicorn runs in-process with one worker and no reloader: a worker forked after ggml has computed
+would hang (see DESIGN.md), and the model is loaded once, before the server starts.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from pyggml import models
+from pyggml.backend import BackendParams
+from pyggml.runner import Runner
+from pyggml.server import ollama, openai
+from pyggml.server.params import APIError
+from pyggml.server.service import ServedModel
+from pyggml.tiny import TINY_VERSION, cache_dir
+
+log = logging.getLogger(__name__)
+
+
+def create_app(served: ServedModel) -> Starlette:
+    """The app serving ``served``: Ollama's ``/api``, OpenAI's ``/v1``, ``/health`` and ``/``."""
+    routes = [
+        Route("/", _root, methods=["GET", "HEAD"]),
+        Route("/health", _health, methods=["GET"]),
+        *ollama.routes,
+        *openai.routes,
+    ]
+    app = Starlette(routes=routes, exception_handlers={APIError: _api_error, HTTPException: _http_error,
+                                                       Exception: _internal_error})
+    app.state.served = served
+    return app
+
+
+async def _root(request: Request) -> Response:
+    return PlainTextResponse("pyggml is running")  # Ollama's clients probe "/" for a 200
+
+
+async def _health(request: Request) -> Response:
+    return JSONResponse(request.app.state.served.health())
+
+
+def _error(request: Request, exc: APIError) -> Response:
+    if request.url.path.startswith("/v1/"):
+        return openai.error_response(exc)
+    return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    return _error(request, exc)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, wrong method) as JSON too."""
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return _error(request, APIError(exc.status_code, message, headers=exc.headers))
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("error serving %s %s", request.method, request.url.path, exc_info=exc)
+    return _error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434, parallel: int = 4,
+          queue: int | None = None, num_ctx: int | None = None, n_threads: int | None = None,
+          batch_size: int = 512, name: str | None = None, log_level: str = "info") -> int:
+    """Load the model and serve it until interrupted (Ctrl-C / SIGTERM)."""
+    import uvicorn
+
+    if name is None and Path(path) == cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf":
+        name = "demo"  # `pyggml serve demo`: clients ask for it by that name
+    model = models.load(path, BackendParams(n_threads=n_threads))
+    try:
+        trained = getattr(getattr(model, "options", None), "context_length", 0) or 4096
+        runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained), batch_size=batch_size)
+        try:
+            served = ServedModel(runner, path, queue=queue, name=name)
+            config = uvicorn.Config(create_app(served), host=host, port=port, workers=1, log_level=log_level,
+                                    timeout_graceful_shutdown=5)
+            print(f"pyggml: serving {served.name} ({runner.parallel} sequences of {runner.num_ctx} tokens, "
+                  f"{served.queue_limit} more may wait) on http://{host}:{port}", file=sys.stderr)
+            uvicorn.Server(config).run()
+        finally:
+            runner.close()
+    finally:
+        model.close()
+    return 0

@@ -1,0 +1,254 @@
+"""Ollama's API (``/api/...``): generate, chat, embed, tags, show, ps, version.
+
+Streams are NDJSON, one JSON object per line, ``stream`` defaulting to true as in Ollama; errors
+are ``{"error": "..."}`` (also as the last line of a stream that fails midway).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timezone
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import pyggml
+from pyggml.chat import validate_messages
+from pyggml.runner import CompletionChunk, CompletionRequest
+from pyggml.server.params import APIError, Fields, ollama_logprobs, ollama_options, read_json, runner_logprobs
+from pyggml.server.service import Job, ServedModel, stream_response
+
+NDJSON = "application/x-ndjson"
+_COMMON = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs"}
+GENERATE_FIELDS = _COMMON | {"prompt", "suffix", "system", "template", "context", "raw", "images"}
+CHAT_FIELDS = _COMMON | {"messages", "tools"}
+EMBED_FIELDS = {"model", "input", "truncate", "options", "keep_alive", "dimensions"}
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _served(request: Request) -> ServedModel:
+    return request.app.state.served
+
+
+def _check_generation_fields(f: Fields) -> None:
+    f.unsupported("format", what="(structured output) is not supported by this server")
+    f.unsupported("think", (False,), "is not supported: the model does not think")
+    f.unsupported("images", what="is not supported: the model reads text only")
+
+
+async def generate(request: Request) -> Response:
+    served = _served(request)
+    body = await read_json(request)
+    f = Fields(body, "the request", GENERATE_FIELDS)
+    served.check_model(body.get("model"))
+    _check_generation_fields(f)
+    f.unsupported("suffix", what="(fill-in-the-middle) is not supported by this server")
+    f.unsupported("template", what="is not supported: the model's own chat template is used")
+    prompt, system, raw = f.string("prompt", ""), f.string("system"), f.boolean("raw", False)
+    context = f.array("context") or []
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
+        raise APIError(400, "context must be an array of token ids", param="context")
+    options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
+    if not prompt and not context:  # Ollama's way to load a model: nothing to generate
+        return JSONResponse({"model": served.name, "created_at": _now(), "response": "", "done": True,
+                             "done_reason": "load"})
+
+    def prepare() -> CompletionRequest:
+        text, chat = prompt, False
+        if not raw and not served.template.is_fallback:
+            messages = ([{"role": "system", "content": system}] if system else []) + \
+                       [{"role": "user", "content": prompt}]
+            text, chat = served.template.render(messages), True
+        elif system and not raw:
+            text = f"{system}\n\n{prompt}"
+        if context:
+            text = served.tokenizer.decode(context, skip_special=True) + text
+        return served.request(served.prompt_ids(text, chat), logprobs=runner_logprobs(logprobs), **options)
+
+    return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, _generate_piece)
+
+
+def _generate_piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": served.name, "created_at": _now(), "response": text, "done": chunk.done}
+    if chunk.done:
+        out["context"] = list(job.request.prompt) + job.tokens
+    return out
+
+
+async def chat(request: Request) -> Response:
+    served = _served(request)
+    body = await read_json(request)
+    f = Fields(body, "the request", CHAT_FIELDS)
+    served.check_model(body.get("model"))
+    _check_generation_fields(f)
+    options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
+    raw_messages, tools = f.array("messages"), f.array("tools")
+    if not raw_messages:  # Ollama's way to load a model
+        return JSONResponse({"model": served.name, "created_at": _now(),
+                             "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
+    try:
+        messages = validate_messages(raw_messages)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    for i, message in enumerate(messages):
+        if message.get("images"):
+            raise APIError(400, f"messages[{i}].images is not supported: the model reads text only")
+
+    def prepare() -> CompletionRequest:
+        text = served.template.render(messages, tools=tools)
+        return served.request(served.prompt_ids(text, True), logprobs=runner_logprobs(logprobs), **options)
+
+    return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, _chat_piece)
+
+
+def _chat_piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
+    return {"model": served.name, "created_at": _now(), "message": {"role": "assistant", "content": text},
+            "done": chunk.done}
+
+
+Piece = Callable[[ServedModel, Job, CompletionChunk, str], dict[str, Any]]
+
+
+async def _complete(request: Request, served: ServedModel, prepare: Callable[[], CompletionRequest], stream: bool,
+                    logprobs: int | None, piece: Piece) -> Response:
+    start = time.perf_counter()
+    job = served.start(prepare)
+    await job.started()
+
+    def render(chunk: CompletionChunk, text: str, lps: list) -> dict[str, Any]:
+        out = piece(served, job, chunk, text)
+        if logprobs is not None:
+            out["logprobs"] = [_logprob(served, lp, logprobs) for lp in lps]
+        if chunk.done:
+            out.update(_final_stats(chunk, start))
+        return out
+
+    if not stream:
+        chunks = await job.collect(request)
+        lps = [lp for c in chunks for lp in c.logprobs or ()]
+        return JSONResponse(render(chunks[-1], "".join(c.text for c in chunks), lps))
+
+    async def lines() -> AsyncIterator[str]:
+        try:
+            async for chunk in job.chunks():
+                if chunk.text or chunk.done or chunk.logprobs:
+                    yield json.dumps(render(chunk, chunk.text, chunk.logprobs or [])) + "\n"
+        except APIError as exc:
+            yield json.dumps({"error": exc.message}) + "\n"
+
+    return stream_response(job, lines(), NDJSON)
+
+
+def _final_stats(chunk: CompletionChunk, start: float) -> dict[str, Any]:
+    t = chunk.timings
+    ns = 1_000_000_000
+    return {"done_reason": "length" if chunk.finish_reason == "length" else "stop",
+            "total_duration": int((time.perf_counter() - start) * ns), "load_duration": 0,
+            "prompt_eval_count": chunk.prompt_tokens, "prompt_eval_duration": int(t.prompt_seconds * ns) if t else 0,
+            "eval_count": chunk.generated_tokens, "eval_duration": int(t.generate_seconds * ns) if t else 0}
+
+
+def _logprob(served: ServedModel, lp: Any, top: int) -> dict[str, Any]:
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = served.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    out = entry(lp.token, lp.logprob)
+    if top:
+        out["top_logprobs"] = [entry(t, p) for t, p in lp.top[:top]]
+    return out
+
+
+async def embed(request: Request) -> Response:
+    served = _served(request)
+    body = await read_json(request)
+    f = Fields(body, "the request", EMBED_FIELDS)
+    served.check_model(body.get("model"))
+    f.integer("dimensions", low=1)
+    f.boolean("truncate")
+    ollama_options(body.get("options"))
+    texts = _embed_inputs(body.get("input"))
+    start = time.perf_counter()
+    vectors = await served.embed(texts)
+    return JSONResponse({"model": served.name, "embeddings": vectors,
+                         "total_duration": int((time.perf_counter() - start) * 1e9), "load_duration": 0})
+
+
+async def embeddings(request: Request) -> Response:
+    """The older single-text route."""
+    served = _served(request)
+    body = await read_json(request)
+    f = Fields(body, "the request", {"model", "prompt", "options", "keep_alive"})
+    served.check_model(body.get("model"))
+    ollama_options(body.get("options"))
+    text = f.string("prompt")
+    if not text:
+        raise APIError(400, "prompt is required", param="prompt")
+    return JSONResponse({"embedding": (await served.embed([text]))[0]})
+
+
+def _embed_inputs(value: Any) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise APIError(400, "input must be a non-empty string or an array of non-empty strings", param="input")
+    return texts
+
+
+async def _model_entry(served: ServedModel) -> dict[str, Any]:
+    return {"name": served.name, "model": served.name, "modified_at": served.modified_at, "size": served.size,
+            "digest": await served.digest(), "details": served.details}
+
+
+async def tags(request: Request) -> Response:
+    return JSONResponse({"models": [await _model_entry(_served(request))]})
+
+
+async def ps(request: Request) -> Response:
+    served = _served(request)
+    entry = await _model_entry(served)
+    entry.update(expires_at="2999-01-01T00:00:00Z", size_vram=0, context_length=served.runner.num_ctx)
+    return JSONResponse({"models": [entry]})
+
+
+async def show(request: Request) -> Response:
+    served = _served(request)
+    body = await read_json(request)
+    f = Fields(body, "the request", {"model", "name", "verbose", "system", "template", "options"})
+    served.check_model(body.get("model") or body.get("name"))
+    verbose = f.boolean("verbose", False)
+    info: dict[str, Any] = {"general.parameter_count": served.parameters}
+    for key, value in served.model.config.items():
+        info[key] = value if verbose or not isinstance(value, list) else None
+    return JSONResponse({
+        "license": served.model.config.get("general.license") or "",
+        "modelfile": f"FROM {served.path}\n",
+        "parameters": f"num_ctx {served.runner.num_ctx}",
+        "template": served.template.source,
+        "details": served.details,
+        "model_info": info,
+        "capabilities": served.capabilities,
+        "modified_at": served.modified_at,
+    })
+
+
+async def version(request: Request) -> Response:
+    return JSONResponse({"version": pyggml.__version__})
+
+
+routes = [
+    Route("/api/generate", generate, methods=["POST"]),
+    Route("/api/chat", chat, methods=["POST"]),
+    Route("/api/embed", embed, methods=["POST"]),
+    Route("/api/embeddings", embeddings, methods=["POST"]),
+    Route("/api/tags", tags, methods=["GET"]),
+    Route("/api/ps", ps, methods=["GET"]),
+    Route("/api/show", show, methods=["POST"]),
+    Route("/api/version", version, methods=["GET"]),
+]

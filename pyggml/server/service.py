@@ -1,0 +1,283 @@
+"""The served model (names, facts, admission control) and ``Job``: one completion bridged from
+the runner's blocking ``CompletionStream`` to the event loop.
+
+The event loop never waits on the model. Each completion gets a thread that renders and
+tokenizes its prompt, submits it to the ``Runner`` (whose own thread computes) and forwards every
+chunk into an ``asyncio.Queue``. Threads are bounded by admission: at most ``parallel`` running
+plus ``queue`` waiting completions; one more is answered 503 with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pyggml.chat import ChatTemplate, encode_prompt
+from pyggml.runner import CompletionChunk, CompletionRequest, EmbeddingsNotSupportedError, Runner, RunnerClosedError
+from pyggml.server.params import APIError
+
+RETRY_AFTER_SECONDS = 1
+
+
+class ServedModel:
+    """The one model a server serves: its runner, the names clients may call it by, what
+    ``/api/show`` and ``/v1/models`` report, and admission control."""
+
+    def __init__(self, runner: Runner, path: str | os.PathLike, queue: int | None = None, name: str | None = None):
+        if queue is not None and (not isinstance(queue, int) or queue < 0):
+            raise ValueError(f"queue must be an int >= 0, got {queue!r}")
+        self.runner, self.model, self.tokenizer = runner, runner.model, runner.tokenizer
+        self.path = Path(path)
+        self.name = name or self.path.stem
+        general = self.model.config.get("general.name")
+        self.aliases = {self.name, f"{self.name}:latest", self.path.name, str(self.path)}
+        if isinstance(general, str) and general:
+            self.aliases.add(general)
+        self.queue_limit = 2 * runner.parallel if queue is None else queue
+        self.template = ChatTemplate.from_model(self.model)
+        stat = self.path.stat()
+        self.size, self.modified = stat.st_size, stat.st_mtime
+        self.modified_at = datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat().replace("+00:00", "Z")
+        self.details = self._details()
+        self._digest: str | None = None
+        self._lock = threading.Lock()
+        self._outstanding = 0  # completions admitted and not yet let go by the runner
+
+    def _details(self) -> dict[str, Any]:
+        arch = self.model.config.architecture or ""
+        tensors = self.model.backend.tensors().values()
+        self.parameters = sum(t.nelements for t in tensors)
+        by_type: dict[str, int] = {}
+        for t in tensors:
+            by_type[t.dtype.name] = by_type.get(t.dtype.name, 0) + t.nelements
+        quant = max(by_type, key=by_type.get) if by_type else ""
+        return {"parent_model": "", "format": "gguf", "family": arch, "families": [arch],
+                "parameter_size": _human(self.parameters), "quantization_level": quant}
+
+    @property
+    def capabilities(self) -> list[str]:
+        return ["completion", "tools"] if "tools" in self.template.source else ["completion"]
+
+    def check_model(self, name: Any) -> None:
+        """400 without a model name, 404 for a model this server does not serve."""
+        if name is None or name == "":
+            raise APIError(400, "model is required", param="model")
+        if not isinstance(name, str):
+            raise APIError(400, "model must be a string", param="model")
+        if name not in self.aliases:
+            raise APIError(404, f"model {name!r} not found; this server serves {self.name!r}",
+                           code="model_not_found", param="model")
+
+    async def digest(self) -> str:
+        """sha256 of the model file, computed once (in a thread: a large file takes seconds)."""
+        if self._digest is None:
+            self._digest = await asyncio.to_thread(_sha256, self.path)
+        return self._digest
+
+    # ---- admission ----------------------------------------------------------------------------
+    def admit(self) -> None:
+        with self._lock:
+            if self._outstanding >= self.runner.parallel + self.queue_limit:
+                raise APIError(503, f"the server is busy: {self.runner.parallel} requests running and "
+                               f"{self.queue_limit} waiting; retry later", code="server_busy",
+                               headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+            self._outstanding += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._outstanding -= 1
+
+    def health(self) -> dict[str, Any]:
+        with self._lock:
+            outstanding = self._outstanding
+        return {"status": "ok", "model": self.name, "slots_total": self.runner.parallel,
+                "slots_in_use": self.runner.active_sequences, "requests": outstanding,
+                "queue_limit": self.queue_limit}
+
+    def start(self, prepare: Callable[[], CompletionRequest]) -> Job:
+        """Admit a completion (503 when full) and start it; ``prepare`` runs in the job's thread."""
+        self.admit()
+        try:
+            return Job(self, prepare)
+        except BaseException:
+            self.release()
+            raise
+
+    def prompt_ids(self, text: str, chat: bool) -> list[int]:
+        """Token ids of a prompt; a rendered chat prompt may carry its own BOS text."""
+        return encode_prompt(self.tokenizer, text) if chat else self.tokenizer.encode(text, add_special=True)
+
+    def request(self, ids: list[int], max_tokens: int | None = None, **options: Any) -> CompletionRequest:
+        """A completion of prompt ``ids``; ``max_tokens=None`` generates up to the end of the context
+        (Ollama's default; the engine's context shift would otherwise let a model run forever)."""
+        if max_tokens is None:
+            max_tokens = max(self.runner.num_ctx - len(ids), 0)
+        return CompletionRequest(ids, max_tokens=max_tokens, **options)
+
+    async def embed(self, texts: list[str]) -> list[list[float]]:
+        """One embedding per text (400 for a model without embeddings)."""
+        self.admit()
+        try:
+            return [(await asyncio.to_thread(self.runner.embedding, text)).tolist() for text in texts]
+        except EmbeddingsNotSupportedError as exc:
+            raise APIError(400, f"model {self.name!r} does not support embeddings: {exc}",
+                           code="embeddings_not_supported") from None
+        finally:
+            self.release()
+
+    def token_text(self, token: int) -> str:
+        return self.tokenizer.token_to_piece(token).decode("utf-8", "replace")
+
+
+_STARTED = object()
+
+
+class Job:
+    """One completion in flight. Iterate ``chunks()`` on the event loop; ``close()`` (from the
+    loop, any time) cancels it. The admission is returned once the runner has let go of the
+    sequence, so the 503 limit counts what really occupies the runner."""
+
+    def __init__(self, served: ServedModel, prepare: Callable[[], CompletionRequest]):
+        self._served, self._prepare = served, prepare
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._stream = None
+        self._closed = self._released = False
+        self.request: CompletionRequest | None = None
+        self.tokens: list[int] = []  # generated so far (as seen by chunks())
+        threading.Thread(target=self._run, name="pyggml-server-job", daemon=True).start()
+
+    def _put(self, item: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (the server stopped)
+            pass
+
+    def _run(self) -> None:
+        try:
+            try:
+                self.request = self._prepare()
+                stream = self._served.runner.completion(self.request)
+            except Exception as exc:
+                self._release()
+                self._put(exc)
+                return
+            self._stream = stream
+            if self._closed:  # closed while preparing (close() saw no stream yet)
+                stream.close()
+            self._put(_STARTED)
+            try:
+                for chunk in stream:
+                    if chunk.done:  # the runner has freed the sequence: so may the next request
+                        self._release()
+                    self._put(chunk)
+            except Exception as exc:
+                self._release()
+                self._put(exc)
+            stream.wait()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Return the admission before the client can see the answer, so a client that sends its
+        requests one after another is never refused; once only."""
+        if not self._released:
+            self._released = True
+            self._served.release()
+
+    async def started(self) -> None:
+        """Wait until the runner has accepted the request; raises ``APIError`` for a bad one."""
+        item = await self._queue.get()
+        if item is not _STARTED:
+            raise _as_api_error(item)
+
+    async def chunks(self) -> AsyncIterator[CompletionChunk]:
+        """The completion's chunks (after ``started()``), ending with the ``done`` one."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise _as_api_error(item)
+            self.tokens += item.tokens
+            yield item
+            if item.done:
+                return
+
+    async def collect(self, request: Any) -> list[CompletionChunk]:
+        """All chunks; cancels the completion if the client disconnects first."""
+        async def gather() -> list[CompletionChunk]:
+            return [chunk async for chunk in self.chunks()]
+
+        async def disconnected() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, watch = asyncio.ensure_future(gather()), asyncio.ensure_future(disconnected())
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                self.close()
+        if work.cancelled():
+            raise APIError(499, "client disconnected")
+        return work.result()
+
+    def close(self) -> None:
+        """Cancel the completion (a no-op once it is done); its slot frees in the runner's loop."""
+        self._closed = True
+        if self._stream is not None:
+            self._stream.close()
+
+
+class _JobResponse(StreamingResponse):
+    """A streamed body that cancels its job however the response ends: finished, failed, or
+    cut short by the client (Starlette then cancels the body before or while it iterates)."""
+
+    def __init__(self, job: Job, content: AsyncIterator[str], media_type: str):
+        super().__init__(content, media_type=media_type, headers={"Cache-Control": "no-cache"})
+        self.job = job
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.close()
+
+
+def stream_response(job: Job, content: AsyncIterator[str], media_type: str) -> StreamingResponse:
+    return _JobResponse(job, content, media_type)
+
+
+def _as_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, RunnerClosedError):
+        return APIError(503, f"the model runner is not running: {exc}")
+    if isinstance(exc, ValueError):  # bad prompt or options (ChatTemplateError is one too)
+        return APIError(400, str(exc))
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return f"sha256:{h.hexdigest()}"
+
+
+def _human(n: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}" if n < 10 * size else f"{n / size:.0f}{unit}"
+    return str(n)

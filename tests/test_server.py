@@ -1,0 +1,408 @@
+"""HTTP server: the official ``openai`` and ``ollama`` clients against a server running in this
+process on 127.0.0.1 (uvicorn in a thread), on stories260K (when present) and on a synthetic
+random-weight model (always): completions, chat, streaming, metadata, the embeddings error,
+malformed requests, 503 when saturated, cancellation on disconnect, and a bounded load test."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from pyggml import BackendParams, models
+from pyggml.runner import Runner
+from pyggml.synthetic import write_synthetic
+
+from .conftest import SHARED_MODELS
+
+_NEEDS = "the server tests need: pip install starlette uvicorn httpx openai ollama"
+pytest.importorskip("starlette", reason=_NEEDS)
+httpx = pytest.importorskip("httpx", reason=_NEEDS)
+ollama = pytest.importorskip("ollama", reason=_NEEDS)
+openai = pytest.importorskip("openai", reason=_NEEDS)
+uvicorn = pytest.importorskip("uvicorn", reason=_NEEDS)
+
+from pyggml.server import ServedModel, create_app  # noqa: E402  (imports starlette)
+
+STORIES = SHARED_MODELS / "stories260K.gguf"
+GREEDY = {"temperature": 0}
+
+
+@contextlib.contextmanager
+def running_server(path, parallel: int, queue: int, num_ctx: int = 256):
+    """(base_url, served) of a server on a free 127.0.0.1 port; stopped and unloaded on exit."""
+    model = models.load(path, BackendParams(n_threads=1))
+    runner = Runner(model, parallel=parallel, num_ctx=num_ctx, batch_size=64)
+    served = ServedModel(runner, path, queue=queue)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}", served
+    finally:
+        server.should_exit = True
+        runner.close()  # ends whatever still streams, so uvicorn's shutdown does not wait on it
+        thread.join(15)
+        model.close()
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def stories():
+    if not STORIES.exists():
+        pytest.skip(f"{STORIES} is absent")
+    with running_server(STORIES, parallel=4, queue=16) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    """A one-slot server with no queue: the second request is refused."""
+    path = write_synthetic(tmp_path_factory.mktemp("server") / "tiny.gguf", "tiny", "f32")
+    with running_server(path, parallel=1, queue=0, num_ctx=128) as server:
+        yield server
+
+
+def openai_client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def health(base: str) -> dict:
+    return httpx.get(f"{base}/health", timeout=10).json()
+
+
+def wait_idle(base: str, timeout: float = 15.0) -> dict:
+    """/health once nothing runs or waits (fails after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = health(base)
+        if state["slots_in_use"] == 0 and state["requests"] == 0:
+            return state
+        assert time.monotonic() < deadline, f"the server stayed busy: {state}"
+        time.sleep(0.05)
+
+
+# ---- completions and chat, both APIs ----------------------------------------------------------------
+
+def test_openai_completion_and_stream_with_usage(stories):
+    base, _ = stories
+    client = openai_client(base)
+    done = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=16, temperature=0)
+    text = done.choices[0].text
+    assert text.startswith(", there was a little girl")
+    assert done.choices[0].finish_reason == "length" and done.object == "text_completion"
+    assert done.usage.prompt_tokens == 5 and done.usage.completion_tokens == 16 and done.usage.total_tokens == 21
+
+    chunks = list(client.completions.create(model="stories260K.gguf", prompt="Once upon a time", max_tokens=16,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 4  # all but the last prompt token
+
+    scored = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=4, temperature=0,
+                                       logprobs=3, echo=False)
+    lp = scored.choices[0].logprobs
+    assert "".join(lp.tokens) == scored.choices[0].text and len(lp.token_logprobs) == 4
+    assert all(len(top) == 3 and max(top.values()) == pytest.approx(p) for top, p in
+               zip(lp.top_logprobs, lp.token_logprobs, strict=True))
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(4)]
+    echoed = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=4, temperature=0,
+                                       echo=True)
+    assert echoed.choices[0].text == "Once upon a time" + scored.choices[0].text
+
+
+def test_openai_chat_stream_and_logprobs(stories):
+    base, _ = stories
+    client = openai_client(base)
+    messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "Once upon a time"}]
+    done = client.chat.completions.create(model="stories260K", messages=messages, max_tokens=8, temperature=0,
+                                          logprobs=True, top_logprobs=2)
+    message = done.choices[0].message
+    assert message.role == "assistant" and message.content and done.object == "chat.completion"
+    content = done.choices[0].logprobs.content
+    assert len(content) == done.usage.completion_tokens == 8
+    assert "".join(lp.token for lp in content).strip() == message.content.strip()
+    for lp in content:  # greedy: the chosen token is the most likely one
+        assert len(lp.top_logprobs) == 2 and lp.top_logprobs[0].token == lp.token
+        assert lp.logprob == pytest.approx(lp.top_logprobs[0].logprob) and lp.logprob <= 0
+
+    chunks = list(client.chat.completions.create(model="stories260K", messages=messages, max_tokens=8,
+                                                 temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_ollama_generate_and_chat(stories):
+    base, served = stories
+    client = ollama.Client(host=base, timeout=60)
+    done = client.generate(model="stories260K", prompt="Once upon a time", options={**GREEDY, "num_predict": 16})
+    assert done.response.startswith(", there was a little girl") and done.done and done.done_reason == "length"
+    assert done.prompt_eval_count == 5 and done.eval_count == 16 and done.eval_duration > 0
+    assert done.context[:5] == served.tokenizer.encode("Once upon a time") and len(done.context) == 5 + 16
+    scored = client.generate(model="stories260K", prompt="Once upon a time", options={**GREEDY, "num_predict": 4},
+                             logprobs=True)
+    assert len(scored.logprobs) == 4 and "".join(lp.token for lp in scored.logprobs) == scored.response
+    assert all(lp.logprob <= 0 and not lp.top_logprobs for lp in scored.logprobs)
+
+    parts = list(client.generate(model="stories260K:latest", prompt="Once upon a time",
+                                 options={**GREEDY, "num_predict": 16}, stream=True))
+    assert "".join(p.response for p in parts) == done.response
+    assert [p.done for p in parts] == [False] * (len(parts) - 1) + [True] and parts[-1].done_reason == "length"
+
+    messages = [{"role": "user", "content": "Once upon a time"}]
+    reply = client.chat(model="stories260K", messages=messages, options={**GREEDY, "num_predict": 8, "seed": 3})
+    assert reply.message.role == "assistant" and reply.message.content and reply.eval_count == 8
+    parts = list(client.chat(model="stories260K", messages=messages, options={**GREEDY, "num_predict": 8},
+                             stream=True))
+    assert "".join(p.message.content for p in parts) == reply.message.content
+
+
+def test_the_same_prompt_gives_the_same_text_through_either_api(synthetic):
+    base, served = synthetic
+    text = openai_client(base).completions.create(model=served.name, prompt="hello world", max_tokens=12,
+                                                  temperature=0).choices[0].text
+    done = ollama.Client(host=base).generate(model=served.name, prompt="hello world",
+                                             options={**GREEDY, "num_predict": 12})
+    assert done.response == text and done.eval_count == 12
+
+
+def test_metadata_routes(stories):
+    base, served = stories
+    client = ollama.Client(host=base)
+    (entry,) = client.list().models
+    assert entry.model == "stories260K" and entry.size == STORIES.stat().st_size
+    assert entry.digest.startswith("sha256:") and entry.details.format == "gguf" and entry.details.family == "llama"
+    shown = client.show("stories260K")
+    assert shown.modelinfo["general.architecture"] == "llama" and shown.capabilities == ["completion"]
+    assert shown.modelinfo["tokenizer.ggml.tokens"] is None  # long arrays only with verbose
+    assert client.ps().models[0].context_length == 256
+    assert httpx.get(f"{base}/api/version").json()["version"]
+    assert [m.id for m in openai_client(base).models.list()] == ["stories260K"]
+    assert openai_client(base).models.retrieve("stories260K.gguf").id == "stories260K"
+    assert httpx.get(base).status_code == 200
+    state = health(base)
+    assert state["status"] == "ok" and state["slots_total"] == 4 and state["queue_limit"] == 16
+
+
+def test_embeddings_answer_a_clear_error(synthetic):
+    base, served = synthetic
+    with pytest.raises(ollama.ResponseError) as info:
+        ollama.Client(host=base).embed(model=served.name, input="hello")
+    assert info.value.status_code == 400 and "does not support embeddings" in str(info.value)
+    with pytest.raises(openai.BadRequestError) as oinfo:
+        openai_client(base).embeddings.create(model=served.name, input=["hello", "world"])
+    assert "does not support embeddings" in oinfo.value.message
+    assert health(base)["requests"] == 0
+
+
+# ---- malformed requests -----------------------------------------------------------------------------
+
+BAD_REQUESTS = [
+    # (path, body (a str is sent as is), status, words the message must contain)
+    ("/api/generate", "{", 400, "not valid JSON"),
+    ("/api/generate", "", 400, "empty"),
+    ("/api/generate", "[1, 2]", 400, "must be a JSON object"),
+    ("/api/generate", '{"model": "tiny", "prompt": "a", "options": {"top_p": NaN}}', 400, "not valid JSON"),
+    ("/api/generate", {"prompt": "a"}, 400, "model is required"),
+    ("/api/generate", {"model": "llama3", "prompt": "a"}, 404, "'llama3' not found"),
+    ("/api/generate", {"model": "tiny", "prompt": 7}, 400, "prompt must be a string"),
+    ("/api/generate", {"model": "tiny", "prompt": "a", "stream": "yes"}, 400, "stream must be true or false"),
+    ("/api/generate", {"model": "tiny", "prompt": "a", "options": {"temprature": 0}}, 400,
+     "unknown field 'temprature' in options (did you mean 'temperature'?)"),
+    ("/api/generate", {"model": "tiny", "prompt": "a", "options": {"temperature": "hot"}}, 400,
+     "options.temperature must be a number"),
+    ("/api/generate", {"model": "tiny", "prompt": "a", "options": {"top_p": 5}}, 400, "top_p"),
+    ("/api/generate", {"model": "tiny", "prompt": "a", "options": {"num_predict": -7}}, 400, "num_predict"),
+    ("/api/generate", {"model": "tiny", "prompt": "a", "options": "fast"}, 400, "options must be a JSON object"),
+    ("/api/generate", {"model": "tiny", "prompt": "a", "format": "json"}, 400, "format"),
+    ("/api/generate", {"model": "tiny", "prompt": "a", "promt": "b"}, 400, "did you mean 'prompt'"),
+    ("/api/generate", {"model": "tiny", "prompt": "word " * 200}, 400, "does not fit the context of 128"),
+    ("/api/chat", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role must be"),
+    ("/api/chat", {"model": "tiny", "messages": "hi"}, 400, "messages must be an array"),
+    ("/api/embed", {"model": "tiny"}, 400, "input"),
+    ("/api/show", {"model": "nope"}, 404, "not found"),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt must be"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": -1}, 400, "max_tokens must be >= 0"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "n": 2}, 400, "n must be 1"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", "b"]}, 400, "several prompts"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 99999]}, 400, "out of range"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "a", "temperature": 3}, 400, "temperature must be in"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "must not be empty"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_token": 3},
+     400, "did you mean 'max_tokens'"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "stream_options": {"include_usage": True}}, 400, "stream: true"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404,
+     "'gpt-4o' not found"),
+    ("/v1/embeddings", {"model": "tiny", "input": 3}, 400, "input must be"),
+    ("/v1/nothing", {}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, words", BAD_REQUESTS, ids=[f"{p} {w}" for p, _, _, w in BAD_REQUESTS])
+def test_malformed_requests_get_a_4xx_with_a_message(synthetic, path, body, status, words):
+    base, _ = synthetic
+    content = body if isinstance(body, str) else json.dumps(body)
+    response = httpx.post(f"{base}{path}", content=content, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    message = error["message"] if path.startswith("/v1/") else error
+    assert words in message
+    if path.startswith("/v1/") and status < 500:
+        assert error["type"] == "invalid_request_error"
+
+
+def test_wrong_method_is_a_json_405(synthetic):
+    base, _ = synthetic
+    response = httpx.get(f"{base}/api/generate")
+    assert response.status_code == 405 and "Method Not Allowed" in response.json()["error"]
+
+
+# ---- saturation and cancellation --------------------------------------------------------------------
+
+@contextlib.contextmanager
+def long_stream(base: str, model: str):
+    """An endless greedy stream (max_tokens far past the context), open after its first token."""
+    client = httpx.Client(timeout=30)
+    body = {"model": model, "prompt": "hello", "max_tokens": 1_000_000, "temperature": 0, "stream": True}
+    with client.stream("POST", f"{base}/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["finish_reason"] is None
+        yield lines
+    client.close()
+
+
+def test_503_with_retry_after_when_every_slot_and_the_queue_are_full(synthetic):
+    base, served = synthetic
+    wait_idle(base)
+    with long_stream(base, served.name) as lines:
+        state = health(base)
+        assert state["slots_in_use"] == 1 and state["requests"] == 1
+        for path, body in (("/v1/completions", {"model": served.name, "prompt": "a", "max_tokens": 1}),
+                           ("/api/generate", {"model": served.name, "prompt": "a", "stream": False})):
+            response = httpx.post(f"{base}{path}", json=body, timeout=30)
+            assert response.status_code == 503 and int(response.headers["retry-after"]) >= 1
+            assert "busy" in response.text
+        next(lines)  # the first stream still runs
+    assert wait_idle(base)["slots_in_use"] == 0
+    response = httpx.post(f"{base}/v1/completions", json={"model": served.name, "prompt": "a", "max_tokens": 2},
+                          timeout=30)
+    assert response.status_code == 200
+
+
+def test_requests_one_after_another_are_never_refused(synthetic):
+    base, served = synthetic
+    wait_idle(base)
+    with httpx.Client(base_url=base, timeout=30) as client:  # one slot, no queue: each must find it free
+        for i in range(12):
+            path, body = (("/v1/completions", {"model": served.name, "prompt": "a", "max_tokens": 1}) if i % 2 else
+                          ("/api/chat", {"model": served.name, "messages": [{"role": "user", "content": "a"}],
+                                         "stream": False, "options": {"num_predict": 1}}))
+            assert client.post(path, json=body).status_code == 200
+
+
+def test_a_client_disconnecting_mid_stream_frees_its_slot(synthetic):
+    base, served = synthetic
+    wait_idle(base)
+    for _ in range(2):  # twice: the freed slot is usable again
+        with long_stream(base, served.name) as lines:
+            for _ in range(5):
+                next(lines)
+            assert health(base)["slots_in_use"] == 1
+        assert wait_idle(base)["requests"] == 0  # closing the connection cancelled the completion
+    # a non-streaming request whose client gives up is cancelled too
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{base}/api/generate", timeout=0.5,
+                   json={"model": served.name, "prompt": "hello", "stream": False,
+                         "options": {"num_predict": 1_000_000}})
+    wait_idle(base)
+
+
+def test_a_failure_mid_stream_ends_the_stream_with_an_error(synthetic, monkeypatch):
+    base, served = synthetic
+    wait_idle(base)
+    complete = served.runner.completion
+
+    class Failing:
+        """The runner's stream, failing after its first chunk."""
+
+        def __init__(self, request):
+            self.stream, self.n = complete(request), 0
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            self.n += 1
+            if self.n > 1:
+                self.stream.close()
+                raise RuntimeError("boom")
+            return next(self.stream)
+
+        def close(self):
+            self.stream.close()
+
+        def wait(self, timeout=None):
+            return self.stream.wait(timeout)
+
+    monkeypatch.setattr(served.runner, "completion", Failing)
+    body = {"model": served.name, "prompt": "hello", "max_tokens": 50, "temperature": 0, "stream": True}
+    lines = httpx.post(f"{base}/v1/completions", json=body, timeout=30).text.split("\n\n")
+    assert "RuntimeError: boom" in json.loads(lines[-3][6:])["error"]["message"] and lines[-2] == "data: [DONE]"
+    body = {"model": served.name, "prompt": "hello", "options": {"num_predict": 50}}
+    last = httpx.post(f"{base}/api/generate", json=body, timeout=30).text.splitlines()[-1]
+    assert "RuntimeError: boom" in json.loads(last)["error"]
+    assert wait_idle(base)["requests"] == 0
+
+
+# ---- load -------------------------------------------------------------------------------------------
+
+def test_64_requests_from_16_clients_each_get_their_single_request_answer(stories):
+    base, _ = stories
+    prompts = ["Once upon a time", "Lily went to the", "The cat sat", "Tom had a big red", "One day, a boy",
+               "The sun was", "She loved to", "In the park"]
+    oa, ol = openai_client(base), ollama.Client(host=base, timeout=60)
+
+    def complete(i: int) -> str:
+        prompt = prompts[i % len(prompts)]
+        if i % 2:
+            return oa.completions.create(model="stories260K", prompt=prompt, max_tokens=10,
+                                         temperature=0).choices[0].text
+        return ol.generate(model="stories260K", prompt=prompt, options={**GREEDY, "num_predict": 10}).response
+
+    alone = {prompts[i]: complete(i) for i in range(len(prompts))}
+    start = time.monotonic()
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(complete, i) for i in range(64)]
+        results = [f.result(timeout=60) for f in futures]
+    elapsed = time.monotonic() - start
+    assert results == [alone[prompts[i % len(prompts)]] for i in range(64)]
+    assert elapsed < 60
+    assert wait_idle(base)["slots_in_use"] == 0
+
+
+def test_cli_registers_serve():
+    from pyggml.cli import build_parser, cmd_serve
+
+    args = build_parser().parse_args(["serve", "m.gguf", "--port", "8080", "--parallel", "2", "--queue", "0"])
+    assert args.func is cmd_serve and (args.host, args.port, args.parallel, args.queue) == ("127.0.0.1", 8080, 2, 0)
