@@ -104,6 +104,7 @@ class Session:
         from pyggml import models
         from pyggml.backend import BackendParams
         from pyggml.models import Batch
+        from pyggml.models.forward import ForwardPass
         from pyggml.tensor import DType
 
         start = time.perf_counter()
@@ -124,6 +125,7 @@ class Session:
         self._rng = np.random.default_rng(seed)
         self._batch = Batch
         self._clock: _KernelClock | None = None
+        self._forward = ForwardPass(self.model)
 
     def tokens(self, n: int) -> list[int]:
         return [int(t) for t in self._rng.integers(0, max(self.n_vocab, 1), n)]
@@ -155,27 +157,17 @@ class Session:
         return Sample(wall, n_gen, parts)
 
     def step(self, tokens: list[int], first_pos: int, parts: Parts) -> None:
-        """One forward pass, as ``LLM._decode`` does it, with each part timed."""
-        model = self.model
-        t0 = time.perf_counter()
+        """One forward pass, as ``LLM`` runs it (decode steps reuse the previous graph), timed by part."""
         batch = self._batch(inputs=tokens, outputs=[len(tokens) - 1],
                             positions=range(first_pos, first_pos + len(tokens)), sequences=[0] * len(tokens))
-        with model.backend.new_context() as ctx:
-            model.cache.start_forward(ctx, batch)
-            t1 = time.perf_counter()
-            logits = model.forward(ctx, batch)
-            ctx.forward(logits)
-            t2 = time.perf_counter()
-            ctx.compute(logits)
-            t3 = time.perf_counter()
-            logits.numpy()
-            parts.nodes = ctx.n_nodes
-        t4 = time.perf_counter()
+        times: dict[str, float] = {}
+        self._forward(batch, times)
+        parts.nodes = self._forward.n_nodes
         parts.steps += 1
-        parts.cache += t1 - t0
-        parts.graph += t2 - t1
-        parts.compute += t3 - t2
-        parts.output += t4 - t3
+        parts.cache += times["cache"]
+        parts.graph += times["graph"]
+        parts.compute += times["compute"]
+        parts.output += times["output"]
 
     @contextmanager
     def _kernel_clock(self) -> Iterator[_KernelClock | None]:
@@ -196,6 +188,7 @@ class Session:
             backend_module.lib = lib
 
     def close(self) -> None:
+        self._forward.close()
         self.model.close()
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from pyggml import models
 from pyggml.backend import BackendParams, ProgressFn
 from pyggml.models import Batch, Model
+from pyggml.models.forward import ForwardPass
 from pyggml.sample import Sampler
 from pyggml.tensor import DType
 
@@ -68,7 +69,7 @@ class LLM:
         model.cache.init(model.backend, DType.parse(cache_type), max_sequences=1, capacity=self.num_ctx,
                          max_batch=self.batch_size)
         self._cached: list[int] = []  # tokens whose keys/values are in the cache, in position order
-        self._graph: tuple[tuple, Any, Any] | None = None  # (batch shape, Context, logits) of the last pass
+        self._forward = ForwardPass(model)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, progress: ProgressFn | None = None, **options: Any) -> LLM:
@@ -200,43 +201,10 @@ class LLM:
 
     def _decode(self, tokens: list[int], first_pos: int, outputs: Sequence[int]) -> np.ndarray:
         """One forward pass of ``tokens`` at positions first_pos..; logits (len(outputs), vocab).
-
-        The graph of the previous pass is computed again, with new inputs, when the batch has the
-        same shape and the cache's attention width is unchanged (the usual decode step): Python
-        then only refills five small input arrays instead of rebuilding ~40 nodes per layer."""
-        model = self.model
+        Decode steps recompute the previous graph with new inputs (see ``ForwardPass``)."""
         batch = Batch(inputs=tokens, outputs=list(outputs), positions=range(first_pos, first_pos + len(tokens)),
                       sequences=[0] * len(tokens))
-        key = (len(tokens), tuple(outputs))
-        graph = self._graph
-        if graph is not None and graph[0] == key and model.cache.refill(graph[1], batch):
-            _, ctx, logits = graph
-            ctx.set_input("tokens", batch.tokens)
-            ctx.set_input("positions", list(batch.positions))
-            ctx.set_input("outputs", batch.output_rows)
-        else:
-            self._drop_graph()
-            ctx = model.backend.new_context()
-            try:
-                model.cache.start_forward(ctx, batch)
-                logits = model.forward(ctx, batch)
-            except BaseException:
-                ctx.close()
-                raise
-            self._graph = (key, ctx, logits)
-            if not ctx.reusable:
-                self._graph = None
-        try:
-            ctx.compute(logits)
-            return logits.numpy()
-        finally:
-            if self._graph is None:
-                ctx.close()
-
-    def _drop_graph(self) -> None:
-        if self._graph is not None:
-            self._graph[1].close()
-            self._graph = None
+        return self._forward(batch)
 
     def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
         tokens = [int(t) for t in tokens]
@@ -254,7 +222,7 @@ class LLM:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
-        self._drop_graph()
+        self._forward.close()
         self.model.close()
 
     def __enter__(self) -> LLM:
