@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -70,6 +70,7 @@ class LLM:
                          max_batch=self.batch_size)
         self._cached: list[int] = []  # tokens whose keys/values are in the cache, in position order
         self._forward = ForwardPass(model)
+        self._template = None  # the model's chat template, compiled on first chat()
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, progress: ProgressFn | None = None, **options: Any) -> LLM:
@@ -133,6 +134,20 @@ class LLM:
         sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling)
         pieces = self._generate(ids, max_tokens, sampler, stops)
         return pieces if stream else "".join(pieces)
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], max_tokens: int = 128, **options: Any) -> str | Iterator[str]:
+        """Reply to ``messages`` ([{"role": ..., "content": ...}, ...]) rendered with the model's chat
+        template (``tokenizer.chat_template``, or a plain fallback); options as for ``generate``."""
+        from pyggml.chat import ChatTemplate, encode_prompt
+
+        if self._template is None:
+            self._template = ChatTemplate.from_model(self.model)
+        ids = encode_prompt(self.tokenizer, self._template.render(messages, add_generation_prompt=True))
+        return self.generate(ids, max_tokens, **options)
+
+    def embed(self, texts: str | Sequence[str]) -> np.ndarray:
+        """Embeddings need an embedding architecture (e.g. BERT); none is ported yet."""
+        raise NotImplementedError(f"{self.model.architecture} models do not produce embeddings in pyggml yet")
 
     def _generate(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str]) -> Iterator[str]:
         stats = self.stats = Stats(load_seconds=self.stats.load_seconds)

@@ -64,6 +64,15 @@ def test_stop_strings_are_cut_and_held_back(stories):
     assert streamed == whole[: whole.index("girl named")]
 
 
+def test_chat_uses_the_template_or_the_fallback(stories):
+    reply = stories.chat([{"role": "user", "content": "Tell me a story"}], max_tokens=8, temperature=0)
+    assert isinstance(reply, str) and stories.stats.generated_tokens >= 1
+    with pytest.raises(ValueError):
+        stories.chat([{"role": "wizard", "content": 1}])
+    with pytest.raises(NotImplementedError, match="embeddings"):
+        stories.embed("hello")
+
+
 def test_partial_stop_suffix():
     assert _partial_stop("hello Li", ["Lily"]) == 2
     assert _partial_stop("hello", ["Lily"]) == 0
