@@ -19,6 +19,7 @@ from pyggml import models
 from pyggml.backend import BackendParams, ProgressFn
 from pyggml.models import Batch, Model
 from pyggml.models.forward import ForwardPass
+from pyggml.runner.sequence import find_stop, partial_stop
 from pyggml.sample import Sampler
 from pyggml.tensor import DType
 
@@ -168,12 +169,12 @@ class LLM:
             history.append(token)
             stats.tokens.append(token)
             pending += decoder.feed(token)
-            cut = _find_stop(pending, stops)
+            cut = find_stop(pending, stops)
             if cut is not None:
                 pending = pending[:cut]
                 stats.finish_reason = "stop"
                 break
-            emit = len(pending) - _partial_stop(pending, stops)
+            emit = len(pending) - partial_stop(pending, stops)
             if emit:
                 yield pending[:emit]
                 pending = pending[emit:]
@@ -185,7 +186,7 @@ class LLM:
             pending += decoder.flush()
         stats.generate_seconds = time.perf_counter() - start
         if pending:
-            cut = _find_stop(pending, stops)
+            cut = find_stop(pending, stops)
             yield pending if cut is None else pending[:cut]
 
     def _prefill(self, ids: list[int]) -> np.ndarray:
@@ -245,22 +246,6 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _find_stop(text: str, stops: Sequence[str]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _partial_stop(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
 
 
 def load(path: str | os.PathLike, **options: Any) -> LLM:

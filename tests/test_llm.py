@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pyggml
-from pyggml.llm import _partial_stop
+from pyggml.runner.sequence import partial_stop
 from pyggml.tiny import default_model_path
 
 from .conftest import SHARED_MODELS
@@ -74,9 +74,9 @@ def test_chat_uses_the_template_or_the_fallback(stories):
 
 
 def test_partial_stop_suffix():
-    assert _partial_stop("hello Li", ["Lily"]) == 2
-    assert _partial_stop("hello", ["Lily"]) == 0
-    assert _partial_stop("abc", ["c", "bcd"]) == 2
+    assert partial_stop("hello Li", ["Lily"]) == 2
+    assert partial_stop("hello", ["Lily"]) == 0
+    assert partial_stop("abc", ["c", "bcd"]) == 2
 
 
 def test_prompt_prefix_is_reused(stories):
