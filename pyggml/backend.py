@@ -419,11 +419,11 @@ class Backend:
 
     def _repack_buft(self, t: Any) -> Any:
         """The CPU extra buffer type whose kernels can use this weight, or NULL."""
+        # token_embd is read with get_rows (no kernel for repacked data), also as a tied output
         name = ffi.string(t.name).decode()
         if not self.params.repack or name.startswith("token_embd") or t.ne[2] != 1 or t.ne[3] != 1 \
                 or not lib.ggml_is_quantized(t.type):
             return NULL
-        # tied output embeddings share token_embd; get_rows is unsupported on repacked data
         for buft in self._repack_bufts:
             if self._probe_mulmat(t, buft):
                 return buft
