@@ -687,6 +687,8 @@ class Backend:
                 self._new_sched(state.graph_size)
             sched = self._sched
             lib.ggml_backend_sched_reset(sched)
+            for ptr, index in state.placements:
+                lib.ggml_backend_sched_set_tensor_backend(sched, ptr, self._backends[index])
             if reserve_only:
                 if not lib.ggml_backend_sched_reserve(sched, state.graph):
                     raise MemoryError(_with_log("could not reserve memory for the graph"))
@@ -716,7 +718,7 @@ class _GraphState:
     """What all handles of one Context share: the ggml context, the graph and pending inputs."""
 
     __slots__ = ("ptr", "graph", "graph_size", "max_tensors", "n_tensors", "inputs", "index_checks", "epoch",
-                 "closed", "leaf_outputs", "named", "anonymous_inputs")
+                 "closed", "leaf_outputs", "named", "anonymous_inputs", "placements")
 
     def __init__(self, max_nodes: int, graph_size: int):
         self.max_tensors = max_nodes
@@ -731,6 +733,7 @@ class _GraphState:
         self.index_checks: list[tuple[Any, int, str]] = []
         self.named: dict[str, Tensor] = {}
         self.anonymous_inputs = 0
+        self.placements: list[tuple[Any, int]] = []  # (tensor, backend index) from ctx.input()/layer()
         self.epoch = 0
         self.closed = False
         # an input read back as it is (a leaf no node uses): ggml's allocator does not size-check such
@@ -800,7 +803,8 @@ class Context:
         p = lib.ggml_new_tensor(c, dtype, len(shape), ne)
         lib.ggml_set_input(p)
         if self._placement is not None:
-            lib.ggml_backend_sched_set_tensor_backend(self.backend._sched, p, self.backend._backends[self._placement])
+            # applied at compute, after the scheduler's reset (which forgets earlier assignments)
+            self._state.placements.append((p, self._placement))
         return Tensor(p, self, len(shape))
 
     def from_numpy(self, array: Any, dtype: DType | str | None = None, *, name: str | None = None) -> Tensor:
