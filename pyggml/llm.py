@@ -160,7 +160,7 @@ class LLM:
         pending = ""  # text held back while it could still become a stop string
         start = time.perf_counter()
         stats.finish_reason = "length"
-        for _ in range(max_tokens):
+        for step in range(max_tokens):
             token = sampler.sample(logits, history)
             stats.generated_tokens += 1
             if self.tokenizer.is_eog(token):
@@ -178,6 +178,8 @@ class LLM:
             if emit:
                 yield pending[:emit]
                 pending = pending[emit:]
+            if step == max_tokens - 1:
+                continue  # the last token's logits would go unused: leave it out of the cache
             if len(self._cached) >= self.num_ctx:
                 self._shift_context()
             logits = self._decode([token], len(self._cached), [0])[0]
