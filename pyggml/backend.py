@@ -417,12 +417,13 @@ class Backend:
             return len(self._backends) - 1
         return min(self.params.main_gpu, len(self._gpus) - 1)
 
-    def _repack_buft(self, t: Any) -> Any:
+    def _repack_buft(self, t: Any, any_name: bool = False) -> Any:
         """The CPU extra buffer type whose kernels can use this weight, or NULL."""
-        # token_embd is read with get_rows (no kernel for repacked data), also as a tied output
+        # token_embd is read with get_rows (no kernel for repacked data); a tied output gets a copy
+        # through matmul_weight instead
         name = ffi.string(t.name).decode()
-        if not self.params.repack or name.startswith("token_embd") or t.ne[2] != 1 or t.ne[3] != 1 \
-                or not lib.ggml_is_quantized(t.type):
+        if not self.params.repack or (name.startswith("token_embd") and not any_name) or t.ne[2] != 1 \
+                or t.ne[3] != 1 or not lib.ggml_is_quantized(t.type):
             return NULL
         for buft in self._repack_bufts:
             if self._probe_mulmat(t, buft):
@@ -625,6 +626,32 @@ class Backend:
         storage.buffers.append(self._alloc_tensors(buft, [t], purpose))
         lib.ggml_backend_buffer_clear(storage.buffers[-1], 0)
         return Tensor(t, None, len(shape), self)
+
+    def matmul_weight(self, weight: Tensor) -> Tensor:
+        """``weight`` for use only as the left operand of ``mulmat``: a copy in the CPU's repacked
+        layout when that is faster and the original must stay plain (tied output embeddings share
+        token_embd, which get_rows reads), else ``weight`` itself. Costs the copy's RAM."""
+        self._check_open()
+        p = weight._p
+        if weight.ctx is not None or weight._keep is not self or p.buffer == NULL \
+                or not lib.ggml_backend_buffer_is_host(p.buffer) or p.data == NULL:
+            return weight
+        name = ffi.string(p.name).decode()
+        if name in self._repacked:
+            return weight
+        buft = self._repack_buft(p, any_name=True)
+        if buft == NULL:
+            return weight
+        ctx = lib.ggml_init({"mem_size": 2 * lib.ggml_tensor_overhead(), "mem_buffer": NULL, "no_alloc": True})
+        copy = lib.ggml_dup_tensor(ctx, p)
+        copy_name = f"{name[:40]}.mulmat"
+        lib.ggml_set_name(copy, copy_name.encode())
+        storage = _Storage(ctx=ctx)
+        self._storages.append(storage)
+        storage.buffers.append(self._alloc_tensors(buft, [copy], "weights"))
+        lib.ggml_backend_tensor_set(copy, p.data, 0, lib.ggml_nbytes(p))  # repacks on the way
+        self._repacked.add(copy_name)
+        return Tensor(copy, None, weight.ndim, self)
 
     def supports_op(self, tensor: Tensor) -> bool:
         """Whether some device of this backend can compute ``tensor``'s op."""

@@ -148,6 +148,8 @@ def _leaf(kind: type, name: str, backend: Backend, optional: bool, default: Any,
     weight = backend.get(f"{name}.weight")
     if weight is None and isinstance(default, _Alt):
         weight = backend.get(f"{default.name}.weight")
+        if weight is not None and kind is Linear:  # e.g. tied output embeddings: a fast mulmat layout
+            weight = backend.matmul_weight(weight)
     if weight is None:
         if not optional:
             missing.append(f"{name}.weight")
