@@ -31,7 +31,13 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
+_SUBMODULES = {"backend", "bench", "chat", "convert", "kvcache", "llm", "models", "nn", "runner", "sample",
+               "server", "synthetic", "tensor", "tiny", "tokenizer"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:  # `import pyggml; pyggml.models.load(...)` without importing the submodule
+        return importlib.import_module(f"pyggml.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'pyggml' has no attribute {name!r}")
