@@ -189,12 +189,14 @@ def test_gguf_qk_with_ggml_rope_give_hf_attention_scores(tmp_path, rope_scaling)
     q_gg = rope_normal((x @ tensors["blk.0.attn_q.weight"][1].T).reshape(n_tok, 4, d), pos, 10000.0, factors)
     k_gg = rope_normal((x @ tensors["blk.0.attn_k.weight"][1].T).reshape(n_tok, 2, d), pos, 10000.0, factors)
     # same vectors, up to the per-head reordering of dimensions
+    # float32 rounding of cos/sin at positions up to 200 differs between torch and numpy (and with
+    # torch's thread count): a wrong permutation would be off by O(1), so 1e-4 still catches it
     np.testing.assert_allclose(from_interleaved_rope(q_gg.reshape(n_tok, 64).T, 4).T,
-                               q_hf.reshape(n_tok, 64), atol=2e-5)
+                               q_hf.reshape(n_tok, 64), atol=1e-4, rtol=1e-4)
     for h in range(4):  # attention scores, query head h against its kv head h // 2
         s_hf = q_hf[:, h] @ k_hf[:, h // 2].T
         s_gg = q_gg[:, h] @ k_gg[:, h // 2].T
-        np.testing.assert_allclose(s_gg, s_hf, atol=1e-4)
+        np.testing.assert_allclose(s_gg, s_hf, atol=5e-4, rtol=1e-4)
 
 
 def test_llama3_rope_freqs_match_transformers(tmp_path):
