@@ -158,9 +158,7 @@ class Causal(Cache):
             index = np.arange(n, dtype=np.int32) % n_kv
             mask = np.zeros((n, n_kv), self._mask_dtype)
         else:
-            if self.swa_window is None and n and int(positions.max()) >= self.capacity:
-                raise ValueError(f"Causal.start_forward: position {int(positions.max())} is beyond the cache's "
-                                 f"context of {self.capacity} positions per sequence")
+            self._check_positions(positions, "start_forward")
             index = cells.place(positions, sequences)
             mask = cells.mask(positions, sequences, padding=self.config.padding, dtype=self._mask_dtype)
             n_kv = mask.shape[1]  # the used cells rounded up to the padding
@@ -174,26 +172,28 @@ class Causal(Cache):
     def refill(self, ctx: Context, batch: Batch) -> bool:
         """Place ``batch`` and write its cells and mask into a graph that an earlier
         ``start_forward`` built for a batch of the same shape, so the graph can be computed again
-        unchanged. Returns False, with the cache unchanged, when the attention width (``n_kv``)
-        moved past the graph's: build a new graph then."""
+        unchanged. Returns False when the attention width (``n_kv``) moved past the graph's: then
+        build a new graph with ``start_forward(ctx, batch)``, which finds the batch already placed
+        and reuses the same cells (placing a stored (sequence, position) again is a no-op)."""
         shape = ctx.input_shape("kv_mask")
-        if shape is None or self.cells is None:
-            return False
-        snapshot = self.snapshot()
         positions = np.asarray(batch.positions, dtype=np.int32)
+        if shape is None or self.cells is None or positions.size != shape[1]:
+            return False
         sequences = np.asarray(batch.sequences, dtype=np.int32)
-        if self.swa_window is None and positions.size and int(positions.max()) >= self.capacity:
-            raise ValueError(f"Causal.refill: position {int(positions.max())} is beyond the cache's "
-                             f"context of {self.capacity} positions per sequence")
+        self._check_positions(positions, "refill")
         index = self.cells.place(positions, sequences)
-        if self.cells.used_extent(self.config.padding) != shape[0] or positions.size > shape[1]:
-            self.restore(snapshot)
+        if self.cells.used_extent(self.config.padding) != shape[0]:
             return False
         mask = self.cells.mask(positions, sequences, n_kv=shape[0], dtype=self._mask_dtype)
         ctx.set_input("kv_cells", index)
         ctx.set_input("kv_mask", mask)
         self._pass = None
         return True
+
+    def _check_positions(self, positions: np.ndarray, op: str) -> None:
+        if self.swa_window is None and positions.size and int(positions.max()) >= self.capacity:
+            raise ValueError(f"Causal.{op}: position {int(positions.max())} is beyond the cache's context of "
+                             f"{self.capacity} positions per sequence (raise num_ctx, or shift the context)")
 
     def set_noncausal(self, start: int, end: int) -> None:
         """Let batch rows [start, end) of the forward pass in progress also see each other's
