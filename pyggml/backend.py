@@ -720,7 +720,7 @@ class Backend:
                 if not lib.ggml_backend_sched_reserve(sched, state.graph):
                     raise MemoryError(_with_log("could not reserve memory for the graph"))
                 return
-            for indices, bound, op in state.index_checks:
+            for indices, (bound, op) in state.index_checks.items():
                 data = state.inputs.get(indices)
                 if data is None and indices.flags & 1:  # GGML_TENSOR_FLAG_INPUT: made by ctx.empty, never set
                     raise ValueError(f"{op}: the indices were never given data (call .set() before compute)")
@@ -757,7 +757,7 @@ class _GraphState:
         self.graph = lib.ggml_new_graph_custom(self.ptr, self.graph_size, False)
         self.n_tensors = 1  # the graph object
         self.inputs: dict[Any, np.ndarray] = {}
-        self.index_checks: list[tuple[Any, int, str]] = []
+        self.index_checks: dict[Any, tuple[int, str]] = {}  # index tensor -> (exclusive bound, op)
         self.named: dict[str, Tensor] = {}
         self.anonymous_inputs = 0
         self.placements: list[tuple[Any, int]] = []  # (tensor, backend index) from ctx.input()/layer()
@@ -814,7 +814,10 @@ class Context:
         p = indices._p
         if p.view_src != NULL:  # a reshape or view of an input: check the input's data
             p = p.view_src
-        self._state.index_checks.append((p, bound, op))
+        # one entry per index tensor, with the tightest bound: checked once per compute
+        checks = self._state.index_checks
+        if p not in checks or bound < checks[p][0]:
+            checks[p] = (bound, op)
 
     # ---- making tensors ------------------------------------------------------------------
     def _new(self, dtype: DType, shape: tuple[int, ...]) -> Tensor:
