@@ -261,7 +261,9 @@ class Backend:
         self._epoch = 0
         self._closed = False
         self._weights: dict[str, Tensor] = {}
+        self._weight_ptrs: set[Any] = set()  # their tensor pointers (graph ops must not write into them)
         self._repacked: set[str] = set()
+        self._repacked_ptrs: set[Any] = set()  # the same weights by tensor pointer (a cheap check per op)
         self._storages: list[_Storage] = []
         self._memory: dict[str, _Memory] = {}
         self._gguf = NULL
@@ -462,6 +464,7 @@ class Backend:
             if repack != NULL:
                 groups.setdefault(repack, []).append(entry)
                 self._repacked.add(ffi.string(name).decode())
+                self._repacked_ptrs.add(t)
             elif index == cpu_index and self.params.use_mmap:
                 zero_copy.append(entry)
             else:
@@ -504,6 +507,7 @@ class Backend:
             name = ffi.string(lib.gguf_get_tensor_name(gguf, i)).decode("utf-8", "replace")
             t = lib.ggml_get_tensor(self._meta_ctx, name.encode())
             self._weights[name] = Tensor(t, None, max(1, lib.ggml_n_dims(t)), self)
+            self._weight_ptrs.add(t)
         self._new_sched(self._graph_size(self.max_graph_nodes))
         if not zero_copy and self._mmap is not None:
             self._unmap()
@@ -651,6 +655,7 @@ class Backend:
         storage.buffers.append(self._alloc_tensors(buft, [copy], "weights"))
         lib.ggml_backend_tensor_set(copy, p.data, 0, lib.ggml_nbytes(p))  # repacks on the way
         self._repacked.add(copy_name)
+        self._repacked_ptrs.add(copy)
         return Tensor(copy, None, weight.ndim, self)
 
     def supports_op(self, tensor: Tensor) -> bool:

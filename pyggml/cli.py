@@ -1,4 +1,4 @@
-"""The ``pyggml`` command: run, show and convert models.
+"""The ``pyggml`` command: run, embed, show and convert models.
 
 ``pyggml run demo "Once upon a time"`` uses the built-in demo model (tiny, random weights, made
 on first use): it shows the whole pipeline working on a fresh machine, not sensible text.
@@ -104,6 +104,23 @@ def _interactive(llm: Any, options: dict, verbose: bool) -> int:
         _stream(llm, prompt, options, verbose)
 
 
+def cmd_embed(args: argparse.Namespace) -> int:
+    """One JSON array per text on stdout (texts from the arguments, else one per line of stdin)."""
+    import json
+
+    texts = args.texts or [line for line in sys.stdin.read().splitlines() if line.strip()]
+    if not texts:
+        raise SystemExit("pyggml embed: no texts (give them as arguments or on stdin, one per line)")
+    llm = _load(args)
+    try:
+        vectors = llm.embed(texts, normalize=not args.no_normalize, truncate=args.truncate, pooling=args.pooling)
+    finally:
+        llm.close()
+    for vector in vectors:
+        print(json.dumps([round(float(x), 7) for x in vector]))
+    return 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from pyggml.backend import Backend, BackendParams
 
@@ -149,7 +166,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from pyggml.convert import convert_hf
 
     bar = ProgressBar("converting", min_total=0)
-    out = convert_hf(args.hf_dir, args.out, out_type=args.type, progress=bar)
+    out = convert_hf(args.hf_dir, args.out, out_type=args.type, progress=bar, pooling=args.pooling)
     print(f"wrote {out}")
     return 0
 
@@ -169,15 +186,28 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", action="store_true", help="print load time and tokens/s")
     run.set_defaults(func=cmd_run)
 
+    embed = sub.add_parser("embed", help="embed texts with an embedding model (BERT); one JSON array per text")
+    embed.add_argument("model", help="GGUF file of an embedding model")
+    embed.add_argument("texts", nargs="*", help="texts to embed (default: one per line of stdin)")
+    embed.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    embed.add_argument("--ctx", type=int, default=None, help="most tokens per text (default: the model's)")
+    embed.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
+                       help="override the model's pooling")
+    embed.add_argument("--truncate", action="store_true", help="cut texts longer than the context")
+    embed.add_argument("--no-normalize", action="store_true", help="do not L2-normalise the vectors")
+    embed.set_defaults(func=cmd_embed)
+
     show = sub.add_parser("show", help="architecture, parameters, quantization and tensor table")
     show.add_argument("model")
     show.add_argument("--verbose", action="store_true", help="also print all metadata")
     show.set_defaults(func=cmd_show)
 
-    convert = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral directory to GGUF")
+    convert = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral or BERT directory to GGUF")
     convert.add_argument("hf_dir")
     convert.add_argument("out")
     convert.add_argument("--type", choices=["f32", "f16", "q8_0"], default="f16")
+    convert.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
+                         help="BERT: how embeddings are pooled (default: the sentence-transformers config, else mean)")
     convert.set_defaults(func=cmd_convert)
 
     # ---- bench, make-model: defined in pyggml/bench.py (imports only the standard library at load) ----

@@ -1,9 +1,9 @@
-"""Convert a Hugging Face Llama/Mistral checkpoint directory to a GGUF file.
+"""Convert a Hugging Face Llama/Mistral or BERT checkpoint directory to a GGUF file.
 
-The output follows llama.cpp's GGUF ``llama`` conventions (tensor names,
-metadata keys, interleaved rope layout) so the file also loads in other GGUF
-runtimes. Tensors are read lazily from memory-mapped safetensors and written one
-at a time, so peak memory is about one tensor, not the whole model.
+The output follows llama.cpp's GGUF ``llama`` and ``bert`` conventions (tensor
+names, metadata keys, interleaved rope layout, WordPiece vocabulary with word-start
+markers) so the file also loads in other GGUF runtimes. Tensors are read lazily
+from memory-mapped safetensors and written one at a time, so peak memory is about one tensor, not the whole model.
 
 Only numpy and the ``gguf`` package (writer, q8_0 quantiser) are needed: no
 torch, safetensors or sentencepiece at conversion time.
@@ -11,6 +11,7 @@ torch, safetensors or sentencepiece at conversion time.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -23,6 +24,7 @@ import gguf
 import numpy as np
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+BERT_ARCHITECTURES = ("BertModel", "BertForMaskedLM")
 OUT_TYPES = ("f32", "f16", "q8_0")
 
 # Token types, as tokenizer.ggml.token_type stores them (same numbers as
@@ -44,27 +46,47 @@ def convert_hf(
     out_path: str | os.PathLike[str],
     out_type: str = "f16",
     progress: Progress | None = None,
+    pooling: str | None = None,
 ) -> Path:
-    """Write ``hf_dir`` (config.json, *.safetensors, tokenizer) as a GGUF ``llama`` file.
+    """Write ``hf_dir`` (config.json, weights, tokenizer) as a GGUF ``llama`` or ``bert`` file.
 
     ``out_type`` is the type of 2-D weight matrices: "f32", "f16" or "q8_0" (q8_0
     only where the row length is a multiple of 32, f16 otherwise); norms and other
     1-D tensors stay f32. ``progress(done, total)`` is called after each tensor.
+    ``pooling`` ("mean", "cls", "last" or "none") overrides how a BERT model pools
+    its embeddings (default: its sentence-transformers config, else mean).
     The file is written beside ``out_path`` and renamed into place when complete.
     """
     if out_type not in OUT_TYPES:
         raise ValueError(f"unknown out_type {out_type!r}; choose one of {', '.join(OUT_TYPES)}")
     hf_dir, out_path = Path(hf_dir), Path(out_path)
-    hp = _HParams.from_config(_read_json(hf_dir / "config.json", required=True))
-    weights = _Safetensors(_weight_files(hf_dir))
-    vocab = _read_vocab(hf_dir, hp.vocab_size)
-    plan = _plan_tensors(hp, weights, out_type)
+    config = _read_json(hf_dir / "config.json", required=True)
+    name = hf_dir.resolve().name
+    arch = "bert" if _is_bert(config) else "llama"
+    if arch == "bert":
+        bert = _BertParams.from_config(config, _bert_pooling(hf_dir, pooling))
+        plan = _plan_bert_tensors(bert, _open_weights(hf_dir), out_type)
+        vocab = _wordpiece_vocab(hf_dir, bert.vocab_size)
+
+        def metadata(writer: Any) -> None:
+            _write_bert_metadata(writer, bert, out_type, name)
+            _write_vocab(writer, vocab)
+            writer.add_token_type_count(bert.type_vocab_size)
+    else:
+        if pooling is not None:
+            raise ValueError("pooling applies to embedding models (BERT); this is a text generation model")
+        hp = _HParams.from_config(config)
+        plan = _plan_tensors(hp, _Safetensors(_weight_files(hf_dir)), out_type)
+        vocab = _read_vocab(hf_dir, hp.vocab_size)
+
+        def metadata(writer: Any) -> None:
+            _write_metadata(writer, hp, out_type, name)
+            _write_vocab(writer, vocab)
 
     tmp_path = out_path.with_name(out_path.name + ".tmp")
-    writer = gguf.GGUFWriter(tmp_path, "llama")
+    writer = gguf.GGUFWriter(tmp_path, arch)
     try:
-        _write_metadata(writer, hp, out_type, name=hf_dir.resolve().name)
-        _write_vocab(writer, vocab)
+        metadata(writer)
         for t in plan:
             writer.add_tensor_info(t.name, t.byte_shape, t.np_dtype, t.nbytes, raw_dtype=t.raw_dtype)
         writer.write_header_to_file()
@@ -363,7 +385,7 @@ class _Safetensors:
 
 @dataclass
 class _Vocab:
-    model: str  # "llama" (SentencePiece) or "gpt2" (byte-level BPE)
+    model: str  # "llama" (SentencePiece), "gpt2" (byte-level BPE) or "bert" (WordPiece)
     tokens: list[str]
     types: list[int]
     special: dict[str, int]  # "bos"/"eos"/"unk"/"pad" -> id
@@ -373,6 +395,7 @@ class _Vocab:
     add_bos: bool | None = None
     add_eos: bool | None = None
     add_space_prefix: bool | None = None
+    add_sep: bool | None = None
     chat_template: str | list[dict[str, str]] | None = None
 
     def pad_to(self, n: int) -> None:
@@ -566,8 +589,8 @@ def _write_vocab(writer: Any, vocab: _Vocab) -> None:
     writer.add_token_types(vocab.types)
     if vocab.merges:
         writer.add_token_merges(vocab.merges)
-    adders = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id,
-              "unk": writer.add_unk_token_id, "pad": writer.add_pad_token_id}
+    adders = {"bos": writer.add_bos_token_id, "eos": writer.add_eos_token_id, "unk": writer.add_unk_token_id,
+              "pad": writer.add_pad_token_id, "sep": writer.add_sep_token_id, "mask": writer.add_mask_token_id}
     for kind, token_id in vocab.special.items():
         adders[kind](token_id)
     if vocab.add_bos is not None:
@@ -576,6 +599,8 @@ def _write_vocab(writer: Any, vocab: _Vocab) -> None:
         writer.add_add_eos_token(vocab.add_eos)
     if vocab.add_space_prefix is not None:
         writer.add_add_space_prefix(vocab.add_space_prefix)
+    if vocab.add_sep is not None:
+        writer.add_add_sep_token(vocab.add_sep)
     if vocab.chat_template:
         writer.add_chat_template(vocab.chat_template)
 
@@ -587,3 +612,209 @@ def _read_json(path: Path, required: bool = False) -> Any:
                 f"{path.name} not found in {path.parent} (is this a Hugging Face model directory?)")
         return None
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+# --- BERT (GGUF "bert": sentence-embedding encoders) -------------------------
+
+# HF module path inside encoder.layer.N -> GGUF name inside blk.N
+_BERT_LAYER = {
+    "attention.self.query": "attn_q", "attention.self.key": "attn_k", "attention.self.value": "attn_v",
+    "attention.output.dense": "attn_output", "attention.output.LayerNorm": "attn_output_norm",
+    "intermediate.dense": "ffn_up", "output.dense": "ffn_down", "output.LayerNorm": "layer_output_norm",
+}
+_BERT_EMBEDDINGS = {
+    "embeddings.word_embeddings": "token_embd", "embeddings.token_type_embeddings": "token_types",
+    "embeddings.position_embeddings": "position_embd", "embeddings.LayerNorm": "token_embd_norm",
+}
+# sentence-transformers Pooling config flag -> gguf pooling type
+_POOLING_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
+_WORDPIECE_SPECIALS = ("unk", "sep", "pad", "cls", "mask")
+
+
+def _is_bert(cfg: dict[str, Any]) -> bool:
+    arch = (cfg.get("architectures") or [None])[0]
+    return arch in BERT_ARCHITECTURES or (arch is None and cfg.get("model_type") == "bert")
+
+
+@dataclass(frozen=True)
+class _BertParams:
+    n_layers: int
+    n_embd: int
+    n_ff: int
+    n_heads: int
+    vocab_size: int
+    context_length: int
+    type_vocab_size: int
+    eps: float
+    pooling: gguf.PoolingType
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], pooling: gguf.PoolingType) -> _BertParams:
+        act = cfg.get("hidden_act", "gelu")
+        if act != "gelu":  # the runtime applies exact (erf) GELU, which is what BERT's "gelu" means
+            raise ValueError(f"config.json has hidden_act={act!r}; only 'gelu' BERT models are supported")
+        if cfg.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"config.json has position_embedding_type={cfg['position_embedding_type']!r}; "
+                             "only absolute position embeddings are supported")
+        if cfg["hidden_size"] % cfg["num_attention_heads"]:
+            raise ValueError("config.json: hidden_size is not a multiple of num_attention_heads")
+        return cls(
+            n_layers=cfg["num_hidden_layers"],
+            n_embd=cfg["hidden_size"],
+            n_ff=cfg["intermediate_size"],
+            n_heads=cfg["num_attention_heads"],
+            vocab_size=cfg["vocab_size"],
+            context_length=cfg.get("max_position_embeddings") or 512,
+            type_vocab_size=cfg.get("type_vocab_size") or 2,
+            eps=float(cfg.get("layer_norm_eps", 1e-12)),
+            pooling=pooling,
+        )
+
+
+def _bert_pooling(hf_dir: Path, override: str | None) -> gguf.PoolingType:
+    """The override, else the sentence-transformers Pooling module's mode, else mean."""
+    names = {"none": gguf.PoolingType.NONE, "mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
+             "last": gguf.PoolingType.LAST}
+    if override is not None:
+        if override not in names:
+            raise ValueError(f"unknown pooling {override!r}; choose one of {', '.join(names)}")
+        return names[override]
+    for module in _read_json(hf_dir / "modules.json") or []:
+        if module.get("type", "").endswith("Pooling"):
+            pool_cfg = _read_json(hf_dir / module.get("path", "") / "config.json") or {}
+            modes = [mode for flag, mode in _POOLING_FLAGS.items() if pool_cfg.get(flag)]
+            others = [k for k, v in pool_cfg.items() if k.startswith("pooling_mode") and v and k not in _POOLING_FLAGS]
+            if len(modes) != 1 or others:
+                raise ValueError(f"{module.get('path')}/config.json asks for pooling {modes + others}; supported: "
+                                 "exactly one of mean, cls, lasttoken (pass pooling=... to override)")
+            return names[modes[0]]
+    return gguf.PoolingType.MEAN
+
+
+def _write_bert_metadata(writer: Any, hp: _BertParams, out_type: str, name: str) -> None:
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[out_type]
+    writer.add_name(name)
+    writer.add_file_type(file_type)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_context_length(hp.context_length)
+    writer.add_embedding_length(hp.n_embd)
+    writer.add_block_count(hp.n_layers)
+    writer.add_feed_forward_length(hp.n_ff)
+    writer.add_head_count(hp.n_heads)
+    writer.add_layer_norm_eps(hp.eps)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(hp.pooling)
+
+
+def _plan_bert_tensors(hp: _BertParams, weights: Any, out_type: str) -> list[_PlannedTensor]:
+    """Map a BertModel / BertForMaskedLM state dict to GGUF names; heads (pooler, MLM) are dropped."""
+    hf_names = {n.removeprefix("bert."): n for n in weights.shapes}
+    names: dict[str, str] = {}  # GGUF name -> HF name
+    for hf, ours in _BERT_EMBEDDINGS.items():
+        names[f"{ours}.weight"] = f"{hf}.weight"
+        if ours == "token_embd_norm":
+            names[f"{ours}.bias"] = f"{hf}.bias"
+    for i in range(hp.n_layers):
+        for hf, ours in _BERT_LAYER.items():
+            for kind in ("weight", "bias"):
+                names[f"blk.{i}.{ours}.{kind}"] = f"encoder.layer.{i}.{hf}.{kind}"
+    for ours, hf in list(names.items()):  # old checkpoints call LayerNorm parameters gamma and beta
+        old = hf.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta")
+        if hf not in hf_names and old in hf_names:
+            names[ours] = old
+    missing = sorted(hf for hf in names.values() if hf not in hf_names)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing)}")
+    ignored = ("pooler.", "cls.", "embeddings.position_ids")
+    unknown = sorted(n for n in hf_names if n not in names.values() and not n.startswith(ignored))
+    if unknown:
+        raise ValueError(f"checkpoint has tensors this converter does not know: {', '.join(unknown[:10])}")
+
+    embd, ff = hp.n_embd, hp.n_ff
+    matrices = {"token_embd": (hp.vocab_size, embd), "token_types": (hp.type_vocab_size, embd),
+                "position_embd": (hp.context_length, embd), "ffn_up": (ff, embd), "ffn_down": (embd, ff)}
+    plan = []
+    for ours, hf in names.items():
+        shape = weights.shapes[hf_names[hf]]
+        base, kind = ours.split(".")[-2:]
+        if base.endswith("norm") or kind == "bias":
+            want = (ff,) if base == "ffn_up" else (embd,)
+        else:
+            want = matrices.get(base, (embd, embd))  # the attention projections
+        if shape != want:
+            raise ValueError(f"{hf_names[hf]} has shape {shape} but config.json implies {want}")
+        qtype = "f32"
+        if len(shape) == 2 and base not in ("token_types", "position_embd"):  # as llama.cpp: those stay f32
+            qtype = out_type if out_type != "q8_0" or shape[1] % 32 == 0 else "f16"
+        plan.append(_PlannedTensor(ours, shape, qtype, functools.partial(weights.load, hf_names[hf])))
+    return plan
+
+
+def _wordpiece_vocab(hf_dir: Path, n_vocab: int) -> _Vocab:
+    """vocab.txt (or tokenizer.json's WordPiece model) in GGUF form: word-start pieces get a leading
+    U+2581, continuations lose their "##", control tokens ([CLS], [SEP], ...) stay as they are."""
+    tok_config = _read_json(hf_dir / "tokenizer_config.json") or {}
+    if tok_config.get("do_lower_case") is False:
+        raise ValueError("the tokenizer is cased (do_lower_case=false); GGUF's bert tokenizer lowercases, "
+                         "so only uncased WordPiece vocabularies convert faithfully")
+    tok_json = _read_json(hf_dir / "tokenizer.json")
+    if (hf_dir / "vocab.txt").exists():
+        pieces = (hf_dir / "vocab.txt").read_text(encoding="utf-8").split("\n")
+        pieces = pieces[:-1] if pieces and pieces[-1] == "" else pieces
+    elif tok_json is not None and (tok_json.get("model") or {}).get("type") == "WordPiece":
+        by_id = {i: t for t, i in tok_json["model"]["vocab"].items()}
+        pieces = [by_id.get(i, f"[PAD{i}]") for i in range(max(by_id) + 1)]
+    else:
+        raise FileNotFoundError(f"no vocab.txt or WordPiece tokenizer.json in {hf_dir}")
+    if len(pieces) > n_vocab:
+        raise ValueError(f"vocab.txt has {len(pieces)} tokens but the model's vocab_size is {n_vocab}")
+    ids = {tok: i for i, tok in enumerate(pieces)}
+    special_map = _read_json(hf_dir / "special_tokens_map.json") or {}
+    special: dict[str, int] = {}
+    for kind in _WORDPIECE_SPECIALS:
+        tok = tok_config.get(f"{kind}_token") or special_map.get(f"{kind}_token") or f"[{kind.upper()}]"
+        tok = tok.get("content") if isinstance(tok, dict) else tok
+        if tok in ids:
+            special[kind] = ids[tok]
+    if "cls" not in special or "sep" not in special:
+        raise ValueError("the WordPiece vocabulary has no [CLS] or [SEP] token")
+    control = set(special.values())
+    for i, t in (tok_config.get("added_tokens_decoder") or {}).items():
+        if t.get("special") and int(i) < len(pieces):
+            control.add(int(i))
+    types = [CONTROL if i in control else NORMAL for i in range(len(pieces))]
+    tokens = [tok if i in control else tok[2:] if tok.startswith("##") else "\u2581" + tok
+              for i, tok in enumerate(pieces)]
+    special["bos"] = special.pop("cls")  # GGUF readers take the [CLS] id from bos_token_id
+    vocab = _Vocab("bert", tokens, types, special, pre="default", add_bos=True, add_eos=False, add_sep=True)
+    vocab.pad_to(n_vocab)
+    return vocab
+
+
+def _open_weights(hf_dir: Path) -> Any:
+    """The checkpoint's safetensors, else its PyTorch pytorch_model.bin (read with torch)."""
+    has_bin = (hf_dir / "pytorch_model.bin").exists() or (hf_dir / "pytorch_model.bin.index.json").exists()
+    if has_bin and not list(hf_dir.glob("*.safetensors")):
+        return _TorchCheckpoint(hf_dir)
+    return _Safetensors(_weight_files(hf_dir))
+
+
+class _TorchCheckpoint:
+    """pytorch_model.bin (or its shards) as float32 numpy arrays; needs torch."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        try:
+            import torch
+        except ImportError:
+            raise ImportError(f"{hf_dir} has PyTorch .bin weights, which need torch to read "
+                              "(pip install torch, or convert them to safetensors)") from None
+        index = _read_json(hf_dir / "pytorch_model.bin.index.json")
+        files = sorted({hf_dir / f for f in index["weight_map"].values()}) if index else [hf_dir / "pytorch_model.bin"]
+        self._tensors: dict[str, Any] = {}
+        for f in files:
+            self._tensors.update(torch.load(f, map_location="cpu", weights_only=True))
+        self.shapes = {name: tuple(t.shape) for name, t in self._tensors.items()}
+
+    def load(self, name: str) -> np.ndarray:
+        return self._tensors[name].float().numpy()

@@ -1,8 +1,9 @@
-"""``pyggml.load(path) -> LLM``: text generation and scoring with one sequence.
+"""``pyggml.load(path) -> LLM``: text generation and scoring with one sequence, or embeddings.
 
 The LLM keeps the tokens of its last prompt + generation in the KV cache and reuses the common
 prefix on the next call, so a conversation re-sends only what is new. For many concurrent
-sequences, use ``pyggml.runner.Runner``.
+sequences, use ``pyggml.runner.Runner``. An embedding model (BERT) has no cache: ``embed`` encodes
+whole texts, several per forward pass.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pyggml import models
 from pyggml.backend import BackendParams, ProgressFn
 from pyggml.models import Batch, Model
 from pyggml.models.forward import ForwardPass
+from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
 from pyggml.runner.sequence import find_stop, partial_stop
 from pyggml.sample import Sampler
 from pyggml.tensor import DType
@@ -49,7 +51,8 @@ class Stats:
 
 
 class LLM:
-    """A loaded language model with its tokenizer and a single-sequence KV cache."""
+    """A loaded language model with its tokenizer and a single-sequence KV cache (or, for an
+    embedding model, no cache)."""
 
     def __init__(self, model: Model, *, num_ctx: int | None = None, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, num_keep: int = 4):
@@ -67,8 +70,12 @@ class LLM:
         self.batch_size = min(batch_size, self.num_ctx)
         self.num_keep = num_keep
         self.stats = Stats()
-        model.cache.init(model.backend, DType.parse(cache_type), max_sequences=1, capacity=self.num_ctx,
-                         max_batch=self.batch_size)
+        self._embedder = Embedder(model, self.num_ctx, batch_size) if model.pooling is not None else None
+        if model.generates:
+            model.cache.init(model.backend, DType.parse(cache_type), max_sequences=1, capacity=self.num_ctx,
+                             max_batch=self.batch_size)
+        else:
+            self.num_ctx = self._embedder.num_ctx
         self._cached: list[int] = []  # tokens whose keys/values are in the cache, in position order
         self._forward = ForwardPass(model)
         self._template = None  # the model's chat template, compiled on first chat()
@@ -100,6 +107,7 @@ class LLM:
     # ---- scoring ---------------------------------------------------------------------------
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits for every position of ``tokens`` as a fresh sequence: (len(tokens), vocab)."""
+        self._check_generates()
         tokens = self._check_tokens(tokens)
         if len(tokens) > self.num_ctx:
             raise ValueError(f"{len(tokens)} tokens exceed the context of {self.num_ctx}")
@@ -120,6 +128,7 @@ class LLM:
         Extra keyword options go to ``pyggml.sample.Sampler`` (repeat_penalty, typical_p, ...).
         Stops at an end-of-generation token, after ``max_tokens``, or before a ``stop`` string.
         """
+        self._check_generates()
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("empty prompt")
@@ -146,9 +155,25 @@ class LLM:
         ids = encode_prompt(self.tokenizer, self._template.render(messages, add_generation_prompt=True))
         return self.generate(ids, max_tokens, **options)
 
-    def embed(self, texts: str | Sequence[str]) -> np.ndarray:
-        """Embeddings need an embedding architecture (e.g. BERT); none is ported yet."""
-        raise NotImplementedError(f"{self.model.architecture} models do not produce embeddings in pyggml yet")
+    def embed(self, texts: str | Sequence[str], *, normalize: bool = True, truncate: bool = False,
+              pooling: str | None = None) -> np.ndarray:
+        """Embeddings of ``texts`` (one string or a list), one float32 row each: (len(texts), hidden).
+
+        Rows are L2-normalised unless ``normalize=False``. Each text is encoded whole: one longer
+        than the context (``num_ctx``, at most the model's) is a ``ValueError`` unless
+        ``truncate=True`` cuts it. ``pooling`` ("mean", "cls", "last") overrides the model's.
+        Needs an embedding model (e.g. BERT); a text generation model raises
+        ``EmbeddingsNotSupportedError``.
+        """
+        if self._embedder is None:
+            raise EmbeddingsNotSupportedError(f"{self.model.architecture} models generate text and produce no "
+                                              "embeddings; load an embedding model such as BERT")
+        return self._embedder.embed(texts, normalize=normalize, truncate=truncate, pooling=pooling)
+
+    def _check_generates(self) -> None:
+        if not self.model.generates:
+            raise GenerationNotSupportedError(f"{self.model.architecture} is an embedding model: it cannot "
+                                              "generate text or logits; use embed()")
 
     def _generate(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str]) -> Iterator[str]:
         stats = self.stats = Stats(load_seconds=self.stats.load_seconds)

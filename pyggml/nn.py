@@ -203,16 +203,19 @@ class Rope:
 
 # ---- attention --------------------------------------------------------------------------------
 def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Cache | None, scale: float, *,
-              flash: bool | None = None) -> Tensor:
+              flash: bool | None = None, mask: Tensor | None = None) -> Tensor:
     """Multi-head attention with GQA. ``query`` is (head_dim, n_heads, n_tokens), ``key`` and
     ``value`` (head_dim, n_kv_heads, n_tokens). With a cache, the new keys/values are stored and
     attention runs over the cached history with the cache's mask; without one, every token sees
-    every other (encoders). Returns (head_dim_v * n_heads, n_tokens)."""
+    every other (encoders), or those ``mask`` (n_tokens, n_tokens; 0 or -inf) lets it see (several
+    sequences in one encoder batch). Returns (head_dim_v * n_heads, n_tokens)."""
     if cache is not None:
+        if mask is not None:
+            raise ValueError("attention: a mask is only for attention without a cache (the cache has its own)")
         cache.put(ctx, key, value)
         key, value, mask = cache.get(ctx)
     else:
-        key, value, mask = key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3), None
+        key, value = key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
     if flash is None:
         flash = ctx.backend.flash_attention
     q = query.permute(0, 2, 1, 3)  # (head_dim, n_tokens, n_heads)

@@ -167,6 +167,13 @@ class Tensor:
         self._nd = nd if 0 < nd <= 4 else max(1, min(nd, 4))
         self._keep = keep  # whatever must outlive the pointer (a Backend, a mapped file)
 
+    def __getattr__(self, name: str) -> Any:
+        # nodes made by the checked C ops (``_node``) read their shape from ggml on first use only
+        if name == "_ne":
+            ne = self._ne = tuple(self._p.ne)
+            return ne
+        raise AttributeError(f"'Tensor' object has no attribute {name!r}")
+
     # ---- properties ---------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, ...]:
@@ -276,21 +283,25 @@ class Tensor:
         state = ctx._state
         if state.closed:
             raise ValueError(f"{op}: the context is closed")
-        if state.n_tensors >= state.max_tensors:
+        n = state.n_tensors
+        if n >= state.max_tensors:
             raise ValueError(f"{op}: graph is full ({state.max_tensors} tensors); create the context with a "
                              "larger max_nodes")
         # a node must not point into another graph's memory or a closed backend's weights
         c = self.ctx
-        if c is None:
-            _check_alive(self, op, op != "mulmat")
-        elif c._state is not state:
-            raise ValueError(f"{op}: operands belong to different contexts; build one graph per context")
-        if other is not None:
-            c = other.ctx
+        if c is not ctx:
             if c is None:
-                _check_alive(other, op, True)
+                _check_alive(self, op, op != "mulmat")
             elif c._state is not state:
                 raise ValueError(f"{op}: operands belong to different contexts; build one graph per context")
+        if other is not None:
+            c = other.ctx
+            if c is not ctx:
+                if c is None:
+                    _check_alive(other, op, True)
+                elif c._state is not state:
+                    raise ValueError(f"{op}: operands belong to different contexts; build one graph per context")
+        state.n_tensors = n + 1  # the node the op is about to make
         return ctx
 
     @staticmethod
@@ -318,6 +329,10 @@ class Tensor:
             if op == "mul":
                 return self._float_param_op(lib.ggml_scale, op, float(other))
             return self._float_param_op(lib.ggml_scale, op, 1.0 / float(other))
+        ctx = self._ctx_with(other, op)
+        out = lib.pyg_binary(ctx._state.ptr, _FN[op], self._p, other._p)
+        if out:
+            return _node(out, ctx, self._nd if self._nd > other._nd else other._nd)
         a, b = self._ne, other._ne
         if a[0] % b[0] or a[1] % b[1] or a[2] % b[2] or a[3] % b[3]:
             raise _fail(op, "the right operand must tile the left one (each of its dims divides the left's)",
@@ -329,8 +344,7 @@ class Tensor:
                             f"got {self.dtype.name} and {other.dtype.name}")
         if p.nb[0] != _TYPE_SIZE[ta]:
             raise _fail(op, "the left operand needs contiguous rows (call .contiguous())", self, other)
-        ctx = self._ctx_with(other, op)
-        return Tensor(fn(ctx._c(), p, q), ctx, self._nd if self._nd > other._nd else other._nd, None, a)
+        return Tensor(fn(ctx._state.ptr, p, q), ctx, self._nd if self._nd > other._nd else other._nd, None, a)
 
     def add(self, other: Tensor | float) -> Tensor:
         return self._binary(other, lib.ggml_add, "add")
@@ -359,6 +373,12 @@ class Tensor:
         return self.neg()
 
     def _unary(self, fn: Any, op: str, float_only: bool = True, same_shape: bool = True) -> Tensor:
+        if float_only and same_shape:
+            ctx = self._ctx_with(None, op)
+            out = lib.pyg_unary(ctx._state.ptr, _FN[op], self._p)
+            if out:
+                return _node(out, ctx, self._nd)
+            ctx._state.n_tensors -= 1
         p = self._p
         t = p.type
         if float_only and t not in _FLOAT:
@@ -366,7 +386,7 @@ class Tensor:
         if p.nb[0] != _TYPE_SIZE[t]:
             raise _fail(op, "rows must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, op)
-        return Tensor(fn(ctx._c(), p), ctx, self._nd, None, self._ne if same_shape else None)
+        return Tensor(fn(ctx._state.ptr, p), ctx, self._nd, None, self._ne if same_shape else None)
 
     def neg(self) -> Tensor:
         return self._unary(lib.ggml_neg, "neg")
@@ -420,6 +440,10 @@ class Tensor:
         return self._unary(lib.ggml_gelu_quick, "gelu_quick")
 
     def _glu(self, up: Tensor, fn: Any, op: str) -> Tensor:
+        ctx = self._ctx_with(up, op)
+        out = lib.pyg_glu(ctx._state.ptr, _FN[op + "_glu"], self._p, up._p)
+        if out:
+            return _node(out, ctx, self._nd)
         if self._ne != up._ne:
             raise _fail(op, "gate and up must have the same shape", self, up)
         if self._p.type not in _FLOAT or up._p.type != self._p.type:
@@ -427,10 +451,14 @@ class Tensor:
         if not _contiguous_1(self._p) or not _contiguous_1(up._p):
             raise _fail(op, "gate and up need contiguous rows packed in dims 2 and 3 (call .contiguous())",
                         self, up)
-        ctx = self._ctx_with(up, op)
-        return Tensor(fn(ctx._c(), self._p, up._p), ctx, self._nd, None, self._ne)
+        return Tensor(fn(ctx._state.ptr, self._p, up._p), ctx, self._nd, None, self._ne)
 
     def scale(self, s: float) -> Tensor:
+        ctx = self._ctx_with(None, "scale")
+        out = lib.pyg_scale(ctx._state.ptr, self._p, s) if type(s) is float else NULL
+        if out:
+            return _node(out, ctx, self._nd)
+        ctx._state.n_tensors -= 1
         return self._float_param_op(lib.ggml_scale, "scale", float(s))
 
     def scale_bias(self, s: float, b: float) -> Tensor:
@@ -457,7 +485,7 @@ class Tensor:
                 (ne[3] == 1 or nb[3] == nb[0] * ne[0] * ne[1] * ne[2])):
             raise _fail(op, "the tensor must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, op)
-        return Tensor(fn(ctx._c(), self._p, *params), ctx, self._nd, None, self._ne)
+        return Tensor(fn(ctx._state.ptr, self._p, *params), ctx, self._nd, None, self._ne)
 
     # ---- reductions and normalisation ------------------------------------------------------
     def sum_rows(self) -> Tensor:
@@ -477,7 +505,7 @@ class Tensor:
         ctx = self._ctx_with(None, "sum")
         if self._p.type not in _FLOAT:
             raise TypeError(f"sum: needs an F32/F16/BF16 tensor, got {self.dtype.name}")
-        return Tensor(lib.ggml_sum(ctx._c(), self._p), ctx, 1)
+        return Tensor(lib.ggml_sum(ctx._state.ptr, self._p), ctx, 1)
 
     def argmax(self) -> Tensor:
         """Index of the largest value of each row (I32, shape ``(rows,)``)."""
@@ -486,15 +514,18 @@ class Tensor:
         if not _rows_packed(self._p):
             raise _fail("argmax", "rows must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, "argmax")
-        return Tensor(lib.ggml_argmax(ctx._c(), self._p), ctx, 1)
+        return Tensor(lib.ggml_argmax(ctx._state.ptr, self._p), ctx, 1)
 
     def _norm(self, fn: Any, op: str, eps: float) -> Tensor:
+        ctx = self._ctx_with(None, op)
+        out = lib.pyg_norm(ctx._state.ptr, _FN[op], self._p, eps) if type(eps) is float else NULL
+        if out:
+            return _node(out, ctx, self._nd)
         if self._p.type != DType.F32:
             raise TypeError(f"{op}: needs an F32 tensor, got {self.dtype.name}")
         if not _rows_packed(self._p):
             raise _fail(op, "rows must be contiguous", self)
-        ctx = self._ctx_with(None, op)
-        return Tensor(fn(ctx._c(), self._p, float(eps)), ctx, self._nd, None, self._ne)
+        return Tensor(fn(ctx._state.ptr, self._p, float(eps)), ctx, self._nd, None, self._ne)
 
     def rms_norm(self, eps: float, weight: Tensor | None = None) -> Tensor:
         """Normalise each row by its root mean square; multiply by ``weight`` when given."""
@@ -521,10 +552,15 @@ class Tensor:
         if not _rows_packed(self._p):
             raise _fail("group_norm", "rows must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, "group_norm")
-        return Tensor(lib.ggml_group_norm(ctx._c(), self._p, int(n_groups), float(eps)), ctx, self._nd)
+        return Tensor(lib.ggml_group_norm(ctx._state.ptr, self._p, int(n_groups), float(eps)), ctx, self._nd)
 
     def softmax(self, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0) -> Tensor:
         """Softmax along dim 0 of ``self * scale + mask`` (mask broadcast over dims 2 and 3)."""
+        ctx = self._ctx_with(mask, "softmax")
+        if type(scale) is float and type(max_bias) is float:
+            out = lib.pyg_soft_max(ctx._state.ptr, self._p, NULL if mask is None else mask._p, scale, max_bias)
+            if out:
+                return _node(out, ctx, self._nd)
         a = self._ne
         if self._p.type != DType.F32:
             raise TypeError(f"softmax: needs an F32 tensor, got {self.dtype.name}")
@@ -541,13 +577,17 @@ class Tensor:
                 raise _fail("softmax", "mask must be (n_kv, >= n_tokens[, heads dividing, ...]) for the scores",
                             self, mask)
             mp = mask._p
-        ctx = self._ctx_with(mask, "softmax")
-        return Tensor(lib.ggml_soft_max_ext(ctx._c(), self._p, mp, float(scale), float(max_bias)), ctx, self._nd,
+        return Tensor(lib.ggml_soft_max_ext(ctx._state.ptr, self._p, mp, float(scale), float(max_bias)), ctx, self._nd,
                       None, self._ne)
 
     # ---- matrix products -------------------------------------------------------------------
     def mulmat(self, other: Tensor, *, ctx: Context | None = None) -> Tensor:
         """ggml's matrix product: ``(K, M, ...) x (K, N, ...) -> (M, N, ...)``, broadcasting dims 2, 3."""
+        ctx = self._ctx_with(other, "mulmat", ctx)
+        out = lib.pyg_mul_mat(ctx._state.ptr, self._p, other._p)
+        nd = self._nd if self._nd > other._nd else other._nd
+        if out:
+            return _node(out, ctx, nd if nd > 2 else 2)
         a, b = self._ne, other._ne
         if a[0] != b[0]:
             raise _fail("mulmat", f"inner dimensions differ ({a[0]} vs {b[0]})", self, other)
@@ -565,9 +605,8 @@ class Tensor:
                             "must be F32, or F16/BF16 like a float left operand)")
         if pb.nb[0] != _TYPE_SIZE[tb]:
             raise _fail("mulmat", "the right operand needs contiguous rows (call .contiguous())", self, other)
-        ctx = self._ctx_with(other, "mulmat", ctx)
-        nd = self._nd if self._nd > other._nd else other._nd
-        return Tensor(lib.ggml_mul_mat(ctx._c(), pa, pb), ctx, nd if nd > 2 else 2, None, (a[1], b[1], b[2], b[3]))
+        out = lib.ggml_mul_mat(ctx._state.ptr, pa, pb)
+        return Tensor(out, ctx, nd if nd > 2 else 2, None, (a[1], b[1], b[2], b[3]))
 
     def mulmat_full_prec(self, other: Tensor) -> Tensor:
         """``mulmat`` accumulating in F32 on backends that would otherwise use F16."""
@@ -592,11 +631,21 @@ class Tensor:
         ctx = self._ctx_with(other, "mulmat_id")
         self._same_graph(ctx, "mulmat_id", ids)
         ctx._index_bound(ids, a[2], "mulmat_id")
-        return Tensor(lib.ggml_mul_mat_id(ctx._c(), self._p, other._p, ids._p), ctx, 3)
+        return Tensor(lib.ggml_mul_mat_id(ctx._state.ptr, self._p, other._p, ids._p), ctx, 3)
 
     # ---- shape and layout ------------------------------------------------------------------
     def reshape(self, *shape: int, ctx: Context | None = None) -> Tensor:
         """Same data, new shape (ggml order); the tensor must be contiguous."""
+        n = len(shape)
+        if 0 < n <= 4:
+            c = self._ctx_with(None, "reshape", ctx)
+            try:
+                out = lib.pyg_reshape(c._state.ptr, self._p, n, *shape, *_ONES[n])
+            except (TypeError, OverflowError):  # not ints, or a shape given as one tuple
+                out = NULL
+            if out:
+                return _node(out, c, n)
+            c._state.n_tensors -= 1
         shape = _shape_arg(shape)
         if min(shape) <= 0:
             raise ValueError(f"reshape: bad shape {shape}")
@@ -608,7 +657,7 @@ class Tensor:
         if shape[0] % _BLOCK[p.type]:
             raise _fail("reshape", f"dim 0 must stay a multiple of the {self.dtype.name} block size", self)
         ctx = self._ctx_with(None, "reshape", ctx)
-        c, n = ctx._c(), len(shape)
+        c, n = ctx._state.ptr, len(shape)
         if n == 1:
             out = lib.ggml_reshape_1d(c, p, shape[0])
         elif n == 2:
@@ -623,6 +672,17 @@ class Tensor:
              ctx: Context | None = None) -> Tensor:
         """A view of ``shape`` starting ``offset`` bytes in; ``strides`` are the byte strides of
         dims 1.. (dim 0 stays contiguous). Defaults to the contiguous strides of ``shape``."""
+        n = len(shape) if type(shape) is tuple else 0
+        if 0 < n <= 4 and (strides is None or len(strides) == n - 1):
+            c = self._ctx_with(None, "view", ctx)
+            try:
+                nb = (0, 0, 0) if strides is None else (*strides, *_ONES[n])
+                out = lib.pyg_view(c._state.ptr, self._p, n, *shape, *_ONES[n], strides is None, *nb, offset)
+            except (TypeError, OverflowError):
+                out = NULL
+            if out:
+                return _node(out, c, n)
+            c._state.n_tensors -= 1
         shape = _shape_arg(tuple(shape))
         n = len(shape)
         p = self._p
@@ -665,7 +725,7 @@ class Tensor:
             raise _fail("view", f"ggml needs the packed size of {shape} ({packed} bytes) to fit after offset "
                         f"{offset}; use fewer rows or repeat() instead of overlapping strides", self)
         ctx = self._ctx_with(None, "view", ctx)
-        c, p = ctx._c(), self._p
+        c, p = ctx._state.ptr, self._p
         if n == 1:
             out = lib.ggml_view_1d(c, p, shape[0], offset)
         elif n == 2:
@@ -679,6 +739,17 @@ class Tensor:
     def permute(self, *axes: int, ctx: Context | None = None) -> Tensor:
         """Move dim i to position ``axes[i]`` (ggml's convention); e.g. ``permute(0, 2, 1, 3)``."""
         full = axes + _PERMUTE_TAIL[len(axes)] if len(axes) <= 4 else axes
+        if len(full) == 4:
+            c = self._ctx_with(None, "permute", ctx)
+            try:
+                out = lib.pyg_permute(c._state.ptr, self._p, *full)
+            except (TypeError, OverflowError):
+                out = NULL
+            if out:
+                nd = self._nd
+                top = 1 + max(full[:nd])
+                return _node(out, c, top if top > nd else nd)
+            c._state.n_tensors -= 1
         if len(full) != 4 or sorted(full) != [0, 1, 2, 3]:
             raise _fail("permute", f"axes {axes} must be a permutation of 0..{max(len(axes), 1) - 1}", self)
         ctx = self._ctx_with(None, "permute", ctx)
@@ -687,21 +758,28 @@ class Tensor:
         a, ne = self._ne, [0, 0, 0, 0]
         for i in range(4):
             ne[full[i]] = a[i]
-        return Tensor(lib.ggml_permute(ctx._c(), self._p, *full), ctx, nd, None, tuple(ne))
+        return Tensor(lib.ggml_permute(ctx._state.ptr, self._p, *full), ctx, nd, None, tuple(ne))
 
     def transpose(self) -> Tensor:
         """Swap dims 0 and 1 (a view)."""
         ctx = self._ctx_with(None, "transpose")
         a = self._ne
-        return Tensor(lib.ggml_transpose(ctx._c(), self._p), ctx, max(self._nd, 2), None, (a[1], a[0], a[2], a[3]))
+        out = lib.ggml_transpose(ctx._state.ptr, self._p)
+        return Tensor(out, ctx, max(self._nd, 2), None, (a[1], a[0], a[2], a[3]))
 
     def contiguous(self, *shape: int, ctx: Context | None = None) -> Tensor:
         """A contiguous copy (optionally reshaped to ``shape``)."""
+        c = self._ctx_with(None, "contiguous", ctx)
+        out = lib.pyg_cont(c._state.ptr, self._p)
+        if out:
+            out = _node(out, c, self._nd)
+            return out.reshape(*shape) if shape else out
+        c._state.n_tensors -= 1
         if self._ne[0] % _BLOCK[self._p.type]:
             raise _fail("contiguous", f"a {self.dtype.name} copy needs dim 0 to be a multiple of the block size "
                         f"{_BLOCK[self._p.type]} (cast to F32 first)", self)
         ctx = self._ctx_with(None, "contiguous", ctx)
-        out = Tensor(lib.ggml_cont(ctx._c(), self._p), ctx, self._nd, None, self._ne)
+        out = Tensor(lib.ggml_cont(ctx._state.ptr, self._p), ctx, self._nd, None, self._ne)
         return out.reshape(*shape) if shape else out
 
     def concat(self, other: Tensor, dim: int) -> Tensor:
@@ -712,7 +790,7 @@ class Tensor:
         if any(self._ne[i] != other._ne[i] for i in range(4) if i != dim):
             raise _fail("concat", f"all dims but {dim} must be equal", self, other)
         ctx = self._ctx_with(other, "concat")
-        return Tensor(lib.ggml_concat(ctx._c(), self._p, other._p, dim), ctx, max(self._nd, other._nd, dim + 1))
+        return Tensor(lib.ggml_concat(ctx._state.ptr, self._p, other._p, dim), ctx, max(self._nd, other._nd, dim + 1))
 
     def pad(self, *padding: int) -> Tensor:
         """Append ``padding[i]`` zeros at the end of dim i."""
@@ -722,7 +800,7 @@ class Tensor:
         if self._p.type != DType.F32:
             raise TypeError(f"pad: needs an F32 tensor, got {self.dtype.name}")
         ctx = self._ctx_with(None, "pad")
-        return Tensor(lib.ggml_pad(ctx._c(), self._p, *p), ctx, max(self._nd, len(padding)))
+        return Tensor(lib.ggml_pad(ctx._state.ptr, self._p, *p), ctx, max(self._nd, len(padding)))
 
     def repeat(self, *shape: int) -> Tensor:
         """Tile to ``shape`` (each dim of ``shape`` a multiple of this tensor's)."""
@@ -735,7 +813,7 @@ class Tensor:
         if not _rows_packed(self._p):
             raise _fail("repeat", "rows must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, "repeat")
-        return Tensor(lib.ggml_repeat_4d(ctx._c(), self._p, *full), ctx, max(self._nd, len(shape)))
+        return Tensor(lib.ggml_repeat_4d(ctx._state.ptr, self._p, *full), ctx, max(self._nd, len(shape)))
 
     def copy(self, dst: Tensor) -> Tensor:
         """Copy (converting type) into ``dst``; returns the node that performs the copy."""
@@ -761,7 +839,7 @@ class Tensor:
                         "destination with packed rows of whole blocks (or contiguous)", self, dst)
         _check_writable(dst, "copy")
         ctx = self._ctx_with(dst, "copy")
-        return Tensor(lib.ggml_cpy(ctx._c(), self._p, dst._p), ctx, dst._nd, None, dst._ne)
+        return Tensor(lib.ggml_cpy(ctx._state.ptr, self._p, dst._p), ctx, dst._nd, None, dst._ne)
 
     def cast(self, dtype: DType | str, *, ctx: Context | None = None) -> Tensor:
         dtype = DType.parse(dtype)
@@ -771,11 +849,18 @@ class Tensor:
         if dtype.is_quantized and not _rows_packed(self._p):
             raise _fail("cast", f"quantizing to {dtype.name} needs contiguous rows (call .contiguous())", self)
         ctx = self._ctx_with(None, "cast", ctx)
-        return Tensor(lib.ggml_cast(ctx._c(), self._p, dtype), ctx, self._nd, None, self._ne)
+        return Tensor(lib.ggml_cast(ctx._state.ptr, self._p, dtype), ctx, self._nd, None, self._ne)
 
     # ---- indexing --------------------------------------------------------------------------
     def rows(self, indices: Tensor, *, ctx: Context | None = None) -> Tensor:
         """Gather rows: ``self`` (K, R[, B]) and I32 ``indices`` (N[, B]) give (K, N[, B]) in F32."""
+        c = self._ctx_with(indices, "rows", ctx)
+        out = lib.pyg_get_rows(c._state.ptr, self._p, indices._p)
+        if out:
+            c._index_bound(indices, self._ne[1], "rows")
+            nd = indices._nd + 1
+            return _node(out, c, nd if nd > self._nd else self._nd)
+        c._state.n_tensors -= 1
         a, i = self._ne, indices._ne
         if indices._p.type != DType.I32:
             raise TypeError(f"rows: indices must be I32, got {indices.dtype.name}")
@@ -785,11 +870,20 @@ class Tensor:
             raise _fail("rows", "indices must be (n, dim2, dim3) matching the table's dims 2 and 3", self, indices)
         ctx = self._ctx_with(indices, "rows", ctx)
         ctx._index_bound(indices, a[1], "rows")
-        return Tensor(lib.ggml_get_rows(ctx._c(), self._p, indices._p), ctx, max(self._nd, indices._nd + 1))
+        return Tensor(lib.ggml_get_rows(ctx._state.ptr, self._p, indices._p), ctx, max(self._nd, indices._nd + 1))
 
     def set_rows(self, src: Tensor, indices: Tensor, *, ctx: Context | None = None) -> Tensor:
         """Scatter: row ``indices[j]`` of ``self`` becomes row j of ``src`` (converting type).
         Returns a view of ``self`` to add to the graph."""
+        _check_writable(self, "set_rows")
+        c = self._ctx_with(src, "set_rows", ctx)
+        if indices.ctx is not c:
+            self._same_graph(c, "set_rows", indices)
+        out = lib.pyg_set_rows(c._state.ptr, self._p, src._p, indices._p)
+        if out:
+            c._index_bound(indices, self._ne[1], "set_rows")
+            return _node(out, c, self._nd)
+        c._state.n_tensors -= 1
         a, b, i = self._ne, src._ne, indices._ne
         if src._p.type not in (DType.F32, DType.F16):
             raise TypeError(f"set_rows: src must be F32 or F16, got {src.dtype.name}")
@@ -804,7 +898,7 @@ class Tensor:
         ctx = self._ctx_with(src, "set_rows", ctx)
         self._same_graph(ctx, "set_rows", indices)
         ctx._index_bound(indices, a[1], "set_rows")
-        return Tensor(lib.ggml_set_rows(ctx._c(), self._p, src._p, indices._p), ctx, self._nd)
+        return Tensor(lib.ggml_set_rows(ctx._state.ptr, self._p, src._p, indices._p), ctx, self._nd)
 
     def top_k(self, k: int) -> Tensor:
         """Indices (I32) of the ``k`` largest values of each row, in no particular order."""
@@ -815,7 +909,7 @@ class Tensor:
         if not _rows_uniform(self._p, self._ne):
             raise _fail("top_k", "rows must be contiguous and evenly spaced (call .contiguous())", self)
         ctx = self._ctx_with(None, "top_k")
-        return Tensor(lib.ggml_top_k(ctx._c(), self._p, int(k)), ctx, self._nd)
+        return Tensor(lib.ggml_top_k(ctx._state.ptr, self._p, int(k)), ctx, self._nd)
 
     def argsort(self, descending: bool = False) -> Tensor:
         """Indices (I32) that sort each row."""
@@ -825,7 +919,7 @@ class Tensor:
             raise _fail("argsort", "rows must be contiguous and evenly spaced (call .contiguous())", self)
         ctx = self._ctx_with(None, "argsort")
         order = lib.GGML_SORT_ORDER_DESC if descending else lib.GGML_SORT_ORDER_ASC
-        return Tensor(lib.ggml_argsort(ctx._c(), self._p, order), ctx, self._nd)
+        return Tensor(lib.ggml_argsort(ctx._state.ptr, self._p, order), ctx, self._nd)
 
     # ---- position encodings and attention --------------------------------------------------
     def rope(self, positions: Tensor, n_dims: int, base: float, scale: float = 1.0, *,
@@ -834,6 +928,17 @@ class Tensor:
              beta_slow: float = 1.0) -> Tensor:
         """Rotary position embedding of ``self`` (head_dim, n_heads, n_tokens) by I32 ``positions``
         (n_tokens,). ``scale`` is the frequency scale (1/linear factor); YaRN via ext_factor etc."""
+        c = self._ctx_with(positions, "rope")
+        if freq_factors is not None:
+            self._same_graph(c, "rope", freq_factors)
+        try:
+            out = lib.pyg_rope(c._state.ptr, self._p, positions._p, NULL if freq_factors is None else freq_factors._p,
+                               n_dims, mode, n_ctx_orig, base, scale, ext_factor, attn_factor, beta_fast, beta_slow)
+        except (TypeError, OverflowError):
+            out = NULL
+        if out:
+            return _node(out, c, self._nd)
+        c._state.n_tensors -= 1
         a = self._ne
         if positions._p.type != DType.I32:
             raise TypeError(f"rope: positions must be I32, got {positions.dtype.name}")
@@ -855,7 +960,7 @@ class Tensor:
             fp = freq_factors._p
         ctx = self._ctx_with(positions, "rope")
         self._same_graph(ctx, "rope", freq_factors)
-        out = lib.ggml_rope_ext(ctx._c(), self._p, positions._p, fp, int(n_dims), int(mode), int(n_ctx_orig),
+        out = lib.ggml_rope_ext(ctx._state.ptr, self._p, positions._p, fp, int(n_dims), int(mode), int(n_ctx_orig),
                                 float(base), float(scale), float(ext_factor), float(attn_factor),
                                 float(beta_fast), float(beta_slow))
         return Tensor(out, ctx, self._nd, None, self._ne)
@@ -897,7 +1002,7 @@ class Tensor:
                 elif not lib.ggml_is_contiguous(mask._p):
                     mask = mask.contiguous()
                 mp = mask._p
-            out = lib.ggml_flash_attn_ext(ctx._c(), self._p, key._p, value._p, mp, float(scale), 0.0,
+            out = lib.ggml_flash_attn_ext(ctx._state.ptr, self._p, key._p, value._p, mp, float(scale), 0.0,
                                           float(softcap))
             lib.ggml_prec_set_acc(out, lib.GGML_PREC_F32)
             return Tensor(out, ctx, 4).reshape(v[0], q[2], q[1], *((q[3],) if q[3] > 1 else ()))
@@ -934,7 +1039,7 @@ class Tensor:
         if not _rows_packed(self._p):
             raise _fail("im2col", "the input needs contiguous rows (call .contiguous())", kernel, self)
         ctx = self._ctx_with(kernel, "im2col")
-        return Tensor(lib.ggml_im2col(ctx._c(), kernel._p, self._p, s0, s1, p0, p1, d0, d1, is_2d, dtype), ctx, 4)
+        return Tensor(lib.ggml_im2col(ctx._state.ptr, kernel._p, self._p, s0, s1, p0, p1, d0, d1, is_2d, dtype), ctx, 4)
 
     def conv_2d(self, kernel: Tensor, s0: int = 1, s1: int = 1, p0: int = 0, p1: int = 0, d0: int = 1,
                 d1: int = 1) -> Tensor:
@@ -957,7 +1062,7 @@ class Tensor:
         if not _rows_packed(self._p):
             raise _fail("conv_2d", "the input needs contiguous rows (call .contiguous())", kernel, self)
         ctx = self._ctx_with(kernel, "conv_2d")
-        return Tensor(lib.ggml_conv_2d(ctx._c(), kernel._p, self._p, s0, s1, p0, p1, d0, d1), ctx, 4)
+        return Tensor(lib.ggml_conv_2d(ctx._state.ptr, kernel._p, self._p, s0, s1, p0, p1, d0, d1), ctx, 4)
 
     def avg_pool_2d(self, kernel: int, stride: int, padding: float = 0.0) -> Tensor:
         if kernel <= 0 or stride <= 0 or padding < 0:
@@ -969,7 +1074,7 @@ class Tensor:
         if not lib.ggml_is_contiguous(self._p):
             raise _fail("avg_pool_2d", "input must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, "avg_pool_2d")
-        out = lib.ggml_pool_2d(ctx._c(), self._p, lib.GGML_OP_POOL_AVG, kernel, kernel, stride, stride,
+        out = lib.ggml_pool_2d(ctx._state.ptr, self._p, lib.GGML_OP_POOL_AVG, kernel, kernel, stride, stride,
                                float(padding), float(padding))
         return Tensor(out, ctx, max(self._nd, 2))
 
@@ -1018,9 +1123,28 @@ def _contiguous_1(p: Any) -> bool:
 def _check_writable(t: Tensor, op: str) -> None:
     keep = t._keep
     if t.ctx is None and keep is not None:
-        weight = getattr(keep, "_weights", {}).get(t.name)
-        if weight is not None and weight._p == t._p:
+        if t._p in getattr(keep, "_weight_ptrs", ()):
             raise ValueError(f"{op}: cannot write into model weight {t.name!r} (it may be a read-only file mapping)")
+
+
+# ggml functions the checked C ops (csrc/pyggml_ops.h) call, by pyggml op name
+_FN = {op: ffi.addressof(lib, "ggml_" + fn) for op, fn in {
+    "add": "add", "sub": "sub", "mul": "mul", "div": "div", "neg": "neg", "sqr": "sqr", "sqrt": "sqrt",
+    "exp": "exp", "log": "log", "sin": "sin", "cos": "cos", "abs": "abs", "tanh": "tanh", "relu": "relu",
+    "sigmoid": "sigmoid", "silu": "silu", "gelu": "gelu", "gelu_erf": "gelu_erf", "gelu_quick": "gelu_quick",
+    "silu_glu": "swiglu_split", "gelu_glu": "geglu_split", "rms_norm": "rms_norm", "norm": "norm",
+    "l2_norm": "l2_norm"}.items()}
+_new_object = object.__new__
+
+
+def _node(ptr: Any, ctx: Context, nd: int) -> Tensor:
+    """A graph node made by a checked C op (its shape is read from ggml when first asked for)."""
+    t = _new_object(Tensor)
+    t._p = ptr
+    t.ctx = ctx
+    t._nd = nd
+    t._keep = None
+    return t
 
 
 def _check_alive(t: Tensor, op: str, no_repacked: bool = False) -> None:
@@ -1030,7 +1154,7 @@ def _check_alive(t: Tensor, op: str, no_repacked: bool = False) -> None:
     if keep is not None:
         if getattr(keep, "_closed", False):
             raise ValueError(f"{op}: the tensor belongs to a closed backend")
-        if no_repacked and getattr(keep, "_repacked", None) and t.name in keep._repacked:
+        if no_repacked and t._p in getattr(keep, "_repacked_ptrs", ()):
             raise ValueError(f"{op}: weight {t.name!r} was repacked for the CPU matrix kernels; only "
                              f"{t.name}.mulmat(x) can use it (load with BackendParams(repack=False) otherwise)")
 

@@ -160,3 +160,65 @@ def make_tiny_llama(
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def make_wordpiece_vocab(out_dir: Path, seed: int = 0) -> int:
+    """A small uncased WordPiece vocabulary (vocab.txt) covering ``corpus(seed)``: the BERT special
+    tokens, whole words, a few suffix pieces and every character alone and as a continuation.
+    Returns its size."""
+    text = " ".join(corpus(seed)).lower()
+    chars = sorted({c for c in text if c.isalnum()} | set("abcdefghijklmnopqrstuvwxyz0123456789"))
+    punct = sorted(set(".,?!'()-—") | {c for c in text if not c.isalnum() and not c.isspace()})
+    words = sorted(set(_WORDS))
+    pieces = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words, *chars, *punct,
+              *(f"##{c}" for c in chars), "##s", "##ed", "##ing", "##er"]
+    pieces = list(dict.fromkeys(pieces))  # a piece may be both a word and a character ("a")
+    (out_dir / "vocab.txt").write_text("\n".join(pieces) + "\n", encoding="utf-8")
+    _write_json(out_dir / "tokenizer_config.json", {
+        "tokenizer_class": "BertTokenizer", "do_lower_case": True, "unk_token": "[UNK]", "sep_token": "[SEP]",
+        "pad_token": "[PAD]", "cls_token": "[CLS]", "mask_token": "[MASK]", "model_max_length": 128,
+    })
+    return len(pieces)
+
+
+def make_tiny_bert(tmp_path: Path, *, seed: int = 0, pooling: str | None = None) -> tuple[Path, Any]:
+    """Build and save a 2-layer, 4-head, 64-wide random BertModel with a WordPiece vocabulary.
+
+    Returns ``(hf_dir, hf_model)`` (float32, eval mode). Positions stop at 128, so long texts are
+    easy to make. ``pooling`` ("mean", "cls" or "lasttoken") adds a sentence-transformers
+    Pooling module. LayerNorm weights and biases and every linear bias are randomised so that a
+    swapped or missing one shows up in parity tests.
+    """
+    import torch
+    import transformers
+
+    hf_dir = Path(tmp_path) / f"tiny-bert-s{seed}{f'-{pooling}' if pooling else ''}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_wordpiece_vocab(hf_dir, seed)
+    config = transformers.BertConfig(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=128, type_vocab_size=2, layer_norm_eps=1e-12,
+        hidden_act="gelu", initializer_range=0.1, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = transformers.BertModel(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    kwargs: dict[str, Any] = {}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        kwargs["safe_serialization"] = True
+    model.save_pretrained(hf_dir, **kwargs)
+    if pooling is not None:
+        _write_json(hf_dir / "modules.json", [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        ])
+        (hf_dir / "1_Pooling").mkdir(exist_ok=True)
+        _write_json(hf_dir / "1_Pooling" / "config.json", {
+            "word_embedding_dimension": 64, "pooling_mode_cls_token": pooling == "cls",
+            "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
+            "pooling_mode_lasttoken": pooling == "lasttoken"})
+    return hf_dir, model

@@ -1,7 +1,9 @@
 """HTTP server: the official ``openai`` and ``ollama`` clients against a server running in this
-process on 127.0.0.1 (uvicorn in a thread), on stories260K (when present) and on a synthetic
-random-weight model (always): completions, chat, streaming, metadata, the embeddings error,
-malformed requests, 503 when saturated, cancellation on disconnect, and a bounded load test."""
+process on 127.0.0.1 (uvicorn in a thread), on stories260K (when present), on a synthetic
+random-weight model (always) and on a tiny random BERT (with torch and transformers): completions,
+chat, streaming, metadata, embeddings (and their error on a text model), generation refused by an
+embedding model, malformed requests, 503 when saturated, cancellation on disconnect, and a bounded
+load test."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from pyggml import BackendParams, models
@@ -208,6 +211,100 @@ def test_embeddings_answer_a_clear_error(synthetic):
         openai_client(base).embeddings.create(model=served.name, input=["hello", "world"])
     assert "does not support embeddings" in oinfo.value.message
     assert health(base)["requests"] == 0
+
+
+# ---- embeddings from an embedding model (BERT) ---------------------------------------------------------
+
+EMBED_TEXTS = ["Hello world, the café is naïve!", "the of and", "Which way about many people water?"]
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    """(base_url, served, expected unit vectors of EMBED_TEXTS) of a server on a tiny random BERT."""
+    pytest.importorskip("torch", reason="the BERT server tests build their model with torch")
+    pytest.importorskip("transformers", reason="the BERT server tests build their model with transformers")
+    import pyggml
+    from pyggml.convert import convert_hf
+
+    from .hf_fixtures import make_tiny_bert
+
+    root = tmp_path_factory.mktemp("bert-server")
+    path = convert_hf(make_tiny_bert(root)[0], root / "tiny-bert.gguf", out_type="f32")
+    with pyggml.load(path, n_threads=1) as llm:
+        expected = llm.embed(EMBED_TEXTS)
+        raw = llm.embed(EMBED_TEXTS[0], normalize=False)[0]
+    with running_server(path, parallel=2, queue=4, num_ctx=128) as (base, served):
+        yield base, served, expected, raw
+
+
+def test_openai_and_ollama_clients_embed_with_a_bert_model(bert):
+    base, served, expected, raw = bert
+    done = openai_client(base).embeddings.create(model=served.name, input=EMBED_TEXTS)  # asks for base64
+    assert [d.index for d in done.data] == [0, 1, 2] and done.model == served.name
+    np.testing.assert_allclose([d.embedding for d in done.data], expected, atol=1e-6)
+    assert done.usage.prompt_tokens == sum(len(served.tokenizer.encode(t)) for t in EMBED_TEXTS)
+    floats = openai_client(base).embeddings.create(model=served.name, input=EMBED_TEXTS[1],
+                                                   encoding_format="float")
+    np.testing.assert_allclose(floats.data[0].embedding, expected[1], atol=1e-6)
+
+    client = ollama.Client(host=base, timeout=60)
+    reply = client.embed(model=served.name, input=EMBED_TEXTS)
+    np.testing.assert_allclose(reply.embeddings, expected, atol=1e-6)
+    assert reply.prompt_eval_count == done.usage.prompt_tokens
+    one = client.embed(model=f"{served.name}:latest", input=EMBED_TEXTS[2])
+    np.testing.assert_allclose(one.embeddings, expected[2:], atol=1e-6)
+    short = client.embed(model=served.name, input=EMBED_TEXTS[0], dimensions=16).embeddings[0]
+    np.testing.assert_allclose(short, expected[0][:16] / np.linalg.norm(expected[0][:16]), atol=1e-6)
+    legacy = client.embeddings(model=served.name, prompt=EMBED_TEXTS[0])  # not normalised, as in Ollama
+    np.testing.assert_allclose(legacy.embedding, raw, atol=1e-5)
+    assert client.show(served.name).capabilities == ["embedding"]
+    assert wait_idle(base)["requests"] == 0
+
+
+def test_generation_requests_to_a_bert_model_get_a_400(bert):
+    base, served, _, _ = bert
+    with pytest.raises(openai.BadRequestError) as oinfo:
+        openai_client(base).completions.create(model=served.name, prompt="hello", max_tokens=4)
+    assert "embedding model" in oinfo.value.message and "cannot generate" in oinfo.value.message
+    with pytest.raises(openai.BadRequestError):
+        openai_client(base).chat.completions.create(model=served.name, messages=[{"role": "user", "content": "a"}])
+    client = ollama.Client(host=base, timeout=60)
+    for call in (lambda: client.generate(model=served.name, prompt="hello"),
+                 lambda: client.chat(model=served.name, messages=[{"role": "user", "content": "hi"}], stream=True)
+                 .__next__()):
+        with pytest.raises(ollama.ResponseError) as info:
+            call()
+        assert info.value.status_code == 400 and "embedding model" in str(info.value)
+    assert wait_idle(base)["requests"] == 0
+
+
+BERT_BAD_EMBEDS = [
+    ("/v1/embeddings", {"input": "word " * 200}, "does not fit the context of 128"),  # OpenAI: no truncation
+    ("/api/embed", {"input": "word " * 200, "truncate": False}, "does not fit the context of 128"),
+    ("/v1/embeddings", {"input": ""}, "input must be"),
+    ("/api/embed", {"input": ["a", ""]}, "input must be"),
+    ("/api/embed", {"input": [1, 2]}, "input must be"),
+    ("/v1/embeddings", {"input": {"text": "a"}}, "input must be"),
+    ("/api/embed", {"input": "a", "dimensions": 65}, "dimensions must be at most 64"),
+    ("/api/embed", {"input": "a", "truncate": "yes"}, "truncate must be true or false"),
+    ("/api/embeddings", {"prompt": ""}, "prompt is required"),
+]
+
+
+@pytest.mark.parametrize("path, body, words", BERT_BAD_EMBEDS, ids=[f"{p} {w}" for p, _, w in BERT_BAD_EMBEDS])
+def test_bad_embedding_requests_get_a_400_with_a_message(bert, path, body, words):
+    base, served, _, _ = bert
+    response = httpx.post(f"{base}{path}", json={"model": served.name, **body}, timeout=30)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert words in (error["message"] if path.startswith("/v1/") else error)
+
+
+def test_long_texts_are_truncated_by_default_on_ollamas_route(bert):
+    base, served, _, _ = bert
+    reply = ollama.Client(host=base, timeout=60).embed(model=served.name, input="word " * 200)
+    assert len(reply.embeddings[0]) == 64 and reply.prompt_eval_count == 128
+    assert health(base)["status"] == "ok"
 
 
 # ---- malformed requests -----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
     from pyggml.kvcache import Cache
     from pyggml.tensor import Tensor
 
-__all__ = ["Batch", "Input", "Model", "ModelError", "Multimodal", "MultimodalIndex", "load", "register",
+__all__ = ["Batch", "Input", "Model", "ModelError", "Multimodal", "MultimodalIndex", "Pooling", "load", "register",
            "registry"]
 
 
@@ -21,18 +22,52 @@ class ModelError(ValueError):
     """A model file that pyggml cannot run: unknown architecture, bad hyper-parameters, wrong shapes."""
 
 
+class Pooling(enum.IntEnum):
+    """How an embedding model turns its token states into one vector per sequence (the values of
+    GGUF ``<arch>.pooling_type``, as llama.cpp numbers them)."""
+
+    NONE = 0  # no pooling: one vector per token
+    MEAN = 1
+    CLS = 2  # the first token's state
+    LAST = 3  # the last token's state
+    RANK = 4  # a reranker's classification head (not supported)
+
+    @classmethod
+    def parse(cls, value: Pooling | str | int) -> Pooling:
+        """A Pooling from itself, its name in any case ("mean") or its number."""
+        if isinstance(value, str):
+            try:
+                return cls[value.upper()]
+            except KeyError:
+                raise ValueError(f"unknown pooling {value!r}; choose one of "
+                                 f"{', '.join(p.name.lower() for p in cls)}") from None
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown pooling type {value!r}") from None
+
+
 class Model:
     """A network built from a Backend's weights. Subclasses declare weights as annotated fields
-    (see ``pyggml.nn``) and implement ``forward``."""
+    (see ``pyggml.nn``) and implement ``forward`` (text generation), ``embed`` (embedding models),
+    or both."""
 
     architecture: ClassVar[str] = ""
     backend: Backend
     config: Any
     cache: Cache | None
     tokenizer: Any
+    generates: ClassVar[bool] = True  # implements forward(): logits for the next token
+    pooling: Pooling | None = None  # embedding models: the file's pooling; None: no embed()
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         """Logits (vocab, len(batch.outputs)) for the batch."""
+        raise NotImplementedError
+
+    def embed(self, ctx: Context, batch: Batch, pooling: Pooling | None = None) -> Tensor:
+        """Embeddings (hidden, n_sequences) of a batch of whole sequences numbered 0..n-1 (each
+        sequence's inputs together and in position order), pooled by ``pooling`` (default: the
+        model's); ``Pooling.NONE`` gives every token's state, (hidden, n_tokens)."""
         raise NotImplementedError
 
     def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:
@@ -65,7 +100,7 @@ def registry() -> dict[str, type[Model]]:
 
 
 def _import_builtin() -> None:
-    from pyggml.models import llama  # noqa: F401  (registers itself)
+    from pyggml.models import bert, llama  # noqa: F401  (register themselves)
 
 
 def load(path: str | os.PathLike, params: BackendParams | None = None, progress: ProgressFn | None = None) -> Model:

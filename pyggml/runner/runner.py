@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from pyggml.models import Batch, Input, Model, ModelError
+from pyggml.models import Batch, Input, Model, ModelError, Pooling
+from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
 from pyggml.runner.inputcache import InputCache, ReprocessInputsError
 from pyggml.runner.sequence import MAX_LOGPROBS, CompletionRequest, CompletionStream, RunningSequence
 from pyggml.tensor import DType
@@ -36,10 +37,6 @@ from pyggml.tensor import DType
 log = logging.getLogger(__name__)
 
 _UNSET = -1  # token id of a placeholder input whose token is not sampled yet
-
-
-class EmbeddingsNotSupportedError(NotImplementedError):
-    """The model produces no embeddings (it has no pooling output)."""
 
 
 class RunnerClosedError(RuntimeError):
@@ -76,14 +73,15 @@ class _Step:
 class Runner:
     """Serves completions of ``parallel`` sequences at once, each with a context of ``num_ctx``
     tokens (the model's cache holds ``parallel * num_ctx``). ``completion`` may be called from
-    any thread; one loop thread does all model work. One runner per model; close it before the
-    model."""
+    any thread; one loop thread does all model work. An embedding model (``model.pooling`` set)
+    serves ``embedding``/``embeddings`` instead, one forward pass at a time, with no KV cache; a
+    model that only embeds refuses completions. One runner per model; close it before the model."""
 
     def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool = True):
         if model.tokenizer is None:
             raise ModelError("the model file has no tokenizer (tokenizer.ggml.* keys)")
-        if model.cache is None:
+        if model.generates and model.cache is None:
             raise ModelError("the model has no KV cache; the runner needs one")
         for name, value, low in (("parallel", parallel, 1), ("num_ctx", num_ctx, 2), ("batch_size", batch_size, 1)):
             if not isinstance(value, int) or value < low:
@@ -91,10 +89,16 @@ class Runner:
         self.model, self.tokenizer = model, model.tokenizer
         self.parallel, self.num_ctx = parallel, num_ctx
         self.batch_size = min(batch_size, num_ctx)
-        model.cache.init(model.backend, DType.parse(cache_type), max_sequences=parallel, capacity=num_ctx,
-                         max_batch=self.batch_size)
-        self.input_cache = InputCache(parallel * num_ctx, parallel, multi_user_cache, model.cache, self.batch_size)
-        in_place = self._reserve()
+        self.embedder = Embedder(model, num_ctx, batch_size) if model.pooling is not None else None
+        if model.generates:
+            model.cache.init(model.backend, DType.parse(cache_type), max_sequences=parallel, capacity=num_ctx,
+                             max_batch=self.batch_size)
+            self.input_cache = InputCache(parallel * num_ctx, parallel, multi_user_cache, model.cache,
+                                          self.batch_size)
+            in_place = self._reserve()
+        else:  # embeddings only: no cache and nothing for the loop to do
+            self.num_ctx, self.input_cache, in_place = self.embedder.num_ctx, None, False
+            self.embedder.reserve()
         self.build_ahead = build_ahead and in_place
         self._cond = threading.Condition()
         self._waiting: deque[RunningSequence] = deque()
@@ -138,10 +142,26 @@ class Runner:
             self._cond.notify()
         return CompletionStream(seq, self._wake)
 
-    def embedding(self, text: str) -> np.ndarray:
-        raise EmbeddingsNotSupportedError(
-            f"the {self.model.architecture or 'loaded'} model generates text and has no embedding output; "
-            "embeddings need an embedding model (none is supported yet)")
+    @property
+    def generates(self) -> bool:
+        """Whether the model generates text (``completion``); else it only embeds."""
+        return self.model.generates
+
+    def embedding(self, text: str, *, normalize: bool = True, truncate: bool = False) -> np.ndarray:
+        """The embedding (hidden,) of ``text``, pooled as the model says; L2-normalised unless
+        ``normalize=False``. A text longer than the context is an error unless ``truncate``."""
+        return self.embeddings([text], normalize=normalize, truncate=truncate)[0]
+
+    def embeddings(self, texts: Sequence[str], *, normalize: bool = True, truncate: bool = False,
+                   pooling: Pooling | str | None = None) -> np.ndarray:
+        """Embeddings (len(texts), hidden) of several texts, computed in as few passes as fit."""
+        if self.embedder is None:
+            raise EmbeddingsNotSupportedError(
+                f"the {self.model.architecture or 'loaded'} model generates text and has no embedding output; "
+                "embeddings need an embedding model such as BERT")
+        if self._closing:
+            raise RunnerClosedError(f"the runner is closed{f': {self._error}' if self._error else ''}")
+        return self.embedder.embed(texts, normalize=normalize, truncate=truncate, pooling=pooling)
 
     @property
     def active_sequences(self) -> int:
@@ -171,6 +191,10 @@ class Runner:
         """Validate a request (ValueError saying what is wrong) and tokenize its prompt."""
         if not isinstance(request, CompletionRequest):
             raise TypeError(f"completion: expected a CompletionRequest, got {type(request).__name__}")
+        if not self.model.generates:
+            raise GenerationNotSupportedError(
+                f"the {self.model.architecture or 'loaded'} model is an embedding model: it cannot generate "
+                "text (ask it for embeddings instead)")
         prompt = request.prompt
         if isinstance(prompt, str):
             if not prompt:

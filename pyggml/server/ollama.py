@@ -171,18 +171,18 @@ async def embed(request: Request) -> Response:
     body = await read_json(request)
     f = Fields(body, "the request", EMBED_FIELDS)
     served.check_model(body.get("model"))
-    f.integer("dimensions", low=1)
-    f.boolean("truncate")
+    dimensions, truncate = f.integer("dimensions", low=1), f.boolean("truncate", True)
     ollama_options(body.get("options"))
     texts = _embed_inputs(body.get("input"))
     start = time.perf_counter()
-    vectors = await served.embed(texts)
+    vectors, n_tokens = await served.embed(texts, truncate=truncate, dimensions=dimensions)
     return JSONResponse({"model": served.name, "embeddings": vectors,
-                         "total_duration": int((time.perf_counter() - start) * 1e9), "load_duration": 0})
+                         "total_duration": int((time.perf_counter() - start) * 1e9), "load_duration": 0,
+                         "prompt_eval_count": n_tokens})
 
 
 async def embeddings(request: Request) -> Response:
-    """The older single-text route."""
+    """The older single-text route; as in Ollama, its vector is not normalised."""
     served = _served(request)
     body = await read_json(request)
     f = Fields(body, "the request", {"model", "prompt", "options", "keep_alive"})
@@ -191,7 +191,8 @@ async def embeddings(request: Request) -> Response:
     text = f.string("prompt")
     if not text:
         raise APIError(400, "prompt is required", param="prompt")
-    return JSONResponse({"embedding": (await served.embed([text]))[0]})
+    vectors, _ = await served.embed([text], truncate=True, normalize=False)
+    return JSONResponse({"embedding": vectors[0]})
 
 
 def _embed_inputs(value: Any) -> list[str]:

@@ -7,7 +7,6 @@ OpenAI sends it. Errors are ``{"error": {"message", "type", "param", "code"}}``.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import time
@@ -225,13 +224,12 @@ async def embeddings(request: Request) -> Response:
     encoding = f.string("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise APIError(400, 'encoding_format must be "float" or "base64"', param="encoding_format")
-    f.integer("dimensions", low=1)
+    dimensions = f.integer("dimensions", low=1)
     value = body.get("input")
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
         raise APIError(400, "input must be a non-empty string or an array of non-empty strings", param="input")
-    vectors = await served.embed(texts)
-    n = await asyncio.to_thread(lambda: sum(len(served.prompt_ids(t, False)) for t in texts))
+    vectors, n = await served.embed(texts, dimensions=dimensions)
     return JSONResponse({"object": "list", "model": served.name,
                          "data": [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)}
                                   for i, v in enumerate(vectors)],

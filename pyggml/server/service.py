@@ -18,11 +18,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pyggml.chat import ChatTemplate, encode_prompt
-from pyggml.runner import CompletionChunk, CompletionRequest, EmbeddingsNotSupportedError, Runner, RunnerClosedError
+from pyggml.runner import CompletionChunk, CompletionRequest, Runner, RunnerClosedError
 from pyggml.server.params import APIError
 
 RETRY_AFTER_SECONDS = 1
@@ -65,6 +66,8 @@ class ServedModel:
 
     @property
     def capabilities(self) -> list[str]:
+        if not self.runner.generates:
+            return ["embedding"]
         return ["completion", "tools"] if "tools" in self.template.source else ["completion"]
 
     def check_model(self, name: Any) -> None:
@@ -104,7 +107,11 @@ class ServedModel:
                 "queue_limit": self.queue_limit}
 
     def start(self, prepare: Callable[[], CompletionRequest]) -> Job:
-        """Admit a completion (503 when full) and start it; ``prepare`` runs in the job's thread."""
+        """Admit a completion (503 when full) and start it; ``prepare`` runs in the job's thread.
+        400 for a model that only embeds."""
+        if not self.runner.generates:
+            raise APIError(400, f"model {self.name!r} is an embedding model and cannot generate text; "
+                           "use /api/embed or /v1/embeddings", code="generation_not_supported")
         self.admit()
         try:
             return Job(self, prepare)
@@ -123,16 +130,36 @@ class ServedModel:
             max_tokens = max(self.runner.num_ctx - len(ids), 0)
         return CompletionRequest(ids, max_tokens=max_tokens, **options)
 
-    async def embed(self, texts: list[str]) -> list[list[float]]:
-        """One embedding per text (400 for a model without embeddings)."""
+    async def embed(self, texts: list[str], *, truncate: bool = False, normalize: bool = True,
+                    dimensions: int | None = None) -> tuple[list[list[float]], int]:
+        """One embedding per text and the number of tokens read (400 for a model without
+        embeddings, or a text too long without ``truncate``). ``dimensions`` keeps the first
+        that many components (re-normalised when ``normalize``), as Matryoshka models allow."""
+        if self.runner.embedder is None:
+            raise APIError(400, f"model {self.name!r} does not support embeddings: the "
+                           f"{self.model.architecture or 'loaded'} model generates text and has no embedding "
+                           "output", code="embeddings_not_supported")
+
+        def compute() -> tuple[np.ndarray, int]:
+            vectors = self.runner.embeddings(texts, normalize=False, truncate=truncate)
+            return vectors, sum(len(self.runner.embedder.tokenize(t, truncate)) for t in texts)
+
         self.admit()
         try:
-            return [(await asyncio.to_thread(self.runner.embedding, text)).tolist() for text in texts]
-        except EmbeddingsNotSupportedError as exc:
-            raise APIError(400, f"model {self.name!r} does not support embeddings: {exc}",
-                           code="embeddings_not_supported") from None
+            vectors, n_tokens = await asyncio.to_thread(compute)
+        except (ValueError, TypeError) as exc:  # a text too long for the context, and the like
+            raise APIError(400, str(exc), param="input") from None
+        except RunnerClosedError as exc:
+            raise APIError(503, f"the model runner is not running: {exc}") from None
         finally:
             self.release()
+        if dimensions is not None and dimensions > vectors.shape[1]:
+            raise APIError(400, f"dimensions must be at most {vectors.shape[1]}, the model's embedding size",
+                           param="dimensions")
+        vectors = vectors[:, :dimensions] if dimensions else vectors
+        if normalize:
+            vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+        return vectors.tolist(), n_tokens
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.token_to_piece(token).decode("utf-8", "replace")

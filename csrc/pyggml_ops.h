@@ -1,0 +1,62 @@
+/* Checked graph ops: the hot ops of a model graph, validated and created in one C call.
+ *
+ * Each function checks what ggml would assert (or read out of bounds) for its op and returns NULL
+ * without touching the context when anything is off; otherwise it returns ggml's new node. They
+ * accept a safe subset of what pyggml's Python checks accept, never more: on NULL, tensor.py runs
+ * its Python checks, which raise the error that names the problem (or build the node the slow way
+ * when the C side was stricter). This saves the per-op field reads through cffi (~0.1 us each).
+ * Like pyggml_helpers.h, this file is both included and read as a cffi cdef: keep it plain. */
+
+/* ggml_add/sub/mul/div (any function of that signature): b tiles a, float types, packed rows. */
+struct ggml_tensor * pyg_binary(struct ggml_context * ctx,
+                                struct ggml_tensor * (*fn)(struct ggml_context *, struct ggml_tensor *, struct ggml_tensor *),
+                                struct ggml_tensor * a, struct ggml_tensor * b);
+
+/* Elementwise unary ops on a float tensor with packed rows (ggml_silu, ggml_neg, ...). */
+struct ggml_tensor * pyg_unary(struct ggml_context * ctx,
+                               struct ggml_tensor * (*fn)(struct ggml_context *, struct ggml_tensor *),
+                               struct ggml_tensor * a);
+
+/* ggml_swiglu_split / ggml_geglu_split: gate and up of one float type and shape, contiguous_1. */
+struct ggml_tensor * pyg_glu(struct ggml_context * ctx,
+                             struct ggml_tensor * (*fn)(struct ggml_context *, struct ggml_tensor *, struct ggml_tensor *),
+                             struct ggml_tensor * a, struct ggml_tensor * b);
+
+/* ggml_rms_norm / ggml_norm on F32 with packed rows. */
+struct ggml_tensor * pyg_norm(struct ggml_context * ctx,
+                              struct ggml_tensor * (*fn)(struct ggml_context *, struct ggml_tensor *, float),
+                              struct ggml_tensor * a, float eps);
+
+/* ggml_scale on a contiguous F32 tensor whose rows are evenly spaced (ggml_is_padded_1d). */
+struct ggml_tensor * pyg_scale(struct ggml_context * ctx, struct ggml_tensor * a, float s);
+
+struct ggml_tensor * pyg_mul_mat(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+
+/* n (1..4) dims; ne of the unused dims are ignored. */
+struct ggml_tensor * pyg_reshape(struct ggml_context * ctx, struct ggml_tensor * a, int n,
+                                 int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
+
+/* A view of n dims at a byte offset; nb1..nb3 are the strides of dims 1..n-1, ignored when
+ * packed is non-zero (the packed strides of the shape). */
+struct ggml_tensor * pyg_view(struct ggml_context * ctx, struct ggml_tensor * a, int n,
+                              int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3,
+                              int packed, int64_t nb1, int64_t nb2, int64_t nb3, int64_t offset);
+
+struct ggml_tensor * pyg_permute(struct ggml_context * ctx, struct ggml_tensor * a, int ax0, int ax1, int ax2, int ax3);
+struct ggml_tensor * pyg_cont(struct ggml_context * ctx, struct ggml_tensor * a);
+
+/* ggml_get_rows with I32 indices (n[, dim2, dim3]) of a float or quantized table. */
+struct ggml_tensor * pyg_get_rows(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * idx);
+
+/* ggml_set_rows of F32/F16 rows into an F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL destination. */
+struct ggml_tensor * pyg_set_rows(struct ggml_context * ctx, struct ggml_tensor * dst, struct ggml_tensor * src,
+                                  struct ggml_tensor * idx);
+
+/* ggml_soft_max_ext on a contiguous F32 tensor; mask NULL or a contiguous F32/F16 (n_kv, >= rows). */
+struct ggml_tensor * pyg_soft_max(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * mask,
+                                  float scale, float max_bias);
+
+/* ggml_rope_ext, modes NORMAL (0) and NEOX (2); c (frequency factors) may be NULL. */
+struct ggml_tensor * pyg_rope(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * pos,
+                              struct ggml_tensor * c, int n_dims, int mode, int n_ctx_orig, float base, float scale,
+                              float ext_factor, float attn_factor, float beta_fast, float beta_slow);

@@ -1,0 +1,199 @@
+"""BERT sentence encoders (GGUF architecture "bert": all-MiniLM, bge, e5 and the like).
+
+Post-norm transformer without a causal mask: token + position + token-type embeddings ->
+LayerNorm; per layer, attention -> residual -> LayerNorm, GELU MLP -> residual -> LayerNorm. The
+token states are pooled into one vector per sequence (mean, first token, last token) in the graph.
+There is no KV cache: a sequence is encoded whole in one pass, and several sequences share a pass
+with a block-diagonal mask so that each token attends only to its own sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyggml import nn
+from pyggml.backend import Backend, Context
+from pyggml.models import Batch, Model, ModelError, Pooling, register
+from pyggml.tensor import Tensor
+
+
+@dataclass(frozen=True)
+class Options:
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    ffn_size: int
+    vocab_size: int
+    context_length: int  # rows of position_embd: the longest sequence
+    eps: float
+    pooling: Pooling
+
+    @classmethod
+    def from_config(cls, config) -> Options:
+        hidden = config.uint("embedding_length")
+        n_heads = config.uint("attention.head_count")
+        if not hidden or not n_heads or hidden % n_heads:
+            raise ModelError(f"bert: embedding_length ({hidden}) must be a non-zero multiple of "
+                             f"attention.head_count ({n_heads})")
+        if config.bool("attention.causal", False):
+            raise ModelError("bert: attention.causal is true; only bidirectional BERT encoders are supported")
+        try:
+            pooling = Pooling.parse(config.uint("pooling_type", Pooling.NONE))
+        except ValueError as exc:
+            raise ModelError(f"bert: {exc}") from None
+        if pooling == Pooling.RANK:
+            raise ModelError("bert: rank pooling (rerankers) is not supported")
+        return cls(
+            hidden_size=hidden,
+            n_layers=config.uint("block_count"),
+            n_heads=n_heads,
+            head_dim=hidden // n_heads,
+            ffn_size=config.uint("feed_forward_length"),
+            vocab_size=len(config.get("tokenizer.ggml.tokens", ())),
+            context_length=config.uint("context_length", 512),
+            eps=config.float("attention.layer_norm_epsilon", 1e-12),
+            pooling=pooling,
+        )
+
+
+class SelfAttention(nn.Module):
+    attn_q: nn.Linear
+    attn_k: nn.Linear
+    attn_v: nn.Linear
+    attn_output: nn.Linear
+
+    def __call__(self, ctx: Context, x: Tensor, mask: Tensor, opts: Options) -> Tensor:
+        n_tokens = x.shape[1]
+        q = self.attn_q(x).reshape(opts.head_dim, opts.n_heads, n_tokens)
+        k = self.attn_k(x).reshape(opts.head_dim, opts.n_heads, n_tokens)
+        v = self.attn_v(x).reshape(opts.head_dim, opts.n_heads, n_tokens)
+        out = nn.attention(ctx, q, k, v, None, 1.0 / math.sqrt(opts.head_dim), mask=mask)
+        return self.attn_output(out)
+
+
+class MLP(nn.Module):
+    ffn_up: nn.Linear
+    ffn_down: nn.Linear
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.ffn_down(self.ffn_up(x).gelu_erf())  # BERT's "gelu" is the exact (erf) one
+
+
+class Layer(nn.Module):
+    attention: SelfAttention
+    attn_output_norm: nn.LayerNorm
+    mlp: MLP
+    layer_output_norm: nn.LayerNorm
+
+    def __call__(self, ctx: Context, h: Tensor, mask: Tensor, opts: Options) -> Tensor:
+        h = self.attn_output_norm(h + self.attention(ctx, h, mask, opts), opts.eps)
+        return self.layer_output_norm(h + self.mlp(h), opts.eps)
+
+
+class Weights(nn.Module):
+    token_embd: nn.Embedding
+    token_types: nn.Embedding | None  # segment embeddings; every token is segment 0
+    position_embd: nn.Embedding
+    token_embd_norm: nn.LayerNorm
+    blk: list[Layer]
+
+
+@register("bert")
+class Bert(Model):
+    generates = False
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.options = Options.from_config(backend.config)
+        self.pooling = self.options.pooling
+        self.weights: Weights = nn.load(Weights, backend, self.options.n_layers)
+        self._check_shapes()
+        self.cache = None
+
+    def _check_shapes(self) -> None:
+        o, w = self.options, self.weights
+        embd = w.token_embd.weight.shape
+        if o.vocab_size and embd[1] != o.vocab_size:
+            raise ModelError(f"bert: token_embd.weight has {embd[1]} rows for {o.vocab_size} tokens")
+        expected = {
+            "token_embd": (w.token_embd.weight, (o.hidden_size, embd[1])),
+            "position_embd": (w.position_embd.weight, (o.hidden_size, o.context_length)),
+        }
+        if w.token_types is not None:
+            expected["token_types"] = (w.token_types.weight, (o.hidden_size, w.token_types.weight.shape[1]))
+        for i, layer in enumerate(w.blk):
+            a, m = layer.attention, layer.mlp
+            for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+                expected[f"blk.{i}.{name}"] = (getattr(a, name).weight, (o.hidden_size, o.hidden_size))
+            expected[f"blk.{i}.ffn_up"] = (m.ffn_up.weight, (o.hidden_size, o.ffn_size))
+            expected[f"blk.{i}.ffn_down"] = (m.ffn_down.weight, (o.ffn_size, o.hidden_size))
+        for name, (tensor, shape) in expected.items():
+            if tensor.shape[:2] != shape:
+                raise ModelError(f"bert: tensor {name}.weight has shape {tensor.shape}, expected {shape} "
+                                 "from the file's hyper-parameters")
+
+    def forward(self, ctx: Context, batch: Batch) -> Tensor:
+        raise NotImplementedError("bert is an embedding model: it produces embeddings, not next-token logits")
+
+    def embed(self, ctx: Context, batch: Batch, pooling: Pooling | str | None = None) -> Tensor:
+        w, o = self.weights, self.options
+        pooling = self.pooling if pooling is None else Pooling.parse(pooling)
+        if pooling == Pooling.RANK:
+            raise ValueError("bert.embed: rank pooling is not supported")
+        tokens, positions, sequences = self._check_batch(batch)
+        h = w.token_embd(nn.int32_input(ctx.input(), tokens))
+        if w.token_types is not None:
+            h = h + w.token_types(nn.int32_input(ctx.input(), np.zeros_like(tokens)))
+        h = h + w.position_embd(nn.int32_input(ctx.input(), positions))
+        h = w.token_embd_norm(h, o.eps)
+        mask = ctx.from_numpy(sequence_mask(sequences))
+        for layer in w.blk:
+            h = layer(ctx, h, mask, o)
+        return pool(ctx, h, sequences, pooling)
+
+    def _check_batch(self, batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The batch as int arrays, after checking what the graph would otherwise read out of bounds."""
+        tokens = np.asarray(batch.tokens, dtype=np.int64)
+        positions = np.asarray(batch.positions, dtype=np.int64)
+        sequences = np.asarray(batch.sequences, dtype=np.int64)
+        if not len(tokens) or tokens.ndim != 1 or positions.shape != tokens.shape or \
+                sequences.shape != tokens.shape:
+            raise ValueError(f"bert.embed: need equally long, non-empty tokens, positions and sequences; got "
+                             f"{tokens.shape}, {positions.shape}, {sequences.shape}")
+        n_vocab = self.weights.token_embd.weight.shape[1]
+        if tokens.min() < 0 or tokens.max() >= n_vocab:
+            raise ValueError(f"bert.embed: token ids must lie in 0..{n_vocab - 1}")
+        if positions.min() < 0 or positions.max() >= self.options.context_length:
+            raise ValueError(f"bert.embed: positions must lie in 0..{self.options.context_length - 1} "
+                             f"(the model's context length)")
+        steps = np.diff(sequences)
+        if sequences[0] != 0 or ((steps != 0) & (steps != 1)).any():
+            raise ValueError("bert.embed: sequences must be numbered 0, 1, ... with each one's tokens together")
+        return tokens, positions, sequences
+
+
+def sequence_mask(sequences: np.ndarray) -> np.ndarray:
+    """(n_tokens, n_tokens) additive attention mask: 0 within a sequence, -inf across sequences."""
+    same = sequences[:, None] == sequences[None, :]
+    return np.where(same, 0.0, -np.inf).astype(np.float32)
+
+
+def pool(ctx: Context, h: Tensor, sequences: np.ndarray, pooling: Pooling) -> Tensor:
+    """Pool token states ``h`` (hidden, n_tokens) per sequence: (hidden, n_seqs), or ``h`` for NONE."""
+    if pooling == Pooling.NONE:
+        return h
+    n_seqs = int(sequences[-1]) + 1
+    starts = np.searchsorted(sequences, np.arange(n_seqs), side="left")
+    ends = np.searchsorted(sequences, np.arange(n_seqs), side="right")
+    if pooling == Pooling.CLS:
+        return h.rows(nn.int32_input(ctx, starts))
+    if pooling == Pooling.LAST:
+        return h.rows(nn.int32_input(ctx, ends - 1))
+    # mean: h (hidden, n_tokens) times a (n_tokens, n_seqs) matrix of 1/length within each sequence
+    weights = np.zeros((n_seqs, len(sequences)), np.float32)  # numpy order: row s is sequence s
+    weights[sequences, np.arange(len(sequences))] = (1.0 / (ends - starts))[sequences]
+    return h.transpose().contiguous().mulmat(ctx.from_numpy(weights))
