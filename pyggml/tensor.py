@@ -142,6 +142,33 @@ class RopeType(enum.IntEnum):
     NEOX = 2  # rotate halves (x0, x_{d/2}), ...                  (GPT-NeoX, HF rotate_half)
 
 
+# ggml functions the checked C ops (csrc/pyggml_ops.h) call, by pyggml op name
+_FN = {op: ffi.addressof(lib, "ggml_" + fn) for op, fn in {
+    "add": "add", "sub": "sub", "mul": "mul", "div": "div", "neg": "neg", "sqr": "sqr", "sqrt": "sqrt",
+    "exp": "exp", "log": "log", "sin": "sin", "cos": "cos", "abs": "abs", "tanh": "tanh", "relu": "relu",
+    "sigmoid": "sigmoid", "silu": "silu", "gelu": "gelu", "gelu_erf": "gelu_erf", "gelu_quick": "gelu_quick",
+    "silu_glu": "swiglu_split", "gelu_glu": "geglu_split", "rms_norm": "rms_norm", "norm": "norm",
+    "l2_norm": "l2_norm"}.items()}
+
+def _elementwise_method(op: str) -> Any:
+    """Tensor.add/sub/mul/div: the checked C op in one Python frame (the hot path), else
+    ``Tensor._binary`` (scalars, and the error when the C op declines)."""
+    checked = _FN[op]
+
+    def method(self: Tensor, other: Tensor | float) -> Tensor:
+        if other.__class__ is Tensor:
+            ctx = self._ctx_with(other, op)
+            out = lib.pyg_binary(ctx._state.ptr, checked, self._p, other._p)
+            if out:
+                return _node(out, ctx, self._nd if self._nd > other._nd else other._nd)
+            ctx._state.n_tensors -= 1
+        return self._binary(other, op)
+
+    method.__name__ = method.__qualname__ = op
+    method.__doc__ = f"Elementwise {op}; ``other`` is a scalar or a tensor whose dims divide this one's (tiled)."
+    return method
+
+
 def _shape_str(*tensors: Tensor) -> str:
     return ", ".join(str(t.shape) for t in tensors)
 
@@ -318,7 +345,8 @@ class Tensor:
         return Tensor(ptr, ctx, nd)
 
     # ---- elementwise -----------------------------------------------------------------------
-    def _binary(self, other: Tensor | float, fn: Any, op: str) -> Tensor:
+    def _binary(self, other: Tensor | float, op: str) -> Tensor:
+        """add/sub/mul/div with a scalar, or when the checked C op declined (explains why)."""
         if not isinstance(other, Tensor):
             if not isinstance(other, (int, float)):
                 raise TypeError(f"{op}: unsupported operand {other!r}")
@@ -329,10 +357,6 @@ class Tensor:
             if op == "mul":
                 return self._float_param_op(lib.ggml_scale, op, float(other))
             return self._float_param_op(lib.ggml_scale, op, 1.0 / float(other))
-        ctx = self._ctx_with(other, op)
-        out = lib.pyg_binary(ctx._state.ptr, _FN[op], self._p, other._p)
-        if out:
-            return _node(out, ctx, self._nd if self._nd > other._nd else other._nd)
         a, b = self._ne, other._ne
         if a[0] % b[0] or a[1] % b[1] or a[2] % b[2] or a[3] % b[3]:
             raise _fail(op, "the right operand must tile the left one (each of its dims divides the left's)",
@@ -344,19 +368,14 @@ class Tensor:
                             f"got {self.dtype.name} and {other.dtype.name}")
         if p.nb[0] != _TYPE_SIZE[ta]:
             raise _fail(op, "the left operand needs contiguous rows (call .contiguous())", self, other)
-        return Tensor(fn(ctx._state.ptr, p, q), ctx, self._nd if self._nd > other._nd else other._nd, None, a)
+        ctx = self._ctx_with(other, op)
+        out = getattr(lib, "ggml_" + op)(ctx._state.ptr, p, q)
+        return Tensor(out, ctx, self._nd if self._nd > other._nd else other._nd, None, a)
 
-    def add(self, other: Tensor | float) -> Tensor:
-        return self._binary(other, lib.ggml_add, "add")
-
-    def sub(self, other: Tensor | float) -> Tensor:
-        return self._binary(other, lib.ggml_sub, "sub")
-
-    def mul(self, other: Tensor | float) -> Tensor:
-        return self._binary(other, lib.ggml_mul, "mul")
-
-    def div(self, other: Tensor | float) -> Tensor:
-        return self._binary(other, lib.ggml_div, "div")
+    add = _elementwise_method("add")
+    sub = _elementwise_method("sub")
+    mul = _elementwise_method("mul")
+    div = _elementwise_method("div")
 
     __add__ = add
     __sub__ = sub
@@ -1127,13 +1146,6 @@ def _check_writable(t: Tensor, op: str) -> None:
             raise ValueError(f"{op}: cannot write into model weight {t.name!r} (it may be a read-only file mapping)")
 
 
-# ggml functions the checked C ops (csrc/pyggml_ops.h) call, by pyggml op name
-_FN = {op: ffi.addressof(lib, "ggml_" + fn) for op, fn in {
-    "add": "add", "sub": "sub", "mul": "mul", "div": "div", "neg": "neg", "sqr": "sqr", "sqrt": "sqrt",
-    "exp": "exp", "log": "log", "sin": "sin", "cos": "cos", "abs": "abs", "tanh": "tanh", "relu": "relu",
-    "sigmoid": "sigmoid", "silu": "silu", "gelu": "gelu", "gelu_erf": "gelu_erf", "gelu_quick": "gelu_quick",
-    "silu_glu": "swiglu_split", "gelu_glu": "geglu_split", "rms_norm": "rms_norm", "norm": "norm",
-    "l2_norm": "l2_norm"}.items()}
 _new_object = object.__new__
 
 
