@@ -24,8 +24,8 @@ Engines (``--engines``, default all four), each measured in its own subprocess:
 
 Every engine gets the same P prompt texts (``--prompt-tokens`` tokens each by pyggml's tokenizer,
 distinct from their first word), the same thread count for prompt and generation, batch size B
-(llama.cpp's n_batch and n_ubatch), an F16 KV cache and no flash attention, greedy sampling
-(temperature 0, no repeat penalty) and exactly ``-n`` generated tokens per sequence: the
+(llama.cpp's n_batch and n_ubatch), an F16 KV cache, no flash attention (``--flash-attn``: on in
+all), greedy sampling (temperature 0, no repeat penalty) and exactly ``-n`` generated tokens per sequence: the
 end-of-generation tokens are banned (logit bias -inf in-process, -100 over HTTP; the low-level
 API masks them before its argmax). Throughput = all generated tokens / wall time from the first
 request to the last token (prompt processing of the P short prompts included, model load and a
@@ -115,7 +115,7 @@ class PyggmlEngine:
         from pyggml.runner import Runner
 
         start = time.perf_counter()
-        self.model = models.load(args.model, BackendParams(n_threads=args.threads))
+        self.model = models.load(args.model, BackendParams(n_threads=args.threads, flash_attention=args.flash_attn))
         self.runner = Runner(self.model, parallel=parallel, num_ctx=n_ctx, batch_size=args.n_batch)
         self.load_s = time.perf_counter() - start
         self.bias = {t: float("-inf") for t in self.model.tokenizer.vocab.eog}
@@ -179,7 +179,8 @@ class LlamaCppEngine:
         cparams.n_seq_max = parallel
         cparams.n_batch = cparams.n_ubatch = args.n_batch
         cparams.n_threads = cparams.n_threads_batch = args.threads
-        cparams.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        fa = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if args.flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        cparams.flash_attn_type = fa
         cparams.type_k = cparams.type_v = F16
         cparams.kv_unified = args.kv_unified
         self.ctx = L.llama_init_from_model(self.model, cparams)
@@ -288,12 +289,13 @@ class ServerEngine:
         if engine == "pyggml-serve":
             cmd = [sys.executable, "-m", "pyggml.cli", "serve", str(args.model), "--port", str(port),
                    "--parallel", str(parallel), "--ctx", str(n_ctx), "--threads", str(args.threads),
-                   "--batch-size", str(args.n_batch)]
+                   "--batch-size", str(args.n_batch), "--flash-attn", "on" if args.flash_attn else "off"]
         else:  # one sequence at a time: its context needs no room for the others
             cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(args.model), "--host", "127.0.0.1",
                    "--port", str(port), "--n_ctx", str(n_ctx), "--n_batch", str(args.n_batch),
                    "--n_ubatch", str(args.n_batch), "--n_threads", str(args.threads),
-                   "--n_threads_batch", str(args.threads), "--n_gpu_layers", "0", "--flash_attn", "False",
+                   "--n_threads_batch", str(args.threads), "--n_gpu_layers", "0",
+                   "--flash_attn", str(bool(args.flash_attn)),
                    "--logits_all", "False", "--interrupt_requests", "False", "--verbose", "False"]
             if args.llama_cpp_path:
                 env["PYTHONPATH"] = os.pathsep.join([args.llama_cpp_path] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -468,6 +470,8 @@ def measure(engine: str, model: Path, job: dict[str, Any], args: argparse.Namesp
         cmd += ["--llama-cpp-path", args.llama_cpp_path]
     if args.kv_unified:
         cmd.append("--kv-unified")
+    if args.flash_attn:
+        cmd.append("--flash-attn")
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -686,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
                         "test (default: 1000; 0 skips it)")
     parser.add_argument("--kv-unified", action="store_true", help="llama.cpp low-level API: one KV buffer shared "
                         "by all sequences (default: llama.cpp's default, one per sequence)")
+    parser.add_argument("--flash-attn", action="store_true", help="ggml's fused flash attention in every engine "
+                        "(default: off in all)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default: 3)")
     parser.add_argument("--check-tokens", type=int, default=8, help="greedy tokens compared between pyggml and the "
                         "low-level API (default: 8)")
@@ -723,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "ttft_tokens", "kv_unified", "rounds", "llama_cpp_path")}
         from pyggml.bench import cpu_info
 
-        doc = {"settings": {**settings, "cache_type": "f16", "flash_attn": False},
+        doc = {"settings": {**settings, "cache_type": "f16", "flash_attn": bool(args.flash_attn)},
                "machine": {"cpu": cpu_info(), "load_average": os.getloadavg()}, "result": result}
         args.json.write_text(json.dumps(doc, indent=2) + "\n")
     sides = [r[e] for r in result["throughput"] for e in args.engines] + list(result["ttft"].values())

@@ -225,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ctx", type=int, default=None, help="context per sequence (default: min(4096, trained))")
     serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     serve.add_argument("--batch-size", type=int, default=512, help="most tokens per forward pass (default: 512)")
+    serve.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto",
+                       help="ggml's fused flash attention (default auto: on GPUs only)")
     serve.set_defaults(func=cmd_serve)
     return parser
 
@@ -236,7 +238,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"pyggml serve needs starlette and uvicorn (pip install starlette uvicorn): {exc}") from exc
 
     return serve(_model_path(args.model), host=args.host, port=args.port, parallel=args.parallel, queue=args.queue,
-                 num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size)
+                 num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size,
+                 flash_attention={"on": True, "off": False}.get(args.flash_attn))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,13 +73,14 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 
 def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434, parallel: int = 4,
           queue: int | None = None, num_ctx: int | None = None, n_threads: int | None = None,
-          batch_size: int = 512, name: str | None = None, log_level: str = "info") -> int:
+          batch_size: int = 512, name: str | None = None, log_level: str = "info",
+          flash_attention: bool | None = None) -> int:
     """Load the model and serve it until interrupted (Ctrl-C / SIGTERM)."""
     import uvicorn
 
     if name is None and Path(path) == cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf":
         name = "demo"  # `pyggml serve demo`: clients ask for it by that name
-    model = models.load(path, BackendParams(n_threads=n_threads))
+    model = models.load(path, BackendParams(n_threads=n_threads, flash_attention=flash_attention))
     try:
         trained = getattr(getattr(model, "options", None), "context_length", 0) or 4096
         runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained), batch_size=batch_size)
