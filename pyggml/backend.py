@@ -8,6 +8,7 @@ one graph: tensors made in it are nodes, data given with ``from_numpy`` is uploa
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import re
@@ -273,6 +274,7 @@ class Backend:
         self._threadpool = NULL
         self._sched = NULL
         self._sched_size = 0
+        self._allocated: tuple[int, int] | None = None  # (graph serial, node count) the scheduler holds
         self._init_devices()
 
     # ---- construction -------------------------------------------------------------------
@@ -347,6 +349,7 @@ class Backend:
         if self._sched == NULL:
             raise GGMLError(_with_log("could not create the backend scheduler"))
         self._sched_size = size
+        self._allocated = None
 
     # ---- loading --------------------------------------------------------------------------
     def _load(self, path: Path, progress: ProgressFn | None) -> None:
@@ -718,9 +721,15 @@ class Backend:
             if state.graph_size > self._sched_size:
                 self._new_sched(state.graph_size)
             sched = self._sched
-            lib.ggml_backend_sched_reset(sched)
-            for ptr, index in state.placements:
-                lib.ggml_backend_sched_set_tensor_backend(sched, ptr, self._backends[index])
+            # the same graph as the last compute, unchanged: the scheduler still holds its split and
+            # its buffers, so only the inputs need writing (as llama.cpp does when it reuses a graph)
+            allocated = (state.serial, lib.ggml_graph_n_nodes(state.graph))
+            reuse = not reserve_only and not state.leaf_outputs and self._allocated == allocated
+            self._allocated = None
+            if not reuse:
+                lib.ggml_backend_sched_reset(sched)
+                for ptr, index in state.placements:
+                    lib.ggml_backend_sched_set_tensor_backend(sched, ptr, self._backends[index])
             if reserve_only:
                 if not lib.ggml_backend_sched_reserve(sched, state.graph):
                     raise MemoryError(_with_log("could not reserve memory for the graph"))
@@ -732,16 +741,18 @@ class Backend:
                 if data is not None and data.size and (data.min() < 0 or data.max() >= bound):
                     raise ValueError(f"{op}: index {int(data.max()) if data.max() >= bound else int(data.min())} "
                                      f"out of range 0..{bound - 1}")
-            if state.leaf_outputs and not lib.ggml_backend_sched_reserve(sched, state.graph):
-                raise MemoryError(_with_log("could not reserve memory for the graph"))
-            if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):
-                raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
+            if not reuse:
+                if state.leaf_outputs and not lib.ggml_backend_sched_reserve(sched, state.graph):
+                    raise MemoryError(_with_log("could not reserve memory for the graph"))
+                if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):
+                    raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
             for ptr, data in state.inputs.items():
                 if ptr.buffer != NULL and data.nbytes:
                     lib.ggml_backend_tensor_set(ptr, ffi.from_buffer(data), 0, data.nbytes)
             status = lib.ggml_backend_sched_graph_compute(sched, state.graph)
             if status != lib.GGML_STATUS_SUCCESS:
                 raise GGMLError(_with_log(f"compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}"))
+            self._allocated = allocated
             self._epoch += 1
             state.epoch = self._epoch
 
@@ -750,9 +761,11 @@ class _GraphState:
     """What all handles of one Context share: the ggml context, the graph and pending inputs."""
 
     __slots__ = ("ptr", "graph", "graph_size", "max_tensors", "n_tensors", "inputs", "index_checks", "epoch",
-                 "closed", "leaf_outputs", "named", "anonymous_inputs", "placements")
+                 "closed", "leaf_outputs", "named", "anonymous_inputs", "placements", "serial")
+    _serials = itertools.count(1)
 
     def __init__(self, max_nodes: int, graph_size: int):
+        self.serial = next(self._serials)  # tells graphs apart for the scheduler (ids of dead ones are reused)
         self.max_tensors = max_nodes
         self.graph_size = graph_size
         mem = lib.ggml_tensor_overhead() * (max_nodes + 16) + lib.ggml_graph_overhead_custom(self.graph_size, False)

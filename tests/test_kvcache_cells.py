@@ -533,6 +533,8 @@ class CellsMachine(RuleBasedStateMachine):
         used = c.cell_positions >= 0
         np.testing.assert_array_equal(self.key[used], c.cell_positions[used])
         assert c.free_count == CAPACITY - len({int(x) for s in range(N_SEQ) for x in c.seq_cells(s)})
+        occupied = np.flatnonzero(c.cell_positions >= 0)  # used_extent is kept up to date, not recounted
+        assert c.used_extent() == (int(occupied[-1]) + 1 if occupied.size else 0)
         window = self.config.get("swa_window")
         for s in range(N_SEQ):
             top = max(self.model[s], default=-1)
@@ -541,6 +543,10 @@ class CellsMachine(RuleBasedStateMachine):
                 assert c.can_resume(s, p) == all(q in self.model[s] for q in needed)
             if self.model[s]:
                 self.check_masks([(s, top + 1), (s, (top + 1) // 2)])
+                # the one-token mask (a shortcut without window/chunk) equals the general one; an
+                # empty noncausal range forces the general path
+                one = batch((s, top + 1))
+                np.testing.assert_array_equal(c.mask(*one), c.mask(*one, noncausal=[(0, 0)]))
 
     def check_masks(self, pairs):
         """Each row sees exactly the model's positions the rules allow, noncausal rows included."""

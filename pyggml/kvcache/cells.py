@@ -101,6 +101,7 @@ class Cells:
         self._pos = np.full(capacity, -1, np.int32)
         self._member = np.zeros((max_sequences, capacity), bool)
         self._count = np.zeros(capacity, np.int32)
+        self._extent: int | None = 0  # highest used cell + 1, or None: recount (numpy calls cost ~5 us here)
         # upper bound of each sequence's highest stored position (-1: none), to skip lookups
         self._top = np.full(max_sequences, -1, np.int64)
 
@@ -135,8 +136,10 @@ class Cells:
         """
         if padding < 1:
             raise ValueError(f"used_extent: padding must be >= 1, got {padding}")
-        used = self._count[::-1] != 0
-        top = self.capacity - int(np.argmax(used)) if used.any() else 0
+        top = self._extent
+        if top is None:
+            used = np.flatnonzero(self._count)
+            top = self._extent = int(used[-1]) + 1 if used.size else 0
         return min(_round_up(top, padding), self.capacity)
 
     def can_resume(self, seq: int, pos: int) -> bool:
@@ -163,6 +166,8 @@ class Cells:
         """
         pos, seq = self._batch("place", positions, sequences)
         n = pos.size
+        if n == 1 and self.swa_window is None and pos[0] > self._top[seq[0]]:
+            return self._append_one(int(pos[0]), int(seq[0]))
         keys = np.sort((seq.astype(np.int64) << 32) | pos)
         if n > 1 and (keys[1:] == keys[:-1]).any():
             raise ValueError("place: a (sequence, position) pair appears twice in the batch")
@@ -192,12 +197,27 @@ class Cells:
             self._member[gone_seq, gone_cell] = False
             self._pos[gone_cell[count[gone_cell] == 0]] = -1
         self._count = count
+        self._extent = None
         self._pos[new] = pos[fresh]
         self._member[seq[fresh], new] = True
         count[new] = 1
         cells[fresh] = new
         np.maximum.at(self._top, seq, pos)
         return cells
+
+    def _append_one(self, pos: int, seq: int) -> np.ndarray:
+        """``place`` of the usual decode step without numpy's per-call overhead on 1-element arrays:
+        one token after every position its sequence stores (nothing to overwrite or drop)."""
+        cell = int(np.argmin(self._count))  # the lowest free cell, when there is one
+        if self._count[cell]:
+            raise CacheFullError(f"place: 1 tokens need a free cell, only 0 of {self.capacity} are free")
+        self._pos[cell] = pos
+        self._member[seq, cell] = True
+        self._count[cell] = 1
+        self._top[seq] = pos
+        if self._extent is not None and cell >= self._extent:
+            self._extent = cell + 1
+        return np.array([cell], np.int32)
 
     def mask(
         self,
@@ -235,6 +255,10 @@ class Cells:
                 f"mask: n_kv {n_kv} must cover the used cells ({self.used_extent()}) "
                 f"and fit the capacity ({self.capacity})"
             )
+        if pos.size == 1 and row_padding == 1 and not noncausal and self.swa_window is None and \
+                self.chunk_size is None:  # a decode step: one row, in two numpy calls
+            visible = self._member[seq[0], :n_kv] & (self._pos[:n_kv] <= pos[0])
+            return np.where(visible, np.zeros(1, dtype), np.full(1, -np.inf, dtype)).reshape(1, n_kv)
         visible = self._visible(pos, seq, n_kv, noncausal)
         out = np.full((_round_up(pos.size, row_padding), n_kv), -np.inf, dtype)
         np.copyto(out[: pos.size], 0, where=visible)
@@ -289,6 +313,7 @@ class Cells:
         self._pos[split] = self._pos[shared]
         self._member[seq, split] = True
         self._count[split] = 1
+        self._extent = None
         moved = np.concatenate([own, split]).astype(np.int32)
         self._pos[moved] += delta
         self._refresh_top(seq)
@@ -309,6 +334,7 @@ class Cells:
         added = np.flatnonzero(prefix & ~self._member[dst])
         self._member[dst, added] = True
         self._count[added] += 1
+        self._extent = None
         self._refresh_top(dst)
 
     def clear(self) -> None:
@@ -316,6 +342,7 @@ class Cells:
         self._pos.fill(-1)
         self._member.fill(False)
         self._count.fill(0)
+        self._extent = 0
         self._top.fill(-1)
 
     # ---- internals -----------------------------------------------------------------
@@ -329,7 +356,12 @@ class Cells:
         seq = _as_int32("sequences", sequences)
         if pos.shape != seq.shape:
             raise ValueError(f"{op}: positions {pos.shape} and sequences {seq.shape} differ in length")
-        if pos.size:
+        if pos.size == 1:  # a decode step: Python ints are cheaper than numpy reductions
+            if pos[0] < 0:
+                raise ValueError(f"{op}: positions must be >= 0, got {pos[0]}")
+            if not 0 <= seq[0] < self.max_sequences:
+                raise ValueError(f"{op}: sequences must lie in [0, {self.max_sequences})")
+        elif pos.size:
             if pos.min() < 0:
                 raise ValueError(f"{op}: positions must be >= 0, got {pos.min()}")
             if seq.view(np.uint32).max() >= self.max_sequences:  # negatives wrap to large values
@@ -367,6 +399,7 @@ class Cells:
         self._member[seqs, cells] = False
         np.subtract.at(self._count, cells, 1)
         self._pos[cells[self._count[cells] == 0]] = -1
+        self._extent = None
 
     def _refresh_top(self, seq: int) -> None:
         self._top[seq] = int(self._pos[self._member[seq]].max(initial=-1))
