@@ -576,6 +576,11 @@ class Backend:
 
     # ---- public API -------------------------------------------------------------------------
     @property
+    def has_gpu(self) -> bool:
+        """Whether a GPU (or other accelerator) device computes some of the layers."""
+        return bool(self._gpus)
+
+    @property
     def flash_attention(self) -> bool:
         """Whether models should use ggml's fused flash attention."""
         fa = self.params.flash_attention

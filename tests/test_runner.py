@@ -384,3 +384,28 @@ def test_streamed_text_waits_for_whole_utf8_characters(synthetic_path):
     chunk = seq.out.get()
     assert chunk.text == "€" and chunk.tokens == euro
     model.close()
+
+
+@pytest.mark.parametrize("build_ahead", [True, False])
+def test_decode_steps_recompute_kept_graphs(stories, monkeypatch, build_ahead):
+    """Decode steps of the same shape refill a kept graph instead of building one (two graphs
+    alternate with build-ahead: one computes while the other is refilled), and the text is the
+    same as without any reuse."""
+    with monkeypatch.context() as m:
+        m.setattr(Runner, "_refill", lambda self, step, batch: False)  # every step builds its graph
+        with Runner(stories, parallel=1, num_ctx=256, batch_size=16, build_ahead=build_ahead) as runner:
+            reference, chunks = run(runner, "Once upon a time", max_tokens=60)
+    assert chunks[-1].generated_tokens == 60, "the reference must run all 60 steps"
+    built = []
+    new_context = stories.backend.new_context
+    monkeypatch.setattr(stories.backend, "new_context", lambda *a, **k: built.append(1) or new_context(*a, **k))
+    with Runner(stories, parallel=1, num_ctx=256, batch_size=16, build_ahead=build_ahead) as runner:
+        text, _ = run(runner, "Once upon a time", max_tokens=60)
+    assert text == reference
+    # 60 steps; new graphs only for the prompt, the first decode steps and each time n_kv grows
+    assert len(built) <= 12, f"{len(built)} graphs built for 60 tokens"
+
+
+def test_build_ahead_defaults_to_gpus_only(stories):
+    with Runner(stories, parallel=1, num_ctx=64, batch_size=8) as runner:
+        assert runner.build_ahead is stories.backend.has_gpu
