@@ -150,6 +150,7 @@ _FN = {op: ffi.addressof(lib, "ggml_" + fn) for op, fn in {
     "silu_glu": "swiglu_split", "gelu_glu": "geglu_split", "rms_norm": "rms_norm", "norm": "norm",
     "l2_norm": "l2_norm"}.items()}
 
+
 def _elementwise_method(op: str) -> Any:
     """Tensor.add/sub/mul/div: the checked C op in one Python frame (the hot path), else
     ``Tensor._binary`` (scalars, and the error when the C op declines)."""
