@@ -132,10 +132,15 @@ def measure(engine: str, model: Path, threads: int, args: argparse.Namespace) ->
         cmd.append("--flash-attn")
     if args.llama_cpp_path:
         cmd += ["--llama-cpp-path", args.llama_cpp_path]
+    return run_child(cmd, args.timeout)
+
+
+def run_child(cmd: list[str], timeout: float) -> dict[str, Any]:
+    """Run one measuring child: the JSON of its ``RESULT`` line, or {"error": ...} saying why not."""
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
+        return {"error": f"timed out after {timeout} s"}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT ") and proc.returncode == 0:
             return json.loads(line[len("RESULT "):])

@@ -68,6 +68,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_llamacpp import run_child  # noqa: E402  (a script beside this one, not a package)
+
 ENGINES = ("pyggml", "llama.cpp", "pyggml-serve", "llama-cpp-server")
 LLAMA_ENGINES = ("llama.cpp", "llama-cpp-server")
 SERVERS = ("pyggml-serve", "llama-cpp-server")
@@ -473,23 +476,9 @@ def measure(engine: str, model: Path, job: dict[str, Any], args: argparse.Namesp
     if args.flash_attn:
         cmd.append("--flash-attn")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout} s"}
+        return run_child(cmd, args.timeout)
     finally:
         os.unlink(f.name)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT ") and proc.returncode == 0:
-            return json.loads(line[len("RESULT "):])
-    if proc.returncode < 0:
-        try:
-            why = f"crashed ({signal.Signals(-proc.returncode).name})"
-        except ValueError:
-            why = f"killed by signal {-proc.returncode}"
-    else:
-        why = f"exit status {proc.returncode}"
-    tail = (proc.stderr.strip().splitlines() or [""])[-1][:300]
-    return {"error": f"{why}: {tail}" if tail else why}
 
 
 def _stats(values: list[float]) -> dict[str, Any]:

@@ -156,7 +156,8 @@ class _HParams:
         )
 
 
-def _write_metadata(writer: Any, hp: _HParams, out_type: str, name: str) -> None:
+def _write_header(writer: Any, hp: _HParams | _BertParams, out_type: str, name: str) -> None:
+    """The keys every architecture has: name, file type, and the transformer's sizes."""
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
                  "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[out_type]
     writer.add_name(name)
@@ -167,6 +168,10 @@ def _write_metadata(writer: Any, hp: _HParams, out_type: str, name: str) -> None
     writer.add_block_count(hp.n_layers)
     writer.add_feed_forward_length(hp.n_ff)
     writer.add_head_count(hp.n_heads)
+
+
+def _write_metadata(writer: Any, hp: _HParams, out_type: str, name: str) -> None:
+    _write_header(writer, hp, out_type, name)
     writer.add_head_count_kv(hp.n_kv_heads)
     writer.add_layer_norm_rms_eps(hp.rms_eps)
     writer.add_rope_freq_base(hp.rope_theta)
@@ -692,16 +697,7 @@ def _bert_pooling(hf_dir: Path, override: str | None) -> gguf.PoolingType:
 
 
 def _write_bert_metadata(writer: Any, hp: _BertParams, out_type: str, name: str) -> None:
-    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-                 "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[out_type]
-    writer.add_name(name)
-    writer.add_file_type(file_type)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    writer.add_context_length(hp.context_length)
-    writer.add_embedding_length(hp.n_embd)
-    writer.add_block_count(hp.n_layers)
-    writer.add_feed_forward_length(hp.n_ff)
-    writer.add_head_count(hp.n_heads)
+    _write_header(writer, hp, out_type, name)
     writer.add_layer_norm_eps(hp.eps)
     writer.add_causal_attention(False)
     writer.add_pooling_type(hp.pooling)
