@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
 
-@dataclass
-class Sampler:
-    """Sampling options plus a private random generator (seeded: reproducible draws).
+@dataclass(kw_only=True)
+class SamplingOptions:
+    """The sampling options of a request (``CompletionRequest`` has them too) and their defaults.
 
     ``temperature <= 0`` is greedy (argmax after penalties and bias). ``top_k=0``,
     ``top_p=1``, ``min_p=0`` and ``typical_p=1`` disable those filters.
@@ -38,6 +38,15 @@ class Sampler:
     frequency_penalty: float = 0.0
     logit_bias: Mapping[int, float] | None = None
     seed: int | None = None
+
+    def sampling_options(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(SamplingOptions)}
+
+
+@dataclass
+class Sampler(SamplingOptions):
+    """Sampling options (checked) plus a private random generator (seeded: reproducible draws)."""
+
     _rng: np.random.Generator = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

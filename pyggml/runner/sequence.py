@@ -7,48 +7,35 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from pyggml.models import Input
 from pyggml.runner.inputcache import InputCacheSlot
-from pyggml.sample import Sampler, logprobs
+from pyggml.sample import Sampler, SamplingOptions, logprobs
 
 MAX_LOGPROBS = 20
 
 
 @dataclass
-class CompletionRequest:
-    """One completion. ``max_tokens=-1`` generates until an end-of-generation token, a stop string
-    or cancellation (shifting the context as needed); ``0`` only processes (and caches) the prompt.
-    ``logprobs=n`` reports each token's log-probability and the ``n`` most likely alternatives.
-    ``num_keep``: prompt tokens kept at the start when the context shifts (-1: the whole prompt)."""
+class CompletionRequest(SamplingOptions):
+    """One completion, with the sampling options of ``SamplingOptions`` (keyword-only).
+    ``max_tokens=-1`` generates until an end-of-generation token, a stop string or cancellation
+    (shifting the context as needed); ``0`` only processes (and caches) the prompt. ``logprobs=n``
+    reports each token's log-probability and the ``n`` most likely alternatives. ``num_keep``:
+    prompt tokens kept at the start when the context shifts (-1: the whole prompt)."""
 
     prompt: str | Sequence[int]
     max_tokens: int = 128
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.9
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Mapping[int, float] | None = None
-    seed: int | None = None
     stop: str | Sequence[str] = ()
     logprobs: int = 0
     cache_prompt: bool = True
     num_keep: int = 4
 
     def sampler(self) -> Sampler:
-        return Sampler(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-                       typical_p=self.typical_p, repeat_penalty=self.repeat_penalty,
-                       repeat_last_n=self.repeat_last_n, presence_penalty=self.presence_penalty,
-                       frequency_penalty=self.frequency_penalty, logit_bias=self.logit_bias, seed=self.seed)
+        return Sampler(**self.sampling_options())
 
 
 @dataclass
