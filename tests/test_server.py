@@ -376,10 +376,13 @@ def test_wrong_method_is_a_json_405(synthetic):
 # ---- saturation and cancellation --------------------------------------------------------------------
 
 @contextlib.contextmanager
-def long_stream(base: str, model: str):
-    """An endless greedy stream (max_tokens far past the context), open after its first token."""
+def long_stream(base: str, served):
+    """An endless greedy stream (max_tokens far past the context, end-of-generation tokens banned:
+    a random model may otherwise pick one), open after its first token."""
     client = httpx.Client(timeout=30)
-    body = {"model": model, "prompt": "hello", "max_tokens": 1_000_000, "temperature": 0, "stream": True}
+    ban = {str(t): -100 for t in served.runner.tokenizer.vocab.eog}
+    body = {"model": served.name, "prompt": "hello", "max_tokens": 1_000_000, "temperature": 0, "stream": True,
+            "logit_bias": ban}
     with client.stream("POST", f"{base}/v1/completions", json=body) as response:
         assert response.status_code == 200
         lines = response.iter_lines()
@@ -392,7 +395,7 @@ def long_stream(base: str, model: str):
 def test_503_with_retry_after_when_every_slot_and_the_queue_are_full(synthetic):
     base, served = synthetic
     wait_idle(base)
-    with long_stream(base, served.name) as lines:
+    with long_stream(base, served) as lines:
         state = health(base)
         assert state["slots_in_use"] == 1 and state["requests"] == 1
         for path, body in (("/v1/completions", {"model": served.name, "prompt": "a", "max_tokens": 1}),
@@ -422,7 +425,7 @@ def test_a_client_disconnecting_mid_stream_frees_its_slot(synthetic):
     base, served = synthetic
     wait_idle(base)
     for _ in range(2):  # twice: the freed slot is usable again
-        with long_stream(base, served.name) as lines:
+        with long_stream(base, served) as lines:
             for _ in range(5):
                 next(lines)
             assert health(base)["slots_in_use"] == 1
