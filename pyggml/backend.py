@@ -266,6 +266,9 @@ class Backend:
         self._repacked: set[str] = set()
         self._repacked_ptrs: set[Any] = set()  # the same weights by tensor pointer (a cheap check per op)
         self._storages: list[_Storage] = []
+        # where this backend's tensor headers live, for the checked C ops (csrc/pyggml_ops.h)
+        self._pools = ffi.new("struct pyg_pools *")
+        self._pool_arrays: list[Any] = []  # every array the C side was given: a graph builder may still read one
         self._memory: dict[str, _Memory] = {}
         self._gguf = NULL
         self._meta_ctx = NULL
@@ -474,8 +477,7 @@ class Backend:
                 buft = lib.ggml_backend_get_default_buffer_type(self._backends[index])
                 groups.setdefault(buft, []).append(entry)
 
-        storage = _Storage(ctx=self._meta_ctx)
-        self._storages.append(storage)
+        storage = self._add_storage(self._meta_ctx, writable=False)
         done = 0
         if zero_copy or groups:
             self._mmap_file(path, file_size)
@@ -633,8 +635,7 @@ class Backend:
         if layer is not None:
             index = self._layer_backend(f"blk.{layer}.")
         buft = lib.ggml_backend_get_default_buffer_type(self._backends[index])
-        storage = _Storage(ctx=ctx)
-        self._storages.append(storage)
+        storage = self._add_storage(ctx, writable=True)
         storage.buffers.append(self._alloc_tensors(buft, [t], purpose))
         lib.ggml_backend_buffer_clear(storage.buffers[-1], 0)
         return Tensor(t, None, len(shape), self)
@@ -658,8 +659,7 @@ class Backend:
         copy = lib.ggml_dup_tensor(ctx, p)
         copy_name = f"{name[:40]}.mulmat"
         lib.ggml_set_name(copy, copy_name.encode())
-        storage = _Storage(ctx=ctx)
-        self._storages.append(storage)
+        storage = self._add_storage(ctx, writable=False)
         storage.buffers.append(self._alloc_tensors(buft, [copy], "weights"))
         lib.ggml_backend_tensor_set(copy, p.data, 0, lib.ggml_nbytes(p))  # repacks on the way
         self._repacked.add(copy_name)
@@ -674,11 +674,28 @@ class Backend:
         if self._closed:
             raise ValueError("backend is closed")
 
+    def _add_storage(self, ctx: Any, *, writable: bool) -> _Storage:
+        """Keep a ggml context of weights (read-only) or caches (``writable``) and tell the checked C
+        ops that its tensors belong to this backend."""
+        storage = _Storage(ctx=ctx)
+        self._storages.append(storage)
+        pools, n = self._pools, self._pools.n
+        if not self._pool_arrays or n == len(self._pool_arrays[-1]):
+            grown = ffi.new("struct pyg_pool[]", max(16, 2 * n))
+            if n:
+                ffi.memmove(grown, pools.pool, n * ffi.sizeof("struct pyg_pool"))
+            self._pool_arrays.append(grown)
+            pools.pool = grown
+        lib.pyg_pool_init(pools.pool + n, ctx, writable)
+        pools.n = n + 1  # after the entry is written: a graph being built on another thread may be reading
+        return storage
+
     def close(self) -> None:
         """Free the weights, caches, scheduler and threads. Tensors of this backend become invalid."""
         if self._closed:
             return
         self._closed = True
+        self._pools.closed = 1  # the checked C ops refuse this backend's tensors from now on
         self._weights.clear()
         if self._sched != NULL:
             lib.ggml_backend_sched_free(self._sched)
@@ -765,11 +782,11 @@ class Backend:
 class _GraphState:
     """What all handles of one Context share: the ggml context, the graph and pending inputs."""
 
-    __slots__ = ("ptr", "graph", "graph_size", "max_tensors", "n_tensors", "inputs", "index_checks", "epoch",
-                 "closed", "leaf_outputs", "named", "anonymous_inputs", "placements", "serial")
+    __slots__ = ("ptr", "g", "pools", "graph", "graph_size", "max_tensors", "inputs", "index_checks", "epoch",
+                 "leaf_outputs", "named", "anonymous_inputs", "placements", "serial")
     _serials = itertools.count(1)
 
-    def __init__(self, max_nodes: int, graph_size: int):
+    def __init__(self, max_nodes: int, graph_size: int, pools: Any = NULL):
         self.serial = next(self._serials)  # tells graphs apart for the scheduler (ids of dead ones are reused)
         self.max_tensors = max_nodes
         self.graph_size = graph_size
@@ -778,6 +795,11 @@ class _GraphState:
         if self.ptr == NULL:
             raise MemoryError("could not create a ggml context")
         self.graph = lib.ggml_new_graph_custom(self.ptr, self.graph_size, False)
+        # what the checked C ops read and update: the context, its tensor count and whether it is closed
+        self.g = ffi.new("struct pyg_graph *")
+        lib.pyg_graph_init(self.g, self.ptr, max_nodes)
+        self.pools = pools  # the backend's weight and cache contexts (kept alive with the graph)
+        self.g.pools = pools
         self.n_tensors = 1  # the graph object
         self.inputs: dict[Any, np.ndarray] = {}
         self.index_checks: dict[Any, tuple[int, str]] = {}  # index tensor -> (exclusive bound, op)
@@ -785,7 +807,6 @@ class _GraphState:
         self.anonymous_inputs = 0
         self.placements: list[tuple[Any, int]] = []  # (tensor, backend index) from ctx.input()/layer()
         self.epoch = 0
-        self.closed = False
         # an input read back as it is (a leaf no node uses): ggml's allocator does not size-check such
         # leaves when it reuses the previous graph's buffers, so these graphs are re-measured first
         self.leaf_outputs = False
@@ -798,11 +819,27 @@ class _GraphState:
             self.ptr = NULL
             self.closed = True
 
+    @property
+    def n_tensors(self) -> int:
+        return self.g.n_tensors
+
+    @n_tensors.setter
+    def n_tensors(self, n: int) -> None:
+        self.g.n_tensors = n
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.g.closed)
+
+    @closed.setter
+    def closed(self, closed: bool) -> None:
+        self.g.closed = closed
+
 
 class Context:
     """Builds and computes one graph. Use as a context manager, or call ``close()``."""
 
-    __slots__ = ("backend", "max_nodes", "_state", "_placement")
+    __slots__ = ("backend", "max_nodes", "_state", "_placement", "_g")
 
     def __init__(self, backend: Backend, max_nodes: int, _state: _GraphState | None = None,
                  _placement: int | None = None):
@@ -810,8 +847,9 @@ class Context:
             raise ValueError(f"max_nodes must be positive, got {max_nodes}")
         self.backend = backend
         self.max_nodes = max_nodes
-        self._state = _state or _GraphState(max_nodes, backend._graph_size(max_nodes))
+        self._state = _state or _GraphState(max_nodes, backend._graph_size(max_nodes), backend._pools)
         self._placement = _placement
+        self._g = self._state.g  # the checked C ops' view of the graph (tensor.py's fast paths)
 
     @property
     def max_graph_nodes(self) -> int:

@@ -158,11 +158,11 @@ def _elementwise_method(op: str) -> Any:
 
     def method(self: Tensor, other: Tensor | float) -> Tensor:
         if other.__class__ is Tensor:
-            ctx = self._ctx_with(other, op)
-            out = lib.pyg_binary(ctx._state.ptr, checked, self._p, other._p)
-            if out:
-                return _node(out, ctx, self._nd if self._nd > other._nd else other._nd)
-            ctx._state.n_tensors -= 1
+            ctx = self.ctx or other.ctx
+            if ctx is not None:
+                out = lib.pyg_binary(ctx._g, checked, self._p, other._p)
+                if out:
+                    return _node(out, ctx, self._nd if self._nd > other._nd else other._nd)
         return self._binary(other, op)
 
     method.__name__ = method.__qualname__ = op
@@ -393,12 +393,11 @@ class Tensor:
         return self.neg()
 
     def _unary(self, fn: Any, op: str, float_only: bool = True, same_shape: bool = True) -> Tensor:
-        if float_only and same_shape:
-            ctx = self._ctx_with(None, op)
-            out = lib.pyg_unary(ctx._state.ptr, _FN[op], self._p)
+        ctx = self.ctx
+        if float_only and same_shape and ctx is not None:
+            out = lib.pyg_unary(ctx._g, _FN[op], self._p)
             if out:
                 return _node(out, ctx, self._nd)
-            ctx._state.n_tensors -= 1
         p = self._p
         t = p.type
         if float_only and t not in _FLOAT:
@@ -460,10 +459,12 @@ class Tensor:
         return self._unary(lib.ggml_gelu_quick, "gelu_quick")
 
     def _glu(self, up: Tensor, fn: Any, op: str) -> Tensor:
+        ctx = self.ctx or up.ctx
+        if ctx is not None:
+            out = lib.pyg_glu(ctx._g, _FN[op + "_glu"], self._p, up._p)
+            if out:
+                return _node(out, ctx, self._nd)
         ctx = self._ctx_with(up, op)
-        out = lib.pyg_glu(ctx._state.ptr, _FN[op + "_glu"], self._p, up._p)
-        if out:
-            return _node(out, ctx, self._nd)
         if self._ne != up._ne:
             raise _fail(op, "gate and up must have the same shape", self, up)
         if self._p.type not in _FLOAT or up._p.type != self._p.type:
@@ -474,11 +475,11 @@ class Tensor:
         return Tensor(fn(ctx._state.ptr, self._p, up._p), ctx, self._nd, None, self._ne)
 
     def scale(self, s: float) -> Tensor:
-        ctx = self._ctx_with(None, "scale")
-        out = lib.pyg_scale(ctx._state.ptr, self._p, s) if type(s) is float else NULL
-        if out:
-            return _node(out, ctx, self._nd)
-        ctx._state.n_tensors -= 1
+        ctx = self.ctx
+        if ctx is not None and type(s) is float:
+            out = lib.pyg_scale(ctx._g, self._p, s)
+            if out:
+                return _node(out, ctx, self._nd)
         return self._float_param_op(lib.ggml_scale, "scale", float(s))
 
     def scale_bias(self, s: float, b: float) -> Tensor:
@@ -537,10 +538,12 @@ class Tensor:
         return Tensor(lib.ggml_argmax(ctx._state.ptr, self._p), ctx, 1)
 
     def _norm(self, fn: Any, op: str, eps: float) -> Tensor:
+        ctx = self.ctx
+        if ctx is not None and type(eps) is float:
+            out = lib.pyg_norm(ctx._g, _FN[op], self._p, eps)
+            if out:
+                return _node(out, ctx, self._nd)
         ctx = self._ctx_with(None, op)
-        out = lib.pyg_norm(ctx._state.ptr, _FN[op], self._p, eps) if type(eps) is float else NULL
-        if out:
-            return _node(out, ctx, self._nd)
         if self._p.type != DType.F32:
             raise TypeError(f"{op}: needs an F32 tensor, got {self.dtype.name}")
         if not _rows_packed(self._p):
@@ -576,11 +579,12 @@ class Tensor:
 
     def softmax(self, mask: Tensor | None = None, scale: float = 1.0, max_bias: float = 0.0) -> Tensor:
         """Softmax along dim 0 of ``self * scale + mask`` (mask broadcast over dims 2 and 3)."""
-        ctx = self._ctx_with(mask, "softmax")
-        if type(scale) is float and type(max_bias) is float:
-            out = lib.pyg_soft_max(ctx._state.ptr, self._p, NULL if mask is None else mask._p, scale, max_bias)
+        ctx = self.ctx
+        if ctx is not None and type(scale) is float and type(max_bias) is float:
+            out = lib.pyg_soft_max(ctx._g, self._p, NULL if mask is None else mask._p, scale, max_bias)
             if out:
                 return _node(out, ctx, self._nd)
+        ctx = self._ctx_with(mask, "softmax")
         a = self._ne
         if self._p.type != DType.F32:
             raise TypeError(f"softmax: needs an F32 tensor, got {self.dtype.name}")
@@ -603,11 +607,13 @@ class Tensor:
     # ---- matrix products -------------------------------------------------------------------
     def mulmat(self, other: Tensor, *, ctx: Context | None = None) -> Tensor:
         """ggml's matrix product: ``(K, M, ...) x (K, N, ...) -> (M, N, ...)``, broadcasting dims 2, 3."""
-        ctx = self._ctx_with(other, "mulmat", ctx)
-        out = lib.pyg_mul_mat(ctx._state.ptr, self._p, other._p)
+        c = ctx or self.ctx or other.ctx
         nd = self._nd if self._nd > other._nd else other._nd
-        if out:
-            return _node(out, ctx, nd if nd > 2 else 2)
+        if c is not None:
+            out = lib.pyg_mul_mat(c._g, self._p, other._p)
+            if out:
+                return _node(out, c, nd if nd > 2 else 2)
+        ctx = self._ctx_with(other, "mulmat", ctx)
         a, b = self._ne, other._ne
         if a[0] != b[0]:
             raise _fail("mulmat", f"inner dimensions differ ({a[0]} vs {b[0]})", self, other)
@@ -657,15 +663,14 @@ class Tensor:
     def reshape(self, *shape: int, ctx: Context | None = None) -> Tensor:
         """Same data, new shape (ggml order); the tensor must be contiguous."""
         n = len(shape)
-        if 0 < n <= 4:
-            c = self._ctx_with(None, "reshape", ctx)
+        c = ctx or self.ctx
+        if 0 < n <= 4 and c is not None:
             try:
-                out = lib.pyg_reshape(c._state.ptr, self._p, n, *shape, *_ONES[n])
+                out = lib.pyg_reshape(c._g, self._p, n, *shape, *_ONES[n])
             except (TypeError, OverflowError):  # not ints, or a shape given as one tuple
                 out = NULL
             if out:
                 return _node(out, c, n)
-            c._state.n_tensors -= 1
         shape = _shape_arg(shape)
         if min(shape) <= 0:
             raise ValueError(f"reshape: bad shape {shape}")
@@ -693,16 +698,15 @@ class Tensor:
         """A view of ``shape`` starting ``offset`` bytes in; ``strides`` are the byte strides of
         dims 1.. (dim 0 stays contiguous). Defaults to the contiguous strides of ``shape``."""
         n = len(shape) if type(shape) is tuple else 0
-        if 0 < n <= 4 and (strides is None or len(strides) == n - 1):
-            c = self._ctx_with(None, "view", ctx)
+        c = ctx or self.ctx
+        if 0 < n <= 4 and (strides is None or len(strides) == n - 1) and c is not None:
             try:
                 nb = (0, 0, 0) if strides is None else (*strides, *_ONES[n])
-                out = lib.pyg_view(c._state.ptr, self._p, n, *shape, *_ONES[n], strides is None, *nb, offset)
+                out = lib.pyg_view(c._g, self._p, n, *shape, *_ONES[n], strides is None, *nb, offset)
             except (TypeError, OverflowError):
                 out = NULL
             if out:
                 return _node(out, c, n)
-            c._state.n_tensors -= 1
         shape = _shape_arg(tuple(shape))
         n = len(shape)
         p = self._p
@@ -759,17 +763,16 @@ class Tensor:
     def permute(self, *axes: int, ctx: Context | None = None) -> Tensor:
         """Move dim i to position ``axes[i]`` (ggml's convention); e.g. ``permute(0, 2, 1, 3)``."""
         full = axes + _PERMUTE_TAIL[len(axes)] if len(axes) <= 4 else axes
-        if len(full) == 4:
-            c = self._ctx_with(None, "permute", ctx)
+        c = ctx or self.ctx
+        if len(full) == 4 and c is not None:
             try:
-                out = lib.pyg_permute(c._state.ptr, self._p, *full)
+                out = lib.pyg_permute(c._g, self._p, *full)
             except (TypeError, OverflowError):
                 out = NULL
             if out:
                 nd = self._nd
                 top = 1 + max(full[:nd])
                 return _node(out, c, top if top > nd else nd)
-            c._state.n_tensors -= 1
         if len(full) != 4 or sorted(full) != [0, 1, 2, 3]:
             raise _fail("permute", f"axes {axes} must be a permutation of 0..{max(len(axes), 1) - 1}", self)
         ctx = self._ctx_with(None, "permute", ctx)
@@ -789,12 +792,12 @@ class Tensor:
 
     def contiguous(self, *shape: int, ctx: Context | None = None) -> Tensor:
         """A contiguous copy (optionally reshaped to ``shape``)."""
-        c = self._ctx_with(None, "contiguous", ctx)
-        out = lib.pyg_cont(c._state.ptr, self._p)
-        if out:
-            out = _node(out, c, self._nd)
-            return out.reshape(*shape) if shape else out
-        c._state.n_tensors -= 1
+        c = ctx or self.ctx
+        if c is not None:
+            out = lib.pyg_cont(c._g, self._p)
+            if out:
+                out = _node(out, c, self._nd)
+                return out.reshape(*shape) if shape else out
         if self._ne[0] % _BLOCK[self._p.type]:
             raise _fail("contiguous", f"a {self.dtype.name} copy needs dim 0 to be a multiple of the block size "
                         f"{_BLOCK[self._p.type]} (cast to F32 first)", self)
@@ -874,13 +877,13 @@ class Tensor:
     # ---- indexing --------------------------------------------------------------------------
     def rows(self, indices: Tensor, *, ctx: Context | None = None) -> Tensor:
         """Gather rows: ``self`` (K, R[, B]) and I32 ``indices`` (N[, B]) give (K, N[, B]) in F32."""
-        c = self._ctx_with(indices, "rows", ctx)
-        out = lib.pyg_get_rows(c._state.ptr, self._p, indices._p)
-        if out:
-            c._index_bound(indices, self._ne[1], "rows")
-            nd = indices._nd + 1
-            return _node(out, c, nd if nd > self._nd else self._nd)
-        c._state.n_tensors -= 1
+        c = ctx or self.ctx or indices.ctx
+        if c is not None:
+            out = lib.pyg_get_rows(c._g, self._p, indices._p)
+            if out:
+                c._index_bound(indices, self._ne[1], "rows")
+                nd = indices._nd + 1
+                return _node(out, c, nd if nd > self._nd else self._nd)
         a, i = self._ne, indices._ne
         if indices._p.type != DType.I32:
             raise TypeError(f"rows: indices must be I32, got {indices.dtype.name}")
@@ -895,15 +898,12 @@ class Tensor:
     def set_rows(self, src: Tensor, indices: Tensor, *, ctx: Context | None = None) -> Tensor:
         """Scatter: row ``indices[j]`` of ``self`` becomes row j of ``src`` (converting type).
         Returns a view of ``self`` to add to the graph."""
-        _check_writable(self, "set_rows")
-        c = self._ctx_with(src, "set_rows", ctx)
-        if indices.ctx is not c:
-            self._same_graph(c, "set_rows", indices)
-        out = lib.pyg_set_rows(c._state.ptr, self._p, src._p, indices._p)
-        if out:
-            c._index_bound(indices, self._ne[1], "set_rows")
-            return _node(out, c, self._nd)
-        c._state.n_tensors -= 1
+        c = ctx or self.ctx or src.ctx
+        if c is not None:
+            out = lib.pyg_set_rows(c._g, self._p, src._p, indices._p)
+            if out:
+                c._index_bound(indices, self._ne[1], "set_rows")
+                return _node(out, c, self._nd)
         a, b, i = self._ne, src._ne, indices._ne
         if src._p.type not in (DType.F32, DType.F16):
             raise TypeError(f"set_rows: src must be F32 or F16, got {src.dtype.name}")
@@ -948,17 +948,16 @@ class Tensor:
              beta_slow: float = 1.0) -> Tensor:
         """Rotary position embedding of ``self`` (head_dim, n_heads, n_tokens) by I32 ``positions``
         (n_tokens,). ``scale`` is the frequency scale (1/linear factor); YaRN via ext_factor etc."""
-        c = self._ctx_with(positions, "rope")
-        if freq_factors is not None:
-            self._same_graph(c, "rope", freq_factors)
-        try:
-            out = lib.pyg_rope(c._state.ptr, self._p, positions._p, NULL if freq_factors is None else freq_factors._p,
-                               n_dims, mode, n_ctx_orig, base, scale, ext_factor, attn_factor, beta_fast, beta_slow)
-        except (TypeError, OverflowError):
-            out = NULL
-        if out:
-            return _node(out, c, self._nd)
-        c._state.n_tensors -= 1
+        c = self.ctx or positions.ctx
+        if c is not None:
+            try:
+                out = lib.pyg_rope(c._g, self._p, positions._p, NULL if freq_factors is None else freq_factors._p,
+                                   n_dims, mode, n_ctx_orig, base, scale, ext_factor, attn_factor, beta_fast,
+                                   beta_slow)
+            except (TypeError, OverflowError):
+                out = NULL
+            if out:
+                return _node(out, c, self._nd)
         a = self._ne
         if positions._p.type != DType.I32:
             raise TypeError(f"rope: positions must be I32, got {positions.dtype.name}")
@@ -994,6 +993,15 @@ class Tensor:
         ``flash=True`` uses ggml_flash_attn_ext (the mask is converted to F16); otherwise
         softmax(K^T Q * scale + mask) V with plain ops.
         """
+        ctx = self.ctx or key.ctx
+        if ctx is not None and not softcap and type(scale) is float:
+            out = lib.pyg_attention(ctx._g, self._p, key._p, value._p, NULL if mask is None else mask._p, scale,
+                                    flash)
+            if out:
+                if flash:  # the result is reshaped to (Dv, H, T[, B])
+                    return _node(out, ctx, 4 if self._ne[3] > 1 else 3)
+                nd = max(self._nd, key._nd, value._nd)
+                return _node(out, ctx, nd if nd > 3 else 3)
         q, k, v = self._ne, key._ne, value._ne
         if q[0] != k[0] or k[1] != v[1] or k[2] != v[2] or q[2] % k[2] or q[3] != k[3] or k[3] != v[3]:
             raise _fail("scaled_dot_product_attention",

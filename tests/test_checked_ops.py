@@ -9,11 +9,12 @@ C accepted => Python accepts, with the same result shape.
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 from pyggml._ggml import ffi, lib
 
-from pyggml import Backend, DType, tensor
+from pyggml import Backend, BackendParams, DType, tensor
 
 
 class _DeclineChecked:
@@ -131,3 +132,145 @@ def test_checked_ops_build_the_usual_nodes(backend):
         y = (x + x).scale(0.5).contiguous()
         ctx.compute(y)
         np.testing.assert_array_equal(y.numpy(), np.arange(24, dtype=np.float32).reshape(2, 3, 4))
+
+
+# ---- attention: the composite C op ---------------------------------------------------------------
+
+def _attention_case(ctx, rng):
+    """Random q, k, v, mask and flag around a valid attention call (a dim or a type may be off)."""
+    d, t, kv, hkv = int(rng.choice([4, 32])), int(rng.integers(1, 4)), int(rng.integers(2, 6)), int(rng.integers(1, 3))
+    h = hkv * int(rng.integers(1, 3))
+    q_shape, k_shape, v_shape, m_shape = [d, t, h], [d, kv, hkv], [int(rng.choice([4, 32])), kv, hkv], [kv, t]
+    if rng.random() < 0.3:  # one dim off
+        shape = [q_shape, k_shape, v_shape, m_shape][int(rng.integers(4))]
+        shape[int(rng.integers(len(shape)))] += 1
+
+    def make(shape, dtype):
+        if dtype.is_quantized and shape[0] % dtype.block_size:
+            dtype = DType.F32
+        if dtype.is_quantized or dtype is DType.BF16:
+            return ctx.empty(dtype, *shape)
+        return ctx.from_numpy(rng.standard_normal(tuple(reversed(shape))).astype(np.float32), dtype)
+
+    kinds = [DType.F32, DType.F32, DType.F16, DType.BF16, DType.Q8_0]
+    q, k, v = (make(s, kinds[int(rng.integers(len(kinds)))] if rng.random() < 0.3 else DType.F32)
+               for s in (q_shape, k_shape, v_shape))
+    mask = None
+    if rng.random() < 0.8:
+        mask_np = np.where(rng.random(tuple(reversed(m_shape))) < 0.7, 0, -np.inf).astype(np.float32)
+        mask_np[:, 0] = 0  # every query sees one key
+        mask = ctx.from_numpy(mask_np, DType.F16 if rng.random() < 0.5 else DType.F32)
+        if rng.random() < 0.1 and mask.shape[0] == mask.shape[1]:
+            mask = mask.transpose()
+    return q, k, v, mask, bool(rng.random() < 0.5)
+
+
+def _attention_outcome(backend, monkeypatch, decline: bool, seed: int):
+    rng = np.random.default_rng(seed)
+    with monkeypatch.context() as m:
+        if decline:
+            m.setattr(tensor, "lib", _DeclineChecked())
+        with backend.new_context(max_nodes=64) as ctx:
+            q, k, v, mask, flash = _attention_case(ctx, rng)
+            try:
+                out = q.scaled_dot_product_attention(k, v, mask, 0.25, flash=flash)
+            except (ValueError, TypeError):
+                return None, None
+            values = None
+            if all(t.dtype is DType.F32 for t in (q, k, v)):
+                ctx.compute(out)
+                values = out.numpy()
+            return (out.shape, out.dtype, flash), values
+
+
+def test_checked_attention_matches_the_python_graph(backend, monkeypatch):
+    """pyg_attention accepts only what the Python path accepts, and computes the same values."""
+    accepted = refused = computed = 0
+    for seed in range(300):
+        fast, fast_values = _attention_outcome(backend, monkeypatch, False, seed)
+        slow, slow_values = _attention_outcome(backend, monkeypatch, True, seed)
+        if fast is None:
+            refused += 1
+            continue
+        accepted += 1
+        assert slow == fast, f"seed {seed}: the C path built {fast}, the Python checks say {slow}"
+        if fast_values is not None:
+            np.testing.assert_allclose(fast_values, slow_values, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+            computed += 1
+    assert accepted > 50 and refused > 20 and computed > 30
+
+
+def test_checked_attention_builds_one_node_chain(backend):
+    """Seven nodes without flash, two with (what the Python path builds), from one C call."""
+    with backend.new_context() as ctx:
+        q = ctx.from_numpy(np.ones((3, 4, 8), np.float32))  # (D=8, T=4, H=3)
+        k = ctx.from_numpy(np.ones((3, 5, 8), np.float32))
+        v = ctx.from_numpy(np.ones((3, 5, 8), np.float32))
+        before = ctx._state.n_tensors
+        out = q.scaled_dot_product_attention(k, v, None, 0.5)
+        assert ctx._state.n_tensors - before == 7 and out.shape == (8, 3, 4)
+        before = ctx._state.n_tensors
+        out = q.scaled_dot_product_attention(k, v, None, 0.5, flash=True)
+        assert ctx._state.n_tensors - before == 2 and out.shape == (8, 3, 4)
+
+
+# ---- which tensors an op may use: graph, backend, closed, read-only ------------------------------
+
+def test_checked_ops_refuse_tensors_they_do_not_own(tmp_path):
+    """The C side finds a tensor's owner by address; it must decline everything Python refuses."""
+    a = Backend.cpu(n_threads=1)
+    b = Backend.cpu(n_threads=1)
+    cache = a.alloc_persistent(DType.F32, (4, 2))
+    other_cache = b.alloc_persistent(DType.F32, (4, 2))
+    ctx = a.new_context()
+    x = ctx.from_numpy(np.ones((3, 4), np.float32))
+    rows = ctx.from_numpy(np.arange(2, dtype=np.int32))
+    assert cache.set_rows(ctx.from_numpy(np.ones((2, 4), np.float32)), rows).shape == (4, 2)  # its own cache
+    assert cache.mulmat(x).shape == (2, 3)
+    # another backend's tensor: C declines, Python checks and builds it (nothing wrong with it)
+    assert other_cache.mulmat(x).shape == (2, 3)
+    with b.new_context() as other:
+        y = other.from_numpy(np.ones((3, 4), np.float32))
+        with pytest.raises(ValueError, match="different contexts"):
+            x + y
+        with pytest.raises(ValueError, match="different contexts"):
+            cache.mulmat(y.contiguous()).rows(rows)
+    full = a.new_context(max_nodes=3)
+    z = full.from_numpy(np.ones(4, np.float32))
+    with pytest.raises(ValueError, match="graph is full"):
+        for _ in range(4):
+            z = z + z
+    a.close()
+    with pytest.raises(ValueError, match="closed backend"):
+        cache.mulmat(x)  # the context is still open; the backend is not
+    with pytest.raises(ValueError, match="closed backend"):
+        cache.set_rows(x.contiguous().reshape(4, 3).view(0, (4, 2)), rows)
+    ctx.close()
+    with pytest.raises(ValueError, match="closed"):
+        x + x
+    b.close()
+
+
+def test_checked_ops_refuse_writes_into_weights(tmp_path):
+    path = tmp_path / "w.gguf"
+    rng = np.random.default_rng(3)
+    writer = gguf.GGUFWriter(path, arch="llama")
+    writer.add_tensor("token_embd.weight", rng.standard_normal((8, 64)).astype(np.float32))
+    q4 = gguf.quants.quantize(rng.standard_normal((16, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q4_0)
+    writer.add_tensor("w.q4_0", q4, raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with Backend.load(path, BackendParams(n_threads=1)) as backend, backend.new_context() as ctx:
+        w = backend.get("token_embd.weight")
+        src = ctx.from_numpy(np.ones((1, w.shape[0]), np.float32))
+        with pytest.raises(ValueError, match="cannot write into model weight"):
+            w.set_rows(src, ctx.from_numpy(np.zeros(1, np.int32)))
+        repacked = [backend.get(name) for name in backend._repacked]
+        assert repacked, "the CPU backend repacks a 2-d Q4_0 weight with rows % 8 == 0"
+        for r in repacked:  # only the left operand of mulmat
+            with pytest.raises(ValueError, match="repacked"):
+                ctx.from_numpy(np.ones((1, r.shape[0]), np.float32)).mulmat(r)
+            with pytest.raises(ValueError, match="repacked"):
+                r.view(0, r.shape, ctx=ctx)
