@@ -177,11 +177,13 @@ def test_ollama_generate_and_chat(stories):
 
 def test_the_same_prompt_gives_the_same_text_through_either_api(synthetic):
     base, served = synthetic
-    text = openai_client(base).completions.create(model=served.name, prompt="hello world", max_tokens=12,
-                                                  temperature=0).choices[0].text
+    completion = openai_client(base).completions.create(model=served.name, prompt="hello world", max_tokens=12,
+                                                        temperature=0)
     done = ollama.Client(host=base).generate(model=served.name, prompt="hello world",
                                              options={**GREEDY, "num_predict": 12})
-    assert done.response == text and done.eval_count == 12
+    # a random model may end early on an end-of-generation token (machine-dependent rounding): both alike
+    assert done.response == completion.choices[0].text
+    assert done.eval_count == completion.usage.completion_tokens <= 12
 
 
 def test_metadata_routes(stories):
