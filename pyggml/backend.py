@@ -782,13 +782,12 @@ class Backend:
 class _GraphState:
     """What all handles of one Context share: the ggml context, the graph and pending inputs."""
 
-    __slots__ = ("ptr", "g", "pools", "graph", "graph_size", "max_tensors", "inputs", "index_checks", "epoch",
+    __slots__ = ("ptr", "g", "pools", "graph", "graph_size", "inputs", "index_checks", "epoch",
                  "leaf_outputs", "named", "anonymous_inputs", "placements", "serial")
     _serials = itertools.count(1)
 
     def __init__(self, max_nodes: int, graph_size: int, pools: Any = NULL):
         self.serial = next(self._serials)  # tells graphs apart for the scheduler (ids of dead ones are reused)
-        self.max_tensors = max_nodes
         self.graph_size = graph_size
         mem = lib.ggml_tensor_overhead() * (max_nodes + 16) + lib.ggml_graph_overhead_custom(self.graph_size, False)
         self.ptr = lib.ggml_init({"mem_size": mem, "mem_buffer": NULL, "no_alloc": True})
@@ -818,6 +817,10 @@ class _GraphState:
             lib.ggml_free(self.ptr)
             self.ptr = NULL
             self.closed = True
+
+    @property
+    def max_tensors(self) -> int:
+        return self.g.max_tensors
 
     @property
     def n_tensors(self) -> int:
