@@ -51,9 +51,10 @@ void pyg_pool_init(struct pyg_pool * pool, struct ggml_context * ctx, int writab
     pool->writable = writable;
 }
 
+/* compared as integers: the tensor may belong to any context, and C orders pointers only within one object */
 static int holds(const char * base, const char * end, const struct ggml_tensor * t) {
-    const char * p = (const char *) t;
-    return p >= base && p < end && (size_t) (end - p) >= sizeof(struct ggml_tensor);
+    uintptr_t p = (uintptr_t) t;
+    return p >= (uintptr_t) base && p < (uintptr_t) end && (uintptr_t) end - p >= sizeof(struct ggml_tensor);
 }
 
 enum use { READ, READ_REPACKED, WRITE };
