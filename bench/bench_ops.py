@@ -4,9 +4,10 @@
 
 - graph building: a ~1,000-node graph built from Python (new context, ops, forward), reported as
   µs per ggml node in ``extra_info`` (target < 1.5 µs/node; raw cffi calls cost ~0.3-0.4 µs);
-- mulmat: a 4096x4096 weight times 4096xN inputs (N = 1, 32, 128) at 2 threads, F32 against numpy's
-  matmul on the same shape and thread count, and Q8_0/Q4_0 (with and without the CPU repack), in
-  GFLOP/s (``extra_info``). One graph is built per case and ``ctx.compute`` is timed on it.
+- mulmat: a 4096x4096 weight times 4096xN inputs (N = 1, 32, 128) at 2 threads (or
+  ``PYGGML_BENCH_THREADS``), F32 against numpy's matmul on the same shape and thread count, and
+  Q8_0/Q4_0 (with and without the CPU repack), in GFLOP/s (``extra_info``). One graph is built per
+  case and ``ctx.compute`` is timed on it.
 Not collected by the default test command (``testpaths = ["tests"]``).
 """
 
@@ -15,9 +16,10 @@ from __future__ import annotations
 import os
 import sys
 
-# numpy's BLAS reads these when it loads: match ggml's 2 threads (set before numpy is imported)
+THREADS = int(os.environ.get("PYGGML_BENCH_THREADS", "2"))  # e.g. 1: is a gap the kernel or the threading?
+# numpy's BLAS reads these when it loads: match ggml's threads (set before numpy is imported)
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[_var] = "2"
+    os.environ[_var] = str(THREADS)
 _NUMPY_PRELOADED = "numpy" in sys.modules
 
 import gguf  # noqa: E402
@@ -27,7 +29,6 @@ import pytest  # noqa: E402
 from pyggml import Backend, BackendParams, DType  # noqa: E402
 from pyggml.tensor import quantize  # noqa: E402
 
-THREADS = 2
 K = M = 4096
 NS = (1, 32, 128)
 
