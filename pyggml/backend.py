@@ -944,6 +944,12 @@ class Context:
         return None if tensor is None else tensor.shape
 
     @property
+    def graph_id(self) -> int:
+        """A number that tells this graph apart from every other of the process (its handles from
+        ``input()``/``layer()`` share it)."""
+        return self._state.serial
+
+    @property
     def reusable(self) -> bool:
         """Whether every input with data is named, so ``set_input`` can refill all of them."""
         return self._state.anonymous_inputs == 0

@@ -104,7 +104,7 @@ class Session:
         from pyggml import models
         from pyggml.backend import BackendParams
         from pyggml.models import Batch
-        from pyggml.models.forward import ForwardPass
+        from pyggml.runner.engine import Engine
         from pyggml.tensor import DType
 
         start = time.perf_counter()
@@ -125,7 +125,7 @@ class Session:
         self._rng = np.random.default_rng(seed)
         self._batch = Batch
         self._clock: _KernelClock | None = None
-        self._forward = ForwardPass(self.model)
+        self._engine = Engine(self.model)
 
     def tokens(self, n: int) -> list[int]:
         return [int(t) for t in self._rng.integers(0, max(self.n_vocab, 1), n)]
@@ -157,12 +157,12 @@ class Session:
         return Sample(wall, n_gen, parts)
 
     def step(self, tokens: list[int], first_pos: int, parts: Parts) -> None:
-        """One forward pass, as ``LLM`` runs it (decode steps reuse the previous graph), timed by part."""
+        """One forward pass through the engine the Runner uses (decode steps reuse a kept graph), timed by part."""
         batch = self._batch(inputs=tokens, outputs=[len(tokens) - 1],
                             positions=range(first_pos, first_pos + len(tokens)), sequences=[0] * len(tokens))
         times: dict[str, float] = {}
-        self._forward(batch, times)
-        parts.nodes = self._forward.n_nodes
+        self._engine.forward(batch, times)
+        parts.nodes = self._engine.n_nodes
         parts.steps += 1
         parts.cache += times["cache"]
         parts.graph += times["graph"]
@@ -188,7 +188,7 @@ class Session:
             backend_module.lib = lib
 
     def close(self) -> None:
-        self._forward.close()
+        self._engine.close()
         self.model.close()
 
 

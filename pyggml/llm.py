@@ -1,8 +1,9 @@
 """``pyggml.load(path) -> LLM``: text generation and scoring with one sequence, or embeddings.
 
-The LLM keeps the tokens of its last prompt + generation in the KV cache and reuses the common
-prefix on the next call, so a conversation re-sends only what is new. For many concurrent
-sequences, use ``pyggml.runner.Runner``. An embedding model (BERT) has no cache: ``embed`` encodes
+``LLM`` is a thin client of the one engine: a ``Runner`` with one sequence (``parallel=1``). So
+prompt-prefix reuse (a conversation re-sends only what is new), context shift, stop strings and
+graph reuse are the Runner's, exactly as ``pyggml serve`` runs them. For many concurrent sequences
+use ``pyggml.runner.Runner`` directly. An embedding model (BERT) has no cache: ``embed`` encodes
 whole texts, several per forward pass.
 """
 
@@ -18,11 +19,8 @@ import numpy as np
 
 from pyggml import models
 from pyggml.backend import BackendParams, ProgressFn
-from pyggml.models import Batch, Model
-from pyggml.models.forward import ForwardPass
-from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
-from pyggml.runner.sequence import find_stop, partial_stop
-from pyggml.sample import Sampler
+from pyggml.models import Model
+from pyggml.runner import CompletionRequest, CompletionStream, Runner
 from pyggml.tensor import DType
 
 _BACKEND_FIELDS = {f.name for f in fields(BackendParams)}
@@ -33,7 +31,7 @@ class Stats:
     """Timings of the last call, for ``--verbose`` and benchmarks."""
 
     load_seconds: float = 0.0
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # prompt tokens evaluated (not counting the cached prefix)
     prompt_seconds: float = 0.0
     cached_tokens: int = 0
     generated_tokens: int = 0
@@ -51,33 +49,22 @@ class Stats:
 
 
 class LLM:
-    """A loaded language model with its tokenizer and a single-sequence KV cache (or, for an
-    embedding model, no cache)."""
+    """A loaded model with its tokenizer, served by a one-sequence ``Runner`` (``self.runner``)."""
 
     def __init__(self, model: Model, *, num_ctx: int | None = None, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, num_keep: int = 4):
-        if model.tokenizer is None:
-            raise models.ModelError("the model file has no tokenizer (tokenizer.ggml.* keys)")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
         self.tokenizer = model.tokenizer
-        trained = getattr(model, "options", None)
-        trained_ctx = getattr(trained, "context_length", 0) or 4096
-        self.num_ctx = int(num_ctx or min(4096, trained_ctx))
-        if self.num_ctx < 2:
-            raise ValueError(f"num_ctx must be >= 2, got {self.num_ctx}")
-        self.batch_size = min(batch_size, self.num_ctx)
+        num_ctx = int(num_ctx or min(4096, model.context_length or 4096))
+        if num_ctx < 2:
+            raise ValueError(f"num_ctx must be >= 2, got {num_ctx}")
+        self.runner = Runner(model, parallel=1, num_ctx=num_ctx, batch_size=batch_size, cache_type=cache_type,
+                             multi_user_cache=False)
+        self.num_ctx, self.batch_size = self.runner.num_ctx, self.runner.batch_size
         self.num_keep = num_keep
         self.stats = Stats()
-        self._embedder = Embedder(model, self.num_ctx, batch_size) if model.pooling is not None else None
-        if model.generates:
-            model.cache.init(model.backend, DType.parse(cache_type), max_sequences=1, capacity=self.num_ctx,
-                             max_batch=self.batch_size)
-        else:
-            self.num_ctx = self._embedder.num_ctx
-        self._cached: list[int] = []  # tokens whose keys/values are in the cache, in position order
-        self._forward = ForwardPass(model)
         self._template = None  # the model's chat template, compiled on first chat()
 
     @classmethod
@@ -107,17 +94,11 @@ class LLM:
     # ---- scoring ---------------------------------------------------------------------------
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits for every position of ``tokens`` as a fresh sequence: (len(tokens), vocab)."""
-        self._check_generates()
-        tokens = self._check_tokens(tokens)
-        if len(tokens) > self.num_ctx:
-            raise ValueError(f"{len(tokens)} tokens exceed the context of {self.num_ctx}")
-        self._reset()
-        rows = []
-        for start in range(0, len(tokens), self.batch_size):
-            chunk = tokens[start:start + self.batch_size]
-            rows.append(self._decode(chunk, start, range(len(chunk))))
-        self._cached = list(tokens)
-        return np.concatenate(rows, axis=0)
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("empty token list")
+        *_, last = self.runner.completion(CompletionRequest(prompt=tokens, max_tokens=0, prompt_logits=True))
+        return last.prompt_logits
 
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *, temperature: float = 0.8,
@@ -125,24 +106,20 @@ class LLM:
                  stop: Sequence[str] = (), stream: bool = False, **sampling: Any) -> str | Iterator[str]:
         """Continue ``prompt``; returns the new text (``stream=True``: an iterator of pieces).
 
-        Extra keyword options go to ``pyggml.sample.Sampler`` (repeat_penalty, typical_p, ...).
-        Stops at an end-of-generation token, after ``max_tokens``, or before a ``stop`` string.
+        Extra keyword options are ``CompletionRequest``'s sampling options (repeat_penalty,
+        typical_p, logit_bias, ...). Stops at an end-of-generation token, after ``max_tokens``, or
+        before a ``stop`` string; a context that fills up is shifted (``num_keep`` tokens kept).
         """
-        self._check_generates()
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("empty prompt")
-            ids = self.tokenize(prompt)
-        else:
-            ids = self._check_tokens(prompt)
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        if len(ids) >= self.num_ctx:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {self.num_ctx} "
-                             "(raise num_ctx or shorten the prompt)")
-        stops = [s for s in stop if s]
-        sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed, **sampling)
-        pieces = self._generate(ids, max_tokens, sampler, stops)
+        prompt = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+        try:
+            request = CompletionRequest(prompt=prompt, max_tokens=max_tokens, stop=list(stop), num_keep=self.num_keep,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                                        **sampling)
+        except TypeError as exc:
+            raise TypeError(f"generate: {exc}") from None
+        pieces = self._pieces(self.runner.completion(request))  # validates the request now
         return pieces if stream else "".join(pieces)
 
     def chat(self, messages: Sequence[Mapping[str, Any]], max_tokens: int = 128, **options: Any) -> str | Iterator[str]:
@@ -165,107 +142,28 @@ class LLM:
         Needs an embedding model (e.g. BERT); a text generation model raises
         ``EmbeddingsNotSupportedError``.
         """
-        if self._embedder is None:
-            raise EmbeddingsNotSupportedError(f"{self.model.architecture} models generate text and produce no "
-                                              "embeddings; load an embedding model such as BERT")
-        return self._embedder.embed(texts, normalize=normalize, truncate=truncate, pooling=pooling)
+        return self.runner.embeddings([texts] if isinstance(texts, str) else texts, normalize=normalize,
+                                      truncate=truncate, pooling=pooling)
 
-    def _check_generates(self) -> None:
-        if not self.model.generates:
-            raise GenerationNotSupportedError(f"{self.model.architecture} is an embedding model: it cannot "
-                                              "generate text or logits; use embed()")
-
-    def _generate(self, ids: list[int], max_tokens: int, sampler: Sampler, stops: list[str]) -> Iterator[str]:
+    def _pieces(self, completion: CompletionStream) -> Iterator[str]:
         stats = self.stats = Stats(load_seconds=self.stats.load_seconds)
-        start = time.perf_counter()
-        logits = self._prefill(ids)
-        stats.prompt_seconds = time.perf_counter() - start
-        history = list(ids)
-        decoder = self.tokenizer.stream(skip_special=True, continuation=True)
-        pending = ""  # text held back while it could still become a stop string
-        start = time.perf_counter()
-        stats.finish_reason = "length"
-        for step in range(max_tokens):
-            token = sampler.sample(logits, history)
-            stats.generated_tokens += 1
-            if self.tokenizer.is_eog(token):
-                stats.finish_reason = "stop"
-                break
-            history.append(token)
-            stats.tokens.append(token)
-            pending += decoder.feed(token)
-            cut = find_stop(pending, stops)
-            if cut is not None:
-                pending = pending[:cut]
-                stats.finish_reason = "stop"
-                break
-            emit = len(pending) - partial_stop(pending, stops)
-            if emit:
-                yield pending[:emit]
-                pending = pending[emit:]
-            if step == max_tokens - 1:
-                continue  # the last token's logits would go unused: leave it out of the cache
-            if len(self._cached) >= self.num_ctx:
-                self._shift_context()
-            logits = self._decode([token], len(self._cached), [0])[0]
-            self._cached.append(token)
-        else:
-            pending += decoder.flush()
-        stats.generate_seconds = time.perf_counter() - start
-        if pending:
-            cut = find_stop(pending, stops)
-            yield pending if cut is None else pending[:cut]
-
-    def _prefill(self, ids: list[int]) -> np.ndarray:
-        """Process the prompt, reusing the cached common prefix; returns the last position's logits."""
-        common = 0
-        for a, b in zip(self._cached, ids, strict=False):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(ids) - 1)  # always evaluate at least one token to get logits
-        self.model.cache.remove(0, common)
-        self._cached = self._cached[:common]
-        self.stats.cached_tokens = common
-        self.stats.prompt_tokens = len(ids) - common
-        logits = None
-        for start in range(common, len(ids), self.batch_size):
-            chunk = ids[start:start + self.batch_size]
-            logits = self._decode(chunk, start, [len(chunk) - 1])[0]
-            self._cached.extend(chunk)
-        return logits
-
-    def _shift_context(self) -> None:
-        """Drop the older half of the history after ``num_keep`` tokens (positions move down)."""
-        keep = min(self.num_keep, self.num_ctx // 2)
-        discard = (len(self._cached) - keep) // 2
-        self.model.cache.remove(0, keep, keep + discard)
-        del self._cached[keep:keep + discard]
-
-    def _decode(self, tokens: list[int], first_pos: int, outputs: Sequence[int]) -> np.ndarray:
-        """One forward pass of ``tokens`` at positions first_pos..; logits (len(outputs), vocab).
-        Decode steps recompute the previous graph with new inputs (see ``ForwardPass``)."""
-        batch = Batch(inputs=tokens, outputs=list(outputs), positions=range(first_pos, first_pos + len(tokens)),
-                      sequences=[0] * len(tokens))
-        return self._forward(batch)
-
-    def _check_tokens(self, tokens: Sequence[int]) -> list[int]:
-        tokens = [int(t) for t in tokens]
-        if not tokens:
-            raise ValueError("empty token list")
-        vocab = self.tokenizer.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token ids out of range 0..{vocab - 1}: {bad[:5]}")
-        return tokens
-
-    def _reset(self) -> None:
-        self.model.cache.remove(0, 0)
-        self._cached = []
+        try:
+            for chunk in completion:
+                stats.tokens.extend(chunk.tokens)
+                if chunk.text:
+                    yield chunk.text
+                if chunk.done:
+                    stats.prompt_tokens = chunk.prompt_tokens - chunk.cached_tokens
+                    stats.cached_tokens, stats.generated_tokens = chunk.cached_tokens, chunk.generated_tokens
+                    stats.prompt_seconds = chunk.timings.prompt_seconds
+                    stats.generate_seconds = chunk.timings.generate_seconds
+                    stats.finish_reason = chunk.finish_reason
+        finally:
+            completion.close()  # a caller that stops iterating early cancels the rest
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
-        self._forward.close()
+        self.runner.close()
         self.model.close()
 
     def __enter__(self) -> LLM:

@@ -29,6 +29,7 @@ from pyggml.tensor import DType, RopeType, Tensor
 
 if typing.TYPE_CHECKING:
     from pyggml.backend import Backend, Context
+    from pyggml.input import Batch
     from pyggml.kvcache import Cache
 
 
@@ -227,3 +228,35 @@ def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Ca
 def int32_input(ctx: Context, values: Any, name: str | None = None) -> Tensor:
     """A 1-d I32 graph input (``name``: refillable with ``ctx.set_input`` for graph reuse)."""
     return ctx.from_numpy(np.asarray(values, dtype=np.int32).reshape(-1), DType.I32, name=name)
+
+
+# ---- the per-batch inputs ----------------------------------------------------------------------
+# The names under which the engine refills a kept graph for the next batch of the same shape; only
+# ``batch_inputs`` and ``refill_batch_inputs`` use them, so a model cannot lose graph reuse by a typo.
+_TOKENS, _POSITIONS, _OUTPUTS = "batch.tokens", "batch.positions", "batch.outputs"
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """The graph inputs of one batch: ``tokens`` and ``positions`` (n_tokens,) and ``outputs``
+    (the rows whose logits are wanted, see ``Batch.output_rows``), all I32."""
+
+    tokens: Tensor
+    positions: Tensor
+    outputs: Tensor
+
+
+def batch_inputs(ctx: Context, batch: Batch) -> BatchInputs:
+    """Create the batch's token, position and output-row inputs (tokens on the input device).
+    The token array is used in place when it already is int32 (the runner fills in late ids)."""
+    return BatchInputs(tokens=int32_input(ctx.input(), batch.tokens, _TOKENS),
+                       positions=int32_input(ctx, batch.positions, _POSITIONS),
+                       outputs=int32_input(ctx, batch.output_rows, _OUTPUTS))
+
+
+def refill_batch_inputs(ctx: Context, batch: Batch) -> None:
+    """Write ``batch``'s tokens, positions and output rows into a graph built by ``batch_inputs``
+    for a batch of the same shape."""
+    ctx.set_input(_TOKENS, batch.tokens)
+    ctx.set_input(_POSITIONS, batch.positions)
+    ctx.set_input(_OUTPUTS, batch.output_rows)

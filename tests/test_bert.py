@@ -132,7 +132,7 @@ def test_llm_embed_normalises_and_packs_texts_into_passes(tiny):
     # a pass holds at most batch_size tokens (but always one whole text): 100 texts, many passes
     many = [TEXTS[i % 4] + f" {i}" for i in range(100)]
     with pyggml.load(tiny[2]("f32"), n_threads=2, batch_size=64) as llm:
-        assert llm._embedder.batch_size == 128  # raised to the longest text
+        assert llm.runner.embedder.batch_size == 128  # raised to the longest text
         packed = llm.embed(many)
         alone = np.concatenate([llm.embed(t) for t in many[:8]])
     np.testing.assert_allclose(packed[:8], alone, atol=1e-5)

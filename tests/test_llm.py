@@ -100,7 +100,7 @@ def test_generation_continues_past_the_context_by_shifting():
     with pyggml.load(STORIES, n_threads=2, num_ctx=32) as llm:
         llm.generate("Once upon a time", max_tokens=80, temperature=0)
         assert llm.stats.generated_tokens == 80
-        assert len(llm._cached) <= 32
+        assert len(llm.runner.input_cache.slots[0].inputs) <= 32
 
 
 def test_bad_requests(stories):

@@ -393,16 +393,18 @@ def test_decode_steps_recompute_kept_graphs(stories, monkeypatch, build_ahead):
     """Decode steps of the same shape refill a kept graph instead of building one (two graphs
     alternate with build-ahead: one computes while the other is refilled), and the text is the
     same as without any reuse."""
-    with monkeypatch.context() as m:
-        m.setattr(Runner, "_refill", lambda self, step, batch: False)  # every step builds its graph
-        with Runner(stories, parallel=1, num_ctx=256, batch_size=16, build_ahead=build_ahead) as runner:
-            reference, chunks = run(runner, "Once upon a time", max_tokens=60)
+    with Runner(stories, parallel=1, num_ctx=256, batch_size=16, build_ahead=build_ahead) as runner:
+        runner.engine.keep = 0  # every step builds its graph
+        reference, chunks = run(runner, "Once upon a time", max_tokens=60)
+        assert runner.engine.reused == 0
     assert chunks[-1].generated_tokens == 60, "the reference must run all 60 steps"
     built = []
     new_context = stories.backend.new_context
     monkeypatch.setattr(stories.backend, "new_context", lambda *a, **k: built.append(1) or new_context(*a, **k))
     with Runner(stories, parallel=1, num_ctx=256, batch_size=16, build_ahead=build_ahead) as runner:
         text, _ = run(runner, "Once upon a time", max_tokens=60)
+        # the prompt and 59 decode steps (the 60th token is not fed back)
+        assert runner.engine.reused >= 48 and runner.engine.built + runner.engine.reused == 60
     assert text == reference
     # 60 steps; new graphs only for the prompt, the first decode steps and each time n_kv grows
     assert len(built) <= 12, f"{len(built)} graphs built for 60 tokens"

@@ -12,7 +12,7 @@ from pyggml.tensor import DType, Tensor
 
 if TYPE_CHECKING:
     from pyggml.backend import Backend, Context
-    from pyggml.models.input import Batch
+    from pyggml.input import Batch
 
 __all__ = ["Cache", "CacheConfig", "CacheFullError", "NotSupportedError", "ShiftFn"]
 
@@ -81,7 +81,35 @@ class Cache(abc.ABC):
     def can_resume(self, seq: int, pos: int) -> bool:
         """Whether ``seq`` can continue from ``pos`` with what is stored."""
 
-    @abc.abstractmethod
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
         """Forget positions [begin, end) of ``seq`` (``None``: to the end); later positions shift
         down. Raises NotSupportedError (cache unchanged) when that needs a shift the model lacks."""
+        self.plan_remove(seq, begin, end)()
+
+    @abc.abstractmethod
+    def plan_remove(self, seq: int, begin: int, end: int | None = None) -> Callable[[], None]:
+        """Check a removal without doing it: raises as ``remove`` would, else returns the function
+        that does it and cannot fail (call it before anything else touches the cache). This is
+        how a ``Wrapper`` changes all its caches or none."""
+
+    @abc.abstractmethod
+    def refill(self, ctx: Context, batch: Batch) -> bool:
+        """Graph reuse: place ``batch`` and write this cache's per-batch inputs into ``ctx``, a graph
+        that this cache's ``start_forward`` set up for an earlier batch of the same shape, so the
+        graph can be computed again unchanged. False when the graph does not fit the batch (the
+        attention width moved, an encoder output arrived): then the engine builds a new graph with
+        ``start_forward``, which accepts a batch that ``refill`` already placed."""
+
+    @abc.abstractmethod
+    def snapshot(self) -> object:
+        """The bookkeeping (not the tensors), for ``restore`` after a failed multi-cache step."""
+
+    @abc.abstractmethod
+    def restore(self, snapshot: object) -> None:
+        """Return to a ``snapshot`` (the forward pass in progress is forgotten)."""
+
+    @abc.abstractmethod
+    def set_noncausal(self, start: int, end: int) -> None:
+        """Let batch rows [start, end) of the forward pass in progress also see each other in both
+        directions (an image's tokens); called from the model's forward after ``start_forward``,
+        reset by the next ``start_forward``. A cache without a causal mask ignores it."""

@@ -11,6 +11,7 @@ new inputs: the cell index of each token and the mask.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -22,9 +23,10 @@ from pyggml.tensor import DType, Tensor
 
 if TYPE_CHECKING:
     from pyggml.backend import Backend, Context
-    from pyggml.models.input import Batch
+    from pyggml.input import Batch
 
 CACHE_TYPES = (DType.F16, DType.F32, DType.Q8_0, DType.Q4_0)
+_instances = itertools.count()  # each cache names its graph inputs apart, so caches compose in one graph
 
 
 def check_cache_type(op: str, backend: Backend, dtype: DType | str) -> DType:
@@ -78,6 +80,8 @@ class Causal(Cache):
         self._dims: dict[int, tuple[int, int, int]] = {}  # layer -> (head_dim_k, n_kv_heads, head_dim_v)
         self._layer = 0
         self._pass: _Pass | None = None
+        n = next(_instances)
+        self._cells_name, self._mask_name = f"kv{n}.cells", f"kv{n}.mask"
 
     # ---- set-up -------------------------------------------------------------------------------
     def set_config(self, config: CacheConfig) -> None:
@@ -166,16 +170,14 @@ class Causal(Cache):
             self._pass = _Pass(positions, sequences, None, None, n_kv, reserve)
             return
         inputs = ctx.input()
-        self._pass = _Pass(positions, sequences, inputs.from_numpy(index, DType.I32, name="kv_cells"),
-                           inputs.from_numpy(mask, self.config.mask_dtype, name="kv_mask"), n_kv, reserve)
+        self._pass = _Pass(positions, sequences, inputs.from_numpy(index, DType.I32, name=self._cells_name),
+                           inputs.from_numpy(mask, self.config.mask_dtype, name=self._mask_name), n_kv, reserve)
 
     def refill(self, ctx: Context, batch: Batch) -> bool:
-        """Place ``batch`` and write its cells and mask into a graph that an earlier
-        ``start_forward`` built for a batch of the same shape, so the graph can be computed again
-        unchanged. Returns False when the attention width (``n_kv``) moved past the graph's: then
-        build a new graph with ``start_forward(ctx, batch)``, which finds the batch already placed
-        and reuses the same cells (placing a stored (sequence, position) again is a no-op)."""
-        shape = ctx.input_shape("kv_mask")
+        """Place ``batch`` and write its cells and mask into the graph (see ``Cache.refill``).
+        False when the attention width (``n_kv``) moved past the graph's; ``start_forward`` then
+        finds the batch already placed (placing a stored (sequence, position) again is a no-op)."""
+        shape = ctx.input_shape(self._mask_name)
         positions = np.asarray(batch.positions, dtype=np.int32)
         if shape is None or self.cells is None or positions.size != shape[1]:
             return False
@@ -185,8 +187,8 @@ class Causal(Cache):
         if self.cells.used_extent(self.config.padding) != shape[0]:
             return False
         mask = self.cells.mask(positions, sequences, n_kv=shape[0], dtype=self._mask_dtype)
-        ctx.set_input("kv_cells", index)
-        ctx.set_input("kv_mask", mask)
+        ctx.set_input(self._cells_name, index)
+        ctx.set_input(self._mask_name, mask)
         self._pass = None
         return True
 
@@ -254,16 +256,11 @@ class Causal(Cache):
         self._check_init("can_resume")
         return self.cells.can_resume(seq, pos)
 
-    def remove(self, seq: int, begin: int, end: int | None = None) -> None:
-        """Forget positions [begin, end) of ``seq``; later positions move down, their keys re-rotated
-        by ``shift_fn`` (split cells copied first), in graphs of their own. NotSupportedError (no
-        ``shift_fn``) or CacheFullError (no room to split shared cells) leave everything unchanged."""
-        self.plan_remove(seq, begin, end)()
-
     def plan_remove(self, seq: int, begin: int, end: int | None = None) -> Callable[[], None]:
-        """Check a removal without doing it: raises as ``remove`` would, else returns the function
-        that does it (call it before anything else touches the cache). ``Wrapper`` uses this to
-        change all its caches or none."""
+        """Plan forgetting positions [begin, end) of ``seq`` (see ``Cache.plan_remove``); later
+        positions move down, their keys re-rotated by ``shift_fn`` (split cells copied first), in
+        graphs of their own. NotSupportedError (no ``shift_fn``) or CacheFullError (no room to split
+        shared cells) leave everything unchanged."""
         self._check_init("remove")
         planned = copy.deepcopy(self.cells)
         shift = planned.remove(seq, begin, end, can_shift=self.shift_fn is not None)
@@ -276,7 +273,6 @@ class Causal(Cache):
         return commit
 
     def snapshot(self) -> object:
-        """The bookkeeping (not the tensors), for ``restore`` after a failed multi-cache step."""
         self._check_init("snapshot")
         return copy.deepcopy(self.cells)
 

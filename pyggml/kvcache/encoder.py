@@ -16,7 +16,7 @@ from pyggml.tensor import DType, Tensor
 
 if TYPE_CHECKING:
     from pyggml.backend import Backend, Context
-    from pyggml.models.input import Batch
+    from pyggml.input import Batch
 
 
 class Encoder(Cache):
@@ -48,6 +48,7 @@ class Encoder(Cache):
         self._sees = False  # the current batch's sequences see the stored output
         self._reserve = False
         self._started = False
+        self._graphs: dict[int, bool] = {}  # graph id -> whether its batch saw the stored output (its topology)
 
     # ---- set-up -------------------------------------------------------------------------------
     def init(self, backend: Backend, dtype: DType | str = DType.F16, max_sequences: int = 1, capacity: int = 4096,
@@ -82,6 +83,31 @@ class Encoder(Cache):
         if self.backend is None:
             raise ValueError("Encoder.start_forward: cache is not initialised (call init)")
         self._started = False
+        current, sees = self._plan(batch, reserve)
+        self._pass, self._sees, self._reserve, self._started = current, sees, reserve, True
+        if current is None and not reserve:
+            while len(self._graphs) >= 8:  # the engine keeps a few graphs; forget the oldest
+                del self._graphs[next(iter(self._graphs))]
+            self._graphs[ctx.graph_id] = sees
+
+    def refill(self, ctx: Context, batch: Batch) -> bool:
+        """A graph can be computed again for a batch without multimodal data whose sequences see
+        the stored output exactly when those of the graph's batch did (the model's cross-attention
+        layers are in the graph or not). The encoder has no per-batch inputs to write."""
+        if self.backend is None or batch.multimodal:
+            return False
+        current, sees = self._plan(batch, False)
+        if self._graphs.get(ctx.graph_id) is not sees:
+            return False
+        self._pass, self._sees, self._reserve, self._started = current, sees, False, True
+        return True
+
+    def set_noncausal(self, start: int, end: int) -> None:
+        """Nothing to do: every token already sees the whole encoder output."""
+
+    def _plan(self, batch: Batch, reserve: bool) -> tuple[tuple[int, int] | None, bool]:
+        """(sequence, position) of the batch's multimodal input, and whether its sequences see the
+        stored output; ValueError for a batch the cache cannot serve."""
         sequences = {int(s) for s in batch.sequences}
         if not all(0 <= s < self.max_sequences for s in sequences):
             raise ValueError(f"Encoder.start_forward: sequences must lie in [0, {self.max_sequences})")
@@ -103,7 +129,7 @@ class Encoder(Cache):
                 raise ValueError(f"Encoder.start_forward: sequences {sorted(sequences & self._seen.keys())} see the "
                                  f"stored encoder output and {sorted(sequences - self._seen.keys())} do not; "
                                  "batch them apart")
-        self._pass, self._sees, self._reserve, self._started = current, sees, reserve, True
+        return current, sees
 
     def set_layer(self, layer: int) -> None:
         self._layer = layer
@@ -169,9 +195,6 @@ class Encoder(Cache):
         processed again, which the runner does for everything after ``pos``."""
         self._check_seq(seq)
         return True
-
-    def remove(self, seq: int, begin: int, end: int | None = None) -> None:
-        self.plan_remove(seq, begin, end)()
 
     def plan_remove(self, seq: int, begin: int, end: int | None = None) -> Callable[[], None]:
         """Validate a removal; returns the function that does it (it cannot fail)."""

@@ -15,7 +15,7 @@ from pyggml.tensor import DType, Tensor
 
 if TYPE_CHECKING:
     from pyggml.backend import Backend, Context
-    from pyggml.models.input import Batch
+    from pyggml.input import Batch
 
 
 class Wrapper(Cache):
@@ -24,11 +24,10 @@ class Wrapper(Cache):
     (as Ollama's WrapperCache.SetLayerType), and each ``start_forward`` selects cache 0 again.
     ``put``/``get`` shapes are those of the selected cache.
 
-    Consistency: a cache may offer ``snapshot()``/``restore(state)`` (its bookkeeping) and
-    ``plan_remove(seq, begin, end) -> commit`` (check first, change later), as ``Causal`` and
-    ``Encoder`` do. Then a ``start_forward`` or ``copy_prefix`` that fails in one cache is undone
-    in all, and ``remove`` is checked in every cache before any changes (a NotSupportedError from
-    one leaves all unchanged). Caches without these are called in order, as in Ollama.
+    Consistency: a ``start_forward``, ``refill`` or ``copy_prefix`` that fails in one cache is
+    undone in all (``snapshot``/``restore``), and ``remove`` is checked in every cache before any
+    changes (``plan_remove``: a NotSupportedError from one leaves all unchanged). A graph is
+    refilled for reuse only when every cache can refill it.
     """
 
     def __init__(self, *caches: Cache, layer_types: Sequence[int] | Callable[[int], int] | None = None):
@@ -64,10 +63,8 @@ class Wrapper(Cache):
         return self.current.get(ctx)
 
     def set_noncausal(self, start: int, end: int) -> None:
-        """Forwarded to the caches that have masks to bend (see ``Causal.set_noncausal``)."""
         for cache in self.caches:
-            if hasattr(cache, "set_noncausal"):
-                cache.set_noncausal(start, end)
+            cache.set_noncausal(start, end)
 
     # ---- set-up -------------------------------------------------------------------------------
     def set_config(self, config: CacheConfig) -> None:
@@ -90,20 +87,27 @@ class Wrapper(Cache):
         if self.layer_types is None:
             self._current = 0
 
+    def refill(self, ctx: Context, batch: Batch) -> bool:
+        states = self.snapshot()
+        try:
+            refilled = all(cache.refill(ctx, batch) for cache in self.caches)
+        except BaseException:
+            self.restore(states)
+            raise
+        if refilled and self.layer_types is None:
+            self._current = 0
+        return refilled
+
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
         self._all_or_none(lambda cache: cache.copy_prefix(src_seq, dst_seq, length))
 
     def can_resume(self, seq: int, pos: int) -> bool:
         return all(cache.can_resume(seq, pos) for cache in self.caches)
 
-    def remove(self, seq: int, begin: int, end: int | None = None) -> None:
-        self.plan_remove(seq, begin, end)()
-
     def plan_remove(self, seq: int, begin: int, end: int | None = None) -> Callable[[], None]:
         """Check the removal in every cache (raising changes nothing); returns the function that
         does it in all."""
-        commits = [cache.plan_remove(seq, begin, end) if hasattr(cache, "plan_remove")
-                   else (lambda cache=cache: cache.remove(seq, begin, end)) for cache in self.caches]
+        commits = [cache.plan_remove(seq, begin, end) for cache in self.caches]
 
         def commit() -> None:
             for fn in commits:
@@ -112,12 +116,11 @@ class Wrapper(Cache):
         return commit
 
     def snapshot(self) -> object:
-        return [cache.snapshot() if hasattr(cache, "snapshot") else None for cache in self.caches]
+        return [cache.snapshot() for cache in self.caches]
 
     def restore(self, snapshot: object) -> None:
         for cache, state in zip(self.caches, snapshot, strict=True):
-            if state is not None:
-                cache.restore(state)
+            cache.restore(state)
 
     def _all_or_none(self, op: Callable[[Cache], None]) -> None:
         states = self.snapshot()

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from pyggml.models.input import Batch, Input, Multimodal, MultimodalIndex
+from pyggml.input import Batch, Input, Multimodal, MultimodalIndex
 
 if TYPE_CHECKING:
     from pyggml.backend import Backend, BackendParams, Context, ProgressFn
@@ -70,9 +70,21 @@ class Model:
         model's); ``Pooling.NONE`` gives every token's state, (hidden, n_tokens)."""
         raise NotImplementedError
 
+    @property
+    def context_length(self) -> int:
+        """The context the model was trained for (GGUF ``<arch>.context_length``); 0 when unknown."""
+        return self.config.uint("context_length", 0) or 0
+
+    @property
+    def can_shift(self) -> bool:
+        """Whether ``shift`` is implemented, so a full context can drop old tokens and go on."""
+        return type(self).shift is not Model.shift
+
     def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:
-        """Re-rotate cached keys by ``shift`` positions (for context shifting); None if unsupported."""
-        raise NotImplementedError
+        """Re-rotate cached keys of ``layer`` by ``shift`` positions (context shift). Models with
+        rotary positions implement it and give it to their cache; the base raises
+        NotImplementedError (``can_shift`` is then False)."""
+        raise NotImplementedError(f"{self.architecture}: context shift is not implemented")
 
     def close(self) -> None:
         if self.cache is not None:

@@ -140,16 +140,13 @@ class Llama(Model):
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         w, o = self.weights, self.options
-        tokens = nn.int32_input(ctx.input(), batch.tokens, "tokens")
-        positions = nn.int32_input(ctx, batch.positions, "positions")
-        outputs = nn.int32_input(ctx, batch.output_rows, "outputs")
+        inputs = nn.batch_inputs(ctx, batch)
         freq_factors = w.rope_freqs.weight if w.rope_freqs is not None else None
-        h = w.token_embd(tokens)
+        h = w.token_embd(inputs.tokens)
         for i, layer in enumerate(w.blk):
-            if self.cache is not None:
-                self.cache.set_layer(i)
-            last = outputs if i == len(w.blk) - 1 else None
-            h = layer(ctx, h, positions, last, self.cache, o, freq_factors)
+            self.cache.set_layer(i)
+            last = inputs.outputs if i == len(w.blk) - 1 else None
+            h = layer(ctx, h, inputs.positions, last, self.cache, o, freq_factors)
         return w.output(w.output_norm(h, o.eps))
 
     def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:

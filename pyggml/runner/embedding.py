@@ -38,7 +38,7 @@ class Embedder:
         for name, value in (("num_ctx", num_ctx), ("batch_size", batch_size)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 3):
                 raise ValueError(f"Embedder: {name} must be an int >= 3, got {value!r}")
-        trained = getattr(getattr(model, "options", None), "context_length", 0) or 512
+        trained = model.context_length or 512
         self.model, self.tokenizer = model, model.tokenizer
         self.num_ctx = min(num_ctx or trained, trained)
         self.batch_size = max(batch_size, self.num_ctx)

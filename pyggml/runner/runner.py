@@ -15,10 +15,10 @@ id is written into N+1's token array after N is sampled, just before N+1 is laun
 scheme as Ollama's runner). The one compute outside batches, a context shift (re-rotating keys),
 first waits for the batch in flight, so the tensors always see the bookkeeping's order.
 
-Graph reuse: decode steps repeat the same batch shape (one token per generating sequence, a logits
-row for each), so their graphs are the same but for the inputs. The runner keeps the last two
-graphs (one may be in flight while the next is built) and refills one when the next batch has its
-shape and the attention width (``n_kv``) has not moved (``Causal.refill``), as ``ForwardPass`` does.
+Graph reuse (``Engine``): decode steps repeat the same batch shape, so the engine keeps the last
+two graphs (one may be in flight while the next is built) and refills one when the cache allows.
+
+``LLM`` is this runner with one sequence; ``pyggml bench`` times the same ``Engine``.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from pyggml.models import Batch, Input, Model, ModelError, Pooling
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
+from pyggml.runner.engine import Engine, Graph
 from pyggml.runner.inputcache import InputCache, ReprocessInputsError
 from pyggml.runner.sequence import MAX_LOGPROBS, CompletionRequest, CompletionStream, RunningSequence
 from pyggml.tensor import DType
@@ -64,18 +64,17 @@ class _Batch(Batch):
 
 @dataclass(eq=False)
 class _Step:
-    """One built batch: its graph, where each sequence's logits row is, and the inputs whose
+    """One built batch: its graph, where each sequence's logits rows are, and the inputs whose
     token ids are filled in just before it computes."""
 
-    ctx: Any = None
-    logits: Any = None
+    graph: Graph | None = None
     ids: np.ndarray | None = None
-    rows: list[RunningSequence] = field(default_factory=list)  # the sequence of each logits row
+    rows: list[tuple[int, RunningSequence]] = field(default_factory=list)  # (logits row, sequence) to sample
+    scored: list[tuple[int, RunningSequence]] = field(default_factory=list)  # prompt rows a sequence keeps
     late: list[tuple[int, Input, RunningSequence]] = field(default_factory=list)  # placeholders by batch index
     seqs: list[RunningSequence] = field(default_factory=list)  # every sequence with inputs in the batch
     finishing: list[RunningSequence] = field(default_factory=list)  # done once the batch is computed
     future: Future | None = None
-    pooled: bool = False  # ctx belongs to the runner's graph pool (recomputed later, not closed)
 
 
 class Runner:
@@ -115,7 +114,7 @@ class Runner:
         self._active: list[RunningSequence] = []
         self._closing = False
         self._in_flight: _Step | None = None  # the batch computing in the worker (build-ahead)
-        self._graphs: list[tuple[tuple, Any, Any]] = []  # reusable (batch shape, Context, logits), at most 2
+        self.engine = Engine(model, keep=2)
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-compute") if self.build_ahead else None
         self._thread = threading.Thread(target=self._loop, name="pyggml-runner", daemon=True)
@@ -282,7 +281,7 @@ class Runner:
             if self._in_flight is not None:
                 wait([self._in_flight.future])  # let it finish before the model is touched again
             self._in_flight = None
-            self._drop_graphs()
+            self.engine.close()
             with self._cond:
                 self._closing = True
                 stranded = list(self._waiting) + [s for s in self._active if not s.done]
@@ -295,7 +294,9 @@ class Runner:
 
     def _admit(self, seq: RunningSequence) -> None:
         seq.t_start = time.perf_counter()
-        slot, remaining = self.input_cache.load_cache_slot(seq.prompt, seq.request.cache_prompt)
+        # a prompt_logits request needs every prompt position computed: it reuses no cached prefix
+        slot, remaining = self.input_cache.load_cache_slot(seq.prompt, seq.request.cache_prompt and
+                                                           seq.scores is None)
         seq.slot, seq.pending = slot, deque(remaining)
         seq.cached_tokens = len(seq.prompt) - len(remaining)
         self._active.append(seq)
@@ -318,7 +319,7 @@ class Runner:
             room = self.batch_size - len(ids)
             if not seq.pending or not room:
                 continue
-            slot, taken = seq.slot, 0
+            slot, taken, first = seq.slot, 0, len(ids)
             while seq.pending and taken < room:
                 if len(slot.inputs) >= self.num_ctx:
                     if taken:  # shift only when none of this sequence's inputs wait in a batch being built
@@ -335,10 +336,14 @@ class Runner:
                 taken += 1
             if taken:
                 step.seqs.append(seq)
+                if seq.scores is not None:  # every prompt position gets a logits row
+                    step.scored.extend((len(outputs) + i, seq) for i in range(taken))
+                    outputs.extend(range(first, len(ids)))
             if taken and not seq.pending:
                 if seq.wants_logits:
-                    outputs.append(len(ids) - 1)
-                    step.rows.append(seq)
+                    if seq.scores is None:
+                        outputs.append(len(ids) - 1)
+                    step.rows.append((len(outputs) - 1, seq))
                     seq.outputs_in_flight += 1
                 else:
                     step.finishing.append(seq)
@@ -346,73 +351,19 @@ class Runner:
             return None
         step.ids = np.array(ids, np.int32)
         batch = _Batch(step.ids, outputs=outputs, positions=positions, sequences=sequences)
+        busy = self._in_flight.graph if self._in_flight is not None else None
         try:
-            if self._refill(step, batch):
-                return step
-        except Exception as exc:
-            self._drop_graphs()
-            self._fail_step(step, exc)
-            return None
-        ctx = self.model.backend.new_context()
-        try:
-            self.model.cache.start_forward(ctx, batch)
-            step.ctx, step.logits = ctx, self.model.forward(ctx, batch)
-            if step.late and not _reads_in_place(ctx, step.ids):  # the start-up check did not hold
+            step.graph = self.engine.build(batch, busy)
+            if step.late and not _reads_in_place(step.graph.ctx, step.ids):  # the start-up check did not hold
                 self.build_ahead = False
                 raise RuntimeError("the model copied the batch's token ids; build-ahead is now off")
         except Exception as exc:
-            ctx.close()
+            self.engine.drop(busy)
+            if step.graph is not None and not step.graph.kept:
+                step.graph.ctx.close()
             self._fail_step(step, exc)
             return None
-        if ctx.reusable:
-            ctx.forward(step.logits)
-            self._keep_graph((_graph_key(batch), ctx, step.logits))
-            step.pooled = True
         return step
-
-    def _refill(self, step: _Step, batch: _Batch) -> bool:
-        """Give ``step`` a kept graph of the batch's shape with the batch's inputs written in."""
-        refill = getattr(self.model.cache, "refill", None)
-        if refill is None:
-            return False
-        key = _graph_key(batch)
-        busy = self._in_flight.ctx if self._in_flight is not None else None
-        for entry in self._graphs:
-            if entry[0] != key or entry[1] is busy:
-                continue
-            _, ctx, logits = entry
-            if not refill(ctx, batch):  # n_kv moved: the batch is placed, its graph is stale
-                self._graphs.remove(entry)
-                ctx.close()
-                return False
-            ctx.set_input("tokens", batch.tokens)
-            ctx.set_input("positions", batch.positions)
-            ctx.set_input("outputs", batch.output_rows)
-            if step.late and not _reads_in_place(ctx, step.ids):
-                raise RuntimeError("internal error: a refilled graph copied the batch's token ids")
-            step.ctx, step.logits, step.pooled = ctx, logits, True
-            return True
-        return False
-
-    def _keep_graph(self, entry: tuple[tuple, Any, Any]) -> None:
-        busy = self._in_flight.ctx if self._in_flight is not None else None
-        self._graphs.append(entry)
-        while len(self._graphs) > 2:
-            old = next((e for e in self._graphs if e[1] is not busy), None)
-            if old is None:
-                break
-            self._graphs.remove(old)
-            old[1].close()
-
-    def _drop_graphs(self) -> None:
-        """Forget the kept graphs (after a failure; the one in flight closes when it finishes)."""
-        busy = self._in_flight.ctx if self._in_flight is not None else None
-        for _, ctx, _ in self._graphs:
-            if ctx is not busy:
-                ctx.close()
-            elif self._in_flight is not None:
-                self._in_flight.pooled = False
-        self._graphs.clear()
 
     def _shift(self, seq: RunningSequence) -> None:
         """Make room in a full slot. Moving keys computes on the cache: the batch in flight, built
@@ -433,12 +384,7 @@ class Runner:
             step.ids[index] = max(inp.token, 0)
 
     def _compute(self, step: _Step) -> np.ndarray | None:
-        try:
-            step.ctx.compute(step.logits)
-            return step.logits.numpy() if step.rows else None
-        finally:
-            if not step.pooled:
-                step.ctx.close()
+        return self.engine.compute(step.graph, read=bool(step.rows or step.scored))
 
     def _complete(self, step: _Step) -> None:
         """Wait for a batch, then sample each sequence that has a row in it."""
@@ -447,16 +393,16 @@ class Runner:
         except Exception as exc:
             # its keys and values are missing, and later prompts may share them: start over
             log.error("batch failed: %r", exc)
-            self._drop_graphs()
-            if step.pooled:
-                step.ctx.close()
+            self.engine.drop()
             for slot in self.input_cache.slots:
                 slot.inputs = []
                 self.model.cache.remove(slot.id, 0)
             for seq in list(self._active):
                 self._release(seq, error=exc)
             return
-        for row, seq in enumerate(step.rows):
+        for row, seq in step.scored:
+            seq.scores.append(logits[row].copy())
+        for row, seq in step.rows:
             seq.outputs_in_flight -= 1
             if seq.done:
                 continue
@@ -480,7 +426,7 @@ class Runner:
     def _fail_step(self, step: _Step, exc: BaseException) -> None:
         """A batch could not be built: its sequences fail and their slots start over."""
         log.error("batch could not be built: %r", exc)
-        for seq in step.seqs + step.rows:
+        for seq in step.seqs + [seq for _, seq in step.rows]:
             if not seq.done:
                 seq.slot.inputs = []
                 self.model.cache.remove(seq.slot.id, 0)
@@ -496,11 +442,6 @@ class Runner:
             seq.fail(error)
         else:
             seq.finish(reason)
-
-
-def _graph_key(batch: _Batch) -> tuple:
-    """What a graph depends on besides its inputs' values (the cache checks the attention width)."""
-    return len(batch.inputs), tuple(batch.output_rows)
 
 
 def _reads_in_place(ctx, ids: np.ndarray) -> bool:

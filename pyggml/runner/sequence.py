@@ -25,7 +25,9 @@ class CompletionRequest(SamplingOptions):
     ``max_tokens=-1`` generates until an end-of-generation token, a stop string or cancellation
     (shifting the context as needed); ``0`` only processes (and caches) the prompt. ``logprobs=n``
     reports each token's log-probability and the ``n`` most likely alternatives. ``num_keep``:
-    prompt tokens kept at the start when the context shifts (-1: the whole prompt)."""
+    prompt tokens kept at the start when the context shifts (-1: the whole prompt).
+    ``prompt_logits=True`` evaluates the whole prompt (no cached prefix is reused) and returns the
+    logits of every prompt position in the last chunk's ``prompt_logits`` (scoring, perplexity)."""
 
     prompt: str | Sequence[int]
     max_tokens: int = 128
@@ -33,6 +35,7 @@ class CompletionRequest(SamplingOptions):
     logprobs: int = 0
     cache_prompt: bool = True
     num_keep: int = 4
+    prompt_logits: bool = False
 
     def sampler(self) -> Sampler:
         return Sampler(**self.sampling_options())
@@ -68,6 +71,7 @@ class CompletionChunk:
     cached_tokens: int = 0
     generated_tokens: int = 0
     timings: Timings | None = None
+    prompt_logits: np.ndarray | None = None  # (prompt tokens, vocab), for a prompt_logits request
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int | None:
@@ -108,6 +112,7 @@ class RunningSequence:
         self.cached_tokens = 0
         self.cancelled = False
         self.done = False
+        self.scores: list[np.ndarray] | None = [] if request.prompt_logits else None  # prompt rows' logits
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.finished = threading.Event()
         self._text = ""  # decoded text held back (it may begin a stop string)
@@ -162,6 +167,8 @@ class RunningSequence:
         chunk.done, chunk.finish_reason = True, reason
         chunk.prompt_tokens, chunk.cached_tokens = len(self.prompt), self.cached_tokens
         chunk.generated_tokens = self.generated
+        if self.scores is not None and reason != "cancelled":
+            chunk.prompt_logits = np.stack(self.scores) if self.scores else None
         chunk.timings = Timings(queued_seconds=start - self.t_queued, prompt_seconds=first - start,
                                 generate_seconds=now - first)
         self._text = ""

@@ -82,7 +82,7 @@ def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434
         name = "demo"  # `pyggml serve demo`: clients ask for it by that name
     model = models.load(path, BackendParams(n_threads=n_threads, flash_attention=flash_attention))
     try:
-        trained = getattr(getattr(model, "options", None), "context_length", 0) or 4096
+        trained = model.context_length or 4096
         runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained), batch_size=batch_size)
         try:
             served = ServedModel(runner, path, queue=queue, name=name)

@@ -1,4 +1,4 @@
-"""What the runner feeds a model (mirrors Ollama's model/input)."""
+"""Value types every layer above the cache uses: what the runner feeds a model (mirrors Ollama's model/input)."""
 
 from __future__ import annotations
 
