@@ -104,31 +104,35 @@ class LayerNorm(Module):
 
 
 # ---- shape declarations ----------------------------------------------------------------------
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv}
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Mod: operator.mod}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge}
+_NODES = (ast.Name, ast.Attribute, ast.Subscript, ast.Load, ast.BinOp, ast.Compare, ast.BoolOp, ast.And, ast.Or,
+          ast.UnaryOp, ast.Not, *_BINARY, *_COMPARE)
 
 
 @dataclass(frozen=True)
-class Dim:
-    """One dimension of a declared shape: an integer expression over hyper-parameter names
-    (``"n_heads * head_dim"``, ``"rope.n_dims // 2"``, ``"ffn_size[layer]"``; ``layer`` is the block index)."""
+class Expr:
+    """An expression over hyper-parameter names: a dimension (``"n_heads * head_dim"``,
+    ``"rope.n_dims // 2"``, ``"ffn_size[layer]"``) or a condition (``"layer % 2 == 1"``);
+    ``layer`` is the block index. Integers, names, attributes, indexing, + - * // %, comparisons,
+    and/or/not; nothing else parses."""
 
     text: str
     tree: ast.expr
 
     @classmethod
-    def parse(cls, dim: str | int) -> Dim:
-        text = str(dim)
+    def parse(cls, text: str | int) -> Expr:
+        text = str(text)
         tree = ast.parse(text, mode="eval").body
         for node in ast.walk(tree):
-            ok = isinstance(node, (ast.Name, ast.Attribute, ast.Subscript, ast.Load, ast.BinOp, *_BINARY)) or (
-                isinstance(node, ast.Constant) and type(node.value) is int)
-            if not ok:
-                raise ValueError(f"nn.shape: {text!r} is not an integer expression of hyper-parameter names "
-                                 "(names, integers, + - * //)")
+            if not (isinstance(node, _NODES) or (isinstance(node, ast.Constant) and type(node.value) is int)):
+                raise ValueError(f"nn.shape: {text!r} is not an integer expression of hyper-parameter names")
         return cls(text, tree)
 
-    def evaluate(self, lookup: typing.Callable[[str], Any], layer: int | None) -> int | None:
-        """The dimension's size, or None when a hyper-parameter it uses is unknown (None)."""
+    def evaluate(self, lookup: typing.Callable[[str], Any], layer: int | None) -> Any:
+        """The value, or None when a hyper-parameter it uses is unknown (None)."""
 
         def value(node: ast.expr) -> Any:
             if isinstance(node, ast.Constant):
@@ -141,11 +145,25 @@ class Dim:
             if isinstance(node, ast.Subscript):
                 owner, index = value(node.value), value(node.slice)
                 return None if owner is None or index is None else owner[index]
+            if isinstance(node, ast.BoolOp):
+                values = [value(v) for v in node.values]
+                return None if None in values else (all if isinstance(node.op, ast.And) else any)(values)
+            if isinstance(node, ast.UnaryOp):
+                operand = value(node.operand)
+                return None if operand is None else not operand
+            if isinstance(node, ast.Compare):
+                items = [value(node.left), *(value(c) for c in node.comparators)]
+                if None in items:
+                    return None
+                return all(_COMPARE[type(op)](a, b) for op, a, b in zip(node.ops, items, items[1:], strict=False))
             assert isinstance(node, ast.BinOp)
             left, right = value(node.left), value(node.right)
             return None if left is None or right is None else _BINARY[type(node.op)](left, right)
 
-        result = value(self.tree)
+        return value(self.tree)
+
+    def size(self, lookup: typing.Callable[[str], Any], layer: int | None) -> int | None:
+        result = self.evaluate(lookup, layer)
         if result is not None and (not isinstance(result, int) or isinstance(result, bool)):
             raise TypeError(f"nn.shape: {self.text!r} is {result!r}, not an integer")
         return result
@@ -154,14 +172,16 @@ class Dim:
 @dataclass(frozen=True)
 class Spec:
     """What a field's default declares: the weight's ``shape`` (None: undeclared, not checked),
-    an ``alt`` tensor to load when the field's own is absent, and whether a ``bias`` is part of it."""
+    an ``alt`` tensor to load when the field's own is absent, whether a ``bias`` is part of it, and
+    for an optional field ``when`` it is present."""
 
-    shape: tuple[Dim, ...] | None = None
+    shape: tuple[Expr, ...] | None = None
     alt: str | None = None
     bias: bool = False
+    when: Expr | None = None
 
 
-def shape(*dims: str | int, alt: str | None = None, bias: bool = False) -> Any:
+def shape(*dims: str | int, alt: str | None = None, bias: bool = False, when: str | None = None) -> Any:
     """Field default: the shape of the field's ``.weight`` in ggml order (innermost first), each
     dimension an expression of hyper-parameter names read from the model's Options::
 
@@ -171,8 +191,11 @@ def shape(*dims: str | int, alt: str | None = None, bias: bool = False) -> Any:
 
     ``bias=True``: the architecture has a ``.bias`` too, of shape (last dimension,): required and
     written by ``pyggml.synthetic``; without it a bias present in the file is still loaded and checked.
-    ``alt``: load that tensor when the field's own is absent (tied output embeddings)."""
-    return Spec(tuple(Dim.parse(d) for d in dims), alt, bias)
+    ``alt``: load that tensor when the field's own is absent (tied output embeddings).
+    ``when`` (optional fields): a condition under which the tensor is required (and written by
+    ``pyggml.synthetic``), e.g. ``"n_token_types"`` or ``"layer % moe_every == 0"``; otherwise, and
+    without ``when``, an optional tensor is loaded when the file has it."""
+    return Spec(tuple(Expr.parse(d) for d in dims), alt, bias, None if when is None else Expr.parse(when))
 
 
 def alt(name: str) -> Any:
@@ -188,7 +211,7 @@ class TensorDecl:
     name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
     shape: tuple[int, ...]  # ggml order
     module: type[Module]  # the leaf type that holds it (Linear, RMSNorm, ...)
-    required: bool  # False for optional fields and for biases that are not declared
+    required: bool  # the file must have it (optional fields: when their ``when`` holds)
 
 
 def declared(cls: type, hparams: Any, n_layers: int | None = None) -> list[TensorDecl]:
@@ -201,15 +224,20 @@ def declared(cls: type, hparams: Any, n_layers: int | None = None) -> list[Tenso
     def visit(kind: type, name: str, optional: bool, spec: Spec, layer: int | None) -> None:
         if spec.shape is None:
             return
-        sizes = tuple(d.evaluate(lambda key: _hparam(hparams, key, cls), layer) for d in spec.shape)
+
+        def lookup(key: str) -> Any:
+            return _hparam(hparams, key, cls)
+
+        required = _required(optional, spec, lookup, layer)
+        sizes = tuple(d.size(lookup, layer) for d in spec.shape)
         if any(s is None for s in sizes):
-            if optional:
+            if not required:
                 return
             unknown = [d.text for d, s in zip(spec.shape, sizes, strict=True) if s is None]
             raise ValueError(f"{name}.weight: the size of {', '.join(unknown)} is unknown; set it")
-        out.append(TensorDecl(f"{name}.weight", sizes, kind, not optional))
+        out.append(TensorDecl(f"{name}.weight", sizes, kind, required))
         if spec.bias:
-            out.append(TensorDecl(f"{name}.bias", sizes[-1:], kind, not optional))
+            out.append(TensorDecl(f"{name}.bias", sizes[-1:], kind, required))
 
     _walk(cls, "", n, None, visit)
     return out
@@ -268,19 +296,24 @@ class _Check:
     def lookup(self, key: str) -> Any:
         return self.bound[key] if key in self.bound else _hparam(self.hparams, key, self.cls)
 
-    def shape(self, name: str, tensor: Tensor, dims: tuple[Dim, ...], layer: int | None) -> None:
+    def shape(self, name: str, tensor: Tensor, dims: tuple[Expr, ...], layer: int | None) -> None:
         if self.hparams is None:
             return
         actual = tuple(tensor.shape) + (1,) * (len(dims) - len(tensor.shape))
         expected = []
         for dim, size in zip(dims, actual, strict=False):
-            value = dim.evaluate(self.lookup, layer)
+            value = dim.size(self.lookup, layer)
             if value is None and isinstance(dim.tree, ast.Name):  # unknown: the file says
                 self.bound[dim.text] = value = size
             expected.append(size if value is None else value)
         if actual != tuple(expected):
             self.wrong.append(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(expected)} = "
                               f"({', '.join(d.text for d in dims)})")
+
+
+def _required(optional: bool, spec: Spec, lookup: typing.Callable[[str], Any], layer: int | None) -> bool:
+    """Whether a field's tensor must be in the file: not optional, or optional ``when`` its condition holds."""
+    return not optional or (spec.when is not None and bool(spec.when.evaluate(lookup, layer)))
 
 
 def _unwrap(hint: Any) -> tuple[Any, bool]:
@@ -318,6 +351,7 @@ def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
 
 def _build(cls: type, prefix: str, backend: Backend, n_layers: int, layer: int | None, check: _Check) -> Any:
     def leaf(kind: type, name: str, optional: bool, spec: Spec, layer: int | None) -> Any:
+        optional = not _required(optional, spec, check.lookup, layer) if check.hparams is not None else optional
         source = name
         weight = backend.get(f"{name}.weight")
         if weight is None and spec.alt is not None:

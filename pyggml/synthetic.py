@@ -246,7 +246,7 @@ def _wpm_vocab(n: int) -> dict[str, Any]:
     types += [_NORMAL] * (n - len(types))
     return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
             "tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.unknown_token_id": 1,
-            "tokenizer.ggml.cls_token_id": 2, "tokenizer.ggml.seperator_token_id": 3,
+            "tokenizer.ggml.cls_token_id": 2, "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.seperator_token_id": 3,
             "tokenizer.ggml.mask_token_id": 4}
 
 

@@ -5,13 +5,20 @@ F16 weights from the same random values), and the checks that apply to it run:
 
 - generating models: logits shape; F32 vs F16; a whole prompt in one batch equals it token by token
   through the cache; two sequences in one batch equal each alone; decode steps reuse the graph;
-- embedding models: embedding shape; F32 vs F16; two sequences in one batch equal each alone.
+- embedding models: embedding shape; F32 vs F16; two sequences in one batch equal each alone;
+- both: llama.cpp loads the same file, tokenizes alike and computes the same logits / embeddings.
 
 A new architecture joins by adding its tiny config (GGUF keys without the architecture prefix) to
 ``TINY``; ``test_every_architecture_has_a_tiny_config`` fails until it does.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -27,7 +34,7 @@ TINY: dict[str, dict] = {
               "rope.freq_base": 10000.0, "vocab_size": 320},
     "bert": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
              "context_length": 64, "attention.layer_norm_epsilon": 1e-12, "pooling_type": 1, "vocab_size": 160,
-             "tokenizer.ggml.model": "bert"},
+             "tokenizer.ggml.model": "bert", "tokenizer.ggml.token_type_count": 2},
 }
 
 GENERATING = sorted(a for a, cls in models.registry().items() if cls.generates)
@@ -38,6 +45,7 @@ OTHER = [1, 50, 31, 8]
 # Tolerances, as max |a - b| / max |b| over the compared logits or embeddings, from the errors measured
 # on these tiny models (F32 cache, 2 threads, x86-64 CPU) with a margin for other CPUs' kernels:
 F16_TOLERANCE = 5e-3  # F16 vs F32 weights: measured 7.5e-4 (llama), 4.9e-4 (bert): F16 rounding (2^-11)
+LLAMA_CPP_TOLERANCE = 1e-3  # the same file in llama.cpp: measured 0 (llama), 1.5e-4 (bert: its GELU is tanh's)
 SAME_TOLERANCE = 2e-5  # one model along two batching paths: measured 0 .. 2.7e-7 (summation order only);
 #                       a token seen or hidden by mistake changes later rows by ~0.4 (measured, llama)
 
@@ -208,5 +216,41 @@ def test_embedding_two_sequences_in_one_batch_equal_each_alone(arch, tiny_file):
         together = embed(model, [PROMPT, OTHER])
         assert error(together[:1], embed(model, [PROMPT])) < SAME_TOLERANCE
         assert error(together[1:], embed(model, [OTHER])) < SAME_TOLERANCE
+    finally:
+        model.close()
+
+
+# ---- the same file in llama.cpp ----------------------------------------------------------------------
+_LLAMA_CPP = textwrap.dedent("""
+    import json, sys
+    import llama_cpp
+    path, text, embedding = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=2, verbose=False, logits_all=not embedding,
+                          embedding=embedding, **({"pooling_type": 1} if embedding else {}))
+    tokens = llm.tokenize(text.encode())
+    if embedding:
+        out = llm.embed(text, normalize=False)
+    else:
+        llm.eval(tokens)
+        out = [list(map(float, row)) for row in llm.scores[:len(tokens)]]
+    print(json.dumps({"tokens": tokens, "out": out}))
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp (llama-cpp-python) is absent")
+@pytest.mark.parametrize("arch", sorted(set(GENERATING) | set(EMBEDDING)))
+def test_llama_cpp_runs_the_same_file(arch, tiny_file):
+    """Synthetic files are GGUFs as llama.cpp writes them (in a subprocess: a crash there must not end the run)."""
+    path, text = tiny_file(arch), "hello world, 42!"
+    done = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), text, "0" if arch in GENERATING else "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    model = load(tiny_file(arch))
+    try:
+        tokens = model.tokenizer.encode(text)
+        assert tokens == theirs["tokens"]
+        ours = forward(model, tokens) if arch in GENERATING else embed(model, [tokens])[0]
+        assert error(ours, np.array(theirs["out"], np.float32)) < LLAMA_CPP_TOLERANCE
     finally:
         model.close()

@@ -98,7 +98,8 @@ class Layer(nn.Module):
 
 class Weights(nn.Module):
     token_embd: nn.Embedding = nn.shape("hidden_size", "vocab_size")
-    token_types: nn.Embedding | None = nn.shape("hidden_size", "n_token_types")  # segments; all tokens are 0
+    # segment embeddings (every token is segment 0); required when the file states a token type count
+    token_types: nn.Embedding | None = nn.shape("hidden_size", "n_token_types", when="n_token_types")
     position_embd: nn.Embedding = nn.shape("hidden_size", "context_length")
     token_embd_norm: nn.LayerNorm = nn.shape("hidden_size", bias=True)
     blk: list[Layer]
