@@ -459,12 +459,18 @@ def add_parsers(sub: Any) -> None:
     bench.add_argument("--progress", action="store_true", help="report each test on stderr as it starts")
     bench.set_defaults(func=cmd_bench)
 
-    make = sub.add_parser("make-model", help="write a random-weight GGUF at a real model's dimensions",
-                          description="Write a llama-architecture GGUF with random weights (for benchmarks).")
-    make.add_argument("shape", help="tiny, tinyllama-1.1b, llama-3.2-1b or llama-3.1-8b")
+    make = sub.add_parser("make-model", help="write a random-weight GGUF of any architecture or a real model's shape",
+                          description="Write a GGUF with random weights: a named shape at a real model's dimensions "
+                                      "(for benchmarks) or any registered architecture at a small default shape "
+                                      "(for tests and porting). --set changes single hyper-parameters.")
+    make.add_argument("shape", help="tiny, tinyllama-1.1b, llama-3.2-1b, llama-3.1-8b, or an architecture "
+                                    "(llama, bert, ...)")
     make.add_argument("out", help="output .gguf path")
-    make.add_argument("--type", default="q4_0", help="weight type: f16, q8_0, q4_0, q4_k, ... (default: q4_0)")
+    make.add_argument("--type", default="q4_0", help="weight type: f32, f16, q8_0, q4_0, q4_k, ... (default: q4_0)")
     make.add_argument("--seed", type=int, default=0)
+    make.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", type=_hparam,
+                      help="a GGUF metadata key without the architecture prefix, e.g. block_count=4 or "
+                           "tokenizer.ggml.model=bert (repeatable)")
     make.set_defaults(func=cmd_make_model)
 
 
@@ -531,11 +537,34 @@ def bench(args: argparse.Namespace, out: Any = None) -> int:
     return 0
 
 
+def _hparam(text: str) -> tuple[str, Any]:
+    """KEY=VALUE with VALUE an int, a float, true/false or a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    for kind in (int, float):
+        try:
+            return key, kind(value)
+        except ValueError:
+            pass
+    return key, value
+
+
 def cmd_make_model(args: argparse.Namespace) -> int:
+    step = [0]
+
+    def progress(done: int, total: int) -> None:  # a line per 10% of a file of over 100M weights
+        if total > 100_000_000 and done * 10 // total > step[0]:
+            step[0] = done * 10 // total
+            print(f"pyggml make-model: {100 * done // total}% of {total / 1e6:,.0f}M weights", file=sys.stderr)
+
     try:
         from pyggml.synthetic import write_synthetic
 
-        out = write_synthetic(args.out, args.shape, args.type, seed=args.seed)
+        out = write_synthetic(args.out, args.shape, args.type, seed=args.seed, progress=progress,
+                              hparams=dict(args.set))
     except KeyboardInterrupt:
         raise
     except Exception as e:

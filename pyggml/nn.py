@@ -1,25 +1,30 @@
 """Building blocks for model files: weight-holding modules, the weight loader, rope and attention.
 
-Model files declare weights as annotated fields named exactly like the GGUF tensors::
+Model files declare weights as annotated fields named exactly like the GGUF tensors, each with its
+shape (ggml order) in the names of the model's hyper-parameters (its Options)::
 
     class Layer(nn.Module):
-        attn_norm: nn.RMSNorm            # loads blk.N.attn_norm.weight
-        attn: SelfAttention              # a non-leaf module: its fields share the layer's prefix
-        ffn_up: nn.Linear                # blk.N.ffn_up.weight (+ .bias when present)
-        attn_q_norm: nn.RMSNorm | None   # optional: None when the file has no such tensor
+        attn_norm: nn.RMSNorm = nn.shape("hidden_size")                # blk.N.attn_norm.weight
+        attn: SelfAttention                    # a non-leaf module: its fields share the layer's prefix
+        ffn_up: nn.Linear = nn.shape("hidden_size", "ffn_size")        # (in, out); + .bias when present
+        attn_q_norm: nn.RMSNorm | None = nn.shape("head_dim")          # optional: None when absent
 
-    class Model(nn.Module):
-        token_embd: nn.Embedding
-        blk: list[Layer]                 # blk.0., blk.1., ... up to config block_count
-        output: nn.Linear = nn.alt("token_embd")   # tied embeddings when output.weight is absent
+    class Weights(nn.Module):
+        token_embd: nn.Embedding = nn.shape("hidden_size", "vocab_size")
+        blk: list[Layer]                       # blk.0., blk.1., ... up to Options.n_layers
+        output: nn.Linear = nn.shape("hidden_size", "vocab_size", alt="token_embd")  # tied when absent
 
-``nn.load(Model, backend)`` fills them in and reports every missing tensor at once.
+``nn.load(Weights, backend, options)`` fills them in and reports every missing tensor and every
+wrong shape at once; ``nn.declared(Weights, options)`` lists them for ``pyggml.synthetic``.
 """
 
 from __future__ import annotations
 
+import ast
+import operator
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
@@ -33,7 +38,11 @@ if typing.TYPE_CHECKING:
     from pyggml.kvcache import Cache
 
 
-class MissingWeightsError(ValueError):
+class ModelError(ValueError):
+    """A model file that pyggml cannot run: unknown architecture, bad hyper-parameters, wrong shapes."""
+
+
+class MissingWeightsError(ModelError):
     """Required tensors are absent from the GGUF file."""
 
 
@@ -95,25 +104,217 @@ class LayerNorm(Module):
         return x.norm(eps, self.weight, self.bias)
 
 
+# ---- shape declarations ----------------------------------------------------------------------
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Mod: operator.mod}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge}
+_NODES = (ast.Name, ast.Attribute, ast.Subscript, ast.Load, ast.BinOp, ast.Compare, ast.BoolOp, ast.And, ast.Or,
+          ast.UnaryOp, ast.Not, *_BINARY, *_COMPARE)
+
+
 @dataclass(frozen=True)
-class _Alt:
-    name: str
+class Expr:
+    """An expression over hyper-parameter names: a dimension (``"n_heads * head_dim"``,
+    ``"rope.n_dims // 2"``, ``"ffn_size[layer]"``) or a condition (``"layer % 2 == 1"``);
+    ``layer`` is the block index. Integers, names, attributes, indexing, + - * // %, comparisons,
+    and/or/not; nothing else parses."""
+
+    text: str
+    tree: ast.expr
+
+    @classmethod
+    def parse(cls, text: str | int) -> Expr:
+        text = str(text)
+        tree = ast.parse(text, mode="eval").body
+        for node in ast.walk(tree):
+            if not (isinstance(node, _NODES) or (isinstance(node, ast.Constant) and type(node.value) is int)):
+                raise ValueError(f"nn.shape: {text!r} is not an integer expression of hyper-parameter names")
+        return cls(text, tree)
+
+    def evaluate(self, lookup: typing.Callable[[str], Any], layer: int | None) -> Any:
+        """The value, or None when a hyper-parameter it uses is unknown (None)."""
+
+        def value(node: ast.expr) -> Any:
+            if isinstance(node, ast.Constant):
+                return node.value
+            if isinstance(node, ast.Name):
+                return layer if node.id == "layer" else lookup(node.id)
+            if isinstance(node, ast.Attribute):
+                owner = value(node.value)
+                return None if owner is None else getattr(owner, node.attr)
+            if isinstance(node, ast.Subscript):
+                owner, index = value(node.value), value(node.slice)
+                return None if owner is None or index is None else owner[index]
+            if isinstance(node, ast.BoolOp):
+                values = [value(v) for v in node.values]
+                return None if None in values else (all if isinstance(node.op, ast.And) else any)(values)
+            if isinstance(node, ast.UnaryOp):
+                operand = value(node.operand)
+                return None if operand is None else not operand
+            if isinstance(node, ast.Compare):
+                items = [value(node.left), *(value(c) for c in node.comparators)]
+                if None in items:
+                    return None
+                return all(_COMPARE[type(op)](a, b) for op, a, b in zip(node.ops, items, items[1:], strict=False))
+            assert isinstance(node, ast.BinOp)
+            left, right = value(node.left), value(node.right)
+            return None if left is None or right is None else _BINARY[type(node.op)](left, right)
+
+        return value(self.tree)
+
+    def size(self, lookup: typing.Callable[[str], Any], layer: int | None) -> int | None:
+        result = self.evaluate(lookup, layer)
+        if result is not None and (not isinstance(result, int) or isinstance(result, bool)):
+            raise TypeError(f"nn.shape: {self.text!r} is {result!r}, not an integer")
+        return result
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a field's default declares: the weight's ``shape`` (None: undeclared, not checked),
+    an ``alt`` tensor to load when the field's own is absent, whether a ``bias`` is part of it, and
+    for an optional field ``when`` it is present."""
+
+    shape: tuple[Expr, ...] | None = None
+    alt: str | None = None
+    bias: bool = False
+    when: Expr | None = None
+
+
+def shape(*dims: str | int, alt: str | None = None, bias: bool = False, when: str | None = None) -> Any:
+    """Field default: the shape of the field's ``.weight`` in ggml order (innermost first), each
+    dimension an expression of hyper-parameter names read from the model's Options::
+
+        attn_q: nn.Linear = nn.shape("hidden_size", "n_heads * head_dim")   # Linear: (in, out)
+        token_embd: nn.Embedding = nn.shape("hidden_size", "vocab_size")     # Embedding: (dim, rows)
+        attn_norm: nn.RMSNorm = nn.shape("hidden_size")                      # norms: (dim,)
+
+    ``bias=True``: the architecture has a ``.bias`` too, of shape (last dimension,): required and
+    written by ``pyggml.synthetic``; without it a bias present in the file is still loaded and checked.
+    ``alt``: load that tensor when the field's own is absent (tied output embeddings).
+    ``when`` (optional fields): a condition under which the tensor is required (and written by
+    ``pyggml.synthetic``), e.g. ``"n_token_types"`` or ``"layer % moe_every == 0"``; otherwise, and
+    without ``when``, an optional tensor is loaded when the file has it."""
+    return Spec(tuple(Expr.parse(d) for d in dims), alt, bias, None if when is None else Expr.parse(when))
 
 
 def alt(name: str) -> Any:
-    """Field default: load this other tensor when the field's own is absent (tied weights)."""
-    return _Alt(name)
+    """Field default: load this other tensor when the field's own is absent (tied weights); the
+    shape is not declared (``nn.shape(..., alt=name)`` declares both)."""
+    return Spec(alt=name)
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """A tensor as the declarations describe it for given hyper-parameters (``pyggml.synthetic``)."""
+
+    name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
+    shape: tuple[int, ...]  # ggml order
+    module: type[Module]  # the leaf type that holds it (Linear, RMSNorm, ...)
+    required: bool  # the file must have it (optional fields: when their ``when`` holds)
+
+
+def declared(cls: type, hparams: Any, n_layers: int | None = None) -> list[TensorDecl]:
+    """Every tensor of ``cls`` (an nn.Module tree) whose shape is declared, sized from
+    ``hparams`` (the model's Options, or a mapping); raises ValueError for a required tensor of
+    unknown size (an optional one is left out)."""
+    n = _layer_count(hparams, n_layers, None)
+    out: list[TensorDecl] = []
+
+    def visit(kind: type, name: str, optional: bool, spec: Spec, layer: int | None) -> None:
+        if spec.shape is None:
+            return
+
+        def lookup(key: str) -> Any:
+            return _hparam(hparams, key, cls)
+
+        required = _required(optional, spec, lookup, layer)
+        sizes = tuple(d.size(lookup, layer) for d in spec.shape)
+        if any(s is None for s in sizes):
+            if not required:
+                return
+            unknown = [d.text for d, s in zip(spec.shape, sizes, strict=True) if s is None]
+            raise ValueError(f"{name}.weight: the size of {', '.join(unknown)} is unknown; set it")
+        out.append(TensorDecl(f"{name}.weight", sizes, kind, required))
+        if spec.bias:
+            out.append(TensorDecl(f"{name}.bias", sizes[-1:], kind, required))
+
+    _walk(cls, "", n, None, visit)
+    return out
 
 
 # ---- the loader ---------------------------------------------------------------------------------
-def load(cls: type, backend: Backend, n_layers: int | None = None) -> Any:
-    """Build ``cls`` with its declared weights taken from ``backend`` by GGUF name."""
-    missing: list[str] = []
-    layers = n_layers if n_layers is not None else backend.config.uint("block_count", 0)
-    module = _build(cls, "", backend, layers, missing)
-    if missing:
-        raise MissingWeightsError(f"{backend.path}: missing tensors: {', '.join(missing)}")
+def load(cls: type, backend: Backend, hparams: Any = None, n_layers: int | None = None) -> Any:
+    """Build ``cls`` with its declared weights taken from ``backend`` by GGUF name, checking each
+    declared shape against ``hparams`` (the model's Options). Raises ``MissingWeightsError`` or
+    ``ModelError`` listing every missing tensor and every wrong shape at once."""
+    layers = _layer_count(hparams, n_layers, backend)
+    check = _Check(hparams, cls)
+    module = _build(cls, "", backend, layers, None, check)
+    problems = []
+    if check.missing:
+        problems.append(f"missing tensors: {', '.join(check.missing)}")
+    if check.wrong:
+        problems.append("wrong shapes for the file's hyper-parameters: " + "; ".join(check.wrong))
+    if problems:
+        error = MissingWeightsError if check.missing else ModelError
+        raise error(f"{backend.path}: " + ". ".join(problems))
     return module
+
+
+def _layer_count(hparams: Any, n_layers: int | None, backend: Backend | None) -> int:
+    if n_layers is not None:
+        return n_layers
+    if isinstance(hparams, Mapping) and "n_layers" in hparams:
+        return int(hparams["n_layers"])
+    if hparams is not None and hasattr(hparams, "n_layers"):
+        return int(hparams.n_layers)
+    return backend.config.uint("block_count", 0) if backend is not None else 0
+
+
+def _hparam(hparams: Any, key: str, cls: type) -> Any:
+    """A hyper-parameter by name; a declaration naming one that does not exist is a bug in the model file."""
+    if isinstance(hparams, Mapping):
+        if key in hparams:
+            return hparams[key]
+    elif hparams is not None and hasattr(hparams, key):
+        return getattr(hparams, key)
+    raise TypeError(f"{cls.__name__}: a declared shape names {key!r}, which "
+                    f"{type(hparams).__name__ if hparams is not None else 'no hyper-parameters'} has")
+
+
+class _Check:
+    """Shape checking state of one load: the problems found, and sizes bound from the file for
+    hyper-parameters that are unknown (None) in the Options, e.g. a vocabulary size not in the metadata."""
+
+    def __init__(self, hparams: Any, cls: type):
+        self.hparams, self.cls = hparams, cls
+        self.bound: dict[str, int] = {}
+        self.missing: list[str] = []
+        self.wrong: list[str] = []
+
+    def lookup(self, key: str) -> Any:
+        return self.bound[key] if key in self.bound else _hparam(self.hparams, key, self.cls)
+
+    def shape(self, name: str, tensor: Tensor, dims: tuple[Expr, ...], layer: int | None) -> None:
+        if self.hparams is None:
+            return
+        actual = tuple(tensor.shape) + (1,) * (len(dims) - len(tensor.shape))
+        expected = []
+        for dim, size in zip(dims, actual, strict=False):
+            value = dim.size(self.lookup, layer)
+            if value is None and isinstance(dim.tree, ast.Name):  # unknown: the file says
+                self.bound[dim.text] = value = size
+            expected.append(size if value is None else value)
+        if actual != tuple(expected):
+            self.wrong.append(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(expected)} = "
+                              f"({', '.join(d.text for d in dims)})")
+
+
+def _required(optional: bool, spec: Spec, lookup: typing.Callable[[str], Any], layer: int | None) -> bool:
+    """Whether a field's tensor must be in the file: not optional, or optional ``when`` its condition holds."""
+    return not optional or (spec.when is not None and bool(spec.when.evaluate(lookup, layer)))
 
 
 def _unwrap(hint: Any) -> tuple[Any, bool]:
@@ -125,37 +326,54 @@ def _unwrap(hint: Any) -> tuple[Any, bool]:
     return hint, False
 
 
-def _build(cls: type, prefix: str, backend: Backend, n_layers: int, missing: list[str]) -> Any:
+def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
+          leaf: typing.Callable[[type, str, bool, Spec, int | None], Any]) -> Any:
+    """Build ``cls``: each leaf field's value is ``leaf(kind, gguf_name, optional, spec, layer)``;
+    ``list[X]`` fields repeat X per layer under ``<field>.<i>.``, other modules share the prefix."""
     obj = cls.__new__(cls)
     for field, hint in typing.get_type_hints(cls).items():
         if typing.get_origin(hint) is ClassVar:
             continue
         kind, optional = _unwrap(hint)
-        default = cls.__dict__.get(field)
+        spec = cls.__dict__.get(field)
+        spec = spec if isinstance(spec, Spec) else Spec()
         if typing.get_origin(kind) is list:
             (item,) = typing.get_args(kind)
-            value = [_build(item, f"{prefix}{field}.{i}.", backend, n_layers, missing) for i in range(n_layers)]
+            value = [_walk(item, f"{prefix}{field}.{i}.", n_layers, i, leaf) for i in range(n_layers)]
         elif isinstance(kind, type) and issubclass(kind, Module) and kind.leaf:
-            value = _leaf(kind, f"{prefix}{field}", backend, optional, default, missing)
+            value = leaf(kind, f"{prefix}{field}", optional, spec, layer)
         elif isinstance(kind, type) and issubclass(kind, Module):
-            value = _build(kind, prefix, backend, n_layers, missing)  # inline: same prefix
+            value = _walk(kind, prefix, n_layers, layer, leaf)  # inline: same prefix
         else:
             continue  # not a weight (hyper-parameters and the like are set by the model)
         setattr(obj, field, value)
     return obj
 
 
-def _leaf(kind: type, name: str, backend: Backend, optional: bool, default: Any, missing: list[str]) -> Any:
-    weight = backend.get(f"{name}.weight")
-    if weight is None and isinstance(default, _Alt):
-        weight = backend.get(f"{default.name}.weight")
-        if weight is not None and kind is Linear:  # e.g. tied output embeddings: a fast mulmat layout
+def _build(cls: type, prefix: str, backend: Backend, n_layers: int, layer: int | None, check: _Check) -> Any:
+    def leaf(kind: type, name: str, optional: bool, spec: Spec, layer: int | None) -> Any:
+        optional = not _required(optional, spec, check.lookup, layer) if check.hparams is not None else optional
+        source = name
+        weight = backend.get(f"{name}.weight")
+        if weight is None and spec.alt is not None:
+            source = spec.alt
+            weight = backend.get(f"{source}.weight")
+        if weight is None:
+            if not optional:
+                check.missing.append(f"{name}.weight")
+            return None
+        bias = backend.get(f"{name}.bias")
+        if bias is None and spec.bias:
+            check.missing.append(f"{name}.bias")
+        if spec.shape is not None:
+            check.shape(f"{source}.weight", weight, spec.shape, layer)
+            if bias is not None:
+                check.shape(f"{name}.bias", bias, spec.shape[-1:], layer)
+        if source != name and kind is Linear:  # e.g. tied output embeddings: a fast mulmat layout
             weight = backend.matmul_weight(weight)
-    if weight is None:
-        if not optional:
-            missing.append(f"{name}.weight")
-        return None
-    return kind(weight, backend.get(f"{name}.bias"))
+        return kind(weight, bias)
+
+    return _walk(cls, prefix, n_layers, layer, leaf)
 
 
 # ---- rope -------------------------------------------------------------------------------------

@@ -169,6 +169,24 @@ def test_make_model(tmp_path):
     assert code == 1 and "unknown model shape" in err
 
 
+def test_make_model_of_any_architecture(tmp_path):
+    from pyggml import models
+
+    out = tmp_path / "bert.gguf"
+    code, text, err = run_cli(["make-model", "bert", str(out), "--type", "f16", "--set", "block_count=3",
+                               "--set", "tokenizer.ggml.model=bert", "--set", "pooling_type=2"])
+    assert code == 0, err
+    model = models.load(out)
+    try:
+        assert model.options.n_layers == 3 and model.pooling == models.Pooling.CLS
+        ids = model.tokenizer.encode("a b")  # [CLS] a b [SEP]
+        assert len(ids) == 4 and model.tokenizer.decode(ids[1:3]) == "a b"
+    finally:
+        model.close()
+    code, _, err = run_cli(["make-model", "llama", str(tmp_path / "x.gguf"), "--set", "attention.head_count=5"])
+    assert code == 1 and "do not make a valid model" in err
+
+
 # ---- bench/compare_baseline.py ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def compare_baseline():

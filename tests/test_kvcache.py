@@ -10,7 +10,6 @@ cell: ``x`` visible, ``.`` hidden.
 
 from __future__ import annotations
 
-import gguf
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -21,6 +20,7 @@ import pyggml
 from pyggml import Backend, BackendParams, DType
 from pyggml.kvcache import CacheConfig, CacheFullError, Causal, Encoder, NotSupportedError, Wrapper
 from pyggml.models import Batch, Multimodal, MultimodalIndex
+from pyggml.synthetic import write_model
 
 DK, HEADS, DV = 4, 2, 2
 ROPE = 10000.0
@@ -692,34 +692,17 @@ def test_wrapper_changes_all_caches_or_none(cpu):
 
 def write_sharp_llama(path, layers=2, seed=0):
     """A llama whose attention is peaked (large q/k weights), so that which positions a
-    token sees and how keys are rotated change the logits; ``write_synthetic``'s 0.02-scale
-    weights give near-uniform attention that neither masks nor RoPE visibly affect."""
-    hidden, ffn, heads, kv, vocab = 128, 128, 4, 2, 128  # head_dim 32: one Q8_0/Q4_0 block
-    writer = gguf.GGUFWriter(path, "llama")
-    for add, value in ((writer.add_block_count, layers), (writer.add_embedding_length, hidden),
-                       (writer.add_feed_forward_length, ffn), (writer.add_head_count, heads),
-                       (writer.add_head_count_kv, kv), (writer.add_context_length, 256),
-                       (writer.add_layer_norm_rms_eps, 1e-5), (writer.add_rope_freq_base, ROPE),
-                       (writer.add_vocab_size, vocab)):
-        add(value)
-    rng = np.random.default_rng(seed)
-    head_dim = hidden // heads
-    shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,), "output.weight": (vocab, hidden)}
-    for i in range(layers):
-        shapes.update({f"blk.{i}.attn_norm.weight": (hidden,), f"blk.{i}.ffn_norm.weight": (hidden,),
-                       f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv * head_dim, hidden),
-                       f"blk.{i}.attn_v.weight": (kv * head_dim, hidden),
-                       f"blk.{i}.attn_output.weight": (hidden, hidden), f"blk.{i}.ffn_gate.weight": (ffn, hidden),
-                       f"blk.{i}.ffn_up.weight": (ffn, hidden), f"blk.{i}.ffn_down.weight": (hidden, ffn)})
-    for name, shape in shapes.items():
+    token sees and how keys are rotated change the logits; the default random weights give
+    near-uniform attention that neither masks nor RoPE visibly affect."""
+    hparams = {"block_count": layers, "embedding_length": 128, "feed_forward_length": 128,  # head_dim 32: one
+               "attention.head_count": 4, "attention.head_count_kv": 2, "context_length": 256,  # Q8_0/Q4_0 block
+               "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": ROPE, "vocab_size": 128}
+
+    def init(name, shape, rng):
         scale = QK_SCALE if "attn_q" in name or "attn_k" in name else 0.2
-        data = np.ones(shape) if len(shape) == 1 else scale * rng.standard_normal(shape)
-        writer.add_tensor(name, data.astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+        return np.ones(shape) if len(shape) == 1 else scale * rng.standard_normal(shape)
+
+    return write_model(path, "llama", hparams, "f32", seed=seed, init=init)
 
 
 @pytest.fixture(scope="module")

@@ -3,55 +3,23 @@
 from __future__ import annotations
 
 import gguf
-import numpy as np
 import pytest
 
 import pyggml
 from pyggml import models, nn
 from pyggml.models import Batch, Input, ModelError
-from pyggml.synthetic import write_synthetic
+from pyggml.synthetic import write_model, write_synthetic
 
 from .conftest import SHARED_MODELS
 
 
-def write_llama(path, *, arch="llama", drop=(), reshape=None, tie=False):
-    """A 1-layer llama GGUF with small random F32 weights (and a tiny SPM vocab)."""
-    hidden, ffn, heads, kv, vocab = 32, 64, 4, 2, 300
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(1)
-    writer.add_embedding_length(hidden)
-    writer.add_feed_forward_length(ffn)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv)
-    writer.add_context_length(128)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_tokenizer_model("llama")
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"▁w{i}" for i in range(41)]
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * len(tokens))
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * 41)
-    rng = np.random.default_rng(0)
-    head_dim = hidden // heads
-    shapes = {
-        "token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
-        "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
-        "blk.0.attn_q.weight": (hidden, hidden), "blk.0.attn_k.weight": (kv * head_dim, hidden),
-        "blk.0.attn_v.weight": (kv * head_dim, hidden), "blk.0.attn_output.weight": (hidden, hidden),
-        "blk.0.ffn_gate.weight": (ffn, hidden), "blk.0.ffn_up.weight": (ffn, hidden),
-        "blk.0.ffn_down.weight": (hidden, ffn),
-    }
-    if not tie:
-        shapes["output.weight"] = (vocab, hidden)
-    if reshape:
-        shapes.update(reshape)
-    for name, shape in shapes.items():
-        if name not in drop:
-            writer.add_tensor(name, (0.1 * rng.standard_normal(shape)).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+def write_llama(path, *, drop=(), reshape=None, tie=False):
+    """A 1-layer llama GGUF with small random F32 weights (and a tiny SPM vocab); ``drop``: tensors to
+    leave out, ``reshape``: numpy shapes to write instead of the right ones."""
+    hparams = {"block_count": 1, "embedding_length": 32, "feed_forward_length": 64, "attention.head_count": 4,
+               "attention.head_count_kv": 2, "context_length": 128, "vocab_size": 300}
+    return write_model(path, "llama", hparams, "f32", omit=(*drop, *(("output.weight",) if tie else ())),
+                       shapes={name: tuple(reversed(shape)) for name, shape in (reshape or {}).items()})
 
 
 def test_registry_knows_llama():
@@ -59,7 +27,12 @@ def test_registry_knows_llama():
 
 
 def test_unknown_architecture_lists_supported(tmp_path):
-    path = write_llama(tmp_path / "m.gguf", arch="mamba9")
+    path = tmp_path / "m.gguf"
+    writer = gguf.GGUFWriter(path, "mamba9")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     with pytest.raises(ModelError, match="unsupported architecture 'mamba9'.*llama"):
         models.load(path)
 
@@ -75,6 +48,36 @@ def test_wrong_tensor_shape_is_reported(tmp_path):
     path = write_llama(tmp_path / "m.gguf", reshape={"blk.0.ffn_up.weight": (48, 32)})
     with pytest.raises(ModelError, match=r"blk\.0\.ffn_up\.weight has shape \(32, 48\), expected \(32, 64\)"):
         models.load(path)
+
+
+def test_every_missing_tensor_and_wrong_shape_is_listed_at_once(tmp_path):
+    wrong = {"blk.0.ffn_up.weight": (48, 32), "output.weight": (300, 16), "output_norm.weight": (31,)}
+    path = write_llama(tmp_path / "m.gguf", drop=("blk.0.attn_v.weight",), reshape=wrong)
+    with pytest.raises(nn.MissingWeightsError) as err:
+        models.load(path)
+    message = str(err.value)
+    assert "missing tensors: blk.0.attn_v.weight" in message
+    assert "blk.0.ffn_up.weight has shape (32, 48), expected (32, 64) = (hidden_size, ffn_size)" in message
+    assert "output.weight has shape (16, 300), expected (32, 300) = (hidden_size, vocab_size)" in message
+    assert "output_norm.weight has shape (31,), expected (32,) = (hidden_size)" in message
+
+
+def test_declared_shapes_follow_the_hyper_parameters():
+    from pyggml.models.llama import Llama
+
+    opts = {"n_layers": 2, "hidden_size": 8, "n_heads": 2, "n_kv_heads": 1, "head_dim": 4, "head_dim_v": 4,
+            "ffn_size": 16, "vocab_size": 10, "rope": nn.Rope(n_dims=4)}
+    shapes = {t.name: (t.shape, t.required) for t in nn.declared(Llama.Weights, opts)}
+    assert shapes["blk.1.attn_k.weight"] == ((8, 4), True)
+    assert shapes["blk.0.attn_output.weight"] == ((8, 8), True)
+    assert shapes["blk.0.ffn_down.weight"] == ((16, 8), True)
+    assert shapes["output.weight"] == ((8, 10), True) and shapes["rope_freqs.weight"] == ((2,), False)
+    assert len(shapes) == 3 + 1 + 2 * 9
+
+
+def test_shape_declarations_reject_non_arithmetic():
+    with pytest.raises(ValueError, match="integer expression"):
+        nn.shape("hidden_size", "__import__('os')")
 
 
 def test_tied_output_uses_token_embeddings(tmp_path):

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pyggml.input import Batch, Input, Multimodal, MultimodalIndex
+from pyggml.nn import ModelError
 
 if TYPE_CHECKING:
     from pyggml.backend import Backend, BackendParams, Context, ProgressFn
@@ -16,10 +17,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Batch", "Input", "Model", "ModelError", "Multimodal", "MultimodalIndex", "Pooling", "load", "register",
            "registry"]
-
-
-class ModelError(ValueError):
-    """A model file that pyggml cannot run: unknown architecture, bad hyper-parameters, wrong shapes."""
 
 
 class Pooling(enum.IntEnum):
@@ -58,6 +55,10 @@ class Model:
     cache: Cache | None
     tokenizer: Any
     generates: ClassVar[bool] = True  # implements forward(): logits for the next token
+    # the architecture's hyper-parameters (a frozen dataclass with ``from_config(config)``) and its
+    # nn.Module tree of weights: ``pyggml.synthetic`` writes random files for any registered model from them
+    Options: ClassVar[Any] = None
+    Weights: ClassVar[Any] = None
     pooling: Pooling | None = None  # embedding models: the file's pooling; None: no embed()
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:

@@ -27,7 +27,8 @@ class Options:
     n_heads: int
     head_dim: int
     ffn_size: int
-    vocab_size: int
+    vocab_size: int | None  # None: no tokenizer in the file, token_embd's rows
+    n_token_types: int | None  # rows of token_types (None: not in the metadata, the file's)
     context_length: int  # rows of position_embd: the longest sequence
     eps: float
     pooling: Pooling
@@ -53,7 +54,8 @@ class Options:
             n_heads=n_heads,
             head_dim=hidden // n_heads,
             ffn_size=config.uint("feed_forward_length"),
-            vocab_size=len(config.get("tokenizer.ggml.tokens", ())),
+            vocab_size=len(config.get("tokenizer.ggml.tokens", ())) or None,
+            n_token_types=config.uint("tokenizer.ggml.token_type_count", None),
             context_length=config.uint("context_length", 512),
             eps=config.float("attention.layer_norm_epsilon", 1e-12),
             pooling=pooling,
@@ -61,10 +63,10 @@ class Options:
 
 
 class SelfAttention(nn.Module):
-    attn_q: nn.Linear
-    attn_k: nn.Linear
-    attn_v: nn.Linear
-    attn_output: nn.Linear
+    attn_q: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
+    attn_k: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
+    attn_v: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
+    attn_output: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
 
     def __call__(self, ctx: Context, x: Tensor, mask: Tensor, opts: Options) -> Tensor:
         n_tokens = x.shape[1]
@@ -76,8 +78,8 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    ffn_up: nn.Linear
-    ffn_down: nn.Linear
+    ffn_up: nn.Linear = nn.shape("hidden_size", "ffn_size", bias=True)
+    ffn_down: nn.Linear = nn.shape("ffn_size", "hidden_size", bias=True)
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.ffn_down(self.ffn_up(x).gelu_erf())  # BERT's "gelu" is the exact (erf) one
@@ -85,9 +87,9 @@ class MLP(nn.Module):
 
 class Layer(nn.Module):
     attention: SelfAttention
-    attn_output_norm: nn.LayerNorm
+    attn_output_norm: nn.LayerNorm = nn.shape("hidden_size", bias=True)
     mlp: MLP
-    layer_output_norm: nn.LayerNorm
+    layer_output_norm: nn.LayerNorm = nn.shape("hidden_size", bias=True)
 
     def __call__(self, ctx: Context, h: Tensor, mask: Tensor, opts: Options) -> Tensor:
         h = self.attn_output_norm(h + self.attention(ctx, h, mask, opts), opts.eps)
@@ -95,46 +97,25 @@ class Layer(nn.Module):
 
 
 class Weights(nn.Module):
-    token_embd: nn.Embedding
-    token_types: nn.Embedding | None  # segment embeddings; every token is segment 0
-    position_embd: nn.Embedding
-    token_embd_norm: nn.LayerNorm
+    token_embd: nn.Embedding = nn.shape("hidden_size", "vocab_size")
+    # segment embeddings (every token is segment 0); required when the file states a token type count
+    token_types: nn.Embedding | None = nn.shape("hidden_size", "n_token_types", when="n_token_types")
+    position_embd: nn.Embedding = nn.shape("hidden_size", "context_length")
+    token_embd_norm: nn.LayerNorm = nn.shape("hidden_size", bias=True)
     blk: list[Layer]
 
 
 @register("bert")
 class Bert(Model):
+    Options, Weights = Options, Weights
     generates = False
 
     def __init__(self, backend: Backend):
         self.backend = backend
         self.options = Options.from_config(backend.config)
         self.pooling = self.options.pooling
-        self.weights: Weights = nn.load(Weights, backend, self.options.n_layers)
-        self._check_shapes()
+        self.weights: Weights = nn.load(Weights, backend, self.options)
         self.cache = None
-
-    def _check_shapes(self) -> None:
-        o, w = self.options, self.weights
-        embd = w.token_embd.weight.shape
-        if o.vocab_size and embd[1] != o.vocab_size:
-            raise ModelError(f"bert: token_embd.weight has {embd[1]} rows for {o.vocab_size} tokens")
-        expected = {
-            "token_embd": (w.token_embd.weight, (o.hidden_size, embd[1])),
-            "position_embd": (w.position_embd.weight, (o.hidden_size, o.context_length)),
-        }
-        if w.token_types is not None:
-            expected["token_types"] = (w.token_types.weight, (o.hidden_size, w.token_types.weight.shape[1]))
-        for i, layer in enumerate(w.blk):
-            a, m = layer.attention, layer.mlp
-            for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-                expected[f"blk.{i}.{name}"] = (getattr(a, name).weight, (o.hidden_size, o.hidden_size))
-            expected[f"blk.{i}.ffn_up"] = (m.ffn_up.weight, (o.hidden_size, o.ffn_size))
-            expected[f"blk.{i}.ffn_down"] = (m.ffn_down.weight, (o.ffn_size, o.hidden_size))
-        for name, (tensor, shape) in expected.items():
-            if tensor.shape[:2] != shape:
-                raise ModelError(f"bert: tensor {name}.weight has shape {tensor.shape}, expected {shape} "
-                                 "from the file's hyper-parameters")
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         raise NotImplementedError("bert is an embedding model: it produces embeddings, not next-token logits")

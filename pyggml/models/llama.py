@@ -26,7 +26,7 @@ class Options:
     head_dim: int
     head_dim_v: int
     ffn_size: int
-    vocab_size: int
+    vocab_size: int | None  # None: not in the metadata, token_embd's rows
     context_length: int
     eps: float
     rope: nn.Rope
@@ -50,7 +50,7 @@ class Options:
             head_dim=head_dim,
             head_dim_v=config.uint("attention.value_length", 0) or head_dim,
             ffn_size=config.uint("feed_forward_length"),
-            vocab_size=config.uint("vocab_size", 0) or len(config.get("tokenizer.ggml.tokens", ())),
+            vocab_size=config.uint("vocab_size", 0) or len(config.get("tokenizer.ggml.tokens", ())) or None,
             context_length=config.uint("context_length", 2048),
             eps=config.float("attention.layer_norm_rms_epsilon", 1e-5),
             rope=nn.Rope.from_config(config, n_rot, RopeType.NORMAL),
@@ -58,10 +58,10 @@ class Options:
 
 
 class SelfAttention(nn.Module):
-    attn_q: nn.Linear
-    attn_k: nn.Linear
-    attn_v: nn.Linear
-    attn_output: nn.Linear
+    attn_q: nn.Linear = nn.shape("hidden_size", "n_heads * head_dim")
+    attn_k: nn.Linear = nn.shape("hidden_size", "n_kv_heads * head_dim")
+    attn_v: nn.Linear = nn.shape("hidden_size", "n_kv_heads * head_dim_v")
+    attn_output: nn.Linear = nn.shape("n_heads * head_dim_v", "hidden_size")
 
     def __call__(self, ctx: Context, x: Tensor, positions: Tensor, cache: Causal | None, opts: Options,
                  freq_factors: Tensor | None) -> Tensor:
@@ -76,18 +76,18 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    ffn_gate: nn.Linear
-    ffn_up: nn.Linear
-    ffn_down: nn.Linear
+    ffn_gate: nn.Linear = nn.shape("hidden_size", "ffn_size")
+    ffn_up: nn.Linear = nn.shape("hidden_size", "ffn_size")
+    ffn_down: nn.Linear = nn.shape("ffn_size", "hidden_size")
 
     def __call__(self, x: Tensor) -> Tensor:
         return self.ffn_down(self.ffn_gate(x).silu(self.ffn_up(x)))
 
 
 class Layer(nn.Module):
-    attn_norm: nn.RMSNorm
+    attn_norm: nn.RMSNorm = nn.shape("hidden_size")
     attention: SelfAttention
-    ffn_norm: nn.RMSNorm
+    ffn_norm: nn.RMSNorm = nn.shape("hidden_size")
     mlp: MLP
 
     def __call__(self, ctx: Context, h: Tensor, positions: Tensor, outputs: Tensor | None, cache: Causal | None,
@@ -100,43 +100,21 @@ class Layer(nn.Module):
 
 
 class Weights(nn.Module):
-    token_embd: nn.Embedding
+    token_embd: nn.Embedding = nn.shape("hidden_size", "vocab_size")
     blk: list[Layer]
-    output_norm: nn.RMSNorm
-    output: nn.Linear = nn.alt("token_embd")
-    rope_freqs: nn.Weight | None  # llama 3.1+ long-context frequency factors
+    output_norm: nn.RMSNorm = nn.shape("hidden_size")
+    output: nn.Linear = nn.shape("hidden_size", "vocab_size", alt="token_embd")
+    rope_freqs: nn.Weight | None = nn.shape("rope.n_dims // 2")  # llama 3.1+ long-context frequency factors
 
 
 @register("llama")
 class Llama(Model):
+    Options, Weights = Options, Weights
     def __init__(self, backend: Backend):
         self.backend = backend
         self.options = Options.from_config(backend.config)
-        self.weights: Weights = nn.load(Weights, backend, self.options.n_layers)
-        self._check_shapes()
+        self.weights: Weights = nn.load(Weights, backend, self.options)
         self.cache = Causal(self.shift)
-
-    def _check_shapes(self) -> None:
-        o, w = self.options, self.weights
-        expected = {
-            "token_embd": (w.token_embd.weight, (o.hidden_size, o.vocab_size or w.token_embd.weight.shape[1])),
-            "output": (w.output.weight, (o.hidden_size, w.token_embd.weight.shape[1])),
-        }
-        for i, layer in enumerate(w.blk):
-            a, m = layer.attention, layer.mlp
-            expected.update({
-                f"blk.{i}.attn_q": (a.attn_q.weight, (o.hidden_size, o.n_heads * o.head_dim)),
-                f"blk.{i}.attn_k": (a.attn_k.weight, (o.hidden_size, o.n_kv_heads * o.head_dim)),
-                f"blk.{i}.attn_v": (a.attn_v.weight, (o.hidden_size, o.n_kv_heads * o.head_dim_v)),
-                f"blk.{i}.attn_output": (a.attn_output.weight, (o.n_heads * o.head_dim_v, o.hidden_size)),
-                f"blk.{i}.ffn_gate": (m.ffn_gate.weight, (o.hidden_size, o.ffn_size)),
-                f"blk.{i}.ffn_up": (m.ffn_up.weight, (o.hidden_size, o.ffn_size)),
-                f"blk.{i}.ffn_down": (m.ffn_down.weight, (o.ffn_size, o.hidden_size)),
-            })
-        for name, (tensor, shape) in expected.items():
-            if tensor.shape[:2] != shape:
-                raise ModelError(f"llama: tensor {name}.weight has shape {tensor.shape}, expected {shape} "
-                                 "from the file's hyper-parameters")
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         w, o = self.weights, self.options

@@ -1,0 +1,256 @@
+"""Every registered architecture, run from a tiny random model (after mlx-lm's model_test_runner).
+
+For each architecture ``pyggml.synthetic`` writes a tiny GGUF from the config in ``TINY`` (F32 and
+F16 weights from the same random values), and the checks that apply to it run:
+
+- generating models: logits shape; F32 vs F16; a whole prompt in one batch equals it token by token
+  through the cache; two sequences in one batch equal each alone; decode steps reuse the graph;
+- embedding models: embedding shape; F32 vs F16; two sequences in one batch equal each alone;
+- both: llama.cpp loads the same file, tokenizes alike and computes the same logits / embeddings.
+
+A new architecture joins by adding its tiny config (GGUF keys without the architecture prefix) to
+``TINY``; ``test_every_architecture_has_a_tiny_config`` fails until it does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from pyggml import BackendParams, DType, models
+from pyggml.models import Batch, Model
+from pyggml.runner.engine import Engine
+from pyggml.synthetic import write_model
+
+TINY: dict[str, dict] = {
+    "llama": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+              "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
+              "rope.freq_base": 10000.0, "vocab_size": 320},
+    "bert": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+             "context_length": 64, "attention.layer_norm_epsilon": 1e-12, "pooling_type": 1, "vocab_size": 160,
+             "tokenizer.ggml.model": "bert", "tokenizer.ggml.token_type_count": 2},
+}
+
+GENERATING = sorted(a for a, cls in models.registry().items() if cls.generates)
+EMBEDDING = sorted(a for a, cls in models.registry().items() if cls.embed is not Model.embed)
+PROMPT = [1, 17, 42, 99, 5, 23, 64]
+OTHER = [1, 50, 31, 8]
+
+# Tolerances, as max |a - b| / max |b| over the compared logits or embeddings, from the errors measured
+# on these tiny models (F32 cache, 2 threads, x86-64 CPU) with a margin for other CPUs' kernels:
+F16_TOLERANCE = 5e-3  # F16 vs F32 weights: measured 7.5e-4 (llama), 4.9e-4 (bert): F16 rounding (2^-11)
+LLAMA_CPP_TOLERANCE = 1e-3  # the same file in llama.cpp: measured 0 (llama), 1.5e-4 (bert: its GELU is tanh's)
+SAME_TOLERANCE = 2e-5  # one model along two batching paths: measured 0 .. 2.7e-7 (summation order only);
+#                       a token seen or hidden by mistake changes later rows by ~0.4 (measured, llama)
+
+
+def test_every_architecture_has_a_tiny_config():
+    missing = sorted(set(models.registry()) - set(TINY))
+    assert not missing, f"add a tiny config to TINY in {__file__} for: {', '.join(missing)}"
+
+
+@pytest.fixture(scope="module")
+def tiny_file(tmp_path_factory):
+    """``tiny_file(arch, dtype)``: the path of a tiny random model, written once per module."""
+    folder, written = tmp_path_factory.mktemp("architectures"), {}
+
+    def get(arch: str, dtype: str = "f32"):
+        if (arch, dtype) not in written:
+            written[arch, dtype] = write_model(folder / f"{arch}-{dtype}.gguf", arch, TINY[arch], dtype, seed=7)
+        return written[arch, dtype]
+
+    return get
+
+
+def load(path, max_sequences=1) -> Model:
+    model = models.load(path, BackendParams(n_threads=2))
+    if model.cache is not None:
+        model.cache.init(model.backend, DType.F32, max_sequences=max_sequences, capacity=64, max_batch=32)
+    return model
+
+
+def error(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def forward(model: Model, tokens, positions=None, sequences=None, outputs=None) -> np.ndarray:
+    """Logits (len(outputs), vocab) of one batch (default: one sequence 0 from position 0, every row)."""
+    batch = Batch(inputs=list(tokens), positions=list(positions if positions is not None else range(len(tokens))),
+                  sequences=list(sequences if sequences is not None else [0] * len(tokens)),
+                  outputs=list(outputs if outputs is not None else range(len(tokens))))
+    with model.backend.new_context() as ctx:
+        model.cache.start_forward(ctx, batch)
+        logits = model.forward(ctx, batch)
+        ctx.compute(logits)
+        return logits.numpy()
+
+
+def embed(model: Model, sequences: list[list[int]]) -> np.ndarray:
+    """Pooled embeddings (n_sequences, hidden) of whole sequences in one batch."""
+    tokens = [t for s in sequences for t in s]
+    batch = Batch(inputs=tokens, positions=[p for s in sequences for p in range(len(s))],
+                  sequences=[i for i, s in enumerate(sequences) for _ in s])
+    with model.backend.new_context() as ctx:
+        out = model.embed(ctx, batch)
+        ctx.compute(out)
+        return out.numpy()
+
+
+def decode_with_reuse(model: Model, prompt: list[int], steps: list[int]) -> tuple[np.ndarray, int]:
+    """Last-row logits after the prompt and after each decode step, through the engine's graph
+    reuse; and how many passes reused the previous graph. (The only use of the engine here.)"""
+    engine = Engine(model)
+    try:
+        rows = [engine.forward(Batch(inputs=prompt, outputs=[len(prompt) - 1], positions=range(len(prompt)),
+                             sequences=[0] * len(prompt)))[-1]]
+        for i, token in enumerate(steps):
+            pos = len(prompt) + i
+            rows.append(engine.forward(Batch(inputs=[token], outputs=[0], positions=[pos], sequences=[0]))[-1])
+        return np.stack(rows), engine.reused
+    finally:
+        engine.close()
+
+
+# ---- generating architectures ------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", GENERATING)
+def test_logits_shape(arch, tiny_file):
+    model = load(tiny_file(arch))
+    try:
+        logits = forward(model, PROMPT)
+        n_vocab = model.weights.token_embd.weight.shape[1]
+        assert logits.shape == (len(PROMPT), n_vocab) and np.isfinite(logits).all()
+        assert forward(model, [3, 4], positions=[7, 8], outputs=[1]).shape == (1, n_vocab)
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("arch", GENERATING)
+def test_f16_weights_agree_with_f32(arch, tiny_file):
+    f32, f16 = load(tiny_file(arch, "f32")), load(tiny_file(arch, "f16"))
+    try:
+        assert error(forward(f16, PROMPT), forward(f32, PROMPT)) < F16_TOLERANCE
+    finally:
+        f32.close()
+        f16.close()
+
+
+@pytest.mark.parametrize("arch", GENERATING)
+def test_prompt_in_one_batch_equals_token_by_token(arch, tiny_file):
+    model = load(tiny_file(arch))
+    try:
+        whole = forward(model, PROMPT)
+        model.cache.remove(0, 0)
+        steps = np.concatenate([forward(model, [t], positions=[i]) for i, t in enumerate(PROMPT)])
+        assert error(steps, whole) < SAME_TOLERANCE
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("arch", GENERATING)
+def test_two_sequences_in_one_batch_equal_each_alone(arch, tiny_file):
+    alone = load(tiny_file(arch))
+    both = load(tiny_file(arch), max_sequences=2)
+    try:
+        a = forward(alone, PROMPT)
+        alone.cache.remove(0, 0)
+        b = forward(alone, OTHER)
+        # interleaved, so that each sequence's rows are not one block
+        order = [(0, i) for i in range(len(PROMPT))]
+        for j in range(len(OTHER)):
+            order.insert(2 * j + 1, (1, j))
+        tokens = [(PROMPT, OTHER)[s][i] for s, i in order]
+        together = forward(both, tokens, positions=[i for _, i in order], sequences=[s for s, _ in order])
+        assert error(together[[k for k, (s, _) in enumerate(order) if s == 0]], a) < SAME_TOLERANCE
+        assert error(together[[k for k, (s, _) in enumerate(order) if s == 1]], b) < SAME_TOLERANCE
+    finally:
+        alone.close()
+        both.close()
+
+
+@pytest.mark.parametrize("arch", GENERATING)
+def test_decode_steps_reuse_the_graph(arch, tiny_file):
+    model = load(tiny_file(arch))
+    try:
+        steps = [9, 33, 70, 2]
+        reused_rows, reused = decode_with_reuse(model, PROMPT, steps)
+        assert reused >= len(steps) - 1  # the first step may build; the others recompute its graph
+        model.cache.remove(0, 0)
+        fresh = forward(model, PROMPT + steps)[len(PROMPT) - 1:]
+        assert error(reused_rows, fresh) < SAME_TOLERANCE
+    finally:
+        model.close()
+
+
+# ---- embedding architectures -------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", EMBEDDING)
+def test_embedding_shape(arch, tiny_file):
+    model = load(tiny_file(arch))
+    try:
+        vectors = embed(model, [PROMPT])
+        assert vectors.shape == (1, model.weights.token_embd.weight.shape[0]) and np.isfinite(vectors).all()
+    finally:
+        model.close()
+
+
+@pytest.mark.parametrize("arch", EMBEDDING)
+def test_embedding_f16_weights_agree_with_f32(arch, tiny_file):
+    f32, f16 = load(tiny_file(arch, "f32")), load(tiny_file(arch, "f16"))
+    try:
+        assert error(embed(f16, [PROMPT]), embed(f32, [PROMPT])) < F16_TOLERANCE
+    finally:
+        f32.close()
+        f16.close()
+
+
+@pytest.mark.parametrize("arch", EMBEDDING)
+def test_embedding_two_sequences_in_one_batch_equal_each_alone(arch, tiny_file):
+    model = load(tiny_file(arch))
+    try:
+        together = embed(model, [PROMPT, OTHER])
+        assert error(together[:1], embed(model, [PROMPT])) < SAME_TOLERANCE
+        assert error(together[1:], embed(model, [OTHER])) < SAME_TOLERANCE
+    finally:
+        model.close()
+
+
+# ---- the same file in llama.cpp ----------------------------------------------------------------------
+_LLAMA_CPP = textwrap.dedent("""
+    import json, sys
+    import llama_cpp
+    path, text, embedding = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=2, verbose=False, logits_all=not embedding,
+                          embedding=embedding, **({"pooling_type": 1} if embedding else {}))
+    tokens = llm.tokenize(text.encode())
+    if embedding:
+        out = llm.embed(text, normalize=False)
+    else:
+        llm.eval(tokens)
+        out = [list(map(float, row)) for row in llm.scores[:len(tokens)]]
+    print(json.dumps({"tokens": tokens, "out": out}))
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp (llama-cpp-python) is absent")
+@pytest.mark.parametrize("arch", sorted(set(GENERATING) | set(EMBEDDING)))
+def test_llama_cpp_runs_the_same_file(arch, tiny_file):
+    """Synthetic files are GGUFs as llama.cpp writes them (in a subprocess: a crash there must not end the run)."""
+    path, text = tiny_file(arch), "hello world, 42!"
+    done = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), text, "0" if arch in GENERATING else "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    model = load(tiny_file(arch))
+    try:
+        tokens = model.tokenizer.encode(text)
+        assert tokens == theirs["tokens"]
+        ours = forward(model, tokens) if arch in GENERATING else embed(model, [tokens])[0]
+        assert error(ours, np.array(theirs["out"], np.float32)) < LLAMA_CPP_TOLERANCE
+    finally:
+        model.close()
