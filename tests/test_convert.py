@@ -387,8 +387,8 @@ def test_llama_cpp_computes_the_same_logits_from_our_file(tmp_path, case):
         assert llm.tokenize(text) == tokens
         ours = llm.logits(tokens)
     assert len(tokens) > 5
-    scale = np.abs(expected).max()
-    assert np.abs(ours - expected).max() <= 1e-4 * scale
+    scale = np.abs(expected).max()  # both keep the KV cache in F16
+    assert np.abs(ours - expected).max() <= 1e-3 * scale
 
 
 # ---- the registry and the shared pieces -------------------------------------------------------------
@@ -491,3 +491,74 @@ def test_cli_convert_writes_the_file_and_reports_errors(tmp_path, capsys):
     assert meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
     assert main(["convert", str(hf_dir), str(tmp_path / "n.gguf"), "--pooling", "cls"]) == 1
     assert "pooling applies to embedding models" in capsys.readouterr().err
+
+
+# ---- Qwen 2 / 3: llama.cpp's names and keys, and llama.cpp runs the files like transformers ------------
+
+QWEN_CASES = {"qwen2-gqa-untied": dict(arch="qwen2", n_kv_heads=2, tie=False),
+              "qwen3-mha-tied-wide-heads": dict(arch="qwen3", n_kv_heads=4, tie=True, head_dim=32)}
+
+
+def expected_names(arch: str, tied: bool) -> set[str]:
+    per_block = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                 "ffn_down"]
+    per_block += {"qwen2": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+                  "qwen3": ["attn_q_norm", "attn_k_norm"]}[arch]
+    names = {"token_embd.weight", "output_norm.weight"} | (set() if tied else {"output.weight"})
+    return names | {f"blk.{i}.{n}" + ("" if n.endswith(".bias") else ".weight") for i in range(2) for n in per_block}
+
+
+@pytest.mark.parametrize("case", list(QWEN_CASES))
+def test_qwen_files_have_llama_cpps_names_and_keys(tmp_path, case):
+    hf_dir, model = make_tiny_llama(tmp_path, vocab="qwen", **QWEN_CASES[case])
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "f32"))
+    cfg, arch = model.config, QWEN_CASES[case]["arch"]
+
+    assert meta["general.architecture"] == arch
+    assert set(tensors) == expected_names(arch, cfg.tie_word_embeddings)
+    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]]}
+    assert {n.rsplit(".", 1)[0].replace("blk.0.", "blk.{bid}.").replace("blk.1.", "blk.{bid}.")
+            for n in tensors} <= known
+    keys = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
+            "attention.head_count": 4, "attention.head_count_kv": cfg.num_key_value_heads, "rope.freq_base": 10000.0}
+    if arch == "qwen3":
+        keys |= {"attention.key_length": 32, "attention.value_length": 32}
+    assert {k.removeprefix(f"{arch}."): v for k, v in meta.items() if k.startswith(f"{arch}.")} == pytest.approx(
+        keys | {"attention.layer_norm_rms_epsilon": 1e-5})
+    # NeoX rope: q/k rows are HF's, unpermuted; every tensor is the HF weight itself
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    np.testing.assert_array_equal(tensors["blk.1.attn_q.weight"][1], sd["model.layers.1.self_attn.q_proj.weight"])
+    if arch == "qwen2":
+        np.testing.assert_array_equal(tensors["blk.0.attn_k.bias"][1], sd["model.layers.0.self_attn.k_proj.bias"])
+    else:
+        np.testing.assert_array_equal(tensors["blk.0.attn_k_norm.weight"][1],
+                                      sd["model.layers.0.self_attn.k_norm.weight"])
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    assert (meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
+    assert meta["tokenizer.ggml.eos_token_id"] == added["<|im_end|>"]
+    assert meta["tokenizer.ggml.bos_token_id"] == added["<|endoftext|>"]  # from config.json, as llama.cpp does
+    assert meta["tokenizer.ggml.padding_token_id"] == added["<|endoftext|>"]
+    assert "tokenizer.ggml.add_bos_token" not in meta  # llama.cpp's qwen2 default: no BOS
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", list(QWEN_CASES))
+def test_llama_cpp_runs_our_qwen_files_like_transformers(tmp_path, case):
+    from pyggml import models
+
+    hf_dir, model = make_tiny_llama(tmp_path, vocab="qwen", **QWEN_CASES[case])
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    text = "The cafe is naive, 42 people said!"
+    tokens, theirs = llama_cpp_logits(path, text)
+    assert tokens == transformers.AutoTokenizer.from_pretrained(hf_dir).encode(text)  # no BOS
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()
+    scale = np.abs(ref).max()  # llama.cpp keeps its KV cache in F16: measured ~2.5e-4 of the scale
+    assert np.abs(theirs - ref).max() <= 1e-3 * scale
+    if QWEN_CASES[case]["arch"] in models.registry():  # once pyggml runs the architecture, it must agree too
+        import pyggml
+
+        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+            assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale

@@ -131,6 +131,8 @@ class Architecture:
         return read_vocab(self.hf_dir, self.n_vocab)
 
     def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        if self.tied and name == "lm_head.weight":  # some checkpoints save the tied copy too
+            return
         yield self.map_name(name), source
 
     def extra_tensors(self) -> Iterable[tuple[str, Source]]:
@@ -140,6 +142,28 @@ class Architecture:
         raise NotImplementedError
 
     # --- helpers for the hooks ---------------------------------------------------------------------
+
+    def decoder_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``expected()`` of the usual decoder (Llama's layout: RMS-normed attention and gated MLP,
+        output tied or not), for architectures to extend."""
+        embd, ff, vocab = self.n_embd, self.hparam("intermediate_size"), self.n_vocab
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        shapes = {
+            "token_embd.weight": (vocab, embd),
+            "blk.{bid}.attn_norm.weight": (embd,),
+            "blk.{bid}.attn_q.weight": (q, embd),
+            "blk.{bid}.attn_k.weight": (kv, embd),
+            "blk.{bid}.attn_v.weight": (kv, embd),
+            "blk.{bid}.attn_output.weight": (embd, q),
+            "blk.{bid}.ffn_norm.weight": (embd,),
+            "blk.{bid}.ffn_gate.weight": (ff, embd),
+            "blk.{bid}.ffn_up.weight": (ff, embd),
+            "blk.{bid}.ffn_down.weight": (embd, ff),
+            "output_norm.weight": (embd,),
+        }
+        if not self.tied:
+            shapes["output.weight"] = (vocab, embd)
+        return shapes
 
     def map_name(self, name: str) -> str:
         """The GGUF name of a checkpoint tensor by ``gguf``'s map for this architecture."""

@@ -30,13 +30,11 @@ class Llama(Architecture):
         w.add_vocab_size(self.n_vocab)
 
     def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
-        if self.tied and name == "lm_head.weight":
-            return
-        gguf_name = self.map_name(name)
-        if gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
-            heads = self.n_heads if ".attn_q." in gguf_name else self.n_kv_heads
-            source = source.map(lambda w: to_interleaved_rope(w, heads))
-        yield gguf_name, source
+        for gguf_name, out in super().tensors(name, source):
+            if gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+                heads = self.n_heads if ".attn_q." in gguf_name else self.n_kv_heads
+                out = out.map(lambda w, heads=heads: to_interleaved_rope(w, heads))
+            yield gguf_name, out
 
     def extra_tensors(self) -> Iterable[tuple[str, Source]]:
         if self.rope["rope_type"] == "llama3":
@@ -46,25 +44,8 @@ class Llama(Architecture):
                 float(r.get("high_freq_factor", 4.0)), int(r.get("original_max_position_embeddings", 8192))))
 
     def expected(self) -> dict[str, tuple[int, ...]]:
-        embd, ff, vocab = self.n_embd, self.hparam("intermediate_size"), self.n_vocab
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        shapes = {"rope_freqs.weight": (self.head_dim // 2,)} if self.rope["rope_type"] == "llama3" else {}
-        shapes |= {
-            "token_embd.weight": (vocab, embd),
-            "blk.{bid}.attn_norm.weight": (embd,),
-            "blk.{bid}.attn_q.weight": (q, embd),
-            "blk.{bid}.attn_k.weight": (kv, embd),
-            "blk.{bid}.attn_v.weight": (kv, embd),
-            "blk.{bid}.attn_output.weight": (embd, q),
-            "blk.{bid}.ffn_norm.weight": (embd,),
-            "blk.{bid}.ffn_gate.weight": (ff, embd),
-            "blk.{bid}.ffn_up.weight": (ff, embd),
-            "blk.{bid}.ffn_down.weight": (embd, ff),
-            "output_norm.weight": (embd,),
-        }
-        if not self.tied:
-            shapes["output.weight"] = (vocab, embd)
-        return shapes
+        rope = {"rope_freqs.weight": (self.head_dim // 2,)} if self.rope["rope_type"] == "llama3" else {}
+        return rope | self.decoder_shapes()
 
 
 def to_interleaved_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
