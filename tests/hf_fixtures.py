@@ -136,7 +136,7 @@ def make_tiny_llama(
     """Build and save a 2-layer, 4-head, 64-wide random model with a locally trained tokenizer.
 
     Returns ``(hf_dir, hf_model)``; the model is float32 in eval mode. ``arch`` is "llama",
-    "mistral", "qwen2" or "qwen3"; ``vocab`` is "bpe" (tokenizer.json), "spm" (tokenizer.model)
+    "mistral", "qwen2", "qwen3" or "qwen3moe"; ``vocab`` is "bpe" (tokenizer.json), "spm" (tokenizer.model)
     or "qwen" (Qwen's tokenizer.json); the embedding is padded to a multiple of 32 rows, as many
     real checkpoints are. Norm weights are randomised around 1 and biases around 0 so that a
     swapped or missing one shows up in parity tests.
@@ -163,8 +163,11 @@ def make_tiny_llama(
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
-    extra = {"head_dim": head_dim or 16} if head_dim or arch == "qwen3" else {}  # Qwen3Config's default: 128
+    extra = {"head_dim": head_dim or 16} if head_dim or arch.startswith("qwen3") else {}  # Qwen3's default: 128
+    if arch == "qwen3moe":  # 4 experts of 32, 2 chosen per token
+        extra |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
     if rope_scaling is not None:
         extra["rope_scaling"] = rope_scaling
     config = config_cls(

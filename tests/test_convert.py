@@ -496,14 +496,18 @@ def test_cli_convert_writes_the_file_and_reports_errors(tmp_path, capsys):
 # ---- Qwen 2 / 3: llama.cpp's names and keys, and llama.cpp runs the files like transformers ------------
 
 QWEN_CASES = {"qwen2-gqa-untied": dict(arch="qwen2", n_kv_heads=2, tie=False),
-              "qwen3-mha-tied-wide-heads": dict(arch="qwen3", n_kv_heads=4, tie=True, head_dim=32)}
+              "qwen3-mha-tied-wide-heads": dict(arch="qwen3", n_kv_heads=4, tie=True, head_dim=32),
+              "qwen3moe-gqa-untied": dict(arch="qwen3moe", n_kv_heads=2, tie=False)}
 
 
 def expected_names(arch: str, tied: bool) -> set[str]:
     per_block = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
                  "ffn_down"]
     per_block += {"qwen2": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
-                  "qwen3": ["attn_q_norm", "attn_k_norm"]}[arch]
+                  "qwen3": ["attn_q_norm", "attn_k_norm"], "qwen3moe": ["attn_q_norm", "attn_k_norm"]}[arch]
+    if arch == "qwen3moe":
+        per_block = [n for n in per_block if n not in ("ffn_gate", "ffn_up", "ffn_down")]
+        per_block += ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
     names = {"token_embd.weight", "output_norm.weight"} | (set() if tied else {"output.weight"})
     return names | {f"blk.{i}.{n}" + ("" if n.endswith(".bias") else ".weight") for i in range(2) for n in per_block}
 
@@ -523,6 +527,9 @@ def test_qwen_files_have_llama_cpps_names_and_keys(tmp_path, case):
             "attention.head_count": 4, "attention.head_count_kv": cfg.num_key_value_heads, "rope.freq_base": 10000.0}
     if arch == "qwen3":
         keys |= {"attention.key_length": 32, "attention.value_length": 32}
+    if arch == "qwen3moe":
+        keys |= {"attention.key_length": 16, "attention.value_length": 16, "expert_count": 4,
+                 "expert_used_count": 2, "expert_feed_forward_length": 32}
     assert {k.removeprefix(f"{arch}."): v for k, v in meta.items() if k.startswith(f"{arch}.")} == pytest.approx(
         keys | {"attention.layer_norm_rms_epsilon": 1e-5})
     # NeoX rope: q/k rows are HF's, unpermuted; every tensor is the HF weight itself
@@ -530,6 +537,13 @@ def test_qwen_files_have_llama_cpps_names_and_keys(tmp_path, case):
     np.testing.assert_array_equal(tensors["blk.1.attn_q.weight"][1], sd["model.layers.1.self_attn.q_proj.weight"])
     if arch == "qwen2":
         np.testing.assert_array_equal(tensors["blk.0.attn_k.bias"][1], sd["model.layers.0.self_attn.k_proj.bias"])
+    elif arch == "qwen3moe":  # transformers holds the experts fused: (expert, gate rows then up rows, hidden)
+        gate_up = sd["model.layers.1.mlp.experts.gate_up_proj"]
+        np.testing.assert_array_equal(tensors["blk.1.ffn_gate_exps.weight"][1], gate_up[:, :32])
+        np.testing.assert_array_equal(tensors["blk.1.ffn_up_exps.weight"][1], gate_up[:, 32:])
+        down = sd["model.layers.0.mlp.experts.down_proj"]
+        np.testing.assert_array_equal(tensors["blk.0.ffn_down_exps.weight"][1], down)
+        assert tensors["blk.0.ffn_gate_inp.weight"][0] == "F32"
     else:
         np.testing.assert_array_equal(tensors["blk.0.attn_k_norm.weight"][1],
                                       sd["model.layers.0.self_attn.k_norm.weight"])
@@ -562,3 +576,40 @@ def test_llama_cpp_runs_our_qwen_files_like_transformers(tmp_path, case):
 
         with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
             assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
+
+
+def test_moe_checkpoint_missing_an_expert_or_renormalisation_is_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, _ = make_tiny_llama(tmp_path, vocab="qwen", arch="qwen3moe")
+    weights = load_file(hf_dir / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(weights, hf_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing parts of model.layers.1.mlp.experts.up_proj \(3 found\)"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+    weights["model.layers.1.mlp.experts.4.up_proj.weight"] = weights["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(weights, hf_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="index 4 is outside 0..3"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    with pytest.raises(ValueError, match="norm_topk_prob=false"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+    assert not list(tmp_path.glob("x.gguf*"))
+
+
+def test_moe_experts_fused_as_transformers_5_holds_them_convert_the_same(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, _ = make_tiny_llama(tmp_path, vocab="qwen", arch="qwen3moe")
+    per_expert = convert_hf(hf_dir, tmp_path / "a.gguf", "f32")
+    weights = load_file(hf_dir / "model.safetensors")
+    for i in range(2):
+        experts = f"model.layers.{i}.mlp.experts"
+        take = {k: np.stack([weights.pop(f"{experts}.{e}.{k}_proj.weight") for e in range(4)])
+                for k in ("gate", "up", "down")}
+        weights[f"{experts}.gate_up_proj"] = np.concatenate([take["gate"], take["up"]], axis=1)
+        weights[f"{experts}.down_proj"] = take["down"]
+    save_file(weights, hf_dir / "model.safetensors")
+    assert convert_hf(hf_dir, tmp_path / "b.gguf", "f32").read_bytes() == per_expert.read_bytes()
