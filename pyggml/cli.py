@@ -165,7 +165,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_convert(args: argparse.Namespace) -> int:
     from pyggml.convert import convert_hf
 
-    bar = ProgressBar("converting", min_total=0)
+    bar = ProgressBar("converting", min_total=0)  # called with bytes written
     out = convert_hf(args.hf_dir, args.out, out_type=args.type, progress=bar, pooling=args.pooling)
     print(f"wrote {out}")
     return 0
@@ -202,10 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--verbose", action="store_true", help="also print all metadata")
     show.set_defaults(func=cmd_show)
 
-    convert = sub.add_parser("convert", help="convert a Hugging Face Llama/Mistral or BERT directory to GGUF")
+    convert = sub.add_parser("convert", help="convert a Hugging Face model directory (Llama, Mistral, BERT, ...) "
+                                             "to GGUF; an unsupported one lists the supported architectures")
     convert.add_argument("hf_dir")
     convert.add_argument("out")
-    convert.add_argument("--type", choices=["f32", "f16", "q8_0"], default="f16")
+    convert.add_argument("--type", choices=["f32", "f16", "bf16", "q8_0"], default="f16",
+                         help="type of the weight matrices (norms and vectors stay f32; default: f16)")
     convert.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
                          help="BERT: how embeddings are pooled (default: the sentence-transformers config, else mean)")
     convert.set_defaults(func=cmd_convert)

@@ -19,6 +19,7 @@ LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen 2/3: digits one by one
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -78,6 +79,30 @@ def make_bpe_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384) -> i
     return tok.get_vocab_size(with_added_tokens=True)
 
 
+def make_qwen_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384) -> int:
+    """Train a byte-level BPE the Qwen 2/3 way: Qwen's split pattern, ChatML special tokens, no BOS
+    (no post-processor template, ``bos_token`` null); write tokenizer.json and tokenizer_config.json."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(seed), trainer)
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])  # after the base vocabulary
+    tok.save(str(out_dir / "tokenizer.json"))
+    _write_json(out_dir / "tokenizer_config.json", {
+        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>", "chat_template": CHAT_TEMPLATE, "model_max_length": 256,
+    })
+    return tok.get_vocab_size(with_added_tokens=True)
+
+
 def make_spm_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 400) -> int:
     """Train a SentencePiece BPE with byte fallback (Llama 2 style ids); write tokenizer.model and config."""
     import sentencepiece
@@ -110,10 +135,11 @@ def make_tiny_llama(
 ) -> tuple[Path, Any]:
     """Build and save a 2-layer, 4-head, 64-wide random model with a locally trained tokenizer.
 
-    Returns ``(hf_dir, hf_model)``; the model is float32 in eval mode. ``vocab`` is
-    "bpe" (tokenizer.json) or "spm" (tokenizer.model); the embedding is padded to a
-    multiple of 32 rows, as many real checkpoints are. Norm weights are randomised
-    around 1 so that a swapped or missing norm shows up in parity tests.
+    Returns ``(hf_dir, hf_model)``; the model is float32 in eval mode. ``arch`` is "llama",
+    "mistral", "qwen2", "qwen3" or "qwen3moe"; ``vocab`` is "bpe" (tokenizer.json), "spm" (tokenizer.model)
+    or "qwen" (Qwen's tokenizer.json); the embedding is padded to a multiple of 32 rows, as many
+    real checkpoints are. Norm weights are randomised around 1 and biases around 0 so that a
+    swapped or missing one shows up in parity tests.
     """
     import torch
     import transformers
@@ -126,14 +152,22 @@ def make_tiny_llama(
     elif vocab == "spm":
         n_tokens = make_spm_tokenizer(hf_dir, seed)
         bos, eos = 1, 2
+    elif vocab == "qwen":
+        n_tokens = make_qwen_tokenizer(hf_dir, seed)
+        bos, eos = n_tokens - 3, n_tokens - 1  # <|endoftext|> (as Qwen's config.json), <|im_end|>
     else:
-        raise ValueError(f"vocab must be 'bpe' or 'spm', not {vocab!r}")
+        raise ValueError(f"vocab must be 'bpe', 'spm' or 'qwen', not {vocab!r}")
 
     config_cls, model_cls = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
-    extra = {"head_dim": head_dim} if head_dim else {}
+    extra = {"head_dim": head_dim or 16} if head_dim or arch.startswith("qwen3") else {}  # Qwen3's default: 128
+    if arch == "qwen3moe":  # 4 experts of 32, 2 chosen per token
+        extra |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
     if rope_scaling is not None:
         extra["rope_scaling"] = rope_scaling
     config = config_cls(
@@ -147,6 +181,8 @@ def make_tiny_llama(
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):  # Qwen 2's q/k/v biases (initialised to zero)
+                p.copy_(0.1 * torch.randn_like(p))
 
     kwargs: dict[str, Any] = {}
     params = inspect.signature(model.save_pretrained).parameters

@@ -1,8 +1,15 @@
-"""pyggml.convert: HF Llama/Mistral checkpoints to GGUF, checked against the HF model itself."""
+"""pyggml.convert: HF checkpoints to GGUF, checked against the HF model itself and against llama.cpp.
+
+Llama/Mistral here (BERT's converter is tested in test_bert.py, with llama.cpp too); the registry
+and the shared pieces (lazy sources, tensor types, the plan checks) at the end."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import gguf
@@ -86,7 +93,9 @@ def test_bpe_untied_gqa_f32_roundtrips_every_weight(tmp_path):
         np.testing.assert_array_equal(unpermuted(name, data, cfg), ref[name], err_msg=name)
     # q/k really are reordered (not just passed through)
     assert not np.array_equal(tensors["blk.0.attn_q.weight"][1], ref["blk.0.attn_q.weight"][1])
-    assert calls == [(i + 1, len(tensors)) for i in range(len(tensors))]
+    # progress: bytes written after each tensor, out of all tensor bytes
+    sizes = np.cumsum([data.nbytes for _, data in tensors.values()]).tolist()
+    assert calls == [(done, sizes[-1]) for done in sizes]
 
 
 def test_bpe_vocabulary(tmp_path):
@@ -286,7 +295,7 @@ def test_errors_are_clear_and_leave_no_file(tmp_path):
         convert_hf(tmp_path, tmp_path / "x.gguf")
 
     hf_dir, _ = make_tiny_llama(tmp_path, n_kv_heads=2)
-    with pytest.raises(ValueError, match="out_type.*f32, f16, q8_0"):
+    with pytest.raises(ValueError, match="out_type.*f32, f16, bf16, q8_0"):
         convert_hf(hf_dir, tmp_path / "x.gguf", "q4_k")
 
     from safetensors.numpy import load_file, save_file
@@ -294,7 +303,8 @@ def test_errors_are_clear_and_leave_no_file(tmp_path):
     weights = load_file(hf_dir / "model.safetensors")
     del weights["model.layers.1.mlp.up_proj.weight"]
     save_file(weights, hf_dir / "model.safetensors")
-    with pytest.raises(ValueError, match=r"missing 1 tensor\(s\): model.layers.1.mlp.up_proj.weight"):
+    with pytest.raises(ValueError, match=r"missing 1 tensor\(s\): blk.1.ffn_up.weight "
+                                         r"\(model.layers.1.mlp.up_proj.weight\)"):
         convert_hf(hf_dir, tmp_path / "x.gguf")
 
     config = json.loads((hf_dir / "config.json").read_text())
@@ -323,3 +333,283 @@ def test_bpe_pre_tokenizer_name_rule(tmp_path):
     path.write_text(json.dumps({**tok, "pre_tokenizer": None, "decoder": {"type": "Metaspace"}}))
     with pytest.raises(ValueError, match="tokenizer.model"):
         convert_hf(hf_dir, tmp_path / "m.gguf")
+
+
+def test_bf16_keeps_the_top_half_of_each_float32(tmp_path):
+    hf_dir, model = make_tiny_llama(tmp_path, n_kv_heads=2, tie=False)
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "bf16"))
+    assert meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_BF16
+    ref = hf_weights(model)
+    for name, (kind, data) in tensors.items():
+        assert kind == ("F32" if name.endswith("norm.weight") else "BF16"), name
+        want = unpermuted(name, data, model.config)
+        np.testing.assert_allclose(want, ref[name], rtol=2.0**-8, atol=0, err_msg=name)  # 8-bit mantissa
+
+
+# ---- llama.cpp loads our files and computes the same logits -----------------------------------------
+
+_LLAMA_CPP = textwrap.dedent("""
+    import json, sys
+    import llama_cpp
+    path, text = sys.argv[1], sys.argv[2]
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+    tokens = llm.tokenize(text.encode(), add_bos=True)
+    llm.eval(tokens)
+    print(json.dumps({"tokens": tokens, "logits": llm.scores[:len(tokens)].tolist()}))
+""")
+
+
+def llama_cpp_logits(path: Path, text: str) -> tuple[list[int], np.ndarray]:
+    """llama.cpp's tokens and logits for ``text``; in a subprocess, so that a crash there fails one test."""
+    done = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), text], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    return theirs["tokens"], np.array(theirs["logits"], dtype=np.float32)
+
+
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="needs llama-cpp-python==0.3.36 (the `bench` extra)")
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", [dict(n_kv_heads=2, tie=False, vocab="bpe"),
+                                  dict(n_kv_heads=4, tie=True, vocab="spm", arch="mistral")],
+                         ids=["llama-bpe-gqa-untied", "mistral-spm-mha-tied"])
+def test_llama_cpp_computes_the_same_logits_from_our_file(tmp_path, case):
+    import pyggml
+
+    hf_dir, _ = make_tiny_llama(tmp_path, **case)
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    text = "The cafe is naive, 42 people said!"
+    tokens, expected = llama_cpp_logits(path, text)
+    with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+        assert llm.tokenize(text) == tokens
+        ours = llm.logits(tokens)
+    assert len(tokens) > 5
+    scale = np.abs(expected).max()  # both keep the KV cache in F16
+    assert np.abs(ours - expected).max() <= 1e-3 * scale
+
+
+# ---- the registry and the shared pieces -------------------------------------------------------------
+
+
+def test_unknown_architecture_lists_the_supported_ones(tmp_path):
+    from pyggml.convert import supported
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"]}))
+    with pytest.raises(ValueError, match="unsupported architecture 'NoSuchForCausalLM'; supported: (.*, )?"
+                                         "BertModel, .*LlamaForCausalLM, MistralForCausalLM"):
+        convert_hf(tmp_path, tmp_path / "x.gguf")
+    assert {"LlamaForCausalLM", "MistralForCausalLM", "BertModel", "BertForMaskedLM"} <= set(supported())
+
+
+def test_an_architecture_is_one_registered_class(tmp_path):
+    """A new architecture needs only a class: here llama with its MLP stored fused (gate and up in one
+    matrix), as some checkpoints do; the hook splits it and the file equals the plain conversion."""
+    from safetensors.numpy import load_file, save_file
+
+    from pyggml.convert import Source, register
+    from pyggml.convert.base import _REGISTRY
+    from pyggml.convert.llama import Llama
+
+    @register("FusedLlamaForCausalLM")
+    class FusedLlama(Llama):
+        def tensors(self, name: str, source: Source):
+            if name.endswith("mlp.gate_up_proj.weight"):
+                gate, up = source.split([self.n_ff, self.n_ff])
+                yield from super().tensors(name.replace("gate_up_proj", "gate_proj"), gate)
+                yield from super().tensors(name.replace("gate_up_proj", "up_proj"), up)
+            else:
+                yield from super().tensors(name, source)
+
+    try:
+        hf_dir, _ = make_tiny_llama(tmp_path, n_kv_heads=2)
+        plain = convert_hf(hf_dir, tmp_path / "plain.gguf", "f32")
+        weights = load_file(hf_dir / "model.safetensors")
+        for i in range(2):
+            prefix = f"model.layers.{i}.mlp."
+            weights[prefix + "gate_up_proj.weight"] = np.concatenate(
+                [weights.pop(prefix + "gate_proj.weight"), weights.pop(prefix + "up_proj.weight")])
+        save_file(weights, hf_dir / "model.safetensors")
+        config = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**config, "architectures": ["FusedLlamaForCausalLM"]}))
+        fused = convert_hf(hf_dir, tmp_path / "fused.gguf", "f32")
+        assert fused.read_bytes() == plain.read_bytes()
+    finally:
+        del _REGISTRY["FusedLlamaForCausalLM"]
+
+
+def test_sources_are_lazy_and_split_and_stack(tmp_path):
+    from pyggml.convert import Source
+
+    reads = []
+    a = Source((4, 3), lambda: reads.append("a") or np.arange(12.0).reshape(4, 3))
+    top, bottom = a.split([1, 3])
+    doubled = bottom.map(lambda w: 2 * w)
+    stacked = Source.stack([top.map(lambda w: w.repeat(3, 0), (3, 3)), doubled])
+    assert (top.shape, bottom.shape, stacked.shape) == ((1, 3), (3, 3), (2, 3, 3))
+    assert reads == []  # nothing is read until the data is needed
+    np.testing.assert_array_equal(stacked.load()[1], 2 * np.arange(3.0, 12.0).reshape(3, 3))
+    with pytest.raises(ValueError, match="cannot split 4 rows"):
+        a.split([2, 3])
+    with pytest.raises(ValueError, match="different shapes"):
+        Source.stack([top, bottom])
+
+
+def test_extra_and_misshapen_tensors_are_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, _ = make_tiny_llama(tmp_path, n_kv_heads=2)
+    original = load_file(hf_dir / "model.safetensors")
+    weights = dict(original)
+    weights["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
+    save_file(weights, hf_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="does not have: model.layers.0.self_attn.q_proj.bias -> blk.0.attn_q.bias"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+
+    weights = dict(original)
+    weights["model.layers.1.mlp.down_proj.weight"] = weights["model.layers.1.mlp.down_proj.weight"][:, :64]
+    save_file(weights, hf_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=r"down_proj.weight has shape \(64, 64\) but config.json implies \(64, 128\)"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+
+    weights = dict(original)
+    weights["model.layers.0.mlp.experts.0.up_proj.weight"] = np.zeros((4, 4), np.float32)
+    save_file(weights, hf_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="does not know: model.layers.0.mlp.experts.0.up_proj.weight"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+    assert not list(tmp_path.glob("x.gguf*"))
+
+
+def test_cli_convert_writes_the_file_and_reports_errors(tmp_path, capsys):
+    from pyggml.cli import main
+
+    hf_dir, _ = make_tiny_llama(tmp_path, n_kv_heads=2)
+    assert main(["convert", str(hf_dir), str(tmp_path / "m.gguf"), "--type", "q8_0"]) == 0
+    meta, _ = read_gguf(tmp_path / "m.gguf")
+    assert meta["general.file_type"] == gguf.LlamaFileType.MOSTLY_Q8_0
+    assert main(["convert", str(hf_dir), str(tmp_path / "n.gguf"), "--pooling", "cls"]) == 1
+    assert "pooling applies to embedding models" in capsys.readouterr().err
+
+
+# ---- Qwen 2 / 3: llama.cpp's names and keys, and llama.cpp runs the files like transformers ------------
+
+QWEN_CASES = {"qwen2-gqa-untied": dict(arch="qwen2", n_kv_heads=2, tie=False),
+              "qwen3-mha-tied-wide-heads": dict(arch="qwen3", n_kv_heads=4, tie=True, head_dim=32),
+              "qwen3moe-gqa-untied": dict(arch="qwen3moe", n_kv_heads=2, tie=False)}
+
+
+def expected_names(arch: str, tied: bool) -> set[str]:
+    per_block = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                 "ffn_down"]
+    per_block += {"qwen2": ["attn_q.bias", "attn_k.bias", "attn_v.bias"],
+                  "qwen3": ["attn_q_norm", "attn_k_norm"], "qwen3moe": ["attn_q_norm", "attn_k_norm"]}[arch]
+    if arch == "qwen3moe":
+        per_block = [n for n in per_block if n not in ("ffn_gate", "ffn_up", "ffn_down")]
+        per_block += ["ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+    names = {"token_embd.weight", "output_norm.weight"} | (set() if tied else {"output.weight"})
+    return names | {f"blk.{i}.{n}" + ("" if n.endswith(".bias") else ".weight") for i in range(2) for n in per_block}
+
+
+@pytest.mark.parametrize("case", list(QWEN_CASES))
+def test_qwen_files_have_llama_cpps_names_and_keys(tmp_path, case):
+    hf_dir, model = make_tiny_llama(tmp_path, vocab="qwen", **QWEN_CASES[case])
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "f32"))
+    cfg, arch = model.config, QWEN_CASES[case]["arch"]
+
+    assert meta["general.architecture"] == arch
+    assert set(tensors) == expected_names(arch, cfg.tie_word_embeddings)
+    known = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[gguf.MODEL_ARCH[arch.upper()]]}
+    assert {n.rsplit(".", 1)[0].replace("blk.0.", "blk.{bid}.").replace("blk.1.", "blk.{bid}.")
+            for n in tensors} <= known
+    keys = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
+            "attention.head_count": 4, "attention.head_count_kv": cfg.num_key_value_heads, "rope.freq_base": 10000.0}
+    if arch == "qwen3":
+        keys |= {"attention.key_length": 32, "attention.value_length": 32}
+    if arch == "qwen3moe":
+        keys |= {"attention.key_length": 16, "attention.value_length": 16, "expert_count": 4,
+                 "expert_used_count": 2, "expert_feed_forward_length": 32}
+    assert {k.removeprefix(f"{arch}."): v for k, v in meta.items() if k.startswith(f"{arch}.")} == pytest.approx(
+        keys | {"attention.layer_norm_rms_epsilon": 1e-5})
+    # NeoX rope: q/k rows are HF's, unpermuted; every tensor is the HF weight itself
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    np.testing.assert_array_equal(tensors["blk.1.attn_q.weight"][1], sd["model.layers.1.self_attn.q_proj.weight"])
+    if arch == "qwen2":
+        np.testing.assert_array_equal(tensors["blk.0.attn_k.bias"][1], sd["model.layers.0.self_attn.k_proj.bias"])
+    elif arch == "qwen3moe":  # transformers holds the experts fused: (expert, gate rows then up rows, hidden)
+        gate_up = sd["model.layers.1.mlp.experts.gate_up_proj"]
+        np.testing.assert_array_equal(tensors["blk.1.ffn_gate_exps.weight"][1], gate_up[:, :32])
+        np.testing.assert_array_equal(tensors["blk.1.ffn_up_exps.weight"][1], gate_up[:, 32:])
+        down = sd["model.layers.0.mlp.experts.down_proj"]
+        np.testing.assert_array_equal(tensors["blk.0.ffn_down_exps.weight"][1], down)
+        assert tensors["blk.0.ffn_gate_inp.weight"][0] == "F32"
+    else:
+        np.testing.assert_array_equal(tensors["blk.0.attn_k_norm.weight"][1],
+                                      sd["model.layers.0.self_attn.k_norm.weight"])
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    added = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    assert (meta["tokenizer.ggml.model"], meta["tokenizer.ggml.pre"]) == ("gpt2", "qwen2")
+    assert meta["tokenizer.ggml.eos_token_id"] == added["<|im_end|>"]
+    assert meta["tokenizer.ggml.bos_token_id"] == added["<|endoftext|>"]  # from config.json, as llama.cpp does
+    assert meta["tokenizer.ggml.padding_token_id"] == added["<|endoftext|>"]
+    assert "tokenizer.ggml.add_bos_token" not in meta  # llama.cpp's qwen2 default: no BOS
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", list(QWEN_CASES))
+def test_llama_cpp_runs_our_qwen_files_like_transformers(tmp_path, case):
+    from pyggml import models
+
+    hf_dir, model = make_tiny_llama(tmp_path, vocab="qwen", **QWEN_CASES[case])
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    text = "The cafe is naive, 42 people said!"
+    tokens, theirs = llama_cpp_logits(path, text)
+    assert tokens == transformers.AutoTokenizer.from_pretrained(hf_dir).encode(text)  # no BOS
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()
+    scale = np.abs(ref).max()  # llama.cpp keeps its KV cache in F16: measured ~2.5e-4 of the scale
+    assert np.abs(theirs - ref).max() <= 1e-3 * scale
+    if QWEN_CASES[case]["arch"] in models.registry():  # once pyggml runs the architecture, it must agree too
+        import pyggml
+
+        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+            assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
+
+
+def test_moe_checkpoint_missing_an_expert_or_renormalisation_is_refused(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, _ = make_tiny_llama(tmp_path, vocab="qwen", arch="qwen3moe")
+    weights = load_file(hf_dir / "model.safetensors")
+    del weights["model.layers.1.mlp.experts.2.up_proj.weight"]
+    save_file(weights, hf_dir / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing parts of model.layers.1.mlp.experts.up_proj \(3 found\)"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+    weights["model.layers.1.mlp.experts.4.up_proj.weight"] = weights["model.layers.1.mlp.experts.3.up_proj.weight"]
+    save_file(weights, hf_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="index 4 is outside 0..3"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
+    with pytest.raises(ValueError, match="norm_topk_prob=false"):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+    assert not list(tmp_path.glob("x.gguf*"))
+
+
+def test_moe_experts_fused_as_transformers_5_holds_them_convert_the_same(tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, _ = make_tiny_llama(tmp_path, vocab="qwen", arch="qwen3moe")
+    per_expert = convert_hf(hf_dir, tmp_path / "a.gguf", "f32")
+    weights = load_file(hf_dir / "model.safetensors")
+    for i in range(2):
+        experts = f"model.layers.{i}.mlp.experts"
+        take = {k: np.stack([weights.pop(f"{experts}.{e}.{k}_proj.weight") for e in range(4)])
+                for k in ("gate", "up", "down")}
+        weights[f"{experts}.gate_up_proj"] = np.concatenate([take["gate"], take["up"]], axis=1)
+        weights[f"{experts}.down_proj"] = take["down"]
+    save_file(weights, hf_dir / "model.safetensors")
+    assert convert_hf(hf_dir, tmp_path / "b.gguf", "f32").read_bytes() == per_expert.read_bytes()

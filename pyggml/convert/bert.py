@@ -1,0 +1,85 @@
+"""BERT sentence encoders (GGUF ``bert``): WordPiece vocabulary, pooling from sentence-transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import gguf
+
+from .base import Architecture, register
+from .checkpoint import read_json
+from .tensors import Source
+from .vocab import Vocab, wordpiece_vocab
+
+# sentence-transformers Pooling config flag -> gguf pooling type
+_POOLING_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
+_POOLING = {"none": gguf.PoolingType.NONE, "mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
+            "last": gguf.PoolingType.LAST}
+
+
+@register("BertModel", "BertForMaskedLM", model_types=("bert",))
+class Bert(Architecture):
+    gguf_arch = "bert"
+    skip = (r"^(bert\.)?(pooler\.|cls\.|embeddings\.position_ids)",)  # heads (pooler, MLM) are dropped
+    embedding = True
+    default_context = 512
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        act = self.config.get("hidden_act", "gelu")
+        if act != "gelu":  # the runtime applies exact (erf) GELU, which is what BERT's "gelu" means
+            raise ValueError(f"config.json has hidden_act={act!r}; only 'gelu' BERT models are supported")
+        if self.config.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"config.json has position_embedding_type={self.config['position_embedding_type']!r}; "
+                             "only absolute position embeddings are supported")
+        if self.n_embd % self.n_heads:
+            raise ValueError("config.json: hidden_size is not a multiple of num_attention_heads")
+        self.n_types = self.config.get("type_vocab_size") or 2
+        self.pooling_type = self._pooling()
+
+    def metadata(self, w: gguf.GGUFWriter) -> None:
+        super().metadata(w)
+        if "layer_norm_eps" not in self.config:
+            w.add_layer_norm_eps(1e-12)
+        w.add_causal_attention(False)
+        w.add_pooling_type(self.pooling_type)
+        w.add_token_type_count(self.n_types)
+
+    def vocab(self) -> Vocab:
+        return wordpiece_vocab(self.hf_dir, self.n_vocab)
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        # BertForMaskedLM nests the encoder under "bert."; old checkpoints call LayerNorm parameters gamma/beta
+        name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
+        yield self.map_name(name.replace("LayerNorm.beta", "LayerNorm.bias")), source
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        embd, ff = self.n_embd, self.hparam("intermediate_size")
+        shapes = {"token_embd.weight": (self.n_vocab, embd), "token_types.weight": (self.n_types, embd),
+                  "position_embd.weight": (self.context_length, embd),
+                  "token_embd_norm.weight": (embd,), "token_embd_norm.bias": (embd,)}
+        per_layer = {"attn_q": (embd, embd), "attn_k": (embd, embd), "attn_v": (embd, embd),
+                     "attn_output": (embd, embd), "attn_output_norm": (embd,), "ffn_up": (ff, embd),
+                     "ffn_down": (embd, ff), "layer_output_norm": (embd,)}
+        for kind, shape in per_layer.items():
+            shapes[f"blk.{{bid}}.{kind}.weight"] = shape
+            shapes[f"blk.{{bid}}.{kind}.bias"] = shape[:1]
+        return shapes
+
+    def _pooling(self) -> gguf.PoolingType:
+        """The override, else the sentence-transformers Pooling module's mode, else mean."""
+        if self.pooling is not None:
+            if self.pooling not in _POOLING:
+                raise ValueError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(_POOLING)}")
+            return _POOLING[self.pooling]
+        for module in read_json(self.hf_dir / "modules.json") or []:
+            if module.get("type", "").endswith("Pooling"):
+                pool_cfg = read_json(self.hf_dir / module.get("path", "") / "config.json") or {}
+                modes = [mode for flag, mode in _POOLING_FLAGS.items() if pool_cfg.get(flag)]
+                others = [k for k, v in pool_cfg.items()
+                          if k.startswith("pooling_mode") and v and k not in _POOLING_FLAGS]
+                if len(modes) != 1 or others:
+                    raise ValueError(f"{module.get('path')}/config.json asks for pooling {modes + others}; supported: "
+                                     "exactly one of mean, cls, lasttoken (pass pooling=... to override)")
+                return _POOLING[modes[0]]
+        return gguf.PoolingType.MEAN
