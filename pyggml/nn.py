@@ -335,7 +335,7 @@ def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
         if typing.get_origin(hint) is ClassVar:
             continue
         kind, optional = _unwrap(hint)
-        spec = cls.__dict__.get(field)
+        spec = getattr(cls, field, None)  # a subclass inherits its bases' declarations
         spec = spec if isinstance(spec, Spec) else Spec()
         if typing.get_origin(kind) is list:
             (item,) = typing.get_args(kind)
@@ -422,12 +422,13 @@ class Rope:
 
 # ---- attention --------------------------------------------------------------------------------
 def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Cache | None, scale: float, *,
-              flash: bool | None = None, mask: Tensor | None = None) -> Tensor:
+              flash: bool | None = None, mask: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """Multi-head attention with GQA. ``query`` is (head_dim, n_heads, n_tokens), ``key`` and
     ``value`` (head_dim, n_kv_heads, n_tokens). With a cache, the new keys/values are stored and
     attention runs over the cached history with the cache's mask; without one, every token sees
     every other (encoders), or those ``mask`` (n_tokens, n_tokens; 0 or -inf) lets it see (several
-    sequences in one encoder batch). Returns (head_dim_v * n_heads, n_tokens)."""
+    sequences in one encoder batch). ``softcap``: scores become ``softcap * tanh(score / softcap)``
+    before the mask (Gemma 2). Returns (head_dim_v * n_heads, n_tokens)."""
     if cache is not None:
         if mask is not None:
             raise ValueError("attention: a mask is only for attention without a cache (the cache has its own)")
@@ -438,7 +439,7 @@ def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Ca
     if flash is None:
         flash = ctx.backend.flash_attention
     q = query.permute(0, 2, 1, 3)  # (head_dim, n_tokens, n_heads)
-    out = q.scaled_dot_product_attention(key, value, mask, scale, flash=flash)
+    out = q.scaled_dot_product_attention(key, value, mask, scale, flash=flash, softcap=softcap)
     d_v, n_heads, n_tokens = out.shape[0], out.shape[1], out.shape[2]
     return out.reshape(d_v * n_heads, n_tokens)
 
