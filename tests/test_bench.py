@@ -183,8 +183,8 @@ def test_make_model_of_any_architecture(tmp_path):
         assert len(ids) == 4 and model.tokenizer.decode(ids[1:3]) == "a b"
     finally:
         model.close()
-    code, _, err = run_cli(["make-model", "llama", str(tmp_path / "x.gguf"), "--set", "attention.head_count=5"])
-    assert code == 1 and "do not make a valid model" in err
+    code, _, err = run_cli(["make-model", "llama", str(tmp_path / "x.gguf"), "--set", "attention.head_count_kv=3"])
+    assert code == 1 and "do not make a valid llama model" in err
 
 
 # ---- bench/compare_baseline.py ---------------------------------------------------------------------
