@@ -169,6 +169,17 @@ def test_make_model(tmp_path):
     assert code == 1 and "unknown model shape" in err
 
 
+def test_progress_of_big_files_only(capsys):
+    from pyggml.bench import progress_printer
+
+    big, small = progress_printer("x"), progress_printer("x")
+    for done in range(0, 200_000_001, 25_000_000):
+        big(done, 200_000_000)
+        small(done // 1000, 200_000)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "x: 12% of 200M weights" and lines[-1] == "x: 100% of 200M weights" and len(lines) == 8
+
+
 def test_make_model_of_any_architecture(tmp_path):
     from pyggml import models
 
