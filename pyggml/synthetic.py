@@ -77,10 +77,9 @@ def write_synthetic(path: str | os.PathLike, shape: str | Shape = "tinyllama-1.1
     ``hparams`` override single keys."""
     from pyggml.models import registry
 
-    if isinstance(shape, Shape):
-        arch, base, omit = "llama", shape.hparams(), ("output.weight",) if shape.tied else ()
-    elif shape in SHAPES:
-        arch, base, omit = "llama", SHAPES[shape].hparams(), ("output.weight",) if SHAPES[shape].tied else ()
+    named = shape if isinstance(shape, Shape) else SHAPES.get(shape)
+    if named is not None:
+        arch, base, omit = "llama", named.hparams(), ("output.weight",) if named.tied else ()
     elif shape in registry():
         arch, base, omit = shape, DEFAULTS, ()
     else:
