@@ -27,7 +27,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -310,7 +310,7 @@ def synthetic_model(shape: str, dtype: str) -> Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         print(f"pyggml bench: writing synthetic model {path} (once)", file=sys.stderr)
-        write_synthetic(path, shape, dtype)
+        write_synthetic(path, shape, dtype, progress=progress_printer("pyggml bench"))
     return path
 
 
@@ -552,19 +552,25 @@ def _hparam(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def cmd_make_model(args: argparse.Namespace) -> int:
+def progress_printer(prefix: str) -> Callable[[int, int], None]:
+    """A ``progress(done, total)`` for writing synthetic models: a line on stderr per 10% of a file
+    of over 100M weights (a few seconds each), nothing for small ones."""
     step = [0]
 
-    def progress(done: int, total: int) -> None:  # a line per 10% of a file of over 100M weights
+    def progress(done: int, total: int) -> None:
         if total > 100_000_000 and done * 10 // total > step[0]:
             step[0] = done * 10 // total
-            print(f"pyggml make-model: {100 * done // total}% of {total / 1e6:,.0f}M weights", file=sys.stderr)
+            print(f"{prefix}: {100 * done // total}% of {total / 1e6:,.0f}M weights", file=sys.stderr)
 
+    return progress
+
+
+def cmd_make_model(args: argparse.Namespace) -> int:
     try:
         from pyggml.synthetic import write_synthetic
 
-        out = write_synthetic(args.out, args.shape, args.type, seed=args.seed, progress=progress,
-                              hparams=dict(args.set))
+        out = write_synthetic(args.out, args.shape, args.type, seed=args.seed,
+                              progress=progress_printer("pyggml make-model"), hparams=dict(args.set))
     except KeyboardInterrupt:
         raise
     except Exception as e:

@@ -251,7 +251,7 @@ def load(cls: type, backend: Backend, hparams: Any = None, n_layers: int | None 
     ``ModelError`` listing every missing tensor and every wrong shape at once."""
     layers = _layer_count(hparams, n_layers, backend)
     check = _Check(hparams, cls)
-    module = _build(cls, "", backend, layers, None, check)
+    module = _build(cls, backend, layers, check)
     problems = []
     if check.missing:
         problems.append(f"missing tensors: {', '.join(check.missing)}")
@@ -350,7 +350,7 @@ def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
     return obj
 
 
-def _build(cls: type, prefix: str, backend: Backend, n_layers: int, layer: int | None, check: _Check) -> Any:
+def _build(cls: type, backend: Backend, n_layers: int, check: _Check) -> Any:
     def leaf(kind: type, name: str, optional: bool, spec: Spec, layer: int | None) -> Any:
         optional = not _required(optional, spec, check.lookup, layer) if check.hparams is not None else optional
         source = name
@@ -373,7 +373,7 @@ def _build(cls: type, prefix: str, backend: Backend, n_layers: int, layer: int |
             weight = backend.matmul_weight(weight)
         return kind(weight, bias)
 
-    return _walk(cls, prefix, n_layers, layer, leaf)
+    return _walk(cls, "", n_layers, None, leaf)
 
 
 # ---- rope -------------------------------------------------------------------------------------

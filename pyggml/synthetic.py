@@ -17,8 +17,8 @@ that size would show.
 from __future__ import annotations
 
 import os
+import secrets
 import string
-import tempfile
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,10 +30,12 @@ import numpy as np
 from pyggml import nn
 from pyggml.tensor import DType, quantize
 
-# the shape of ``write_model(path, arch)`` and ``pyggml make-model ARCH``: small, for keys the caller leaves out
+# ``write_model(path, arch)`` and ``pyggml make-model ARCH``: a small shape, and the keys llama.cpp
+# requires of most architectures (an architecture ignores the ones it does not read)
 DEFAULTS: dict[str, Any] = {
     "block_count": 2, "context_length": 256, "embedding_length": 64, "feed_forward_length": 128,
-    "attention.head_count": 4, "attention.head_count_kv": 2, "vocab_size": 384,
+    "attention.head_count": 4, "vocab_size": 384, "attention.layer_norm_rms_epsilon": 1e-5,
+    "attention.layer_norm_epsilon": 1e-5, "tokenizer.ggml.token_type_count": 2,
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 
@@ -75,10 +77,9 @@ def write_synthetic(path: str | os.PathLike, shape: str | Shape = "tinyllama-1.1
     ``hparams`` override single keys."""
     from pyggml.models import registry
 
-    if isinstance(shape, Shape):
-        arch, base, omit = "llama", shape.hparams(), ("output.weight",) if shape.tied else ()
-    elif shape in SHAPES:
-        arch, base, omit = "llama", SHAPES[shape].hparams(), ("output.weight",) if SHAPES[shape].tied else ()
+    named = shape if isinstance(shape, Shape) else SHAPES.get(shape)
+    if named is not None:
+        arch, base, omit = "llama", named.hparams(), ("output.weight",) if named.tied else ()
     elif shape in registry():
         arch, base, omit = shape, DEFAULTS, ()
     else:
@@ -112,7 +113,7 @@ def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] =
     try:
         options = model.Options.from_config(Config(meta))
     except (ModelError, ValueError) as e:
-        raise ValueError(f"{arch}: these hyper-parameters do not make a valid model: {e}") from None
+        raise ValueError(f"these hyper-parameters do not make a valid {arch} model: {e}") from None
     tensors = []
     for t in nn.declared(model.Weights, options):
         if t.required and t.name not in omit:
@@ -125,9 +126,7 @@ def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] =
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")  # one per writer; mode as open()'s
     try:
         writer = gguf.GGUFWriter(tmp, arch)
         for key, value in meta.items():

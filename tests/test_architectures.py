@@ -53,7 +53,7 @@ OTHER = [1, 50, 31, 8]
 # Tolerances, as max |a - b| / max |b| over the compared logits or embeddings, from the errors measured
 # on these tiny models (F32 cache, 2 threads, x86-64 CPU) with a margin for other CPUs' kernels:
 F16_TOLERANCE = 5e-3  # F16 vs F32 weights: measured 7.5e-4 (llama), 4.9e-4 (bert): F16 rounding (2^-11)
-LLAMA_CPP_TOLERANCE = 1e-3  # the same file in llama.cpp: measured 0 (llama), 1.5e-4 (bert: its GELU is tanh's)
+LLAMA_CPP_TOLERANCE = 2e-3  # the same file in llama.cpp: measured 2.5e-4 (llama: its cache is F16), 8e-5 (bert)
 SAME_TOLERANCE = 2e-5  # one model along two batching paths: measured 0 .. 2.7e-7 (summation order only);
 #                       a token seen or hidden by mistake changes later rows by ~0.4 (measured, llama)
 

@@ -169,6 +169,17 @@ def test_make_model(tmp_path):
     assert code == 1 and "unknown model shape" in err
 
 
+def test_progress_of_big_files_only(capsys):
+    from pyggml.bench import progress_printer
+
+    big, small = progress_printer("x"), progress_printer("x")
+    for done in range(0, 200_000_001, 25_000_000):
+        big(done, 200_000_000)
+        small(done // 1000, 200_000)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "x: 12% of 200M weights" and lines[-1] == "x: 100% of 200M weights" and len(lines) == 8
+
+
 def test_make_model_of_any_architecture(tmp_path):
     from pyggml import models
 
@@ -183,8 +194,8 @@ def test_make_model_of_any_architecture(tmp_path):
         assert len(ids) == 4 and model.tokenizer.decode(ids[1:3]) == "a b"
     finally:
         model.close()
-    code, _, err = run_cli(["make-model", "llama", str(tmp_path / "x.gguf"), "--set", "attention.head_count=5"])
-    assert code == 1 and "do not make a valid model" in err
+    code, _, err = run_cli(["make-model", "llama", str(tmp_path / "x.gguf"), "--set", "attention.head_count_kv=3"])
+    assert code == 1 and "do not make a valid llama model" in err
 
 
 # ---- bench/compare_baseline.py ---------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import gguf
 import pytest
 
@@ -73,6 +75,64 @@ def test_declared_shapes_follow_the_hyper_parameters():
     assert shapes["blk.0.ffn_down.weight"] == ((16, 8), True)
     assert shapes["output.weight"] == ((8, 10), True) and shapes["rope_freqs.weight"] == ((2,), False)
     assert len(shapes) == 3 + 1 + 2 * 9
+
+
+class Mixed(nn.Module):
+    ffn_up: nn.Linear = nn.shape("hidden", "ffn[layer]")
+    ffn_gate_inp: nn.Linear | None = nn.shape("hidden", "n_experts", when="layer % 2 == 1")  # every other layer
+
+
+class MixedWeights(nn.Module):
+    token_embd: nn.Embedding = nn.shape("hidden", "vocab")
+    blk: list[Mixed]
+    output: nn.Linear = nn.shape("hidden", "vocab", alt="token_embd")
+
+
+def test_declarations_per_layer_and_conditional_tensors():
+    hp = {"n_layers": 3, "hidden": 8, "ffn": [16, 24, 32], "n_experts": 4, "vocab": 10}
+    decl = {t.name: (t.shape, t.required) for t in nn.declared(MixedWeights, hp)}
+    assert [decl[f"blk.{i}.ffn_up.weight"] for i in range(3)] == [((8, 16), True), ((8, 24), True), ((8, 32), True)]
+    assert [decl[f"blk.{i}.ffn_gate_inp.weight"][1] for i in range(3)] == [False, True, False]
+    with pytest.raises(ValueError, match="size of vocab is unknown"):
+        nn.declared(MixedWeights, {**hp, "vocab": None})
+
+
+class FakeBackend:
+    """What nn.load reads of a Backend: tensors by name (only their shapes matter here)."""
+
+    path = "fake.gguf"
+
+    def __init__(self, shapes):
+        self.tensors = {name: types.SimpleNamespace(shape=shape, name=name) for name, shape in shapes.items()}
+
+    def get(self, name):
+        return self.tensors.get(name)
+
+    def matmul_weight(self, weight):
+        return weight
+
+
+def test_loader_binds_unknown_sizes_from_the_file_and_requires_conditional_tensors():
+    hp = {"n_layers": 2, "hidden": 8, "ffn": [16, 16], "n_experts": 4, "vocab": None}
+    shapes = {"token_embd.weight": (8, 11), "blk.0.ffn_up.weight": (8, 16), "blk.1.ffn_up.weight": (8, 16),
+              "blk.1.ffn_gate_inp.weight": (8, 4)}
+    w = nn.load(MixedWeights, FakeBackend(shapes), hp)  # vocab: 11, from token_embd; output tied to it
+    assert w.output.weight.shape == (8, 11) and w.blk[0].ffn_gate_inp is None
+    shapes.pop("blk.1.ffn_gate_inp.weight")
+    shapes["output.weight"] = (8, 12)  # must agree with the vocabulary size token_embd gave
+    with pytest.raises(nn.MissingWeightsError) as err:
+        nn.load(MixedWeights, FakeBackend(shapes), hp)
+    assert "missing tensors: blk.1.ffn_gate_inp.weight" in str(err.value)
+    assert "output.weight has shape (8, 12), expected (8, 11) = (hidden, vocab)" in str(err.value)
+
+
+def test_bert_biases_and_stated_token_types_are_required(tmp_path):
+    hparams = {"block_count": 1, "embedding_length": 32, "feed_forward_length": 64, "attention.head_count": 4,
+               "context_length": 16, "vocab_size": 64, "tokenizer.ggml.model": "bert",
+               "tokenizer.ggml.token_type_count": 2}
+    path = write_model(tmp_path / "b.gguf", "bert", hparams, omit=("token_types.weight", "blk.0.attn_q.bias"))
+    with pytest.raises(nn.MissingWeightsError, match=r"missing tensors: token_types\.weight, blk\.0\.attn_q\.bias"):
+        models.load(path)
 
 
 def test_shape_declarations_reject_non_arithmetic():

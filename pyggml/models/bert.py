@@ -40,6 +40,9 @@ class Options:
         if not hidden or not n_heads or hidden % n_heads:
             raise ModelError(f"bert: embedding_length ({hidden}) must be a non-zero multiple of "
                              f"attention.head_count ({n_heads})")
+        if config.uint("attention.head_count_kv", n_heads) != n_heads:
+            raise ModelError("bert: attention.head_count_kv differs from attention.head_count; grouped-query "
+                             "attention is not supported for bert")
         if config.bool("attention.causal", False):
             raise ModelError("bert: attention.causal is true; only bidirectional BERT encoders are supported")
         try:
