@@ -194,6 +194,37 @@ def make_tiny_llama(
     return hf_dir, model
 
 
+def make_tiny_gemma(tmp_path: Path, *, arch: str = "gemma3", n_layers: int = 6, n_kv_heads: int = 2,
+                    sliding_window: int = 4, seed: int = 0) -> tuple[Path, Any]:
+    """Build and save a random Gemma 2 / Gemma 3 text model (64 wide, 4 heads of 16) with a SentencePiece
+    tokenizer. Returns ``(hf_dir, hf_model)`` (float32, eval mode, eager attention). ``sliding_window`` is
+    small so that prompts run past it; Gemma 3's default pattern makes layer 5 its first global layer.
+    Norm weights (Gemma scales by 1 + w) are randomised around 0."""
+    import torch
+    import transformers
+
+    hf_dir = Path(tmp_path) / f"tiny-{arch}-kv{n_kv_heads}-w{sliding_window}-s{seed}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_spm_tokenizer(hf_dir, seed)
+    config_cls, model_cls = {
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    }[arch]
+    config = config_cls(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
+        num_attention_heads=4, num_key_value_heads=n_kv_heads, head_dim=16, query_pre_attn_scalar=16,
+        max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=sliding_window, initializer_range=0.05,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
 
