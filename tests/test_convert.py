@@ -5,6 +5,7 @@ and the shared pieces (lazy sources, tensor types, the plan checks) at the end."
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import subprocess
@@ -675,6 +676,67 @@ def test_llama_cpp_runs_our_gemma_files_like_transformers_past_the_window(tmp_pa
     scale = np.abs(ref).max()
     assert np.abs(theirs - ref).max() <= 1e-3 * scale
     if GEMMA_CASES[case]["arch"] in models.registry():  # once pyggml runs the architecture, it must agree too
+        import pyggml
+
+        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+            assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
+
+
+# ---- Phi-3: fused qkv and gate/up kept fused, LongRoPE factors --------------------------------------------
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0]}
+PHI3_CASES = {"phi3-gqa": dict(n_kv_heads=2),
+              "phi3-longrope": dict(n_kv_heads=4, rope_scaling=LONGROPE,
+                                    config_extra={"original_max_position_embeddings": 64})}
+
+
+@pytest.mark.parametrize("case", list(PHI3_CASES))
+def test_phi3_files_have_llama_cpps_names_and_keys(tmp_path, case):
+    hf_dir, model = make_tiny_llama(tmp_path, arch="phi3", vocab="spm", **PHI3_CASES[case])
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "f32"))
+    longrope = "rope_scaling" in PHI3_CASES[case]
+
+    per_block = ["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"]
+    extra = {"rope_factors_long.weight", "rope_factors_short.weight"} if longrope else set()
+    assert set(tensors) == extra | {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(2) for n in per_block}
+    keys = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
+            "attention.head_count": 4, "attention.head_count_kv": PHI3_CASES[case]["n_kv_heads"],
+            "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0, "rope.dimension_count": 16,
+            "rope.scaling.original_context_length": 64 if longrope else 4096,  # Phi3Config default
+            "attention.sliding_window": 0}
+    if longrope:  # transformers' LongRoPE attention scale for 256 / 64
+        keys["rope.scaling.attn_factor"] = np.sqrt(1 + np.log(4) / np.log(64))
+        np.testing.assert_array_equal(tensors["rope_factors_long.weight"][1], LONGROPE["long_factor"])
+        np.testing.assert_array_equal(tensors["rope_factors_short.weight"][1], np.float32(LONGROPE["short_factor"]))
+    assert {k.removeprefix("phi3."): v for k, v in meta.items() if k.startswith("phi3.")} == pytest.approx(keys)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    np.testing.assert_array_equal(tensors["blk.1.attn_qkv.weight"][1], sd["model.layers.1.self_attn.qkv_proj.weight"])
+    np.testing.assert_array_equal(tensors["blk.0.ffn_up.weight"][1], sd["model.layers.0.mlp.gate_up_proj.weight"])
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", list(PHI3_CASES))
+def test_llama_cpp_runs_our_phi3_files_like_transformers(tmp_path, case):
+    from pyggml import models
+
+    hf_dir, model = make_tiny_llama(tmp_path, arch="phi3", vocab="spm", **PHI3_CASES[case])
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    tokens, theirs = llama_cpp_logits(path, "Which way about many people water? The cafe is naive, 42 said!")
+    if "rope_scaling" in PHI3_CASES[case]:
+        # llama.cpp pads its context to 256, past the original 64, so it rotates with the long factors;
+        # transformers picks them by prompt length: give the reference long factors in both places
+        config = copy.deepcopy(model.config)
+        config.rope_parameters["short_factor"] = LONGROPE["long_factor"]
+        model_long = type(model)(config).eval()
+        model_long.load_state_dict(model.state_dict())
+        model = model_long
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()
+    scale = np.abs(ref).max()
+    assert np.abs(theirs - ref).max() <= 1e-4 * scale
+    if "phi3" in models.registry():  # once pyggml runs the architecture, it must agree too
         import pyggml
 
         with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
