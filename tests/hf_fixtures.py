@@ -132,13 +132,15 @@ def make_tiny_llama(
     intermediate_size: int = 128,
     arch: str = "llama",
     max_shard_size: str | None = None,
+    config_extra: dict[str, Any] | None = None,
 ) -> tuple[Path, Any]:
     """Build and save a 2-layer, 4-head, 64-wide random model with a locally trained tokenizer.
 
     Returns ``(hf_dir, hf_model)``; the model is float32 in eval mode. ``arch`` is "llama",
-    "mistral", "qwen2", "qwen3" or "qwen3moe"; ``vocab`` is "bpe" (tokenizer.json), "spm" (tokenizer.model)
-    or "qwen" (Qwen's tokenizer.json); the embedding is padded to a multiple of 32 rows, as many
-    real checkpoints are. Norm weights are randomised around 1 and biases around 0 so that a
+    "mistral", "qwen2", "qwen3", "qwen3moe" or "phi3" (``config_extra`` adds config arguments);
+    ``vocab`` is "bpe" (tokenizer.json), "spm" (tokenizer.model) or "qwen" (Qwen's tokenizer.json);
+    the embedding is padded to a multiple of 32 rows, as many real checkpoints are. Norm weights
+    are randomised around 1 and biases around 0 so that a
     swapped or missing one shows up in parity tests.
     """
     import torch
@@ -152,6 +154,11 @@ def make_tiny_llama(
     elif vocab == "spm":
         n_tokens = make_spm_tokenizer(hf_dir, seed)
         bos, eos = 1, 2
+        if arch == "phi3":  # Phi-3's <|endoftext|> is added after the SentencePiece model (llama.cpp needs it)
+            tok_config = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+            tok_config["added_tokens_decoder"] = {str(n_tokens): {"content": "<|endoftext|>", "special": True}}
+            _write_json(hf_dir / "tokenizer_config.json", tok_config)
+            n_tokens += 1
     elif vocab == "qwen":
         n_tokens = make_qwen_tokenizer(hf_dir, seed)
         bos, eos = n_tokens - 3, n_tokens - 1  # <|endoftext|> (as Qwen's config.json), <|im_end|>
@@ -164,12 +171,16 @@ def make_tiny_llama(
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
     extra = {"head_dim": head_dim or 16} if head_dim or arch.startswith("qwen3") else {}  # Qwen3's default: 128
     if arch == "qwen3moe":  # 4 experts of 32, 2 chosen per token
         extra |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
     if rope_scaling is not None:
         extra["rope_scaling"] = rope_scaling
+    if arch == "phi3":  # Phi3Config's defaults name token 32000 and a 2047-token window
+        extra |= {"pad_token_id": eos, "sliding_window": None}
+    extra |= config_extra or {}
     config = config_cls(
         vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=intermediate_size,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=n_kv_heads,
@@ -191,6 +202,37 @@ def make_tiny_llama(
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(hf_dir, **kwargs)
+    return hf_dir, model
+
+
+def make_tiny_gemma(tmp_path: Path, *, arch: str = "gemma3", n_layers: int = 6, n_kv_heads: int = 2,
+                    sliding_window: int = 4, seed: int = 0) -> tuple[Path, Any]:
+    """Build and save a random Gemma 2 / Gemma 3 text model (64 wide, 4 heads of 16) with a SentencePiece
+    tokenizer. Returns ``(hf_dir, hf_model)`` (float32, eval mode, eager attention). ``sliding_window`` is
+    small so that prompts run past it; Gemma 3's default pattern makes layer 5 its first global layer.
+    Norm weights (Gemma scales by 1 + w) are randomised around 0."""
+    import torch
+    import transformers
+
+    hf_dir = Path(tmp_path) / f"tiny-{arch}-kv{n_kv_heads}-w{sliding_window}-s{seed}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_spm_tokenizer(hf_dir, seed)
+    config_cls, model_cls = {
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    }[arch]
+    config = config_cls(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
+        num_attention_heads=4, num_key_value_heads=n_kv_heads, head_dim=16, query_pre_attn_scalar=16,
+        max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=sliding_window, initializer_range=0.05,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
     return hf_dir, model
 
 

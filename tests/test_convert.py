@@ -5,6 +5,7 @@ and the shared pieces (lazy sources, tensor types, the plan checks) at the end."
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import subprocess
@@ -21,7 +22,7 @@ from pyggml.convert import convert_hf, from_interleaved_rope, to_interleaved_rop
 torch = pytest.importorskip("torch", reason="the converter tests build HF models with torch")
 transformers = pytest.importorskip("transformers", reason="the converter tests build HF models")
 
-from .hf_fixtures import make_tiny_llama  # noqa: E402  (needs torch/transformers)
+from .hf_fixtures import make_tiny_gemma, make_tiny_llama  # noqa: E402  (needs torch/transformers)
 
 HF_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
             "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
@@ -352,7 +353,8 @@ _LLAMA_CPP = textwrap.dedent("""
     import json, sys
     import llama_cpp
     path, text = sys.argv[1], sys.argv[2]
-    llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=2, logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=2, logits_all=True, verbose=False,
+                          type_k=0, type_v=0)  # an F32 KV cache: the comparison is then to float32 rounding
     tokens = llm.tokenize(text.encode(), add_bos=True)
     llm.eval(tokens)
     print(json.dumps({"tokens": tokens, "logits": llm.scores[:len(tokens)].tolist()}))
@@ -360,7 +362,8 @@ _LLAMA_CPP = textwrap.dedent("""
 
 
 def llama_cpp_logits(path: Path, text: str) -> tuple[list[int], np.ndarray]:
-    """llama.cpp's tokens and logits for ``text``; in a subprocess, so that a crash there fails one test."""
+    """llama.cpp's tokens and logits for ``text`` (one batch, F32 KV cache); in a subprocess, so that a
+    crash there fails one test."""
     done = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), text], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -387,7 +390,7 @@ def test_llama_cpp_computes_the_same_logits_from_our_file(tmp_path, case):
         assert llm.tokenize(text) == tokens
         ours = llm.logits(tokens)
     assert len(tokens) > 5
-    scale = np.abs(expected).max()  # both keep the KV cache in F16
+    scale = np.abs(expected).max()  # pyggml's KV cache is F16
     assert np.abs(ours - expected).max() <= 1e-3 * scale
 
 
@@ -569,8 +572,8 @@ def test_llama_cpp_runs_our_qwen_files_like_transformers(tmp_path, case):
     assert tokens == transformers.AutoTokenizer.from_pretrained(hf_dir).encode(text)  # no BOS
     with torch.no_grad():
         ref = model(torch.tensor([tokens])).logits[0].numpy()
-    scale = np.abs(ref).max()  # llama.cpp keeps its KV cache in F16: measured ~2.5e-4 of the scale
-    assert np.abs(theirs - ref).max() <= 1e-3 * scale
+    scale = np.abs(ref).max()
+    assert np.abs(theirs - ref).max() <= 1e-4 * scale
     if QWEN_CASES[case]["arch"] in models.registry():  # once pyggml runs the architecture, it must agree too
         import pyggml
 
@@ -613,3 +616,128 @@ def test_moe_experts_fused_as_transformers_5_holds_them_convert_the_same(tmp_pat
         weights[f"{experts}.down_proj"] = take["down"]
     save_file(weights, hf_dir / "model.safetensors")
     assert convert_hf(hf_dir, tmp_path / "b.gguf", "f32").read_bytes() == per_expert.read_bytes()
+
+
+
+# ---- Gemma 2 / 3: 1 + weight norms, sliding window; llama.cpp runs the files like transformers --------------
+
+GEMMA_CASES = {"gemma2-gqa": dict(arch="gemma2", n_layers=2, n_kv_heads=2),
+               "gemma3-mha": dict(arch="gemma3", n_layers=6, n_kv_heads=4)}
+
+
+@pytest.mark.parametrize("case", list(GEMMA_CASES))
+def test_gemma_files_have_llama_cpps_names_and_keys(tmp_path, case):
+    hf_dir, model = make_tiny_gemma(tmp_path, **GEMMA_CASES[case])
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "q8_0"))
+    arch, n_layers = GEMMA_CASES[case]["arch"], GEMMA_CASES[case]["n_layers"]
+    n_real = len(meta["tokenizer.ggml.tokens"])
+
+    assert meta["general.architecture"] == arch
+    per_block = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "post_attention_norm", "ffn_norm",
+                 "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"]
+    per_block += ["attn_q_norm", "attn_k_norm"] if arch == "gemma3" else []
+    assert set(tensors) == {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(n_layers) for n in per_block}  # tied: no output.weight
+    keys = {"context_length": 256, "embedding_length": 64, "block_count": n_layers, "feed_forward_length": 128,
+            "attention.head_count": 4, "attention.head_count_kv": GEMMA_CASES[case]["n_kv_heads"],
+            "attention.key_length": 16, "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-6,
+            "attention.sliding_window": 4}
+    if arch == "gemma2":
+        keys |= {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "rope.freq_base": 10000.0}
+    else:
+        keys |= {"rope.freq_base": 1e6}
+    assert {k.removeprefix(f"{arch}."): v for k, v in meta.items() if k.startswith(f"{arch}.")} == pytest.approx(keys)
+    assert meta["tokenizer.ggml.model"] == "llama" and meta["tokenizer.ggml.add_space_prefix"] is False
+
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    for name, hf in (("blk.0.post_ffw_norm.weight", "model.layers.0.post_feedforward_layernorm.weight"),
+                     ("output_norm.weight", "model.norm.weight")):
+        assert tensors[name][0] == "F32"
+        np.testing.assert_array_equal(tensors[name][1], sd[hf] + 1)  # Gemma's RMSNorm scales by 1 + w
+    embd = tensors["token_embd.weight"]
+    assert embd[0] == "Q8_0"
+    # gemma3 keeps only the tokenizer's rows (as llama.cpp's converter does), gemma2 all of them
+    assert n_real == (400 if arch == "gemma3" else model.config.vocab_size) and embd[1].shape == (n_real, 64)
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", list(GEMMA_CASES))
+def test_llama_cpp_runs_our_gemma_files_like_transformers_past_the_window(tmp_path, case):
+    from pyggml import models
+
+    hf_dir, model = make_tiny_gemma(tmp_path, **GEMMA_CASES[case])
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    tokens, theirs = llama_cpp_logits(path, "Which way about many people water? The cafe is naive, 42 said!")
+    assert len(tokens) > 3 * 4  # well past the 4-token window
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()[:, :theirs.shape[1]]
+    # ggml's CPU GELU reads a table of F16 values: measured 2e-4..5e-4 of the scale at every position;
+    # a window one token off gives ~0.6
+    scale = np.abs(ref).max()
+    assert np.abs(theirs - ref).max() <= 1e-3 * scale
+    if GEMMA_CASES[case]["arch"] in models.registry():  # once pyggml runs the architecture, it must agree too
+        import pyggml
+
+        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+            assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
+
+
+# ---- Phi-3: fused qkv and gate/up kept fused, LongRoPE factors --------------------------------------------
+
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0, 3.5],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 9.0]}
+PHI3_CASES = {"phi3-gqa": dict(n_kv_heads=2),
+              "phi3-longrope": dict(n_kv_heads=4, rope_scaling=LONGROPE,
+                                    config_extra={"original_max_position_embeddings": 64})}
+
+
+@pytest.mark.parametrize("case", list(PHI3_CASES))
+def test_phi3_files_have_llama_cpps_names_and_keys(tmp_path, case):
+    hf_dir, model = make_tiny_llama(tmp_path, arch="phi3", vocab="spm", **PHI3_CASES[case])
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "f32"))
+    longrope = "rope_scaling" in PHI3_CASES[case]
+
+    per_block = ["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"]
+    extra = {"rope_factors_long.weight", "rope_factors_short.weight"} if longrope else set()
+    assert set(tensors) == extra | {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.weight" for i in range(2) for n in per_block}
+    keys = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
+            "attention.head_count": 4, "attention.head_count_kv": PHI3_CASES[case]["n_kv_heads"],
+            "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0, "rope.dimension_count": 16,
+            "rope.scaling.original_context_length": 64 if longrope else 4096,  # Phi3Config default
+            "attention.sliding_window": 0}
+    if longrope:  # transformers' LongRoPE attention scale for 256 / 64
+        keys["rope.scaling.attn_factor"] = np.sqrt(1 + np.log(4) / np.log(64))
+        np.testing.assert_array_equal(tensors["rope_factors_long.weight"][1], LONGROPE["long_factor"])
+        np.testing.assert_array_equal(tensors["rope_factors_short.weight"][1], np.float32(LONGROPE["short_factor"]))
+    assert {k.removeprefix("phi3."): v for k, v in meta.items() if k.startswith("phi3.")} == pytest.approx(keys)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    np.testing.assert_array_equal(tensors["blk.1.attn_qkv.weight"][1], sd["model.layers.1.self_attn.qkv_proj.weight"])
+    np.testing.assert_array_equal(tensors["blk.0.ffn_up.weight"][1], sd["model.layers.0.mlp.gate_up_proj.weight"])
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", list(PHI3_CASES))
+def test_llama_cpp_runs_our_phi3_files_like_transformers(tmp_path, case):
+    from pyggml import models
+
+    hf_dir, model = make_tiny_llama(tmp_path, arch="phi3", vocab="spm", **PHI3_CASES[case])
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    tokens, theirs = llama_cpp_logits(path, "Which way about many people water? The cafe is naive, 42 said!")
+    if "rope_scaling" in PHI3_CASES[case]:
+        # llama.cpp pads its context to 256, past the original 64, so it rotates with the long factors;
+        # transformers picks them by prompt length: give the reference long factors in both places
+        config = copy.deepcopy(model.config)
+        config.rope_parameters["short_factor"] = LONGROPE["long_factor"]
+        model_long = type(model)(config).eval()
+        model_long.load_state_dict(model.state_dict())
+        model = model_long
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()
+    scale = np.abs(ref).max()
+    assert np.abs(theirs - ref).max() <= 1e-4 * scale
+    if "phi3" in models.registry():  # once pyggml runs the architecture, it must agree too
+        import pyggml
+
+        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+            assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale

@@ -79,6 +79,7 @@ class Architecture:
     rope_types: ClassVar[tuple[str, ...]] = ("default", "linear", "yarn")  # rope scaling this arch can take
     embedding: ClassVar[bool] = False  # an encoder whose file carries a pooling type
     default_context: ClassVar[int] = 2048  # when config.json names no max_position_embeddings
+    always_head_dim: ClassVar[bool] = False  # write attention.key_length even when it is hidden / heads
 
     def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
         self.hf_dir, self.config, self.pooling = hf_dir, config, pooling
@@ -116,7 +117,7 @@ class Architecture:
         w.add_head_count(self.n_heads)
         if "num_key_value_heads" in self.config:
             w.add_head_count_kv(self.n_kv_heads)
-        if self.head_dim != self.n_embd // self.n_heads:
+        if self.always_head_dim or self.head_dim != self.n_embd // self.n_heads:
             w.add_key_length(self.head_dim)
             w.add_value_length(self.head_dim)
         if "rms_norm_eps" in self.config:

@@ -1,46 +1,56 @@
-"""Gemma 3 text (GGUF ``gemma3``): Gemma 2 without soft-capping, with per-head q/k RMSNorm, and two
-rope bases: one for the sliding-window layers, one (possibly scaled) for the global layers."""
+"""Gemma 3 text models (GGUF ``gemma3``): Gemma 2 without soft-capping, with q/k norms, 5 local layers
+per global one, separate rope bases (``rope.freq_base`` global; llama.cpp's fixed 10000 local)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import gguf
-
 from .base import register
 from .gemma2 import Gemma2
+from .tensors import Source
+from .vocab import Vocab, read_vocab
+
+LOCAL_ROPE_BASE = 10000.0  # llama.cpp runs gemma3's sliding-window layers with this base
 
 
 @register("Gemma3ForCausalLM", model_types=("gemma3_text",))
 class Gemma3(Gemma2):
     gguf_arch = "gemma3"
-    default_context = 131072
-    large_model_layers = 62
+    swa_period = 6
+    layers_27b = 62
+    rope_types = ("default", "linear")
+    softcaps = ()
 
-    def metadata(self, w: gguf.GGUFWriter) -> None:
-        super().metadata(w)
-        local = self._local_rope()
-        if local.get("rope_type", "default") != "default":
-            raise ValueError(f"unsupported rope scaling {local['rope_type']!r} on sliding-window layers")
-        w.add_rope_freq_base_swa(float(local.get("rope_theta", 10000.0)))
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.config.get("attn_logit_softcapping") is not None:
+            raise ValueError("config.json sets attn_logit_softcapping; GGUF gemma3 has none")
+        # llama.cpp drops embedding rows past the tokenizer's last token (and so does the vocabulary here)
+        self._vocab = read_vocab(self.hf_dir, self.n_vocab, pad=False)
+        self.n_vocab = len(self._vocab.tokens)
+
+    def vocab(self) -> Vocab:
+        self._vocab.add_space_prefix = False
+        return self._vocab
+
+    def tensors(self, name: str, source: Source):
+        if name == "model.embed_tokens.weight":
+            source = source.map(lambda w: w[:self.n_vocab], (self.n_vocab, *source.shape[1:]))
+        return super().tensors(name, source)
 
     def expected(self) -> dict[str, tuple[int, ...]]:
-        head = (self.head_dim,)
-        return super().expected() | {"blk.{bid}.attn_q_norm.weight": head, "blk.{bid}.attn_k_norm.weight": head}
-
-    def _local_rope(self) -> dict[str, Any]:
-        params = self.config.get("rope_parameters") or {}
-        if "sliding_attention" in params:
-            return params["sliding_attention"]
-        return {"rope_theta": self.config.get("rope_local_base_freq", 10000.0)}
+        norms = {"blk.{bid}.attn_q_norm.weight": (self.head_dim,), "blk.{bid}.attn_k_norm.weight": (self.head_dim,)}
+        return super().expected() | norms
 
     def _rope_parameters(self) -> dict[str, Any]:
-        # transformers 5 keeps one rope per layer type; the global layers' goes in the usual keys
+        # transformers >= 5: {"full_attention": {...}, "sliding_attention": {...}}; before: rope_theta for
+        # global layers, rope_local_base_freq for local ones, rope_scaling (global layers only)
+        self.config = dict(self.config)
         params = self.config.get("rope_parameters") or {}
+        local = (params.get("sliding_attention") or {}).get("rope_theta", self.config.get("rope_local_base_freq"))
+        if local not in (None, LOCAL_ROPE_BASE):
+            raise ValueError(f"config.json's sliding-window rope base is {local}; GGUF gemma3 runs it at 10000")
         if "full_attention" in params:
-            rope = dict(params["full_attention"])
-            rope["rope_type"] = rope.get("rope_type", rope.get("type")) or "default"
-            if rope["rope_type"] not in self.rope_types:
-                raise ValueError(f"unsupported rope scaling type {rope['rope_type']!r} for gemma3")
-            return rope
+            self.config["rope_parameters"] = params["full_attention"]
+        self.config.setdefault("rope_theta", 1_000_000.0)
         return super()._rope_parameters()

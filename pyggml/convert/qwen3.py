@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gguf
-
 from .base import register
 from .qwen2 import Qwen2
 
@@ -11,12 +9,7 @@ from .qwen2 import Qwen2
 @register("Qwen3ForCausalLM", model_types=("qwen3",))
 class Qwen3(Qwen2):
     gguf_arch = "qwen3"
-
-    def metadata(self, w: gguf.GGUFWriter) -> None:
-        super().metadata(w)
-        if self.head_dim == self.n_embd // self.n_heads:  # llama.cpp writes head_dim whenever config.json has it
-            w.add_key_length(self.head_dim)
-            w.add_value_length(self.head_dim)
+    always_head_dim = True  # as llama.cpp does for a config.json that states head_dim
 
     def expected(self) -> dict[str, tuple[int, ...]]:
         norms = {"blk.{bid}.attn_q_norm.weight": (self.head_dim,), "blk.{bid}.attn_k_norm.weight": (self.head_dim,)}

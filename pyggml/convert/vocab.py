@@ -53,8 +53,9 @@ class Vocab:
                 self.scores.append(-1000.0)
 
 
-def read_vocab(hf_dir: Path, n_vocab: int) -> Vocab:
-    """Read tokenizer.model (preferred) or tokenizer.json, padded to the embedding's ``n_vocab`` rows."""
+def read_vocab(hf_dir: Path, n_vocab: int, pad: bool = True) -> Vocab:
+    """Read tokenizer.model (preferred) or tokenizer.json, padded to the embedding's ``n_vocab`` rows
+    (unless not ``pad``: then as many tokens as the tokenizer has)."""
     tok_config = read_json(hf_dir / "tokenizer_config.json") or {}
     tok_json = read_json(hf_dir / "tokenizer.json")
     added = _added_tokens(hf_dir, tok_config, tok_json)
@@ -66,7 +67,8 @@ def read_vocab(hf_dir: Path, n_vocab: int) -> Vocab:
         raise FileNotFoundError(f"no tokenizer.model or tokenizer.json in {hf_dir}")
     if len(vocab.tokens) > n_vocab:
         raise ValueError(f"tokenizer has {len(vocab.tokens)} tokens but the model's vocab_size is {n_vocab}")
-    vocab.pad_to(n_vocab)
+    if pad:
+        vocab.pad_to(n_vocab)
 
     ids = {tok: i for i, tok in enumerate(vocab.tokens)}
     special_map = read_json(hf_dir / "special_tokens_map.json") or {}
@@ -78,7 +80,7 @@ def read_vocab(hf_dir: Path, n_vocab: int) -> Vocab:
         fallback = fallback[0] if isinstance(fallback, list) and fallback else fallback
         if isinstance(tok, str) and tok in ids:
             vocab.special[kind] = ids[tok]
-        elif isinstance(fallback, int) and 0 <= fallback < n_vocab:
+        elif isinstance(fallback, int) and 0 <= fallback < len(vocab.tokens):
             vocab.special[kind] = fallback
     for kind in ("bos", "eos"):
         if f"add_{kind}_token" in tok_config:
