@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import types
 import typing
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
@@ -199,6 +202,40 @@ class Rope:
         return x.rope(positions, self.n_dims, self.base, self.freq_scale, mode=self.mode,
                       freq_factors=freq_factors, n_ctx_orig=self.n_ctx_orig, ext_factor=self.ext_factor,
                       attn_factor=self.attn_factor, beta_fast=self.beta_fast, beta_slow=self.beta_slow)
+
+
+# ---- taps -------------------------------------------------------------------------------------
+# Named intermediate results ("token_embd", "blk.3", "output_norm") that a layer-by-layer comparison
+# (pyggml.porting) reads back. Outside ``capture_taps`` a tap costs one context-variable lookup.
+_taps: ContextVar[dict[str, Tensor] | None] = ContextVar("pyggml_taps", default=None)
+
+
+def tap(name: str, tensor: Tensor) -> Tensor:
+    """Name ``tensor`` as an intermediate result (the GGUF name of the weight that produced it, or
+    ``blk.N`` for a block's output) and return it unchanged; it is recorded only while
+    ``capture_taps`` is active in this thread."""
+    taps = _taps.get()
+    if taps is not None:
+        if name in taps:
+            raise ValueError(f"tap: {name!r} was tapped twice in one capture")
+        taps[name] = tensor
+    return tensor
+
+
+@contextmanager
+def capture_taps() -> Iterator[dict[str, Tensor]]:
+    """Record the tensors that ``tap`` names while building a graph in this block, in graph order::
+
+        with nn.capture_taps() as taps:
+            logits = model.forward(ctx, batch)
+        ctx.compute(logits, *taps.values())   # computed tensors are kept: taps[name].numpy()
+    """
+    taps: dict[str, Tensor] = {}
+    token = _taps.set(taps)
+    try:
+        yield taps
+    finally:
+        _taps.reset(token)
 
 
 # ---- attention --------------------------------------------------------------------------------

@@ -145,12 +145,14 @@ class Llama(Model):
         outputs = nn.int32_input(ctx, batch.output_rows, "outputs")
         freq_factors = w.rope_freqs.weight if w.rope_freqs is not None else None
         h = w.token_embd(tokens)
+        nn.tap("token_embd", h)
         for i, layer in enumerate(w.blk):
             if self.cache is not None:
                 self.cache.set_layer(i)
             last = outputs if i == len(w.blk) - 1 else None
             h = layer(ctx, h, positions, last, self.cache, o, freq_factors)
-        return w.output(w.output_norm(h, o.eps))
+            nn.tap(f"blk.{i}", h)
+        return nn.tap("output", w.output(nn.tap("output_norm", w.output_norm(h, o.eps))))
 
     def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:
         freq_factors = self.weights.rope_freqs.weight if self.weights.rope_freqs is not None else None
