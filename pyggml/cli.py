@@ -230,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("gguf", help="the GGUF file converted from it")
     compare.add_argument("--prompt", default=None, help="text to run (tokenized by the GGUF's tokenizer)")
     compare.add_argument("--tolerance", type=float, default=None,
-                         help="relative error beyond which a layer diverges (default: 1e-3)")
+                         help="relative error beyond which a state diverges (default by the weight type: 1e-3 "
+                              "for F32, 1e-2 for F16/BF16, 5e-2 for Q8_0/Q6_K, 0.2 below)")
     compare.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     compare.set_defaults(func=cmd_compare)
 

@@ -28,7 +28,10 @@ from typing import Any
 import numpy as np
 
 DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. 1, 2, 3: café!"
-DEFAULT_TOLERANCE = 1e-3
+# Default tolerances by the file's main weight type: what rounding the weights alone costs, with
+# room for a few dozen layers (measured on the tiny test models: F32 ~4e-7, F16 ~7e-4, Q8_0 ~2e-2).
+TOLERANCES = {"F32": 1e-3, "F16": 1e-2, "BF16": 1e-2, "Q8_0": 5e-2, "Q6_K": 5e-2}
+LOW_BIT_TOLERANCE = 0.2  # every other (4-5 bit and below) type
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Comparison:
     tokens: list[int]
     tolerance: float
     layers: list[LayerError]
+    weight_type: str = ""  # the GGUF file's main weight type (F32, F16, Q8_0, ...)
     unmatched: list[str] = field(default_factory=list)  # pyggml taps with no reference module
     notes: list[str] = field(default_factory=list)
 
@@ -77,8 +81,9 @@ class Comparison:
         """The per-layer report that ``pyggml compare`` prints."""
         first = self.first_divergence
         width = max([5, *(len(x.name) for x in self.layers)])
-        lines = [f"{len(self.tokens)} tokens; error = ||pyggml - transformers|| / ||transformers|| per state, "
-                 f"tolerance {self.tolerance:.0e}",
+        weights = f"{self.weight_type} weights, " if self.weight_type else ""
+        lines = [f"{len(self.tokens)} tokens, {weights}tolerance {self.tolerance:.0e}; "
+                 "error = ||pyggml - transformers|| / ||transformers|| per state",
                  f"{'state':<{width}}  {'shape':<14} {'error':>9} {'max err':>9}  reference module"]
         for x in self.layers:
             shape = str(x.shape) if x.shape == x.reference_shape else f"{x.shape}!={x.reference_shape}"
@@ -99,13 +104,15 @@ class Comparison:
 
 
 def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str = DEFAULT_PROMPT, *,
-            tokens: Sequence[int] | None = None, tolerance: float = DEFAULT_TOLERANCE, n_threads: int | None = None,
+            tokens: Sequence[int] | None = None, tolerance: float | None = None, n_threads: int | None = None,
             modules: Mapping[str, str] | None = None) -> Comparison:
     """Run both models on ``prompt`` (tokenized by the GGUF file's tokenizer, or the ids in
-    ``tokens``) and compare every tapped hidden state. ``modules`` maps a tap name to the Hugging
-    Face module whose output is its reference (``{"output_norm": "model.final_norm"}``), for
-    names the ``gguf`` tensor map does not know."""
-    if not isinstance(tolerance, (int, float)) or not tolerance > 0:
+    ``tokens``) and compare every tapped hidden state. ``tolerance`` defaults by the file's main
+    weight type (``TOLERANCES``). ``modules`` maps a tap name to the Hugging Face module whose
+    output is its reference (``{"output_norm": "model.final_norm"}``), for names the ``gguf``
+    tensor map does not know."""
+    if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
+                                  or not tolerance > 0):
         raise ValueError(f"compare: tolerance must be a positive number, got {tolerance!r}")
     try:
         import torch  # noqa: F401
@@ -113,16 +120,20 @@ def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str
     except ImportError as exc:
         raise ImportError(f"pyggml compare needs torch and transformers (pip install 'pyggml[reference]'): "
                           f"{exc}") from exc
-    ours, ids, arch, n_blocks = _pyggml_states(gguf_path, prompt, tokens, n_threads)
+    ours = _pyggml_states(gguf_path, prompt, tokens, n_threads)
+    ids = ours.tokens
     notes = [] if tokens is not None else _tokenizer_notes(hf_dir, prompt, ids)
-    refs, where = _reference_states(hf_dir, ids, arch, n_blocks, ours, modules or {})
+    refs, where = _reference_states(hf_dir, ids, ours.architecture, ours.n_blocks, ours.states, modules or {})
     layers, unmatched = [], []
-    for name, state in ours.items():
+    for name, state in ours.states.items():
         if name not in refs:
             unmatched.append(name)
             continue
         layers.append(_layer_error(name, state, refs[name], where[name]))
-    return Comparison(tokens=ids, tolerance=float(tolerance), layers=layers, unmatched=unmatched, notes=notes)
+    if tolerance is None:
+        tolerance = TOLERANCES.get(ours.weight_type, LOW_BIT_TOLERANCE)
+    return Comparison(tokens=ids, tolerance=float(tolerance), layers=layers, weight_type=ours.weight_type,
+                      unmatched=unmatched, notes=notes)
 
 
 def relative_error(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
@@ -151,9 +162,18 @@ def _as_rows(array: np.ndarray, n_tokens: int) -> np.ndarray:
 
 
 # ---- pyggml's side ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Ours:
+    states: dict[str, np.ndarray]  # tap name -> (n_tokens, width), in graph order
+    tokens: list[int]
+    architecture: str
+    n_blocks: int
+    weight_type: str
+
+
 def _pyggml_states(gguf_path: str | os.PathLike, prompt: str, tokens: Sequence[int] | None,
-                   n_threads: int | None) -> tuple[dict[str, np.ndarray], list[int], str, int]:
-    """(tapped states, token ids, GGUF architecture, block count) of one pass over the prompt."""
+                   n_threads: int | None) -> _Ours:
+    """The tapped states of one pass over the prompt, with what the reference side needs."""
     from pyggml import models, nn
     from pyggml.backend import BackendParams
     from pyggml.tensor import DType
@@ -184,10 +204,19 @@ def _pyggml_states(gguf_path: str | os.PathLike, prompt: str, tokens: Sequence[i
                                  "tensor) in its forward (see docs/porting.md)")
             ctx.compute(out, *taps.values())
             states = {name: _as_rows(t.numpy(), n).copy() for name, t in taps.items()}
-        n_blocks = model.backend.config.uint("block_count", 0) or 0
-        return states, ids, model.architecture, n_blocks
+        return _Ours(states, ids, model.architecture, model.backend.config.uint("block_count", 0) or 0,
+                     _main_weight_type(model.backend))
     finally:
         model.close()
+
+
+def _main_weight_type(backend: Any) -> str:
+    """The type holding most elements of the file's matrices (what the tolerance depends on)."""
+    counts: dict[str, int] = {}
+    for t in backend.tensors().values():
+        if len(t.shape) >= 2:
+            counts[t.dtype.name] = counts.get(t.dtype.name, 0) + t.nelements
+    return max(counts, key=counts.get) if counts else ""
 
 
 # ---- the reference side ------------------------------------------------------------------------
@@ -213,11 +242,18 @@ def _reference_states(hf_dir: str | os.PathLike, ids: list[int], arch: str, n_bl
     """(states by tap name, module name by tap name) from one transformers forward pass."""
     import torch
     import transformers
+    from transformers.utils import logging as hf_logging
 
     config = transformers.AutoConfig.from_pretrained(str(hf_dir))
     classes = [getattr(transformers, name, None) for name in getattr(config, "architectures", None) or ()]
     cls = next((c for c in classes if c is not None), transformers.AutoModel)
-    model = cls.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    progress = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would interleave with the table
+    try:
+        model = cls.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+    finally:
+        if progress:
+            hf_logging.enable_progress_bar()
     where = {name: module for name, module in reference_modules(model, arch, n_blocks).items() if name in wanted}
     where.update({name: module for name, module in overrides.items() if name in wanted})
     named = dict(model.named_modules())

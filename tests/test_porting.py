@@ -115,6 +115,19 @@ def test_converted_llama_agrees_layer_by_layer(tiny_llama):
 
 
 @needs_reference
+def test_default_tolerance_follows_the_weight_type(tiny_llama, tmp_path):
+    from pyggml import porting
+    from pyggml.convert import convert_hf
+
+    hf_dir, _ = tiny_llama
+    f16 = convert_hf(hf_dir, tmp_path / "tiny-f16.gguf", out_type="f16")
+    result = porting.compare(hf_dir, f16, PROMPT, n_threads=2)
+    assert (result.weight_type, result.tolerance) == ("F16", 1e-2)
+    assert result.ok and 1e-5 < result.error("output") < 5e-3, result.table()  # F16 rounding, well inside
+    assert "F16 weights, tolerance 1e-02" in result.table()
+
+
+@needs_reference
 @pytest.mark.parametrize("tensor,state", [("blk.0.ffn_up.weight", "blk.0"), ("blk.1.attn_v.weight", "blk.1"),
                                           ("output_norm.weight", "output_norm")])
 def test_perturbed_tensor_is_the_first_divergence(tiny_llama, tmp_path, tensor, state):
