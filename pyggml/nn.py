@@ -207,18 +207,31 @@ class Rope:
 # ---- taps -------------------------------------------------------------------------------------
 # Named intermediate results ("token_embd", "blk.3", "output_norm") that a layer-by-layer comparison
 # (pyggml.porting) reads back. Outside ``capture_taps`` a tap costs one context-variable lookup.
-_taps: ContextVar[dict[str, Tensor] | None] = ContextVar("pyggml_taps", default=None)
+@dataclass
+class _Capture:
+    taps: dict[str, Tensor]
+    counts: dict[str, int]  # how often each name with a ``*`` was tapped
+
+
+_capture: ContextVar[_Capture | None] = ContextVar("pyggml_taps", default=None)
 
 
 def tap(name: str, tensor: Tensor) -> Tensor:
-    """Name ``tensor`` as an intermediate result (the GGUF name of the weight that produced it, or
-    ``blk.N`` for a block's output) and return it unchanged; it is recorded only while
-    ``capture_taps`` is active in this thread."""
-    taps = _taps.get()
-    if taps is not None:
-        if name in taps:
+    """Name ``tensor`` as an intermediate result and return it unchanged; it is recorded only while
+    ``capture_taps`` is active in this thread. Name it after the GGUF tensor whose op produced it
+    (``output_norm``; ``blk.N`` for block N's output) so that the comparison finds its reference.
+    A ``*`` in the name is replaced by how many times the name was tapped before in the capture:
+    code that runs once per block without knowing its index taps ``blk.*.attn_q_norm`` and records
+    ``blk.0.attn_q_norm``, ``blk.1.attn_q_norm``, ..."""
+    capture = _capture.get()
+    if capture is not None:
+        if "*" in name:
+            count = capture.counts.get(name, 0)
+            capture.counts[name] = count + 1
+            name = name.replace("*", str(count))
+        if name in capture.taps:
             raise ValueError(f"tap: {name!r} was tapped twice in one capture")
-        taps[name] = tensor
+        capture.taps[name] = tensor
     return tensor
 
 
@@ -230,12 +243,12 @@ def capture_taps() -> Iterator[dict[str, Tensor]]:
             logits = model.forward(ctx, batch)
         ctx.compute(logits, *taps.values())   # computed tensors are kept: taps[name].numpy()
     """
-    taps: dict[str, Tensor] = {}
-    token = _taps.set(taps)
+    capture = _Capture({}, {})
+    token = _capture.set(capture)
     try:
-        yield taps
+        yield capture.taps
     finally:
-        _taps.reset(token)
+        _capture.reset(token)
 
 
 # ---- attention --------------------------------------------------------------------------------

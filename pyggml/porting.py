@@ -287,7 +287,8 @@ def _reference_states(hf_dir: str | os.PathLike, ids: list[int], arch: str, n_bl
 def reference_modules(model: Any, arch: str, n_blocks: int) -> dict[str, str]:
     """Tap name -> Hugging Face module name for ``model`` (a torch module), from ``gguf``'s tensor
     name map for the GGUF architecture ``arch``: every module that maps to a GGUF tensor gives that
-    tensor's name; ``blk.N`` is the innermost module enclosing all that map into block N."""
+    tensor's name (``blk.0.attn_q_norm`` -> ``model.layers.0.self_attn.q_norm``); ``blk.N`` is the
+    innermost module enclosing all that map into block N (``model.layers.N``)."""
     import gguf
 
     archs = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -300,11 +301,10 @@ def reference_modules(model: Any, arch: str, n_blocks: int) -> dict[str, str]:
         gguf_name = _gguf_name(tensor_map, module_name)
         if gguf_name is None:
             continue
-        match = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+        found.setdefault(gguf_name, module_name)  # also inside blocks: finer taps (blk.0.attn_q_norm)
+        match = re.fullmatch(r"blk\.(\d+)\..+", gguf_name)
         if match:
             blocks.setdefault(int(match[1]), []).append(module_name.split("."))
-        else:
-            found.setdefault(gguf_name, module_name)
     for index, paths in sorted(blocks.items()):
         prefix = os.path.commonprefix(paths)  # element-wise: the common leading name components
         if prefix and len(paths) > 1 and prefix not in paths:

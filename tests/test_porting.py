@@ -35,9 +35,11 @@ def test_tap_records_only_inside_capture():
             z = nn.tap("blk.1", y + x)
             with pytest.raises(ValueError, match="tapped twice"):
                 nn.tap("blk.0", z)
-        assert list(taps) == ["blk.0", "blk.1"]
+            for _ in range(2):  # code run once per block, not knowing its index
+                nn.tap("blk.*.attn_out", y)
+        assert list(taps) == ["blk.0", "blk.1", "blk.0.attn_out", "blk.1.attn_out"]
         assert nn.tap("after", z) is z  # the capture is over: nothing recorded
-        assert list(taps) == ["blk.0", "blk.1"]
+        assert len(taps) == 4
         ctx.compute(z.scale(0.5), *taps.values())  # an intermediate tapped state survives the compute
         np.testing.assert_allclose(taps["blk.0"].numpy(), 2 * np.arange(6).reshape(2, 3))
         np.testing.assert_allclose(taps["blk.1"].numpy(), 3 * np.arange(6).reshape(2, 3))
@@ -112,6 +114,20 @@ def test_converted_llama_agrees_layer_by_layer(tiny_llama):
                                                  "model.norm", "lm_head"]
     n = len(result.tokens)
     assert result.layers[0].shape == (n, 64) and result.layers[-1].shape[0] == n
+
+
+@needs_reference
+def test_reference_modules_from_the_gguf_name_map(tiny_llama):
+    import transformers
+
+    from pyggml.porting import reference_modules
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama[0]))
+    found = reference_modules(hf, "llama", 2)
+    assert found["blk.1"] == "model.layers.1" and found["output"] == "lm_head"
+    assert found["blk.0.attn_output"] == "model.layers.0.self_attn.o_proj"  # finer taps have references too
+    assert found["blk.1.ffn_down"] == "model.layers.1.mlp.down_proj"
+    assert reference_modules(hf, "no-such-arch", 2) == {}
 
 
 @needs_reference
