@@ -175,11 +175,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Print the per-layer table; exit status 1 when a layer diverges beyond the tolerance."""
     from pyggml import porting
 
-    options = {"prompt": args.prompt, "tolerance": args.tolerance, "n_threads": args.threads}
+    options = {"prompt": args.prompt, "tolerance": args.tolerance, "n_threads": args.threads,
+               "llama_cpp": args.llama_cpp}
     try:
         result = porting.compare(args.hf_dir, _model_path(args.gguf),
                                  **{k: v for k, v in options.items() if v is not None})
-    except ImportError as exc:
+    except (ImportError, RuntimeError) as exc:  # torch/transformers/llama-cpp-python absent; llama.cpp failed
         raise SystemExit(f"pyggml: {exc}") from exc
     print(result.table())
     return 0 if result.ok else 1
@@ -233,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="relative error beyond which a state diverges (default by the weight type: 1e-3 "
                               "for F32, 1e-2 for F16/BF16, 5e-2 for Q8_0/Q6_K, 0.2 below)")
     compare.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    compare.add_argument("--llama-cpp", action="store_true",
+                         help="also compare llama.cpp's logits for the file (needs llama-cpp-python)")
     compare.set_defaults(func=cmd_compare)
 
     # ---- bench, make-model: defined in pyggml/bench.py (imports only the standard library at load) ----

@@ -18,6 +18,7 @@ Needs torch and transformers (the ``reference`` extra).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -57,6 +58,7 @@ class Comparison:
     weight_type: str = ""  # the GGUF file's main weight type (F32, F16, Q8_0, ...)
     unmatched: list[str] = field(default_factory=list)  # pyggml taps with no reference module
     notes: list[str] = field(default_factory=list)
+    llama_cpp: LayerError | None = None  # llama.cpp's logits for the same file against transformers
 
     def diverges(self, layer: LayerError) -> bool:
         return layer.shape != layer.reference_shape or not layer.error <= self.tolerance  # NaN diverges
@@ -68,7 +70,9 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        return bool(self.layers) and self.first_divergence is None
+        """Something was compared and nothing diverges (llama.cpp included, when it ran)."""
+        return bool(self.layers) and self.first_divergence is None and \
+            (self.llama_cpp is None or not self.diverges(self.llama_cpp))
 
     def error(self, name: str) -> float:
         """The relative error of the state named ``name``."""
@@ -89,6 +93,11 @@ class Comparison:
             shape = str(x.shape) if x.shape == x.reference_shape else f"{x.shape}!={x.reference_shape}"
             flag = "  <- first divergence" if x is first else ("  (over)" if self.diverges(x) else "")
             lines.append(f"{x.name:<{width}}  {shape:<14} {x.error:>9.2e} {x.max_error:>9.2e}  {x.module}{flag}")
+        if self.llama_cpp is not None:
+            x = self.llama_cpp
+            over = "  (over)" if self.diverges(x) else ""
+            lines.append(f"llama.cpp's logits from the same file: error {x.error:.2e}, max err {x.max_error:.2e} "
+                         f"{x.shape}{over}")
         if self.unmatched:
             lines.append(f"not compared (no reference module found; pass modules=): {', '.join(self.unmatched)}")
         lines.extend(f"note: {n}" for n in self.notes)
@@ -105,12 +114,13 @@ class Comparison:
 
 def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str = DEFAULT_PROMPT, *,
             tokens: Sequence[int] | None = None, tolerance: float | None = None, n_threads: int | None = None,
-            modules: Mapping[str, str] | None = None) -> Comparison:
+            modules: Mapping[str, str] | None = None, llama_cpp: bool = False) -> Comparison:
     """Run both models on ``prompt`` (tokenized by the GGUF file's tokenizer, or the ids in
     ``tokens``) and compare every tapped hidden state. ``tolerance`` defaults by the file's main
     weight type (``TOLERANCES``). ``modules`` maps a tap name to the Hugging Face module whose
     output is its reference (``{"output_norm": "model.final_norm"}``), for names the ``gguf``
-    tensor map does not know."""
+    tensor map does not know. ``llama_cpp``: also compare llama.cpp's logits for the same file and
+    ids (llama-cpp-python, run in a subprocess) with transformers', for generating models."""
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                   or not tolerance > 0):
         raise ValueError(f"compare: tolerance must be a positive number, got {tolerance!r}")
@@ -130,10 +140,15 @@ def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str
             unmatched.append(name)
             continue
         layers.append(_layer_error(name, state, refs[name], where[name]))
+    theirs = None
+    if llama_cpp and "output" not in refs:
+        notes.append("llama.cpp not compared: no reference logits (an embedding model, or no lm_head found)")
+    elif llama_cpp:
+        theirs = _layer_error("output", llama_cpp_logits(gguf_path, ids, n_threads), refs["output"], "lm_head")
     if tolerance is None:
         tolerance = TOLERANCES.get(ours.weight_type, LOW_BIT_TOLERANCE)
     return Comparison(tokens=ids, tolerance=float(tolerance), layers=layers, weight_type=ours.weight_type,
-                      unmatched=unmatched, notes=notes)
+                      unmatched=unmatched, notes=notes, llama_cpp=theirs)
 
 
 def relative_error(ours: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
@@ -217,6 +232,44 @@ def _main_weight_type(backend: Any) -> str:
         if len(t.shape) >= 2:
             counts[t.dtype.name] = counts.get(t.dtype.name, 0) + t.nelements
     return max(counts, key=counts.get) if counts else ""
+
+
+# ---- llama.cpp -----------------------------------------------------------------------------------
+_LLAMA_CPP = """
+import json, sys
+import llama_cpp
+import numpy as np
+path, out, tokens, threads = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+n = max(64, len(tokens))
+llm = llama_cpp.Llama(model_path=path, n_ctx=n, n_batch=n, n_ubatch=n, n_threads=threads, logits_all=True,
+                      type_k=0, type_v=0, verbose=False)  # an F32 cache, as pyggml's side uses
+llm.eval(tokens)
+np.save(out, np.asarray(llm.scores[:len(tokens)], dtype=np.float32))
+"""
+
+
+def llama_cpp_logits(gguf_path: str | os.PathLike, tokens: Sequence[int], n_threads: int | None = None) -> np.ndarray:
+    """llama.cpp's logits (n_tokens, vocab) for ``tokens`` from the GGUF file, through
+    llama-cpp-python in a subprocess (llama.cpp aborts the process on some files it cannot run)."""
+    import importlib.util
+    import subprocess
+    import sys
+    import tempfile
+
+    from pyggml.backend import physical_cores
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise ImportError("the llama.cpp check needs llama-cpp-python (pip install 'pyggml[bench]')")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "logits.npy")
+        args = [sys.executable, "-c", _LLAMA_CPP, os.fspath(gguf_path), out, json.dumps([int(t) for t in tokens]),
+                str(n_threads or physical_cores())]
+        done = subprocess.run(args, capture_output=True, text=True)
+        if done.returncode != 0 or not os.path.exists(out):
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
+            raise RuntimeError(f"llama.cpp could not run {gguf_path} (exit status {done.returncode}): "
+                               + " | ".join(tail))
+        return np.load(out)
 
 
 # ---- the reference side ------------------------------------------------------------------------

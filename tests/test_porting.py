@@ -173,6 +173,25 @@ def test_compare_cli(tiny_llama, tmp_path, capsys):
 
 
 @needs_reference
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="needs llama-cpp-python==0.3.36 (the `bench` extra)")
+def test_llama_cpp_logits_of_the_same_file(tiny_llama, tmp_path, capsys):
+    from pyggml import porting
+    from pyggml.cli import main
+
+    hf_dir, gguf_path = tiny_llama
+    result = porting.compare(hf_dir, gguf_path, PROMPT, n_threads=2, llama_cpp=True)
+    assert result.llama_cpp is not None and result.llama_cpp.shape == result.layers[-1].shape
+    assert result.ok and result.llama_cpp.error < 1e-4, result.table()
+    assert main(["compare", str(hf_dir), str(gguf_path), "--llama-cpp", "--threads", "2"]) == 0
+    assert "llama.cpp's logits from the same file" in capsys.readouterr().out
+    bad = tmp_path / "not-a-model.gguf"
+    bad.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(RuntimeError, match="llama.cpp could not run"):
+        porting.llama_cpp_logits(bad, [1, 2, 3], 2)
+
+
+@needs_reference
 def test_converted_bert_agrees_layer_by_layer(tmp_path):
     from pyggml import porting
     from pyggml.convert import convert_hf
@@ -185,4 +204,6 @@ def test_converted_bert_agrees_layer_by_layer(tmp_path):
     assert [x.name for x in result.layers] == ["token_embd", "token_embd_norm", "blk.0", "blk.1"]
     assert result.ok and max(x.error for x in result.layers) < 1e-4, result.table()
     broken = perturbed_copy(gguf_path, tmp_path / "broken.gguf", "blk.1.attn_output_norm.weight")
-    assert porting.compare(hf_dir, broken, "the cat sat on the water").first_divergence.name == "blk.1"
+    result = porting.compare(hf_dir, broken, "the cat sat on the water", llama_cpp=True)
+    assert result.first_divergence.name == "blk.1"
+    assert result.llama_cpp is None and "llama.cpp not compared" in result.notes[0]  # no logits to compare
