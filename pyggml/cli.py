@@ -182,7 +182,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
                                  **{k: v for k, v in options.items() if v is not None})
     except (ImportError, RuntimeError) as exc:  # torch/transformers/llama-cpp-python absent; llama.cpp failed
         raise SystemExit(f"pyggml: {exc}") from exc
-    print(result.table())
+    if args.json:
+        import json
+
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.table())
     return 0 if result.ok else 1
 
 
@@ -236,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     compare.add_argument("--llama-cpp", action="store_true",
                          help="also compare llama.cpp's logits for the file (needs llama-cpp-python)")
+    compare.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a table")
     compare.set_defaults(func=cmd_compare)
 
     # ---- bench, make-model: defined in pyggml/bench.py (imports only the standard library at load) ----

@@ -111,6 +111,19 @@ class Comparison:
 
     __str__ = table
 
+    def to_dict(self) -> dict[str, Any]:
+        """The result as plain JSON-able values (``pyggml compare --json``); a non-finite error is None."""
+        def layer(x: LayerError) -> dict[str, Any]:
+            finite = {k: (v if math.isfinite(v) else None) for k, v in (("error", x.error), ("max_error", x.max_error))}
+            return {"name": x.name, "shape": list(x.shape), "reference_shape": list(x.reference_shape), **finite,
+                    "module": x.module, "diverges": self.diverges(x)}
+
+        first = self.first_divergence
+        return {"ok": self.ok, "first_divergence": first.name if first else None, "tolerance": self.tolerance,
+                "weight_type": self.weight_type, "tokens": list(self.tokens),
+                "layers": [layer(x) for x in self.layers], "unmatched": list(self.unmatched),
+                "notes": list(self.notes), "llama_cpp": layer(self.llama_cpp) if self.llama_cpp else None}
+
 
 def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str = DEFAULT_PROMPT, *,
             tokens: Sequence[int] | None = None, tolerance: float | None = None, n_threads: int | None = None,

@@ -8,6 +8,7 @@ reported as diverging exactly at the state that tensor feeds.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import shutil
 
@@ -60,6 +61,11 @@ def test_comparison_names_the_first_state_past_the_tolerance():
     assert Comparison([1], 1e-3, [layer("blk.0", math.nan)]).first_divergence.name == "blk.0"
     assert Comparison([1], 1e-3, [layer("blk.0", 0.0, ref_shape=(3, 5))]).first_divergence.name == "blk.0"
     assert not Comparison([1], 1e-3, []).ok  # nothing compared is not a pass
+    data = Comparison([1], 1e-3, [layer("blk.0", math.inf, ref_shape=(3, 5))]).to_dict()
+    assert data["first_divergence"] == "blk.0" and data["layers"][0]["error"] is None and not data["ok"]
+    assert json.loads(json.dumps(bad.to_dict()))["layers"][1] == {
+        "name": "blk.0", "shape": [3, 4], "reference_shape": [3, 4], "error": 2e-3, "max_error": 2e-3,
+        "module": "m.blk.0", "diverges": True}
 
 
 def test_relative_error():
@@ -170,6 +176,9 @@ def test_compare_cli(tiny_llama, tmp_path, capsys):
     broken = perturbed_copy(gguf_path, tmp_path / "broken.gguf", "blk.1.ffn_down.weight")
     assert main(["compare", str(hf_dir), str(broken), "--prompt", PROMPT, "--tolerance", "1e-2"]) == 1
     assert "first divergence: blk.1" in capsys.readouterr().out
+    assert main(["compare", str(hf_dir), str(broken), "--prompt", PROMPT, "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["first_divergence"] == "blk.1" and [x["name"] for x in data["layers"]] == LLAMA_STATES
 
 
 @needs_reference
