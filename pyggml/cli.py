@@ -171,12 +171,19 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tap_module(text: str) -> tuple[str, str]:
+    tap, sep, module = text.partition("=")
+    if not sep or not tap or not module:
+        raise argparse.ArgumentTypeError(f"expected TAP=MODULE (e.g. output_norm=model.norm), got {text!r}")
+    return tap, module
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     """Print the per-layer table; exit status 1 when a layer diverges beyond the tolerance."""
     from pyggml import porting
 
     options = {"prompt": args.prompt, "tolerance": args.tolerance, "n_threads": args.threads,
-               "llama_cpp": args.llama_cpp}
+               "llama_cpp": args.llama_cpp, "modules": dict(args.module) or None}
     try:
         result = porting.compare(args.hf_dir, _model_path(args.gguf),
                                  **{k: v for k, v in options.items() if v is not None})
@@ -242,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--llama-cpp", action="store_true",
                          help="also compare llama.cpp's logits for the file (needs llama-cpp-python)")
     compare.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a table")
+    compare.add_argument("--module", action="append", default=[], metavar="TAP=MODULE", type=_tap_module,
+                         help="the Hugging Face module whose output is a tap's reference, where gguf's tensor map "
+                              "has none (e.g. output_norm=model.final_layernorm; repeatable)")
     compare.set_defaults(func=cmd_compare)
 
     # ---- bench, make-model: defined in pyggml/bench.py (imports only the standard library at load) ----

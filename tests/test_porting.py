@@ -179,6 +179,14 @@ def test_compare_cli(tiny_llama, tmp_path, capsys):
     assert main(["compare", str(hf_dir), str(broken), "--prompt", PROMPT, "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["first_divergence"] == "blk.1" and [x["name"] for x in data["layers"]] == LLAMA_STATES
+    # a reference module given by hand: the final norm compared with the last block's output instead
+    assert main(["compare", str(hf_dir), str(gguf_path), "--module", "output_norm=model.layers.1", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["first_divergence"] == "output_norm" and data["layers"][3]["module"] == "model.layers.1"
+    with pytest.raises(SystemExit):
+        main(["compare", str(hf_dir), str(gguf_path), "--module", "output_norm"])
+    assert main(["compare", str(hf_dir), str(gguf_path), "--module", "output_norm=no.such.module"]) == 1
+    assert "no module 'no.such.module'" in capsys.readouterr().err
 
 
 @needs_reference
