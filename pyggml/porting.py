@@ -143,6 +143,8 @@ def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str
     except ImportError as exc:
         raise ImportError(f"pyggml compare needs torch and transformers (pip install 'pyggml[reference]'): "
                           f"{exc}") from exc
+    if os.path.isdir(hf_dir) and not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise ValueError(f"compare: {hf_dir} has no config.json (give a Hugging Face model directory)")
     ours = _pyggml_states(gguf_path, prompt, tokens, n_threads)
     ids = ours.tokens
     notes = [] if tokens is not None else _tokenizer_notes(hf_dir, prompt, ids)

@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import shutil
+import sys
 
 import numpy as np
 import pytest
@@ -66,6 +67,19 @@ def test_comparison_names_the_first_state_past_the_tolerance():
     assert json.loads(json.dumps(bad.to_dict()))["layers"][1] == {
         "name": "blk.0", "shape": [3, 4], "reference_shape": [3, 4], "error": 2e-3, "max_error": 2e-3,
         "module": "m.blk.0", "diverges": True}
+
+
+def test_compare_refuses_early(monkeypatch, tmp_path):
+    from pyggml import porting
+
+    with pytest.raises(ValueError, match="tolerance must be a positive number"):
+        porting.compare(tmp_path, tmp_path / "x.gguf", tolerance=0)
+    if HAVE_REFERENCE:
+        with pytest.raises(ValueError, match="has no config.json"):
+            porting.compare(tmp_path, tmp_path / "x.gguf")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'pyggml\[reference\]'"):
+        porting.compare(tmp_path, tmp_path / "x.gguf")
 
 
 def test_relative_error():
