@@ -136,6 +136,30 @@ def test_converted_llama_agrees_layer_by_layer(tiny_llama):
     assert result.layers[0].shape == (n, 64) and result.layers[-1].shape[0] == n
 
 
+# Other Hugging Face fixtures (tests/hf_fixtures.py) with the GGUF architecture they convert to: each
+# runs once pyggml registers that architecture.
+FIXTURES = {"mistral": ("llama", dict(arch="mistral")), "qwen2": ("qwen2", dict(arch="qwen2", vocab="qwen")),
+            "qwen3": ("qwen3", dict(arch="qwen3", vocab="qwen")),
+            "qwen3moe": ("qwen3moe", dict(arch="qwen3moe", vocab="qwen"))}
+
+
+@needs_reference
+@pytest.mark.parametrize("case", list(FIXTURES))
+def test_other_converted_fixtures_agree_layer_by_layer(case, tmp_path):
+    from pyggml import models, porting
+    from pyggml.convert import convert_hf
+
+    from .hf_fixtures import make_tiny_llama
+
+    arch, kwargs = FIXTURES[case]
+    if arch not in models.registry():
+        pytest.skip(f"pyggml has no {arch} model yet")
+    hf_dir, _ = make_tiny_llama(tmp_path, n_kv_heads=2, **kwargs)
+    result = porting.compare(hf_dir, convert_hf(hf_dir, tmp_path / "f32.gguf", out_type="f32"), PROMPT, n_threads=2)
+    assert [x.name for x in result.layers] == LLAMA_STATES and not result.unmatched
+    assert result.ok and max(x.error for x in result.layers) < 1e-4, result.table()
+
+
 @needs_reference
 def test_reference_modules_from_the_gguf_name_map(tiny_llama):
     import transformers
