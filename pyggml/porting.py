@@ -86,7 +86,7 @@ class Comparison:
         first = self.first_divergence
         width = max([5, *(len(x.name) for x in self.layers)])
         weights = f"{self.weight_type} weights, " if self.weight_type else ""
-        lines = [f"{len(self.tokens)} tokens, {weights}tolerance {self.tolerance:.0e}; "
+        lines = [f"{len(self.tokens)} tokens, {weights}tolerance {_short(self.tolerance)}; "
                  "error = ||pyggml - transformers|| / ||transformers|| per state",
                  f"{'state':<{width}}  {'shape':<14} {'error':>9} {'max err':>9}  reference module"]
         for x in self.layers:
@@ -99,14 +99,15 @@ class Comparison:
             lines.append(f"llama.cpp's logits from the same file: error {x.error:.2e}, max err {x.max_error:.2e} "
                          f"{x.shape}{over}")
         if self.unmatched:
-            lines.append(f"not compared (no reference module found; pass modules=): {', '.join(self.unmatched)}")
+            lines.append(f"not compared (no reference module found; give one with --module TAP=MODULE): "
+                         f"{', '.join(self.unmatched)}")
         lines.extend(f"note: {n}" for n in self.notes)
         if not self.layers:
             lines.append("nothing compared: no tapped state has a reference module")
         elif first is None:
-            lines.append(f"no state diverges beyond {self.tolerance:.0e}")
+            lines.append(f"no state diverges beyond {_short(self.tolerance)}")
         else:
-            lines.append(f"first divergence: {first.name} (error {first.error:.2e} > {self.tolerance:.0e})")
+            lines.append(f"first divergence: {first.name} (error {first.error:.2e} > {_short(self.tolerance)})")
         return "\n".join(lines)
 
     __str__ = table
@@ -123,6 +124,12 @@ class Comparison:
                 "weight_type": self.weight_type, "tokens": list(self.tokens),
                 "layers": [layer(x) for x in self.layers], "unmatched": list(self.unmatched),
                 "notes": list(self.notes), "llama_cpp": layer(self.llama_cpp) if self.llama_cpp else None}
+
+
+def _short(value: float) -> str:
+    """1e-03 rather than 1.00e-03, unless that would round."""
+    short = f"{value:.0e}"
+    return short if float(short) == value else f"{value:.2e}"
 
 
 def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str = DEFAULT_PROMPT, *,
