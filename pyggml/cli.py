@@ -1,4 +1,4 @@
-"""The ``pyggml`` command: run, embed, show and convert models.
+"""The ``pyggml`` command: run, embed, show, convert and compare models.
 
 ``pyggml run demo "Once upon a time"`` uses the built-in demo model (tiny, random weights, made
 on first use): it shows the whole pipeline working on a fresh machine, not sensible text.
@@ -171,6 +171,33 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tap_module(text: str) -> tuple[str, str]:
+    tap, sep, module = text.partition("=")
+    if not sep or not tap or not module:
+        raise argparse.ArgumentTypeError(f"expected TAP=MODULE (e.g. output_norm=model.norm), got {text!r}")
+    return tap, module
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    """Print the per-layer table; exit status 1 when a layer diverges beyond the tolerance."""
+    from pyggml import porting
+
+    options = {"prompt": args.prompt, "tolerance": args.tolerance, "n_threads": args.threads,
+               "llama_cpp": args.llama_cpp, "modules": dict(args.module) or None}
+    try:
+        result = porting.compare(args.hf_dir, _model_path(args.gguf),
+                                 **{k: v for k, v in options.items() if v is not None})
+    except (ImportError, RuntimeError) as exc:  # torch/transformers/llama-cpp-python absent; llama.cpp failed
+        raise SystemExit(f"pyggml: {exc}") from exc
+    if args.json:
+        import json
+
+        print(json.dumps(result.to_dict()))
+    else:
+        print(result.table())
+    return 0 if result.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyggml", description="Run GGUF language models with ggml from Python.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -211,6 +238,23 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
                          help="BERT: how embeddings are pooled (default: the sentence-transformers config, else mean)")
     convert.set_defaults(func=cmd_convert)
+
+    compare = sub.add_parser("compare", help="per-layer error of a GGUF against its Hugging Face checkpoint "
+                                             "(needs torch and transformers)")
+    compare.add_argument("hf_dir", help="Hugging Face model directory (config.json + weights)")
+    compare.add_argument("gguf", help="the GGUF file converted from it")
+    compare.add_argument("--prompt", default=None, help="text to run (tokenized by the GGUF's tokenizer)")
+    compare.add_argument("--tolerance", type=float, default=None,
+                         help="relative error beyond which a state diverges (default by the weight type: 1e-3 "
+                              "for F32, 1e-2 for F16/BF16, 5e-2 for Q8_0/Q6_K, 0.2 below)")
+    compare.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    compare.add_argument("--llama-cpp", action="store_true",
+                         help="also compare llama.cpp's logits for the file (needs llama-cpp-python)")
+    compare.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a table")
+    compare.add_argument("--module", action="append", default=[], metavar="TAP=MODULE", type=_tap_module,
+                         help="the Hugging Face module whose output is a tap's reference, where gguf's tensor map "
+                              "has none (e.g. output_norm=model.final_layernorm; repeatable)")
+    compare.set_defaults(func=cmd_compare)
 
     # ---- bench, make-model: defined in pyggml/bench.py (imports only the standard library at load) ----
     from pyggml.bench import add_parsers as add_bench_parsers

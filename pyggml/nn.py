@@ -24,7 +24,9 @@ import ast
 import operator
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, Union
 
@@ -418,6 +420,53 @@ class Rope:
         return x.rope(positions, self.n_dims, self.base, self.freq_scale, mode=self.mode,
                       freq_factors=freq_factors, n_ctx_orig=self.n_ctx_orig, ext_factor=self.ext_factor,
                       attn_factor=self.attn_factor, beta_fast=self.beta_fast, beta_slow=self.beta_slow)
+
+
+# ---- taps -------------------------------------------------------------------------------------
+# Named intermediate results ("token_embd", "blk.3", "output_norm") that a layer-by-layer comparison
+# (pyggml.porting) reads back. Outside ``capture_taps`` a tap costs one context-variable lookup.
+@dataclass
+class _Capture:
+    taps: dict[str, Tensor]
+    counts: dict[str, int]  # how often each name with a ``*`` was tapped
+
+
+_capture: ContextVar[_Capture | None] = ContextVar("pyggml_taps", default=None)
+
+
+def tap(name: str, tensor: Tensor) -> Tensor:
+    """Name ``tensor`` as an intermediate result and return it unchanged; it is recorded only while
+    ``capture_taps`` is active in this thread. Name it after the GGUF tensor whose op produced it
+    (``output_norm``; ``blk.N`` for block N's output) so that the comparison finds its reference.
+    A ``*`` in the name is replaced by how many times the name was tapped before in the capture:
+    code that runs once per block without knowing its index taps ``blk.*.attn_q_norm`` and records
+    ``blk.0.attn_q_norm``, ``blk.1.attn_q_norm``, ..."""
+    capture = _capture.get()
+    if capture is not None:
+        if "*" in name:
+            count = capture.counts.get(name, 0)
+            capture.counts[name] = count + 1
+            name = name.replace("*", str(count))
+        if name in capture.taps:
+            raise ValueError(f"tap: {name!r} was tapped twice in one capture")
+        capture.taps[name] = tensor
+    return tensor
+
+
+@contextmanager
+def capture_taps() -> Iterator[dict[str, Tensor]]:
+    """Record the tensors that ``tap`` names while building a graph in this block, in graph order::
+
+        with nn.capture_taps() as taps:
+            logits = model.forward(ctx, batch)
+        ctx.compute(logits, *taps.values())   # computed tensors are kept: taps[name].numpy()
+    """
+    capture = _Capture({}, {})
+    token = _capture.set(capture)
+    try:
+        yield capture.taps
+    finally:
+        _capture.reset(token)
 
 
 # ---- attention --------------------------------------------------------------------------------

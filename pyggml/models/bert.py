@@ -130,13 +130,14 @@ class Bert(Model):
             raise ValueError("bert.embed: rank pooling is not supported")
         tokens, positions, sequences = self._check_batch(batch)
         h = w.token_embd(nn.int32_input(ctx.input(), tokens))
+        nn.tap("token_embd", h)
         if w.token_types is not None:
             h = h + w.token_types(nn.int32_input(ctx.input(), np.zeros_like(tokens)))
         h = h + w.position_embd(nn.int32_input(ctx.input(), positions))
-        h = w.token_embd_norm(h, o.eps)
+        h = nn.tap("token_embd_norm", w.token_embd_norm(h, o.eps))
         mask = ctx.from_numpy(sequence_mask(sequences))
-        for layer in w.blk:
-            h = layer(ctx, h, mask, o)
+        for i, layer in enumerate(w.blk):
+            h = nn.tap(f"blk.{i}", layer(ctx, h, mask, o))
         return pool(ctx, h, sequences, pooling)
 
     def _check_batch(self, batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

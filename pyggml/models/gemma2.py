@@ -169,8 +169,8 @@ class Gemma2(Model):
         for i, layer in enumerate(w.blk):
             self.cache.set_layer(i)
             last = inputs.outputs if i == len(w.blk) - 1 else None
-            h = layer(ctx, h, inputs.positions, last, self.cache, o, self._rope(i))
-        logits = w.output(w.output_norm(h, o.eps))
+            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, last, self.cache, o, self._rope(i)))
+        logits = w.output(nn.tap("output_norm", w.output_norm(h, o.eps)))
         if o.final_softcap:
             logits = logits.scale(1.0 / o.final_softcap).tanh().scale(o.final_softcap)
         return logits

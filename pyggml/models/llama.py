@@ -120,12 +120,12 @@ class Llama(Model):
         w, o = self.weights, self.options
         inputs = nn.batch_inputs(ctx, batch)
         freq_factors = w.rope_freqs.weight if w.rope_freqs is not None else None
-        h = w.token_embd(inputs.tokens)
+        h = nn.tap("token_embd", w.token_embd(inputs.tokens))
         for i, layer in enumerate(w.blk):
             self.cache.set_layer(i)
             last = inputs.outputs if i == len(w.blk) - 1 else None
-            h = layer(ctx, h, inputs.positions, last, self.cache, o, freq_factors)
-        return w.output(w.output_norm(h, o.eps))
+            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, last, self.cache, o, freq_factors))
+        return nn.tap("output", w.output(nn.tap("output_norm", w.output_norm(h, o.eps))))
 
     def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:
         freq_factors = self.weights.rope_freqs.weight if self.weights.rope_freqs is not None else None
