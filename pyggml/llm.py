@@ -49,7 +49,8 @@ class Stats:
 
 
 class LLM:
-    """A loaded model with its tokenizer, served by a one-sequence ``Runner`` (``self.runner``)."""
+    """A loaded model with its tokenizer, served by a one-sequence ``Runner`` (``self.runner``) that the
+    calling thread drives while it reads the output (not thread-safe: one caller at a time)."""
 
     def __init__(self, model: Model, *, num_ctx: int | None = None, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, num_keep: int = 4):
@@ -61,7 +62,7 @@ class LLM:
         if num_ctx < 2:
             raise ValueError(f"num_ctx must be >= 2, got {num_ctx}")
         self.runner = Runner(model, parallel=1, num_ctx=num_ctx, batch_size=batch_size, cache_type=cache_type,
-                             multi_user_cache=False)
+                             multi_user_cache=False, background=False)  # the caller's thread runs it
         self.num_ctx, self.batch_size = self.runner.num_ctx, self.runner.batch_size
         self.num_keep = num_keep
         self.stats = Stats()

@@ -80,12 +80,15 @@ class _Step:
 class Runner:
     """Serves completions of ``parallel`` sequences at once, each with a context of ``num_ctx``
     tokens (the model's cache holds ``parallel * num_ctx``). ``completion`` may be called from
-    any thread; one loop thread does all model work. An embedding model (``model.pooling`` set)
+    any thread; one loop thread does all model work. With ``background=False`` there is no loop
+    thread: the thread reading a completion's chunks runs the loop until the next chunk is there
+    (``LLM``: one caller, no thread hand-off per token). An embedding model (``model.pooling`` set)
     serves ``embedding``/``embeddings`` instead, one forward pass at a time, with no KV cache; a
     model that only embeds refuses completions. One runner per model; close it before the model."""
 
     def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
-                 cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool | None = None):
+                 cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool | None = None,
+                 background: bool = True):
         if model.tokenizer is None:
             raise ModelError("the model file has no tokenizer (tokenizer.ggml.* keys)")
         if model.generates and model.cache is None:
@@ -117,8 +120,10 @@ class Runner:
         self.engine = Engine(model, keep=2)
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-compute") if self.build_ahead else None
-        self._thread = threading.Thread(target=self._loop, name="pyggml-runner", daemon=True)
-        self._thread.start()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._loop, name="pyggml-runner", daemon=True)
+            self._thread.start()
 
     # ---- start-up -------------------------------------------------------------------------------
     def _reserve(self) -> bool:
@@ -150,7 +155,7 @@ class Runner:
                 raise RunnerClosedError(f"the runner is closed{f': {self._error}' if self._error else ''}")
             self._waiting.append(seq)
             self._cond.notify()
-        return CompletionStream(seq, self._wake)
+        return CompletionStream(seq, self._wake, None if self._thread is not None else self._pump)
 
     @property
     def generates(self) -> bool:
@@ -180,9 +185,12 @@ class Runner:
     def close(self) -> None:
         """Cancel what is running or waiting and stop the loop thread (the model stays open)."""
         with self._cond:
-            self._closing = True
+            closed, self._closing = self._closing, True
             self._cond.notify()
-        if self._thread is not threading.current_thread():
+        if self._thread is None:
+            if not closed:
+                self._shut_down()
+        elif self._thread is not threading.current_thread():
             self._thread.join()
         if self._pool is not None:
             self._pool.shutdown()
@@ -245,52 +253,75 @@ class Runner:
     # ---- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            while True:
-                with self._cond:
-                    while not (self._closing or self._waiting or self._active or self._in_flight):
-                        self._cond.wait()
-                    closing = self._closing
-                    dropped = [s for s in self._waiting if s.cancelled]
-                    for seq in dropped:
-                        self._waiting.remove(seq)
-                    admitted = []
-                    while self._waiting and len(self._active) + len(admitted) < self.parallel and not closing:
-                        admitted.append(self._waiting.popleft())
-                for seq in dropped:
-                    seq.finish("cancelled")
-                if closing:
-                    break
-                for seq in admitted:
-                    self._admit(seq)
-                step = self._build()
-                if self._in_flight is not None:
-                    self._complete(self._in_flight)
-                    self._in_flight = None
-                if step is None:
-                    continue
-                self._fill(step)
-                if self.build_ahead:
-                    step.future = self._pool.submit(self._compute, step)
-                    self._in_flight = step
-                else:
-                    self._complete(step)
+            while self._iterate(block=True):
+                pass
         except BaseException as exc:  # a bug: fail everything rather than hang the callers
             log.exception("runner loop stopped")
             self._error = exc
         finally:
-            if self._in_flight is not None:
-                wait([self._in_flight.future])  # let it finish before the model is touched again
+            self._shut_down()
+
+    def _pump(self) -> None:
+        """Without a loop thread (``background=False``): one iteration on the caller's thread, which
+        waits for its completion's next chunk."""
+        try:
+            if not self._iterate(block=False):
+                self._shut_down()
+        except BaseException as exc:
+            log.exception("runner stopped")
+            self._error = exc
+            self._shut_down()
+
+    def _iterate(self, block: bool) -> bool:
+        """One turn of the loop: admit, build a batch, compute, sample. Returns False once closing.
+        With ``block`` it waits for work; without, it returns at once when there is none."""
+        with self._cond:
+            while not (self._closing or self._waiting or self._active or self._in_flight):
+                if not block:
+                    raise RuntimeError("internal error: a completion waits but the runner has nothing to do")
+                self._cond.wait()
+            closing = self._closing
+            dropped = [s for s in self._waiting if s.cancelled]
+            for seq in dropped:
+                self._waiting.remove(seq)
+            admitted = []
+            while self._waiting and len(self._active) + len(admitted) < self.parallel and not closing:
+                admitted.append(self._waiting.popleft())
+        for seq in dropped:
+            seq.finish("cancelled")
+        if closing:
+            return False
+        for seq in admitted:
+            self._admit(seq)
+        step = self._build()
+        if self._in_flight is not None:
+            self._complete(self._in_flight)
             self._in_flight = None
-            self.engine.close()
-            with self._cond:
-                self._closing = True
-                stranded = list(self._waiting) + [s for s in self._active if not s.done]
-                self._waiting.clear()
-            for seq in stranded:
-                if self._error is None:
-                    self._release(seq, "cancelled")
-                else:
-                    self._release(seq, error=RunnerClosedError(f"the runner stopped: {self._error!r}"))
+        if step is None:
+            return True
+        self._fill(step)
+        if self.build_ahead:
+            step.future = self._pool.submit(self._compute, step)
+            self._in_flight = step
+        else:
+            self._complete(step)
+        return True
+
+    def _shut_down(self) -> None:
+        """Stop: wait for the batch in flight, drop the kept graphs, end every sequence."""
+        if self._in_flight is not None:
+            wait([self._in_flight.future])  # let it finish before the model is touched again
+        self._in_flight = None
+        self.engine.close()
+        with self._cond:
+            self._closing = True
+            stranded = list(self._waiting) + [s for s in self._active if not s.done]
+            self._waiting.clear()
+        for seq in stranded:
+            if self._error is None:
+                self._release(seq, "cancelled")
+            else:
+                self._release(seq, error=RunnerClosedError(f"the runner stopped: {self._error!r}"))
 
     def _admit(self, seq: RunningSequence) -> None:
         seq.t_start = time.perf_counter()

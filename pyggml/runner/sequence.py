@@ -190,13 +190,16 @@ class RunningSequence:
 class CompletionStream(Iterator[CompletionChunk]):
     """The chunks of one completion. ``close()``/``cancel()`` stop it and free its slot."""
 
-    def __init__(self, seq: RunningSequence, wake: Callable[[], None]):
-        self._seq, self._wake = seq, wake
+    def __init__(self, seq: RunningSequence, wake: Callable[[], None], pump: Callable[[], None] | None = None):
+        self._seq, self._wake, self._pump = seq, wake, pump  # pump: a runner without a loop thread
         self._over = False
 
     def __next__(self) -> CompletionChunk:
         if self._over:
             raise StopIteration
+        if self._pump is not None:
+            while self._seq.out.empty():
+                self._pump()
         item = self._seq.out.get()
         if isinstance(item, BaseException):
             self._over = True
