@@ -52,56 +52,98 @@ def _model_path(name: str) -> Path:
     return path
 
 
-def _load(args: argparse.Namespace) -> Any:
+def _load(args: argparse.Namespace, ref: str | None = None) -> Any:
     import pyggml
 
-    path = _model_path(args.model)
-    if args.model == DEMO:
+    ref = args.model if ref is None else ref
+    path = _model_path(ref)
+    if ref == DEMO:
         print("pyggml: using the built-in demo model (random weights: the text will be gibberish)",
               file=sys.stderr)
-    options = {"num_ctx": args.ctx, "n_threads": args.threads}
-    return pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v})
+    options = {"num_ctx": args.ctx, "n_threads": args.threads, **_device_options(args)}
+    return pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v is not None})
+
+
+# ---- run: options, one-shot generation; the interactive chat is pyggml/repl.py ------------------
+
+def _device_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``pyggml.load`` options from run's device flags (absent on the other commands)."""
+    out: dict[str, Any] = {}
+    gpu_layers = getattr(args, "gpu_layers", None)
+    if gpu_layers is not None:
+        out["gpu_layers"] = "all" if gpu_layers == "all" else int(gpu_layers)
+    flash = getattr(args, "flash_attn", None)
+    if flash is not None:
+        out["flash_attention"] = {"on": True, "off": False}.get(flash)
+    if getattr(args, "cache_type", None):
+        out["cache_type"] = args.cache_type
+    return out
+
+
+def _sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``LLM.generate``/``LLM.chat`` keyword arguments from run's sampling flags.
+    (A structured-output ``--format`` adds its option here.)"""
+    out: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
+    for key in ("top_k", "top_p", "min_p", "repeat_penalty"):
+        if getattr(args, key) is not None:
+            out[key] = getattr(args, key)
+    if args.stop:
+        out["stop"] = list(args.stop)
+    if args.logit_bias:
+        out["logit_bias"] = dict(args.logit_bias)
+    return out
+
+
+def _logit_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS (e.g. 2=-inf to ban token 2), got {text!r}") from None
+
+
+def _has_template(llm: Any) -> bool:
+    return bool(llm.model.config.get("tokenizer.chat_template"))
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from pyggml.repl import Session, parse_duration
+
+    options = _sampling_options(args)
+    keep_alive = parse_duration(args.keep_alive) if args.keep_alive is not None else None
+    prompt = args.prompt
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    if prompt is None:
+        session = Session(load=lambda ref: _load(args, ref), model_ref=args.model, options=options,
+                          system=args.system, raw=args.raw, verbose=args.verbose, keep_alive=keep_alive)
+        return session.run()
     llm = _load(args)
-    options = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    prompts = [args.prompt] if args.prompt is not None else None
-    if prompts is None and not sys.stdin.isatty():
-        prompts = [sys.stdin.read()]
     try:
-        if prompts is None:
-            return _interactive(llm, options, args.verbose)
-        for prompt in prompts:
-            _stream(llm, prompt, options, args.verbose)
+        _once(llm, prompt, options, args)
     finally:
         llm.close()
     return 0
 
 
-def _stream(llm: Any, prompt: str, options: dict, verbose: bool) -> None:
-    for piece in llm.generate(prompt, stream=True, **options):
+def _once(llm: Any, prompt: str, options: dict, args: argparse.Namespace) -> None:
+    from pyggml.repl import print_stats
+
+    start = time.perf_counter()
+    if _has_template(llm) and not args.raw:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+                   [{"role": "user", "content": prompt}]
+        pieces = llm.chat(messages, stream=True, **options)
+    else:
+        pieces = llm.generate(f"{args.system}\n\n{prompt}" if args.system else prompt, stream=True, **options)
+    for piece in pieces:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
-    if verbose:
-        s = llm.stats
-        print(f"load: {s.load_seconds:.2f} s | prompt: {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tokens/s"
-              f" ({s.cached_tokens} cached) | generation: {s.generated_tokens} tokens, {s.generate_tps:.1f} tokens/s"
-              f" | stop: {s.finish_reason}", file=sys.stderr)
-
-
-def _interactive(llm: Any, options: dict, verbose: bool) -> int:
-    print("pyggml interactive: type a prompt, an empty line or Ctrl-D to quit", file=sys.stderr)
-    while True:
-        try:
-            prompt = input(">>> ")
-        except (EOFError, KeyboardInterrupt):
-            print(file=sys.stderr)
-            return 0
-        if not prompt.strip():
-            return 0
-        _stream(llm, prompt, options, verbose)
+    if args.verbose:
+        print_stats(llm.stats, time.perf_counter() - start, sys.stderr)
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -198,20 +240,41 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _add_run_parser(sub: Any) -> None:
+    run = sub.add_parser("run", help="chat with a model (one reply when a prompt is given; plain completion for a "
+                                     "model without a chat template, or with --raw)")
+    run.add_argument("model", help=f"GGUF file or model name (see `pyggml list`), or '{DEMO}' for the demo model")
+    run.add_argument("prompt", nargs="?", help="prompt (default: stdin, or an interactive chat on a terminal)")
+    run.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    run.add_argument("--ctx", type=int, default=None, help="context length (default: min(4096, trained))")
+    run.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding (default: 0.8)")
+    run.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens (0: off; default 40)")
+    run.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (1: off; default 0.9)")
+    run.add_argument("--min-p", type=float, default=None, help="drop tokens below MIN_P x the best (default 0)")
+    run.add_argument("--repeat-penalty", type=float, default=None, help="penalise repeated tokens (1: off)")
+    run.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop before TEXT (repeatable)")
+    run.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS", type=_logit_bias,
+                     help="add BIAS to token ID's logit (-inf bans it; repeatable)")
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--max-tokens", type=int, default=128, help="most tokens per reply (default: 128)")
+    run.add_argument("--system", default=None, help="system message")
+    run.add_argument("--raw", action="store_true", help="plain completion: no chat template, no history")
+    run.add_argument("--keep-alive", default=None, metavar="DURATION",
+                     help="unload the model after this long idle at the prompt (e.g. 5m, 30s; default: never)")
+    run.add_argument("--gpu-layers", default=None, metavar="N|all", help="layers placed on the GPU (default: 0)")
+    run.add_argument("--flash-attn", choices=["on", "off", "auto"], default=None,
+                     help="ggml's fused flash attention (default auto: on GPUs only)")
+    run.add_argument("--cache-type", choices=["f32", "f16", "q8_0", "q4_0"], default=None,
+                     help="KV cache type (default: f16)")
+    run.add_argument("--verbose", action="store_true", help="print timings after each reply (as ollama run does)")
+    run.set_defaults(func=cmd_run)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyggml", description="Run GGUF language models with ggml from Python.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="generate text (interactive when no prompt is given on a terminal)")
-    run.add_argument("model", help=f"GGUF file, or '{DEMO}' for the built-in demo model")
-    run.add_argument("prompt", nargs="?", help="prompt (default: stdin, or an interactive prompt)")
-    run.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    run.add_argument("--ctx", type=int, default=None, help="context length (default: min(4096, trained))")
-    run.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
-    run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--max-tokens", type=int, default=128)
-    run.add_argument("--verbose", action="store_true", help="print load time and tokens/s")
-    run.set_defaults(func=cmd_run)
+    _add_run_parser(sub)
 
     embed = sub.add_parser("embed", help="embed texts with an embedding model (BERT); one JSON array per text")
     embed.add_argument("model", help="GGUF file of an embedding model")

@@ -1,0 +1,109 @@
+"""``pyggml run MODEL`` as a chat REPL, driven through a pseudo-terminal (pexpect) on the demo
+model: turns reuse the cached conversation, slash commands, multi-line input, Ctrl-C stops a reply
+and returns to the prompt, Ctrl-D exits. Greedy decoding with the end token banned: the replies
+do not depend on when a random model would stop."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect", reason="the REPL tests need pexpect (pip install pexpect)")
+if sys.platform == "win32":  # pragma: no cover
+    pytest.skip("pseudo-terminals need a POSIX system", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+GREEDY = ["--temperature", "0", "--threads", "1", "--logit-bias", "2=-inf"]
+
+
+def spawn(tmp_path, *args: str) -> pexpect.spawn:
+    env = {**os.environ, "PYGGML_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+    child = pexpect.spawn(sys.executable, ["-m", "pyggml.cli", "run", *args], env=env, encoding="utf-8",
+                          timeout=120, dimensions=(40, 200))
+    child.expect_exact(">>> ")
+    return child
+
+
+def finish(child: pexpect.spawn) -> int:
+    child.expect(pexpect.EOF)
+    child.close()
+    return child.exitstatus
+
+
+def test_a_conversation_reuses_the_cache_and_slash_commands_work(tmp_path):
+    child = spawn(tmp_path, "demo", "--max-tokens", "6", "--verbose", *GREEDY)
+    child.sendline("hello there")
+    child.expect(r"prompt cache: +(\d+) token")
+    assert child.match.group(1) == "0"
+    child.expect_exact(">>> ")
+    child.sendline("and again")  # the first turn is in the cache: only the new turn is evaluated
+    child.expect(r"prompt eval count: +(\d+) token\(s\)\r\n.*\r\n.*\r\nprompt cache: +(\d+) token")
+    assert int(child.match.group(2)) > 0
+    child.expect_exact(">>> ")
+    child.sendline('"""first line')
+    child.expect_exact("... ")
+    child.sendline('second line"""')
+    child.expect("eval rate")
+    child.expect_exact(">>> ")
+    child.sendline("/set parameter top_k 7")
+    child.expect_exact("Set parameter 'top_k' to '7'")
+    child.sendline("/set parameter temperature -1")
+    child.expect_exact("Couldn't set parameter")
+    child.sendline("/show parameters")
+    child.expect(r"top_k +7")
+    child.sendline("/show template")
+    child.expect_exact("add_generation_prompt")
+    child.sendline("/show info")
+    child.expect(r"architecture +llama")
+    child.sendline("/set system You are terse.")
+    child.expect_exact("Set system message.")
+    child.sendline("/show system")
+    child.expect_exact("You are terse.")
+    child.sendline("/clear")
+    child.expect_exact("Cleared session context")
+    child.sendline("/set quiet")
+    child.sendline("hello there")
+    child.expect_exact(">>> ")
+    child.sendline("/nonsense")
+    child.expect_exact("Unknown command '/nonsense'")
+    child.sendline("/?")
+    child.expect_exact("/set parameter")
+    child.sendline("/load no-such-model-anywhere")
+    child.expect_exact("Couldn't load model")
+    child.sendline("/load demo")
+    child.expect_exact("Loading model 'demo'")
+    child.sendline("/bye")
+    assert finish(child) == 0
+
+
+def test_ctrl_c_stops_the_reply_and_ctrl_d_exits(tmp_path):
+    child = spawn(tmp_path, "demo", "--max-tokens", "100000000", *GREEDY)
+    child.sendline("tell me everything")
+    child.expect_exact("tell me everything\r\n")  # the terminal's echo
+    child.expect(r"\S\S")  # the reply is being written
+    child.sendintr()
+    child.expect_exact("(stopped)")
+    child.expect_exact(">>> ")
+    child.sendintr()  # at the prompt: a hint, not an exit
+    child.expect_exact("Use Ctrl + d or /bye to exit.")
+    child.expect_exact(">>> ")
+    child.sendline("/set parameter num_predict 3")
+    child.sendline("still here?")  # the engine is usable after the stopped reply
+    child.expect_exact(">>> ")
+    child.sendeof()
+    assert finish(child) == 0
+    assert "Traceback" not in (child.before or "")
+
+
+def test_raw_mode_is_plain_completion(tmp_path):
+    child = spawn(tmp_path, "demo", "--raw", "--max-tokens", "4", *GREEDY)
+    child.sendline("/show parameters")
+    child.expect(r"num_predict +4")
+    child.sendline("Once upon a time")
+    child.expect_exact(">>> ")
+    child.sendline("/bye")
+    assert finish(child) == 0
