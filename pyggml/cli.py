@@ -41,22 +41,25 @@ class ProgressBar:
         sys.stderr.flush()
 
 
-def _model_path(name: str) -> Path:
-    if name == DEMO and not Path(name).exists():
-        from pyggml.tiny import default_model_path
+def _resolve(name: str) -> Any:
+    """The ``pyggml.store.ModelRef`` a model argument names (a file, 'demo', or a stored model)."""
+    from pyggml.store import ModelNotFoundError, resolve
 
-        return default_model_path()
-    path = Path(name)
-    if not path.exists():
-        raise SystemExit(f"pyggml: no such model file: {name} (use '{DEMO}' for the built-in demo model)")
-    return path
+    try:
+        return resolve(name)
+    except ModelNotFoundError as exc:
+        raise SystemExit(f"pyggml: {exc}") from None
+
+
+def _model_path(name: str) -> Path:
+    return _resolve(name).path
 
 
 def _load(args: argparse.Namespace, ref: str | None = None) -> Any:
     import pyggml
 
     ref = args.model if ref is None else ref
-    path = _model_path(ref)
+    path = _resolve(ref).path
     if ref == DEMO:
         print("pyggml: using the built-in demo model (random weights: the text will be gibberish)",
               file=sys.stderr)
@@ -80,17 +83,32 @@ def _device_options(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def _sampling_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``LLM.generate``/``LLM.chat`` keyword arguments from run's sampling flags.
-    (A structured-output ``--format`` adds its option here.)"""
-    out: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed}
-    for key in ("top_k", "top_p", "min_p", "repeat_penalty"):
+def _sampling_options(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``LLM.generate``/``LLM.chat`` keyword arguments: ``defaults`` (an Ollama params layer), then
+    run's sampling flags. (A structured-output ``--format`` adds its option here.)"""
+    out: dict[str, Any] = {"max_tokens": 128, "temperature": 0.8, "seed": None}
+    out.update(_ollama_params(defaults or {}))
+    for key in ("max_tokens", "temperature", "seed", "top_k", "top_p", "min_p", "repeat_penalty"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
     if args.stop:
         out["stop"] = list(args.stop)
     if args.logit_bias:
         out["logit_bias"] = dict(args.logit_bias)
+    return out
+
+
+def _ollama_params(params: dict[str, Any]) -> dict[str, Any]:
+    """The sampling options of an Ollama params layer ({"stop": [...], "temperature": 0.6, ...})."""
+    from pyggml.repl import PARAMETERS
+
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        if name in PARAMETERS and isinstance(value, (int, float, str, list)) and not isinstance(value, bool):
+            key = PARAMETERS[name][0]
+            out[key] = [str(v) for v in value] if name == "stop" and isinstance(value, list) else value
+    if out.get("max_tokens", 0) < 0:
+        out["max_tokens"] = 10**9
     return out
 
 
@@ -111,7 +129,9 @@ def _has_template(llm: Any) -> bool:
 def cmd_run(args: argparse.Namespace) -> int:
     from pyggml.repl import Session, parse_duration
 
-    options = _sampling_options(args)
+    ref = _resolve(args.model)
+    options = _sampling_options(args, ref.params)
+    args.system = args.system if args.system is not None else ref.system
     keep_alive = parse_duration(args.keep_alive) if args.keep_alive is not None else None
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
@@ -247,7 +267,7 @@ def _add_run_parser(sub: Any) -> None:
     run.add_argument("prompt", nargs="?", help="prompt (default: stdin, or an interactive chat on a terminal)")
     run.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
     run.add_argument("--ctx", type=int, default=None, help="context length (default: min(4096, trained))")
-    run.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding (default: 0.8)")
+    run.add_argument("--temperature", type=float, default=None, help="0 for greedy decoding (default: 0.8)")
     run.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens (0: off; default 40)")
     run.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (1: off; default 0.9)")
     run.add_argument("--min-p", type=float, default=None, help="drop tokens below MIN_P x the best (default 0)")
@@ -256,7 +276,7 @@ def _add_run_parser(sub: Any) -> None:
     run.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS", type=_logit_bias,
                      help="add BIAS to token ID's logit (-inf bans it; repeatable)")
     run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--max-tokens", type=int, default=128, help="most tokens per reply (default: 128)")
+    run.add_argument("--max-tokens", type=int, default=None, help="most tokens per reply (default: 128)")
     run.add_argument("--system", default=None, help="system message")
     run.add_argument("--raw", action="store_true", help="plain completion: no chat template, no history")
     run.add_argument("--keep-alive", default=None, metavar="DURATION",
@@ -270,11 +290,40 @@ def _add_run_parser(sub: Any) -> None:
     run.set_defaults(func=cmd_run)
 
 
+def cmd_list(args: argparse.Namespace) -> int:
+    """Every model found on this machine: pyggml's directory, Ollama's store, the Hugging Face cache."""
+    from pyggml.store import file_facts, hf_cache_dir, human_bytes, list_models, models_dir, ollama_dir
+
+    found = list_models()
+    if args.json:
+        import json
+
+        for m in found:
+            arch, quant = file_facts(m.path)
+            print(json.dumps({"name": m.name, "path": str(m.path), "size": m.size, "architecture": arch,
+                              "quantization": quant, "source": m.source}))
+        return 0
+    if not found:
+        print(f"no models found in {models_dir()}, {ollama_dir()} or {hf_cache_dir()}", file=sys.stderr)
+        return 0
+    rows = [(m.name, human_bytes(m.size), *file_facts(m.path), m.source, str(m.path)) for m in found]
+    head = ("NAME", "SIZE", "ARCH", "QUANT", "SOURCE", "PATH")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+    for row in [head, *rows]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5])
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pyggml", description="Run GGUF language models with ggml from Python.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     _add_run_parser(sub)
+
+    listing = sub.add_parser("list", help="models found on this machine (pyggml's model directory, Ollama's store, "
+                                          "the Hugging Face cache), usable by name")
+    listing.add_argument("--json", action="store_true", help="one JSON object per model")
+    listing.set_defaults(func=cmd_list)
 
     embed = sub.add_parser("embed", help="embed texts with an embedding model (BERT); one JSON array per text")
     embed.add_argument("model", help="GGUF file of an embedding model")

@@ -76,6 +76,10 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
         start = time.perf_counter()
+        if not os.path.isfile(path):  # a model name: pyggml's model directory, Ollama's store, the HF cache
+            from pyggml.store import resolve
+
+            path = resolve(path).path
         model = models.load(path, BackendParams(**backend_options), progress)
         try:
             llm = cls(model, **llm_options)
