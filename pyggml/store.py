@@ -120,8 +120,9 @@ def resolve(ref: str | os.PathLike) -> ModelRef:
         if found is not None:
             return found
     raise ModelNotFoundError(
-        f"no such model file or stored model: {text!r} is not a file, not 'demo', and not a model in {models_dir()}, in Ollama's store "
-        f"({ollama_dir()}) or in the Hugging Face cache ({hf_cache_dir()}); `pyggml list` shows what is there")
+        f"no such model file or stored model: {text!r} is not a file, not 'demo', and not a model in "
+        f"{models_dir()}, in Ollama's store ({ollama_dir()}) or in the Hugging Face cache ({hf_cache_dir()}); "
+        "`pyggml list` shows what is there")
 
 
 def list_models() -> list[ModelRef]:
