@@ -373,18 +373,29 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(sub)
     # ---- end bench ----
-    serve = sub.add_parser("serve", help="serve a model over HTTP: Ollama's API (/api) and OpenAI's (/v1)")
-    serve.add_argument("model", help=f"GGUF file, or '{DEMO}' for the built-in demo model")
+    serve = sub.add_parser("serve", help="serve models over HTTP: Ollama's API (/api) and OpenAI's (/v1)")
+    serve.add_argument("model", nargs="?", default=None,
+                       help=f"GGUF file or model name, or '{DEMO}'; none: every model `pyggml list` finds, "
+                            "loaded on demand by the requests' model names")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    serve.add_argument("--port", type=int, default=11434, help="default: 11434, Ollama's")
-    serve.add_argument("--parallel", type=int, default=4, help="sequences generated at once (default: 4)")
-    serve.add_argument("--queue", type=int, default=None,
-                       help="requests that may wait for a free sequence (default: 2 x parallel); more get 503")
-    serve.add_argument("--ctx", type=int, default=None, help="context per sequence (default: min(4096, trained))")
-    serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    serve.add_argument("--batch-size", type=int, default=512, help="most tokens per forward pass (default: 512)")
+    serve.add_argument("--port", type=_port, default=11434, help="default: 11434, Ollama's")
+    serve.add_argument("--parallel", type=_positive("--parallel"), default=4,
+                       help="sequences generated at once per model (default: 4)")
+    serve.add_argument("--queue", type=_non_negative("--queue"), default=None,
+                       help="requests that may wait for a free sequence (default: 512, as Ollama); more get 503")
+    serve.add_argument("--ctx", type=_positive("--ctx"), default=None,
+                       help="context per sequence (default: min(4096, trained))")
+    serve.add_argument("--threads", type=_positive("--threads"), default=None,
+                       help="CPU threads (default: physical cores)")
+    serve.add_argument("--batch-size", type=_positive("--batch-size"), default=512,
+                       help="most tokens per forward pass (default: 512)")
     serve.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto",
                        help="ggml's fused flash attention (default auto: on GPUs only)")
+    serve.add_argument("--max-loaded", type=_positive("--max-loaded"), default=None,
+                       help="without a model argument: most models loaded at once (default: 1 on CPU, 3 with a GPU)")
+    serve.add_argument("--keep-alive", default="5m", metavar="DURATION",
+                       help="without a model argument: unload a model idle this long (default 5m; 0: at once, "
+                            "-1: never); a request's keep_alive overrides it")
     serve.set_defaults(func=cmd_serve)
     return parser
 
@@ -394,10 +405,45 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from pyggml.server import serve
     except ImportError as exc:
         raise SystemExit(f"pyggml serve needs starlette and uvicorn (pip install starlette uvicorn): {exc}") from exc
+    from pyggml.repl import parse_duration
 
-    return serve(_model_path(args.model), host=args.host, port=args.port, parallel=args.parallel, queue=args.queue,
-                 num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size,
-                 flash_attention={"on": True, "off": False}.get(args.flash_attn))
+    try:
+        keep_alive = parse_duration(args.keep_alive)
+    except ValueError as exc:
+        raise SystemExit(f"pyggml serve: --keep-alive: {exc}") from None
+    path = _model_path(args.model) if args.model is not None else None
+    name = args.model if args.model is not None and not Path(args.model).is_file() else None
+    return serve(path, host=args.host, port=args.port, parallel=args.parallel, queue=args.queue,
+                 num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size, name=name,
+                 flash_attention={"on": True, "off": False}.get(args.flash_attn), max_loaded=args.max_loaded,
+                 keep_alive=keep_alive)
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535 (0: any free port), got {text!r}")
+    return port
+
+
+def _positive(flag: str, low: int = 1) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = low - 1
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _non_negative(flag: str) -> Any:
+    return _positive(flag, 0)
 
 
 def main(argv: list[str] | None = None) -> int:

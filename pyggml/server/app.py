@@ -6,9 +6,13 @@ would hang (see DESIGN.md), and the model is loaded once, before the server star
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import socket
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from starlette.applications import Starlette
@@ -21,24 +25,36 @@ from pyggml import models
 from pyggml.backend import BackendParams
 from pyggml.runner import Runner
 from pyggml.server import ollama, openai
+from pyggml.server.models import DEFAULT_KEEP_ALIVE, ModelManager, SingleModel
 from pyggml.server.params import APIError
 from pyggml.server.service import ServedModel
+from pyggml.store import ModelRef
 from pyggml.tiny import TINY_VERSION, cache_dir
 
 log = logging.getLogger(__name__)
 
 
-def create_app(served: ServedModel) -> Starlette:
-    """The app serving ``served``: Ollama's ``/api``, OpenAI's ``/v1``, ``/health`` and ``/``."""
+def create_app(served: ServedModel | ModelManager | SingleModel) -> Starlette:
+    """The app serving ``served`` (one loaded model, or a ``ModelManager`` loading models by name):
+    Ollama's ``/api``, OpenAI's ``/v1``, ``/health`` and ``/``."""
     routes = [
         Route("/", _root, methods=["GET", "HEAD"]),
         Route("/health", _health, methods=["GET"]),
         *ollama.routes,
         *openai.routes,
     ]
-    app = Starlette(routes=routes, exception_handlers={APIError: _api_error, HTTPException: _http_error,
-                                                       Exception: _internal_error})
-    app.state.served = served
+    manager = SingleModel(served) if isinstance(served, ServedModel) else served
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await manager.close()  # unloads what a ModelManager loaded
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error})
+    app.state.models = manager
+    if isinstance(manager, SingleModel):
+        app.state.served = manager.served
     return app
 
 
@@ -47,7 +63,7 @@ async def _root(request: Request) -> Response:
 
 
 async def _health(request: Request) -> Response:
-    return JSONResponse(request.app.state.served.health())
+    return JSONResponse(request.app.state.models.health())
 
 
 def _error(request: Request, exc: APIError) -> Response:
@@ -71,28 +87,87 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
-def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434, parallel: int = 4,
+def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int = 11434, parallel: int = 4,
           queue: int | None = None, num_ctx: int | None = None, n_threads: int | None = None,
           batch_size: int = 512, name: str | None = None, log_level: str = "info",
-          flash_attention: bool | None = None) -> int:
-    """Load the model and serve it until interrupted (Ctrl-C / SIGTERM)."""
+          flash_attention: bool | None = None, max_loaded: int | None = None,
+          keep_alive: float | None = DEFAULT_KEEP_ALIVE) -> int:
+    """Serve until interrupted (Ctrl-C / SIGTERM): the model at ``path`` (loaded first), or with
+    ``path=None`` every model ``pyggml list`` finds, loaded on demand (``ModelManager``). The port
+    is bound before anything is loaded or announced: a port in use fails at once."""
     import uvicorn
 
-    if name is None and Path(path) == cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf":
-        name = "demo"  # `pyggml serve demo`: clients ask for it by that name
-    model = models.load(path, BackendParams(n_threads=n_threads, flash_attention=flash_attention))
+    sock = bind(host, port)
     try:
-        trained = model.context_length or 4096
-        runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained), batch_size=batch_size)
+        def load(ref: ModelRef) -> ServedModel:
+            model = models.load(ref.path, BackendParams(n_threads=n_threads, flash_attention=flash_attention))
+            try:
+                trained = model.context_length or 4096
+                runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained),
+                                batch_size=batch_size)
+                try:
+                    served = ServedModel(runner, ref.path, queue=queue, name=ref.name)
+                    served.aliases.update(ref.aliases)
+                    return served
+                except BaseException:
+                    runner.close()
+                    raise
+            except BaseException:
+                model.close()
+                raise
+
+        if path is None:
+            if max_loaded is None:  # Ollama: 1 model at a time on a CPU, 3 per GPU
+                from pyggml.backend import devices
+
+                max_loaded = 3 if any(d.kind in ("gpu", "igpu") for d in devices()) else 1
+            served = ModelManager(load, max_loaded=max_loaded, keep_alive=keep_alive)
+            idle = "kept loaded" if keep_alive is None else f"unloaded after {keep_alive:g} s idle"
+            what = (f"the {len(served.catalog())} models `pyggml list` finds, loaded on demand (at most "
+                    f"{max_loaded} at a time, {idle})")
+        else:
+            if name is None and Path(path) == cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf":
+                name = "demo"  # `pyggml serve demo`: clients ask for it by that name
+            served = load(ModelRef(name or Path(path).stem, Path(path), "file"))
+            what = (f"{served.name} ({served.runner.parallel} sequences of {served.runner.num_ctx} tokens, "
+                    f"{served.queue_limit} more may wait)")
         try:
-            served = ServedModel(runner, path, queue=queue, name=name)
-            config = uvicorn.Config(create_app(served), host=host, port=port, workers=1, log_level=log_level,
-                                    timeout_graceful_shutdown=5)
-            print(f"pyggml: serving {served.name} ({runner.parallel} sequences of {runner.num_ctx} tokens, "
-                  f"{served.queue_limit} more may wait) on http://{host}:{port}", file=sys.stderr)
-            uvicorn.Server(config).run()
+            config = uvicorn.Config(create_app(served), log_level=log_level, timeout_graceful_shutdown=5)
+            print(f"pyggml: serving {what} on http://{_url_host(host)}:{sock.getsockname()[1]}", file=sys.stderr)
+            uvicorn.Server(config).run(sockets=[sock])
         finally:
-            runner.close()
+            if isinstance(served, ServedModel):
+                served.runner.close()
+                served.model.close()
     finally:
-        model.close()
+        sock.close()
     return 0
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (``OSError`` with a message that says what to do)."""
+    if not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {port!r}")
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise OSError(f"cannot listen on {host!r}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise OSError(f"port {port} on {host} is already in use (another server is running there?); "
+                          "choose another with --port") from None
+        if exc.errno == errno.EACCES:
+            raise OSError(f"no permission to listen on port {port} (ports below 1024 need privileges); "
+                          "choose another with --port") from None
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -18,7 +18,9 @@ from starlette.routing import Route
 
 import pyggml
 from pyggml.chat import validate_messages
+from pyggml.repl import parse_duration
 from pyggml.runner import CompletionChunk, CompletionRequest
+from pyggml.server.models import served_for
 from pyggml.server.params import APIError, Fields, ollama_logprobs, ollama_options, read_json, runner_logprobs
 from pyggml.server.service import Job, ServedModel, stream_response
 
@@ -33,10 +35,6 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _served(request: Request) -> ServedModel:
-    return request.app.state.served
-
-
 def _check_generation_fields(f: Fields) -> None:
     f.unsupported("format", what="(structured output) is not supported by this server")
     f.unsupported("think", (False,), "is not supported: the model does not think")
@@ -44,10 +42,9 @@ def _check_generation_fields(f: Fields) -> None:
 
 
 async def generate(request: Request) -> Response:
-    served = _served(request)
     body = await read_json(request)
     f = Fields(body, "the request", GENERATE_FIELDS)
-    served.check_model(body.get("model"))
+    served = await served_for(request, body.get("model"), body.get("keep_alive"))
     _check_generation_fields(f)
     f.unsupported("suffix", what="(fill-in-the-middle) is not supported by this server")
     f.unsupported("template", what="is not supported: the model's own chat template is used")
@@ -56,9 +53,9 @@ async def generate(request: Request) -> Response:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise APIError(400, "context must be an array of token ids", param="context")
     options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
-    if not prompt and not context:  # Ollama's way to load a model: nothing to generate
+    if not prompt and not context:  # Ollama's way to load (or, with keep_alive 0, unload) a model
         return JSONResponse({"model": served.name, "created_at": _now(), "response": "", "done": True,
-                             "done_reason": "load"})
+                             "done_reason": await _load_or_unload(request, body)})
 
     def prepare() -> CompletionRequest:
         text, chat = prompt, False
@@ -75,6 +72,13 @@ async def generate(request: Request) -> Response:
     return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, _generate_piece)
 
 
+async def _load_or_unload(request: Request, body: dict[str, Any]) -> str:
+    if body.get("keep_alive") is not None and parse_duration(body["keep_alive"]) == 0:
+        await request.app.state.models.unload(body["model"])
+        return "unload"
+    return "load"
+
+
 def _generate_piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
     out: dict[str, Any] = {"model": served.name, "created_at": _now(), "response": text, "done": chunk.done}
     if chunk.done:
@@ -83,16 +87,16 @@ def _generate_piece(served: ServedModel, job: Job, chunk: CompletionChunk, text:
 
 
 async def chat(request: Request) -> Response:
-    served = _served(request)
     body = await read_json(request)
     f = Fields(body, "the request", CHAT_FIELDS)
-    served.check_model(body.get("model"))
+    served = await served_for(request, body.get("model"), body.get("keep_alive"))
     _check_generation_fields(f)
     options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
     raw_messages, tools = f.array("messages"), f.array("tools")
-    if not raw_messages:  # Ollama's way to load a model
+    if not raw_messages:  # Ollama's way to load (or, with keep_alive 0, unload) a model
         return JSONResponse({"model": served.name, "created_at": _now(),
-                             "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
+                             "message": {"role": "assistant", "content": ""}, "done": True,
+                             "done_reason": await _load_or_unload(request, body)})
     try:
         messages = validate_messages(raw_messages)
     except ValueError as exc:
@@ -167,10 +171,9 @@ def _logprob(served: ServedModel, lp: Any, top: int) -> dict[str, Any]:
 
 
 async def embed(request: Request) -> Response:
-    served = _served(request)
     body = await read_json(request)
     f = Fields(body, "the request", EMBED_FIELDS)
-    served.check_model(body.get("model"))
+    served = await served_for(request, body.get("model"), body.get("keep_alive"))
     dimensions, truncate = f.integer("dimensions", low=1), f.boolean("truncate", True)
     ollama_options(body.get("options"))
     texts = _embed_inputs(body.get("input"))
@@ -183,10 +186,9 @@ async def embed(request: Request) -> Response:
 
 async def embeddings(request: Request) -> Response:
     """The older single-text route; as in Ollama, its vector is not normalised."""
-    served = _served(request)
     body = await read_json(request)
     f = Fields(body, "the request", {"model", "prompt", "options", "keep_alive"})
-    served.check_model(body.get("model"))
+    served = await served_for(request, body.get("model"), body.get("keep_alive"))
     ollama_options(body.get("options"))
     text = f.string("prompt")
     if not text:
@@ -202,27 +204,18 @@ def _embed_inputs(value: Any) -> list[str]:
     return texts
 
 
-async def _model_entry(served: ServedModel) -> dict[str, Any]:
-    return {"name": served.name, "model": served.name, "modified_at": served.modified_at, "size": served.size,
-            "digest": await served.digest(), "details": served.details}
-
-
 async def tags(request: Request) -> Response:
-    return JSONResponse({"models": [await _model_entry(_served(request))]})
+    return JSONResponse({"models": await request.app.state.models.tags()})
 
 
 async def ps(request: Request) -> Response:
-    served = _served(request)
-    entry = await _model_entry(served)
-    entry.update(expires_at="2999-01-01T00:00:00Z", size_vram=0, context_length=served.runner.num_ctx)
-    return JSONResponse({"models": [entry]})
+    return JSONResponse({"models": await request.app.state.models.ps()})
 
 
 async def show(request: Request) -> Response:
-    served = _served(request)
     body = await read_json(request)
     f = Fields(body, "the request", {"model", "name", "verbose", "system", "template", "options"})
-    served.check_model(body.get("model") or body.get("name"))
+    served = await served_for(request, body.get("model") or body.get("name"))
     verbose = f.boolean("verbose", False)
     info: dict[str, Any] = {"general.parameter_count": served.parameters}
     for key, value in served.model.config.items():

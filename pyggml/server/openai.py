@@ -22,6 +22,7 @@ from starlette.routing import Route
 import pyggml
 from pyggml.chat import validate_messages
 from pyggml.runner import CompletionChunk, CompletionRequest, TokenLogprob
+from pyggml.server.models import served_for
 from pyggml.server.params import (
     OPENAI_COMMON,
     APIError,
@@ -41,10 +42,6 @@ CHAT_FIELDS = OPENAI_COMMON | {
 }
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 FINGERPRINT = f"pyggml-{pyggml.__version__}"
-
-
-def _served(request: Request) -> ServedModel:
-    return request.app.state.served
 
 
 def _sse(obj: Any) -> str:
@@ -105,10 +102,9 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
 
 # ---- /v1/completions ----------------------------------------------------------------------------
 async def completions(request: Request) -> Response:
-    served = _served(request)
     body = await read_json(request)
     f = Fields(body, "the request", COMPLETION_FIELDS)
-    served.check_model(body.get("model"))
+    served = await served_for(request, body.get("model"))
     f.unsupported("suffix", what="(fill-in-the-middle) is not supported by this server")
     f.unsupported("best_of", (1,), "must be 1")
     prompt = _completion_prompt(served, body.get("prompt"))
@@ -162,10 +158,9 @@ def _completion_prompt(served: ServedModel, prompt: Any) -> str | list[int]:
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
 async def chat_completions(request: Request) -> Response:
-    served = _served(request)
     body = await read_json(request)
     f = Fields(body, "the request", CHAT_FIELDS)
-    served.check_model(body.get("model"))
+    served = await served_for(request, body.get("model"))
     f.unsupported("response_format", ({"type": "text"},), "(structured output) is not supported; use "
                   '{"type": "text"}')
     f.unsupported("modalities", (["text"],), 'is not supported beyond ["text"]')
@@ -217,10 +212,9 @@ def _chat_logprob(served: ServedModel, lp: TokenLogprob, top: int) -> dict[str, 
 
 # ---- /v1/embeddings, /v1/models -----------------------------------------------------------------
 async def embeddings(request: Request) -> Response:
-    served = _served(request)
     body = await read_json(request)
     f = Fields(body, "the request", EMBEDDING_FIELDS)
-    served.check_model(body.get("model"))
+    served = await served_for(request, body.get("model"))
     encoding = f.string("encoding_format", "float")
     if encoding not in ("float", "base64"):
         raise APIError(400, 'encoding_format must be "float" or "base64"', param="encoding_format")
@@ -243,18 +237,17 @@ def _encode(vector: list[float], encoding: str) -> list[float] | str:
     return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode()
 
 
-def _model(served: ServedModel) -> dict[str, Any]:
-    return {"id": served.name, "object": "model", "created": int(served.modified), "owned_by": "pyggml"}
-
-
 async def models(request: Request) -> Response:
-    return JSONResponse({"object": "list", "data": [_model(_served(request))]})
+    return JSONResponse({"object": "list", "data": request.app.state.models.openai_models()})
 
 
 async def model(request: Request) -> Response:
-    served = _served(request)
-    served.check_model(request.path_params["model"])
-    return JSONResponse(_model(served))
+    name = request.path_params["model"]
+    for entry in request.app.state.models.openai_models():
+        if entry["id"] == name:
+            return JSONResponse(entry)
+    served = await served_for(request, name)  # an alias of a served model, or a 404
+    return JSONResponse({"id": served.name, "object": "model", "created": int(served.modified), "owned_by": "pyggml"})
 
 
 def _error_body(exc: APIError) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from pyggml.runner import CompletionChunk, CompletionRequest, Runner, RunnerClos
 from pyggml.server.params import APIError
 
 RETRY_AFTER_SECONDS = 1
+DEFAULT_QUEUE = 512  # Ollama's OLLAMA_MAX_QUEUE
 
 
 class ServedModel:
@@ -43,7 +44,7 @@ class ServedModel:
         self.aliases = {self.name, f"{self.name}:latest", self.path.name, str(self.path)}
         if isinstance(general, str) and general:
             self.aliases.add(general)
-        self.queue_limit = 2 * runner.parallel if queue is None else queue
+        self.queue_limit = DEFAULT_QUEUE if queue is None else queue
         self.template = ChatTemplate.from_model(self.model)
         stat = self.path.stat()
         self.size, self.modified = stat.st_size, stat.st_mtime
