@@ -45,6 +45,12 @@ def _resolve(name: str) -> Any:
     """The ``pyggml.store.ModelRef`` a model argument names (a file, 'demo', or a stored model)."""
     from pyggml.store import ModelNotFoundError, resolve
 
+    if name == DEMO and not Path(name).exists():
+        from pyggml.tiny import TINY_VERSION, cache_dir
+
+        if not (cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf").exists():
+            print(f"pyggml: building the demo model in {cache_dir()} (first use, about a second)...",
+                  file=sys.stderr, flush=True)
     try:
         return resolve(name)
     except ModelNotFoundError as exc:
@@ -57,14 +63,21 @@ def _model_path(name: str) -> Path:
 
 def _load(args: argparse.Namespace, ref: str | None = None) -> Any:
     import pyggml
+    from pyggml.store import check_has_weights
 
     ref = args.model if ref is None else ref
     path = _resolve(ref).path
     if ref == DEMO:
         print("pyggml: using the built-in demo model (random weights: the text will be gibberish)",
               file=sys.stderr)
+    check_has_weights(path)
     options = {"num_ctx": args.ctx, "n_threads": args.threads, **_device_options(args)}
-    return pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v is not None})
+    llm = pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v is not None})
+    trained = llm.model.context_length
+    if args.ctx and trained and args.ctx > trained:
+        print(f"pyggml: warning: --ctx {args.ctx} is above the {trained} tokens the model was trained on; "
+              "text past that point is likely to degrade", file=sys.stderr)
+    return llm
 
 
 # ---- run: options, one-shot generation; the interactive chat is pyggml/repl.py ------------------
@@ -158,10 +171,10 @@ def _once(llm: Any, prompt: str, options: dict, args: argparse.Namespace) -> Non
         pieces = llm.chat(messages, stream=True, **options)
     else:
         pieces = llm.generate(f"{args.system}\n\n{prompt}" if args.system else prompt, stream=True, **options)
-    for piece in pieces:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    stopped = _write_until_interrupted(pieces)
     sys.stdout.write("\n")
+    if stopped:
+        raise KeyboardInterrupt
     if args.verbose:
         print_stats(llm.stats, time.perf_counter() - start, sys.stderr)
 
@@ -185,6 +198,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from pyggml.backend import Backend, BackendParams
+    from pyggml.store import human_count
 
     backend = Backend.load(_model_path(args.model), BackendParams(repack=False))
     try:
@@ -198,7 +212,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         rows = [
             ("architecture", c.architecture or "-"),
             ("name", c.string("general.name", "") or "-"),
-            ("parameters", f"{n_params:,} ({n_params / 1e9:.2f} B)"),
+            ("parameters", f"{n_params:,} ({human_count(n_params)})" if n_params else "none (vocabulary only)"),
             ("quantization", f"{main_type} (" + ", ".join(f"{k} {v / max(n_params, 1):.0%}" for k, v in
                                                           sorted(types.items(), key=lambda kv: -kv[1])) + ")"),
             ("context length", c.uint("context_length", 0) or "-"),
@@ -265,9 +279,13 @@ def _add_run_parser(sub: Any) -> None:
                                      "model without a chat template, or with --raw)")
     run.add_argument("model", help=f"GGUF file or model name (see `pyggml list`), or '{DEMO}' for the demo model")
     run.add_argument("prompt", nargs="?", help="prompt (default: stdin, or an interactive chat on a terminal)")
-    run.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    run.add_argument("--ctx", type=int, default=None, help="context length (default: min(4096, trained))")
-    run.add_argument("--temperature", type=float, default=None, help="0 for greedy decoding (default: 0.8)")
+    run.add_argument("--threads", type=_positive("--threads"), default=None,
+                     help="CPU threads (default: physical cores)")
+    run.add_argument("--ctx", type=_positive("--ctx", 2), default=None,
+                     help="context length (default: min(4096, trained))")
+    run.add_argument("--temperature", type=_temperature, default=None, help="0 for greedy decoding (default: 0.8)")
+    run.add_argument("--max-tokens", type=_positive("--max-tokens", 0), default=None,
+                     help="most tokens per reply (default: 128)")
     run.add_argument("--top-k", type=int, default=None, help="keep the K most likely tokens (0: off; default 40)")
     run.add_argument("--top-p", type=float, default=None, help="nucleus sampling threshold (1: off; default 0.9)")
     run.add_argument("--min-p", type=float, default=None, help="drop tokens below MIN_P x the best (default 0)")
@@ -276,7 +294,6 @@ def _add_run_parser(sub: Any) -> None:
     run.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS", type=_logit_bias,
                      help="add BIAS to token ID's logit (-inf bans it; repeatable)")
     run.add_argument("--seed", type=int, default=None)
-    run.add_argument("--max-tokens", type=int, default=None, help="most tokens per reply (default: 128)")
     run.add_argument("--system", default=None, help="system message")
     run.add_argument("--raw", action="store_true", help="plain completion: no chat template, no history")
     run.add_argument("--keep-alive", default=None, metavar="DURATION",
@@ -288,6 +305,28 @@ def _add_run_parser(sub: Any) -> None:
                      help="KV cache type (default: f16)")
     run.add_argument("--verbose", action="store_true", help="print timings after each reply (as ollama run does)")
     run.set_defaults(func=cmd_run)
+
+
+def _write_until_interrupted(pieces: Any) -> bool:
+    """Stream ``pieces`` to stdout; Ctrl-C stops between two pieces (never inside an engine step).
+    Returns whether it was interrupted."""
+    import signal
+    import threading
+
+    stop = []
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, lambda *_: stop.append(True)) if main_thread else None
+    try:
+        for piece in pieces:
+            if stop:
+                break
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    finally:
+        pieces.close()
+        if main_thread:
+            signal.signal(signal.SIGINT, previous)
+    return bool(stop)
 
 
 def cmd_list(args: argparse.Namespace) -> int:
@@ -328,8 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     embed = sub.add_parser("embed", help="embed texts with an embedding model (BERT); one JSON array per text")
     embed.add_argument("model", help="GGUF file of an embedding model")
     embed.add_argument("texts", nargs="*", help="texts to embed (default: one per line of stdin)")
-    embed.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
-    embed.add_argument("--ctx", type=int, default=None, help="most tokens per text (default: the model's)")
+    embed.add_argument("--threads", type=_positive("--threads"), default=None,
+                       help="CPU threads (default: physical cores)")
+    embed.add_argument("--ctx", type=_positive("--ctx", 2), default=None,
+                       help="most tokens per text (default: the model's)")
     embed.add_argument("--pooling", choices=["mean", "cls", "last"], default=None,
                        help="override the model's pooling")
     embed.add_argument("--truncate", action="store_true", help="cut texts longer than the context")
@@ -359,7 +400,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--tolerance", type=float, default=None,
                          help="relative error beyond which a state diverges (default by the weight type: 1e-3 "
                               "for F32, 1e-2 for F16/BF16, 5e-2 for Q8_0/Q6_K, 0.2 below)")
-    compare.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    compare.add_argument("--threads", type=_positive("--threads"), default=None,
+                         help="CPU threads (default: physical cores)")
     compare.add_argument("--llama-cpp", action="store_true",
                          help="also compare llama.cpp's logits for the file (needs llama-cpp-python)")
     compare.add_argument("--json", action="store_true", help="print the result as one JSON object instead of a table")
@@ -383,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences generated at once per model (default: 4)")
     serve.add_argument("--queue", type=_non_negative("--queue"), default=None,
                        help="requests that may wait for a free sequence (default: 512, as Ollama); more get 503")
-    serve.add_argument("--ctx", type=_positive("--ctx"), default=None,
+    serve.add_argument("--ctx", type=_positive("--ctx", 2), default=None,
                        help="context per sequence (default: min(4096, trained))")
     serve.add_argument("--threads", type=_positive("--threads"), default=None,
                        help="CPU threads (default: physical cores)")
@@ -413,10 +455,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise SystemExit(f"pyggml serve: --keep-alive: {exc}") from None
     path = _model_path(args.model) if args.model is not None else None
     name = args.model if args.model is not None and not Path(args.model).is_file() else None
-    return serve(path, host=args.host, port=args.port, parallel=args.parallel, queue=args.queue,
-                 num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size, name=name,
-                 flash_attention={"on": True, "off": False}.get(args.flash_attn), max_loaded=args.max_loaded,
-                 keep_alive=keep_alive)
+    try:
+        return serve(path, host=args.host, port=args.port, parallel=args.parallel, queue=args.queue,
+                     num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size, name=name,
+                     flash_attention={"on": True, "off": False}.get(args.flash_attn), max_loaded=args.max_loaded,
+                     keep_alive=keep_alive)
+    except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C it caught
+        return 0
 
 
 def _port(text: str) -> int:
@@ -442,6 +487,15 @@ def _positive(flag: str, low: int = 1) -> Any:
     return parse
 
 
+def _temperature(text: str) -> float:
+    from pyggml.repl import check_temperature
+
+    try:
+        return check_temperature(float(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--temperature must be a number >= 0 (0: greedy), got {text!r}") from None
+
+
 def _non_negative(flag: str) -> Any:
     return _positive(flag, 0)
 
@@ -450,12 +504,36 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating: stop quietly
+        print("\npyggml: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # e.g. `pyggml show model.gguf | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (ValueError, OSError, TypeError) as e:
-        print(f"pyggml: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, TypeError, NotImplementedError, MemoryError) as e:
+        print(f"pyggml: error: {cli_hint(str(e), args.command)}", file=sys.stderr)
         return 1
+
+
+# API words in error messages -> the flags of the command that was typed
+_HINTS: list[tuple[str, str, str]] = [  # (command or "*", API text, CLI text)
+    ("*", "raise num_ctx", "raise --ctx"),
+    ("*", "raise the context", "raise --ctx"),
+    ("bench", "(BackendParams(flash_attention=True))", "(-fa 1)"),
+    ("*", "(BackendParams(flash_attention=True))", "(--flash-attn on)"),
+    ("embed", "(shorten it, or truncate it)", "(shorten it, or pass --truncate)"),
+    ("run", "(ask it for embeddings instead)", "(use `pyggml embed` instead)"),
+    ("embed", "embeddings need an embedding model such as BERT",
+     "`pyggml embed` needs an embedding model such as BERT; use `pyggml run` to generate text"),
+]
+
+
+def cli_hint(message: str, command: str) -> str:
+    """``message`` with the Python API's advice replaced by the flags of ``pyggml COMMAND``."""
+    for where, api, cli in _HINTS:
+        if where in ("*", command):
+            message = message.replace(api, cli)
+    return message
 
 
 if __name__ == "__main__":

@@ -343,6 +343,22 @@ def file_facts(path: Path) -> tuple[str, str]:
         return "?", "?"
 
 
+def check_has_weights(path: Path) -> None:
+    """``ValueError`` for a GGUF with a vocabulary and no tensors (llama.cpp's ggml-vocab-*.gguf
+    files), which would otherwise fail listing every weight the architecture needs."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path, "r")
+    except Exception:  # noqa: BLE001 - not readable here: the loader reports it properly
+        return
+    if not reader.tensors:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        what = f"a vocabulary of {len(tokens.data)} tokens" if tokens is not None else "metadata"
+        raise ValueError(f"{path} holds only {what} and no weights: it is a tokenizer file (such as llama.cpp's "
+                         "ggml-vocab-*.gguf), not a model that can run")
+
+
 def human_bytes(n: int) -> str:
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
         if n >= size:

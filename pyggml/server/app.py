@@ -28,7 +28,7 @@ from pyggml.server import ollama, openai
 from pyggml.server.models import DEFAULT_KEEP_ALIVE, ModelManager, SingleModel
 from pyggml.server.params import APIError
 from pyggml.server.service import ServedModel
-from pyggml.store import ModelRef
+from pyggml.store import ModelRef, check_has_weights
 from pyggml.tiny import TINY_VERSION, cache_dir
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,7 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
     sock = bind(host, port)
     try:
         def load(ref: ModelRef) -> ServedModel:
+            check_has_weights(ref.path)
             model = models.load(ref.path, BackendParams(n_threads=n_threads, flash_attention=flash_attention))
             try:
                 trained = model.context_length or 4096

@@ -1,0 +1,183 @@
+"""The rough edges a new user hits on the command line, each as a subprocess test: Ctrl-C (SIGINT)
+stops a reply or a server cleanly, every listed mistake is a one-line message without a traceback,
+hints name the flags, thread counts / temperature / ctx are checked alike, a vocabulary-only GGUF
+says so, ``show`` formats small parameter counts, the demo model's first build is announced, and
+``pyggml serve`` with no model serves a (fake) Ollama store by name."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import SHARED_MODELS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def env_for(tmp_path, **extra):
+    return {**os.environ, "PYGGML_CACHE_DIR": str(tmp_path / "cache"), "PYGGML_MODELS": str(tmp_path / "none"),
+            "OLLAMA_MODELS": str(tmp_path / "none"), "HF_HUB_CACHE": str(tmp_path / "none"),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), **extra}
+
+
+def cli(tmp_path, *args, **extra):
+    return subprocess.run([sys.executable, "-m", "pyggml.cli", *args], capture_output=True, text=True, timeout=300,
+                          env=env_for(tmp_path, **extra))
+
+
+def spawn(tmp_path, *args, **extra):
+    return subprocess.Popen([sys.executable, "-m", "pyggml.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env_for(tmp_path, **extra))
+
+
+def clean(out, code: int, *words: str) -> None:
+    """Exit status ``code``, a message holding ``words`` on stderr, and no traceback."""
+    assert out.returncode == code, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    for word in words:
+        assert word in out.stderr, out.stderr
+
+
+def test_first_use_of_the_demo_model_is_announced_and_show_formats_parameters(tmp_path):
+    out = cli(tmp_path, "show", "demo")
+    clean(out, 0, "building the demo model")
+    line = next(line for line in out.stdout.splitlines() if line.strip().startswith("parameters"))
+    assert "0.00 B" not in line and re.search(r"\(\d+(\.\d)?K\)", line), line
+    assert "building" not in cli(tmp_path, "show", "demo").stderr  # only the first time
+
+
+@pytest.mark.parametrize("args, code, words", [
+    (["embed", "demo", "hello"], 1, ["`pyggml embed` needs an embedding model", "pyggml run"]),
+    (["serve", "demo", "--port", "99999"], 2, ["0 to 65535"]),
+    (["run", "demo", "hi", "--threads", "0"], 2, ["--threads must be an integer >= 1"]),
+    (["embed", "demo", "hi", "--threads", "-2"], 2, ["--threads must be an integer >= 1"]),
+    (["serve", "demo", "--threads", "0"], 2, ["--threads must be an integer >= 1"]),
+    (["run", "demo", "hi", "--temperature", "-1"], 2, ["--temperature must be a number >= 0"]),
+    (["run", "demo", "hi", "--ctx", "1"], 2, ["--ctx must be an integer >= 2"]),
+    (["run", "demo", "word " * 40, "--ctx", "16", "--raw"], 1, ["raise --ctx"]),
+    (["run", "no/such/model.gguf", "hi"], 1, ["no such model file", "pyggml list"]),
+    (["serve", "demo", "--keep-alive", "soon"], 1, ["--keep-alive"]),
+])
+def test_mistakes_get_one_clear_line(tmp_path, args, code, words):
+    clean(cli(tmp_path, *args), code, *words)
+
+
+def test_cli_hints_name_the_flags():
+    from pyggml.cli import cli_hint
+
+    assert cli_hint("too long (shorten it, or truncate it)", "embed") == "too long (shorten it, or pass --truncate)"
+    assert cli_hint("needs flash attention (BackendParams(flash_attention=True))", "bench").endswith("(-fa 1)")
+    assert cli_hint("needs flash attention (BackendParams(flash_attention=True))", "run").endswith(
+        "(--flash-attn on)")
+
+
+def test_ctx_above_the_trained_context_warns(tmp_path):
+    out = cli(tmp_path, "run", "demo", "hi", "--ctx", "1024", "--max-tokens", "2", "--threads", "1")
+    clean(out, 0, "warning: --ctx 1024 is above the 512 tokens the model was trained on")
+
+
+def _vocab_only(tmp_path) -> Path:
+    shared = SHARED_MODELS / "vocab" / "ggml-vocab-llama-spm.gguf"
+    if shared.exists():
+        return shared
+    import gguf
+
+    path = tmp_path / "vocab.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", "a"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_vocabulary_only_file_says_so(tmp_path):
+    out = cli(tmp_path, "run", str(_vocab_only(tmp_path)), "hi")
+    clean(out, 1, "holds only a vocabulary of", "no weights")
+    assert "missing tensors" not in out.stderr
+
+
+def test_ctrl_c_stops_a_one_shot_reply_quietly(tmp_path):
+    proc = spawn(tmp_path, "run", "demo", "tell me", "--max-tokens", "100000000", "--logit-bias", "2=-inf",
+                 "--temperature", "0", "--threads", "1")
+    try:
+        assert proc.stdout.read(8)  # the reply is being written
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "interrupted" in err and "Traceback" not in err, err
+
+
+def _serving(proc) -> str:
+    """The URL a starting `pyggml serve` announces (its first line of stderr that says so)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        assert line, "the server exited before announcing itself"
+        found = re.search(r"on (http://\S+)", line)
+        if found:
+            return found.group(1)
+    raise AssertionError("no announcement")
+
+
+def _stop(proc) -> str:
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    return err
+
+
+def test_serve_ctrl_c_and_a_port_in_use(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        out = cli(tmp_path, "serve", "demo", "--port", str(taken.getsockname()[1]))
+        clean(out, 1, "already in use", "--port")
+        assert "serving" not in out.stderr  # failed before announcing anything
+    finally:
+        taken.close()
+    proc = spawn(tmp_path, "serve", "demo", "--port", "0", "--threads", "1")
+    url = _serving(proc)
+    assert httpx.get(f"{url}/health", timeout=30).json()["status"] == "ok"
+    err = _stop(proc)
+    assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+def test_serve_without_a_model_serves_the_store_by_name(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from pyggml.synthetic import write_synthetic
+
+    from .test_store import make_ollama
+
+    store = tmp_path / "ollama"
+    store.mkdir()
+    make_ollama(store, write_synthetic(tmp_path / "tiny.gguf", "tiny", "f32"))
+    proc = spawn(tmp_path, "serve", "--port", "0", "--threads", "1", "--keep-alive", "-1", OLLAMA_MODELS=str(store))
+    try:
+        url = _serving(proc)
+        assert [m["name"] for m in httpx.get(f"{url}/api/tags", timeout=30).json()["models"]] == ["tiny:latest"]
+        r = httpx.post(f"{url}/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False,
+                                                      "options": {"num_predict": 2, "temperature": 0}}, timeout=120)
+        assert r.status_code == 200, r.text
+        ps = httpx.get(f"{url}/api/ps", timeout=10).json()["models"]
+        assert [(m["name"], m["expires_at"]) for m in ps] == [("tiny:latest", "2999-01-01T00:00:00Z")]
+    finally:
+        err = _stop(proc)
+    assert proc.returncode == 0 and "Traceback" not in err, err
