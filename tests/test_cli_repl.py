@@ -92,7 +92,10 @@ def test_ctrl_c_stops_the_reply_and_ctrl_d_exits(tmp_path):
     child.expect_exact("Use Ctrl + d or /bye to exit.")
     child.expect_exact(">>> ")
     child.sendline("/set parameter num_predict 3")
+    child.expect_exact("Set parameter 'num_predict' to '3'")
+    child.expect_exact(">>> ")
     child.sendline("still here?")  # the engine is usable after the stopped reply
+    child.expect_exact("still here?\r\n")
     child.expect_exact(">>> ")
     child.sendeof()
     assert finish(child) == 0
@@ -107,3 +110,42 @@ def test_raw_mode_is_plain_completion(tmp_path):
     child.expect_exact(">>> ")
     child.sendline("/bye")
     assert finish(child) == 0
+
+
+# ---- the pieces, in-process ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, seconds", [
+    (None, None), (0, 0.0), ("0", 0.0), (-1, None), ("-1", None), ("-5m", None), (30, 30.0), ("30s", 30.0),
+    ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), (1.5, 1.5),
+])
+def test_keep_alive_durations_as_ollama_reads_them(value, seconds):
+    from pyggml.repl import parse_duration
+
+    assert parse_duration(value) == seconds
+
+
+@pytest.mark.parametrize("value", ["soon", "5x", "m5", "", True, [1], float("inf")])
+def test_bad_keep_alive_durations_are_refused(value):
+    from pyggml.repl import parse_duration
+
+    with pytest.raises(ValueError, match="keep_alive"):
+        parse_duration(value)
+
+
+def test_keep_alive_unloads_an_idle_model_and_the_next_turn_reloads_it():
+    from pyggml.repl import Session
+
+    class Fake:
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    loaded = []
+    session = Session(load=lambda ref: loaded.append(Fake()) or loaded[-1], model_ref="x", options={},
+                      keep_alive=0.0)
+    first = session.ensure_loaded()
+    session._arm_keep_alive()
+    session._timer.join(10)
+    assert session.llm is None and first.closed
+    assert session.ensure_loaded() is loaded[1] and len(loaded) == 2
