@@ -99,8 +99,10 @@ def _device_options(args: argparse.Namespace) -> dict[str, Any]:
 def _sampling_options(args: argparse.Namespace, defaults: dict[str, Any] | None = None) -> dict[str, Any]:
     """``LLM.generate``/``LLM.chat`` keyword arguments: ``defaults`` (an Ollama params layer), then
     run's sampling flags. (A structured-output ``--format`` adds its option here.)"""
+    from pyggml.repl import params_to_options
+
     out: dict[str, Any] = {"max_tokens": 128, "temperature": 0.8, "seed": None}
-    out.update(_ollama_params(defaults or {}))
+    out.update(params_to_options(defaults or {}))
     for key in ("max_tokens", "temperature", "seed", "top_k", "top_p", "min_p", "repeat_penalty"):
         if getattr(args, key) is not None:
             out[key] = getattr(args, key)
@@ -108,20 +110,6 @@ def _sampling_options(args: argparse.Namespace, defaults: dict[str, Any] | None 
         out["stop"] = list(args.stop)
     if args.logit_bias:
         out["logit_bias"] = dict(args.logit_bias)
-    return out
-
-
-def _ollama_params(params: dict[str, Any]) -> dict[str, Any]:
-    """The sampling options of an Ollama params layer ({"stop": [...], "temperature": 0.6, ...})."""
-    from pyggml.repl import PARAMETERS
-
-    out: dict[str, Any] = {}
-    for name, value in params.items():
-        if name in PARAMETERS and isinstance(value, (int, float, str, list)) and not isinstance(value, bool):
-            key = PARAMETERS[name][0]
-            out[key] = [str(v) for v in value] if name == "stop" and isinstance(value, list) else value
-    if out.get("max_tokens", 0) < 0:
-        out["max_tokens"] = 10**9
     return out
 
 

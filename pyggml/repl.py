@@ -51,6 +51,19 @@ PARAMETERS: dict[str, tuple[str, Callable[[str], Any]]] = {
 }
 
 
+def params_to_options(params: dict[str, Any]) -> dict[str, Any]:
+    """``generate``/``CompletionRequest`` options from Ollama parameters (a model's params layer:
+    {"stop": [...], "temperature": 0.6, "num_predict": -1, ...}); others (num_ctx, ...) are ignored."""
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        if name in PARAMETERS and isinstance(value, (int, float, str, list)) and not isinstance(value, bool):
+            key = PARAMETERS[name][0]
+            out[key] = [str(v) for v in value] if name == "stop" and isinstance(value, list) else value
+    if isinstance(out.get("max_tokens"), int) and out["max_tokens"] < 0:
+        del out["max_tokens"]  # Ollama's -1: no limit of its own
+    return out
+
+
 def parse_duration(value: str | float | int | None) -> float | None:
     """Ollama's ``keep_alive``: seconds as a number, or a duration such as "5m", "30s", "1h", "1h30m";
     a negative value keeps the model loaded for ever (``None``); 0 unloads at once."""

@@ -169,3 +169,27 @@ def test_the_default_queue_is_ollamas(refs):
     with Runner(model, parallel=1, num_ctx=64) as runner:
         assert ServedModel(runner, refs[0].path).queue_limit == DEFAULT_QUEUE == 512
     model.close()
+
+
+def test_an_ollama_models_params_and_system_layers_are_request_defaults(refs):
+    with_layers = ModelRef("c:latest", refs[0].path, "ollama", params={"num_predict": 3, "temperature": 0},
+                           system="You answer in one word, always.", aliases=("c",))
+    catalog = [refs[0], with_layers]
+    from pyggml.repl import params_to_options
+
+    def load(ref):
+        served = Loads()(ref)
+        served.defaults, served.system = params_to_options(ref.params), ref.system
+        return served
+
+    manager = ModelManager(load, catalog=lambda: catalog, max_loaded=2, tick=0.05)
+    with running(manager) as base:
+        def ask(model, **options):
+            body = {"model": model, "prompt": "hello", "stream": False, "options": options}
+            return httpx.post(f"{base}/api/generate", json=body, timeout=60).json()
+
+        plain, layered = ask("a", num_predict=3, temperature=0), ask("c")
+        assert layered["eval_count"] == 3  # num_predict from the params layer
+        assert layered["prompt_eval_count"] > plain["prompt_eval_count"]  # the system layer's message
+        r = ask("c", num_predict=1)
+        assert r.get("eval_count") == 1, r  # the request's own options win

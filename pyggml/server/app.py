@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from pyggml import models
 from pyggml.backend import BackendParams
+from pyggml.repl import params_to_options
 from pyggml.runner import Runner
 from pyggml.server import ollama, openai
 from pyggml.server.models import DEFAULT_KEEP_ALIVE, ModelManager, SingleModel
@@ -109,6 +110,7 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
                 try:
                     served = ServedModel(runner, ref.path, queue=queue, name=ref.name)
                     served.aliases.update(ref.aliases)
+                    served.defaults, served.system = params_to_options(ref.params), ref.system
                     return served
                 except BaseException:
                     runner.close()

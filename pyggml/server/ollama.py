@@ -48,7 +48,7 @@ async def generate(request: Request) -> Response:
     _check_generation_fields(f)
     f.unsupported("suffix", what="(fill-in-the-middle) is not supported by this server")
     f.unsupported("template", what="is not supported: the model's own chat template is used")
-    prompt, system, raw = f.string("prompt", ""), f.string("system"), f.boolean("raw", False)
+    prompt, system, raw = f.string("prompt", ""), f.string("system") or served.system, f.boolean("raw", False)
     context = f.array("context") or []
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise APIError(400, "context must be an array of token ids", param="context")
@@ -104,6 +104,8 @@ async def chat(request: Request) -> Response:
     for i, message in enumerate(messages):
         if message.get("images"):
             raise APIError(400, f"messages[{i}].images is not supported: the model reads text only")
+    if served.system and not any(m["role"] == "system" for m in messages):  # the model's default system message
+        messages.insert(0, {"role": "system", "content": served.system})
 
     def prepare() -> CompletionRequest:
         text = served.template.render(messages, tools=tools)

@@ -53,6 +53,9 @@ class ServedModel:
         self._digest: str | None = None
         self._lock = threading.Lock()
         self._outstanding = 0  # completions admitted and not yet let go by the runner
+        # an Ollama model's params and system layers: defaults under each request's own options
+        self.defaults: dict[str, Any] = {}
+        self.system: str | None = None
 
     def _details(self) -> dict[str, Any]:
         arch = self.model.config.architecture or ""
@@ -127,6 +130,9 @@ class ServedModel:
     def request(self, ids: list[int], max_tokens: int | None = None, **options: Any) -> CompletionRequest:
         """A completion of prompt ``ids``; ``max_tokens=None`` generates up to the end of the context
         (Ollama's default; the engine's context shift would otherwise let a model run forever)."""
+        options = {**self.defaults, **options}
+        default_max = options.pop("max_tokens", None)
+        max_tokens = default_max if max_tokens is None else max_tokens
         if max_tokens is None:
             max_tokens = max(self.runner.num_ctx - len(ids), 0)
         return CompletionRequest(ids, max_tokens=max_tokens, **options)
