@@ -74,8 +74,8 @@ async def generate(request: Request) -> Response:
 
 async def _load_or_unload(request: Request, body: dict[str, Any]) -> str:
     if body.get("keep_alive") is not None and parse_duration(body["keep_alive"]) == 0:
-        await request.app.state.models.unload(body["model"])
-        return "unload"
+        if await request.app.state.models.unload(body["model"]):  # a server's only model stays loaded
+            return "unload"
     return "load"
 
 
