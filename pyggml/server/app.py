@@ -26,7 +26,7 @@ from pyggml.backend import BackendParams
 from pyggml.repl import params_to_options
 from pyggml.runner import Runner
 from pyggml.server import ollama, openai
-from pyggml.server.models import DEFAULT_KEEP_ALIVE, ModelManager, SingleModel
+from pyggml.server.models import DEFAULT_KEEP_ALIVE, ModelManager, SingleModel, estimate_memory
 from pyggml.server.params import APIError
 from pyggml.server.service import ServedModel
 from pyggml.store import ModelRef, check_has_weights
@@ -124,7 +124,9 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
                 from pyggml.backend import devices
 
                 max_loaded = 3 if any(d.kind in ("gpu", "igpu") for d in devices()) else 1
-            served = ModelManager(load, max_loaded=max_loaded, keep_alive=keep_alive)
+            tokens = parallel * (num_ctx or 4096)  # the KV cache one model will hold (at most)
+            served = ModelManager(load, max_loaded=max_loaded, keep_alive=keep_alive,
+                                  memory_needed=lambda ref: estimate_memory(ref, tokens))
             idle = "kept loaded" if keep_alive is None else f"unloaded after {keep_alive:g} s idle"
             what = (f"the {len(served.catalog())} models `pyggml list` finds, loaded on demand (at most "
                     f"{max_loaded} at a time, {idle})")
