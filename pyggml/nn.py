@@ -498,6 +498,39 @@ def int32_input(ctx: Context, values: Any, name: str | None = None) -> Tensor:
     return ctx.from_numpy(np.asarray(values, dtype=np.int32).reshape(-1), DType.I32, name=name)
 
 
+def multimodal_embeddings(ctx: Context, h: Tensor, batch: Batch) -> Tensor:
+    """``h`` (hidden, n_tokens), the token embeddings, with each multimodal item's rows written over
+    its placeholders: the items at batch index i, whose tensors hold n1, n2, ... rows (numpy
+    (n, hidden), as the runner keeps an encoded image), replace rows i, i+1, ... in order."""
+    for index in batch.multimodal:
+        start = index.index
+        for item in index.multimodal:
+            rows = np.asarray(item.tensor, dtype=np.float32)
+            rows = rows.reshape(-1, rows.shape[-1])
+            if rows.shape[1] != h.shape[0] or start + rows.shape[0] > h.shape[1]:
+                raise ValueError(f"multimodal_embeddings: {rows.shape[0]} rows of width {rows.shape[1]} at batch "
+                                 f"index {start} do not fit hidden states {h.shape}")
+            h = _replace_columns(ctx, h, start, ctx.from_numpy(rows))
+            start += rows.shape[0]
+    return h
+
+
+def _replace_columns(ctx: Context, h: Tensor, start: int, rows: Tensor) -> Tensor:
+    """``h`` (d, n) with columns start .. start+k-1 replaced by ``rows`` (d, k): a new tensor (views
+    and concatenation, no write into ``h``)."""
+    d, n, k = h.shape[0], h.shape[1], rows.shape[1]
+    parts = []
+    if start:
+        parts.append(h.view(0, (d, start), (h.strides[1],)).contiguous())
+    parts.append(rows)
+    if start + k < n:
+        parts.append(h.view(h.strides[1] * (start + k), (d, n - start - k), (h.strides[1],)).contiguous())
+    out = parts[0]
+    for part in parts[1:]:
+        out = out.concat(part, 1)
+    return out
+
+
 # ---- the per-batch inputs ----------------------------------------------------------------------
 # The names under which the engine refills a kept graph for the next batch of the same shape; only
 # ``batch_inputs`` and ``refill_batch_inputs`` use them, so a model cannot lose graph reuse by a typo.

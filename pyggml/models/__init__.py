@@ -71,6 +71,23 @@ class Model:
         model's); ``Pooling.NONE`` gives every token's state, (hidden, n_tokens)."""
         raise NotImplementedError
 
+    # ---- multimodal protocol (vision models override the first two) -----------------------------
+    def encode_multimodal(self, ctx: Context, data: bytes) -> list[Multimodal]:
+        """Decode and preprocess ``data`` (an image file's bytes) and build its vision graph in ``ctx``:
+        the tensors of the returned items are computed by the runner, in a graph of their own, the
+        first time their input is batched. ValueError for data the model cannot take."""
+        raise ValueError(f"the {self.architecture or 'loaded'} model takes no images (it has no vision part)")
+
+    def post_tokenize(self, inputs: list[Input]) -> list[Input]:
+        """Rewrite the input stream after tokenizing: an image's ``Input`` (its ``multimodal`` items
+        and ``multimodal_hash`` set) becomes the model's marker tokens and placeholders, with
+        ``same_batch`` keeping them in one batch. Text-only models return ``inputs`` as they are."""
+        return inputs
+
+    @property
+    def takes_images(self) -> bool:
+        return type(self).encode_multimodal is not Model.encode_multimodal
+
     @property
     def context_length(self) -> int:
         """The context the model was trained for (GGUF ``<arch>.context_length``); 0 when unknown."""

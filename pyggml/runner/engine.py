@@ -57,7 +57,7 @@ class Engine:
         "cache" (bookkeeping and refilling) and "graph" (building)."""
         t0 = time.perf_counter()
         key = graph_key(batch)
-        for graph in self._kept:
+        for graph in self._kept if not batch.multimodal else ():  # images build their own graph
             if graph.key != key or graph is busy:
                 continue
             try:

@@ -23,8 +23,10 @@ two graphs (one may be in flight while the next is built) and refills one when t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import re
 import threading
 import time
 from collections import deque
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pyggml.models import Batch, Input, Model, ModelError, Pooling
+from pyggml.models import Batch, Input, Model, ModelError, Multimodal, MultimodalIndex, Pooling
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
 from pyggml.runner.engine import Engine, Graph
 from pyggml.runner.inputcache import InputCache, ReprocessInputsError
@@ -44,6 +46,7 @@ from pyggml.tensor import DType
 log = logging.getLogger(__name__)
 
 _UNSET = -1  # token id of a placeholder input whose token is not sampled yet
+_IMAGE_MARK = re.compile(r"\[img-(\d+)\]")  # where an image goes in a prompt (Ollama's marker)
 
 
 class RunnerClosedError(RuntimeError):
@@ -227,8 +230,9 @@ class Runner:
             raise ValueError("prompt must be a string or a list of token ids")
         if not ids:
             raise ValueError("empty prompt")
-        if len(ids) > self.num_ctx:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit the context of {self.num_ctx} tokens "
+        inputs = self._with_images(prompt, request.images) if request.images else [Input(token=t) for t in ids]
+        if len(inputs) > self.num_ctx:
+            raise ValueError(f"prompt of {len(inputs)} tokens does not fit the context of {self.num_ctx} tokens "
                              "(raise num_ctx or shorten the prompt)")
         _check_int("max_tokens", request.max_tokens, -1)
         _check_int("num_keep", request.num_keep, -1)
@@ -243,12 +247,54 @@ class Runner:
             raise ValueError("logit_bias values must be numbers")
         if request.seed is not None:
             _check_int("seed", request.seed, 0)
-        num_keep = len(ids) if request.num_keep < 0 else request.num_keep
+        num_keep = len(inputs) if request.num_keep < 0 else request.num_keep
         try:  # the Sampler checks the sampling options
-            return RunningSequence(request, ids, self.tokenizer, [s for s in stops if s],
+            return RunningSequence(request, inputs, self.tokenizer, [s for s in stops if s],
                                    min(num_keep, self.num_ctx - 1))
         except TypeError as exc:
             raise ValueError(f"bad sampling option: {exc}") from exc
+
+    def _with_images(self, prompt: str | Sequence[int], images: Sequence[bytes]) -> list[Input]:
+        """The input stream of a prompt with images: text tokens around one Input per image (its
+        bytes to encode and their hash), rewritten by the model's ``post_tokenize``."""
+        if not self.model.takes_images:
+            raise ValueError(f"the {self.model.architecture or 'loaded'} model takes no images (it has no vision "
+                             "part; a vision model, or its mmproj file, is needed)")
+        if not isinstance(prompt, str):
+            raise ValueError("a prompt with images must be text (mark each image with [img-N])")
+        if isinstance(images, (bytes, str)) or not all(isinstance(b, (bytes, bytearray)) and b for b in images):
+            raise ValueError("images must be a list of non-empty byte strings (image files)")
+        parts = _IMAGE_MARK.split(prompt)  # text, index, text, index, ...
+        if len(parts) == 1:  # no markers: the images come first, as Ollama places them
+            parts = ["", *[x for i in range(len(images)) for x in (str(i), "")]]
+            parts[-1] = prompt
+        inputs: list[Input] = []
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                if part or k == 0:  # the first piece carries the BOS token, even when empty
+                    inputs += [Input(token=t) for t in self.tokenizer.encode(part, add_special=k == 0)]
+                continue
+            index = int(part)
+            if index >= len(images):
+                raise ValueError(f"the prompt names [img-{index}] but the request has {len(images)} image(s)")
+            data = bytes(images[index])
+            digest = hashlib.blake2b(data, digest_size=8).digest()  # the prompt cache compares images by it
+            inputs.append(Input(multimodal=[Multimodal(data=data)], multimodal_hash=int.from_bytes(digest, "little")))
+        inputs = self.model.post_tokenize(inputs)
+        longest = max((inp.same_batch + 1 for inp in inputs if inp.same_batch), default=0)
+        if longest > self.batch_size:
+            raise ValueError(f"an image takes {longest} inputs in one batch but batch_size is {self.batch_size}; "
+                             "raise batch_size")
+        return inputs
+
+    def _encode(self, inp: Input) -> None:
+        """Compute an image's vision graph (once; the result stays with its input, in host memory)."""
+        if self._in_flight is not None:
+            wait([self._in_flight.future])  # one graph computes at a time
+        with self.model.backend.new_context() as ctx:
+            parts = [m for item in inp.multimodal for m in self.model.encode_multimodal(ctx, item.data)]
+            ctx.compute(*[m.tensor for m in parts])
+            inp.multimodal = [Multimodal(tensor=m.tensor.numpy().copy(), data=m.data) for m in parts]
 
     # ---- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -334,7 +380,7 @@ class Runner:
 
     def _build(self) -> _Step | None:
         """Pack the next batch: decode tokens first, then prompt tokens in arrival order."""
-        ids, positions, sequences, outputs = [], [], [], []
+        ids, positions, sequences, outputs, multimodal = [], [], [], [], []
         step = _Step()
         for seq in sorted(self._active, key=lambda s: len(s.pending) > 1):
             if seq.done:
@@ -357,7 +403,20 @@ class Runner:
                         break
                     self._shift(seq)
                     continue
-                inp = seq.pending.popleft()
+                inp = seq.pending[0]
+                if inp.same_batch and (inp.same_batch >= room - taken or
+                                       len(slot.inputs) + inp.same_batch >= self.num_ctx):
+                    break  # an image's inputs go in one batch: the next one, or after a shift
+                seq.pending.popleft()
+                if inp.multimodal:
+                    if inp.multimodal[0].tensor is None:
+                        try:
+                            self._encode(inp)
+                        except Exception as exc:
+                            seq.pending.appendleft(inp)
+                            self._fail_sequence(seq, exc)
+                            break
+                    multimodal.append(MultimodalIndex(len(ids), inp.multimodal))
                 if inp.token == _UNSET:
                     step.late.append((len(ids), inp, seq))
                 ids.append(inp.token)
@@ -381,7 +440,7 @@ class Runner:
         if not ids:
             return None
         step.ids = np.array(ids, np.int32)
-        batch = _Batch(step.ids, outputs=outputs, positions=positions, sequences=sequences)
+        batch = _Batch(step.ids, outputs=outputs, positions=positions, sequences=sequences, multimodal=multimodal)
         busy = self._in_flight.graph if self._in_flight is not None else None
         try:
             step.graph = self.engine.build(batch, busy)
@@ -453,6 +512,13 @@ class Runner:
         for seq in step.finishing:
             if not seq.done:
                 self._release(seq, "cancelled" if seq.cancelled else "length")
+
+    def _fail_sequence(self, seq: RunningSequence, exc: BaseException) -> None:
+        """One sequence cannot go on (e.g. its image does not decode): it fails, its slot starts over."""
+        log.warning("sequence failed: %r", exc)
+        seq.slot.inputs = []
+        self.model.cache.remove(seq.slot.id, 0)
+        self._release(seq, error=exc)
 
     def _fail_step(self, step: _Step, exc: BaseException) -> None:
         """A batch could not be built: its sequences fail and their slots start over."""

@@ -26,6 +26,8 @@ class CompletionRequest(SamplingOptions):
     (shifting the context as needed); ``0`` only processes (and caches) the prompt. ``logprobs=n``
     reports each token's log-probability and the ``n`` most likely alternatives. ``num_keep``:
     prompt tokens kept at the start when the context shifts (-1: the whole prompt).
+    ``images``: image files' bytes for a vision model; a string prompt marks where each goes with
+    ``[img-N]`` (N from 0; without markers the images come first).
     ``prompt_logits=True`` evaluates the whole prompt (no cached prefix is reused) and returns the
     logits of every prompt position in the last chunk's ``prompt_logits`` (scoring, perplexity)."""
 
@@ -36,6 +38,7 @@ class CompletionRequest(SamplingOptions):
     cache_prompt: bool = True
     num_keep: int = 4
     prompt_logits: bool = False
+    images: Sequence[bytes] = ()
 
     def sampler(self) -> Sampler:
         return Sampler(**self.sampling_options())
@@ -95,10 +98,10 @@ class RunningSequence:
     """A request while the runner works on it. Only the runner's loop thread touches it, except
     ``cancelled`` (set by the consumer) and ``out`` (read by the consumer)."""
 
-    def __init__(self, request: CompletionRequest, ids: list[int], tokenizer, stops: list[str], num_keep: int):
+    def __init__(self, request: CompletionRequest, prompt: list[Input], tokenizer, stops: list[str], num_keep: int):
         self.request = request
-        self.prompt = [Input(token=t) for t in ids]
-        self.history = list(ids)  # prompt + generated tokens, for the penalties
+        self.prompt = prompt
+        self.history = [inp.token for inp in prompt]  # prompt + generated tokens, for the penalties
         self.sampler = request.sampler()
         self.tokenizer = tokenizer
         self.decoder = tokenizer.stream(skip_special=True, continuation=True)
