@@ -741,3 +741,81 @@ def test_llama_cpp_runs_our_phi3_files_like_transformers(tmp_path, case):
 
         with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
             assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
+
+
+# ---- gpt-oss: sinks, biased experts, MXFP4 experts repacked as they are ------------------------------------
+
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def to_openai_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(expert, out, in) floats as OpenAI's MXFP4 checkpoint tensors: blocks (expert, out, in / 32, 16)
+    with value 2i in the low nibble of byte i, and one E8M0 exponent per 32 values."""
+    x = w.reshape(*w.shape[:-1], -1, 32)
+    exponent = np.clip(np.floor(np.log2(np.maximum(np.abs(x).max(-1, keepdims=True), 1e-30))) - 2, -127, 127)
+    codes = np.abs(np.abs(x / 2.0**exponent)[..., None] - FP4_VALUES).argmin(-1) | ((x < 0) << 3)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    # contiguous: safetensors' numpy writer stores the buffer as it lies in memory, whatever the strides
+    return np.ascontiguousarray(blocks), np.ascontiguousarray((exponent[..., 0] + 127).astype(np.uint8))
+
+
+def test_gpt_oss_files_have_llama_cpps_names_and_keys(tmp_path):
+    hf_dir, model = make_tiny_llama(tmp_path, arch="gpt_oss", vocab="bpe")
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "q8_0"))
+
+    assert meta["general.architecture"] == "gpt-oss"
+    per_block = {"attn_norm.weight", "attn_sinks.weight", "post_attention_norm.weight"}
+    per_block |= {f"{k}.{s}" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
+                                       "ffn_up_exps", "ffn_down_exps") for s in ("weight", "bias")}
+    assert set(tensors) == {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}" for i in range(2) for n in per_block}
+    keys = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
+            "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+            "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0,
+            "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 128,
+            "attention.sliding_window": 4}
+    assert {k.removeprefix("gpt-oss."): v for k, v in meta.items() if k.startswith("gpt-oss.")} == pytest.approx(keys)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    gate_up = sd["model.layers.1.mlp.experts.gate_up_proj"]  # (expert, hidden, gate/up interleaved)
+    assert tensors["blk.1.ffn_up_exps.weight"][0] == "Q8_0"
+    np.testing.assert_allclose(tensors["blk.1.ffn_up_exps.weight"][1], gate_up[:, :, 1::2].transpose(0, 2, 1),
+                               atol=0.01)
+    bias = tensors["blk.1.ffn_gate_exps.bias"]
+    assert bias[0] == "F32"  # biases stay F32, as in llama.cpp's files
+    np.testing.assert_array_equal(bias[1], sd["model.layers.1.mlp.experts.gate_up_proj_bias"][:, 0::2])
+    np.testing.assert_array_equal(tensors["blk.0.attn_sinks.weight"][1], sd["model.layers.0.self_attn.sinks"])
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("experts", ["float", "mxfp4"])
+def test_llama_cpp_runs_our_gpt_oss_files_like_transformers_past_the_window(tmp_path, experts):
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf_dir, model = make_tiny_llama(tmp_path, arch="gpt_oss", vocab="bpe")
+    if experts == "mxfp4":  # requantise the experts as OpenAI ships them; transformers dequantises the reference
+        weights = load_file(hf_dir / "model.safetensors")
+        for i, layer in enumerate(model.model.layers):
+            for kind in ("gate_up", "down"):
+                name = f"model.layers.{i}.mlp.experts.{kind}_proj"
+                blocks, scales = to_openai_mxfp4(weights.pop(name).transpose(0, 2, 1))
+                weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+                dequantised = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                         dtype=torch.float32)
+                with torch.no_grad():
+                    getattr(layer.mlp.experts, f"{kind}_proj").copy_(dequantised)
+        save_file(weights, hf_dir / "model.safetensors")
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    if experts == "mxfp4":  # repacked, not requantised: the file holds exactly transformers' values
+        _, tensors = read_gguf(path)
+        down = model.model.layers[1].mlp.experts.down_proj.detach().numpy().transpose(0, 2, 1)
+        assert tensors["blk.1.ffn_down_exps.weight"][0] == "MXFP4"
+        np.testing.assert_array_equal(tensors["blk.1.ffn_down_exps.weight"][1], down)
+    tokens, theirs = llama_cpp_logits(path, "Which way about many people water? The cafe is naive, 42 said!")
+    assert len(tokens) > 3 * 4  # past the 4-token window
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()
+    # float experts: measured 4e-7 of the scale; MXFP4 experts: ggml multiplies them with activations
+    # quantised to 8 bits
+    scale = np.abs(ref).max()
+    assert np.abs(theirs - ref).max() <= (1e-4 if experts == "float" else 2e-2) * scale
