@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -819,3 +820,37 @@ def test_llama_cpp_runs_our_gpt_oss_files_like_transformers_past_the_window(tmp_
     # quantised to 8 bits
     scale = np.abs(ref).max()
     assert np.abs(theirs - ref).max() <= (1e-4 if experts == "float" else 2e-2) * scale
+
+
+# ---- what GGUF cannot express is refused, naming the config.json key ----------------------------------------
+
+REFUSALS = {
+    "llama-dynamic-rope": (dict(arch="llama"), {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+                                                "rope_parameters": None},  # as transformers 4 writes it
+                           "unsupported rope scaling type 'dynamic' for llama; supported: linear, yarn, llama3"),
+    "qwen2-sliding-window": (dict(arch="qwen2", vocab="qwen"), {"use_sliding_window": True}, "use_sliding_window"),
+    "gemma2-layer-pattern": (dict(gemma="gemma2", n_layers=2),
+                             {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    "gemma3-query-scale": (dict(gemma="gemma3", n_layers=6), {"query_pre_attn_scalar": 20},
+                           "query_pre_attn_scalar=20"),
+    "gemma3-local-rope": (dict(gemma="gemma3", n_layers=6), {"rope_local_base_freq": 5000.0, "rope_parameters": None,
+                                                             "rope_theta": 1e6}, "rope base is 5000"),
+    "phi3-longrope-factors": (dict(arch="phi3", vocab="spm"),
+                              {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
+                               "rope_parameters": None}, "long_factor must have 8 values"),
+    "gpt-oss-swiglu": (dict(arch="gpt_oss"), {"swiglu_limit": 10.0}, "swiglu_limit=10.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_configs_gguf_cannot_express_are_refused(tmp_path, case):
+    make, change, message = REFUSALS[case]
+    if "gemma" in make:
+        hf_dir, _ = make_tiny_gemma(tmp_path, arch=make["gemma"], n_layers=make["n_layers"])
+    else:
+        hf_dir, _ = make_tiny_llama(tmp_path, **make)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+    assert not list(tmp_path.glob("x.gguf*"))

@@ -1,23 +1,26 @@
 """What an architecture file defines: the :class:`Architecture` hooks and the registry by HF name.
 
-An architecture file subclasses :class:`Architecture` and registers it under the Hugging Face
-``architectures`` names it converts. The hooks, in the order :func:`pyggml.convert.convert_hf`
-calls them (only ``gguf_arch`` and ``expected`` are required; the rest have llama.cpp's defaults):
+An architecture file subclasses :class:`Architecture` (or a related architecture's class) and
+registers it under the Hugging Face ``architectures`` names it converts. The hooks, in the order
+:func:`pyggml.convert.convert_hf` calls them (only ``gguf_arch`` and ``expected`` are required):
 
 - ``gguf_arch``: the GGUF ``general.architecture`` (a ``gguf.MODEL_ARCH`` name), which also picks
   ``gguf``'s Hugging Face -> GGUF tensor-name map;
+- ``__init__``: read and check hyper-parameters; refuse what the GGUF architecture cannot express
+  (raise ValueError naming the config.json key);
 - ``metadata(writer)``: hyper-parameters -> GGUF keys (the default writes the keys every transformer
   has, from the usual config.json names; call ``super()`` and add yours);
 - ``vocab()``: the tokenizer (default: tokenizer.model as SentencePiece, else tokenizer.json as BPE);
 - ``skip``: regexes of checkpoint tensors not written (rotary caches, heads another task uses);
 - ``tensors(name, source)``: one checkpoint tensor -> zero or more ``(gguf_name, source)`` pairs; the
-  place for renames the map lacks, transforms (``source.map``), splits of fused tensors
-  (``source.split``) and merges (``self.gather`` then ``Source.stack``);
-- ``extra_tensors()``: tensors computed from the config (e.g. ``rope_freqs.weight``);
+  place for renames the map lacks (``gpt_oss.py``), transforms with ``source.map`` (``llama.py``'s
+  rope permutation, ``gemma2.py``'s ``1 + weight``), splits of fused tensors with ``source.split``
+  and merges with ``self.gather`` then ``Source.stack`` (``qwen3moe.py``'s experts);
+- ``extra_tensors()``: tensors computed from the config (``rope_freqs``, ``rope_factors_*``);
 - ``expected()``: every tensor of the file, GGUF name (``{bid}`` per block) -> numpy shape; the file
   must have exactly these, so a missing, unknown or misshapen tensor fails before anything is written,
-  and it is the order tensors are written in;
-- ``keep_f32``: GGUF tensor kinds never quantised (besides vectors and norms).
+  and it is the order tensors are written in (``decoder_shapes()`` is Llama's layout, to extend);
+- ``keep_f32``: GGUF tensor kinds never quantised (besides vectors, biases and norms).
 """
 
 from __future__ import annotations
