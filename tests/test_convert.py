@@ -854,3 +854,45 @@ def test_configs_gguf_cannot_express_are_refused(tmp_path, case):
     with pytest.raises(ValueError, match=re.escape(message)):
         convert_hf(hf_dir, tmp_path / "x.gguf")
     assert not list(tmp_path.glob("x.gguf*"))
+
+
+# ---- Qwen 3 as an embedding model (Qwen3-Embedding): last-token pooling ----------------------------------------
+
+_LLAMA_CPP_EMBED = textwrap.dedent("""
+    import json, sys
+    import llama_cpp
+    path, text = sys.argv[1], sys.argv[2]
+    llm = llama_cpp.Llama(model_path=path, embedding=True, n_ctx=64, n_threads=2, verbose=False, type_k=0, type_v=0)
+    print(json.dumps({"tokens": llm.tokenize(text.encode(), add_bos=True), "embedding": llm.embed(text)}))
+""")
+
+
+@pytest.mark.parametrize("headless", [False, True], ids=["Qwen3ForCausalLM", "Qwen3Model"])
+def test_qwen3_embedding_model_pools_the_last_token_in_llama_cpp_like_transformers(tmp_path, headless):
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, model = make_tiny_llama(tmp_path, arch="qwen3", vocab="qwen", tie=True)
+    (hf_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (hf_dir / "1_Pooling").mkdir()
+    (hf_dir / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    if headless:  # the bare transformer, as some embedding checkpoints ship: no "model." prefix, no head
+        weights = {k.removeprefix("model."): v for k, v in load_file(hf_dir / "model.safetensors").items()}
+        save_file(weights, hf_dir / "model.safetensors")
+        config = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3Model"]}))
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    meta, tensors = read_gguf(path)
+    assert meta["qwen3.pooling_type"] == gguf.PoolingType.LAST
+    assert set(tensors) == expected_names("qwen3", tied=True)
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("needs llama-cpp-python==0.3.36 (the `bench` extra) for the rest")
+    text = "The cafe is naive, 42 people said!"
+    done = subprocess.run([sys.executable, "-c", _LLAMA_CPP_EMBED, str(path), text], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    with torch.no_grad():
+        ref = model.model(torch.tensor([theirs["tokens"]])).last_hidden_state[0, -1].numpy()
+    np.testing.assert_allclose(np.array(theirs["embedding"]), ref, atol=1e-4 * np.abs(ref).max())

@@ -32,9 +32,14 @@ from typing import Any, ClassVar
 
 import gguf
 
+from .checkpoint import read_json
 from .tensors import Source
 from .vocab import Vocab, read_vocab
 
+# sentence-transformers Pooling config flag -> our name for it; our names -> gguf pooling types
+_POOLING_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
+_POOLING = {"none": gguf.PoolingType.NONE, "mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
+            "last": gguf.PoolingType.LAST}
 _REGISTRY: dict[str, type[Architecture]] = {}
 _BY_MODEL_TYPE: dict[str, type[Architecture]] = {}
 _ARCHS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -80,14 +85,16 @@ class Architecture:
     skip: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
     keep_f32: ClassVar[tuple[str, ...]] = ("ffn_gate_inp", "position_embd", "token_types")
     rope_types: ClassVar[tuple[str, ...]] = ("default", "linear", "yarn")  # rope scaling this arch can take
-    embedding: ClassVar[bool] = False  # an encoder whose file carries a pooling type
+    # True: an encoder whose file always carries a pooling type (default mean); None: a decoder that is
+    # an embedding model when its sentence-transformers config (or ``pooling=``) names a pooling
+    embedding: ClassVar[bool | None] = False
     default_context: ClassVar[int] = 2048  # when config.json names no max_position_embeddings
     always_head_dim: ClassVar[bool] = False  # write attention.key_length even when it is hidden / heads
 
     def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
         self.hf_dir, self.config, self.pooling = hf_dir, config, pooling
-        if pooling is not None and not self.embedding:
-            raise ValueError(f"pooling applies to embedding models (BERT); {self.gguf_arch} is a text generation model")
+        if pooling is not None and self.embedding is False:
+            raise ValueError(f"pooling applies to embedding models; {self.gguf_arch} is a text generation model")
         self.n_layers: int = self.hparam("num_hidden_layers")
         self.n_embd: int = self.hparam("hidden_size")
         self.n_heads: int = self.hparam("num_attention_heads")
@@ -191,6 +198,24 @@ class Architecture:
     def incomplete(self) -> list[str]:
         """What :meth:`gather` is still waiting for, one line per key."""
         return [f"{key} ({len(parts)} found)" for key, parts in sorted(self._gathered.items())]
+
+    def sentence_transformers_pooling(self) -> gguf.PoolingType | None:
+        """The ``pooling=`` override, else the sentence-transformers Pooling module's mode, else None."""
+        if self.pooling is not None:
+            if self.pooling not in _POOLING:
+                raise ValueError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(_POOLING)}")
+            return _POOLING[self.pooling]
+        for module in read_json(self.hf_dir / "modules.json") or []:
+            if module.get("type", "").endswith("Pooling"):
+                pool_cfg = read_json(self.hf_dir / module.get("path", "") / "config.json") or {}
+                modes = [mode for flag, mode in _POOLING_FLAGS.items() if pool_cfg.get(flag)]
+                others = [k for k, v in pool_cfg.items()
+                          if k.startswith("pooling_mode") and v and k not in _POOLING_FLAGS]
+                if len(modes) != 1 or others:
+                    raise ValueError(f"{module.get('path')}/config.json asks for pooling {modes + others}; supported: "
+                                     "exactly one of mean, cls, lasttoken (pass pooling=... to override)")
+                return _POOLING[modes[0]]
+        return None
 
     def skipped(self, name: str) -> bool:
         return any(re.search(pattern, name) for pattern in self.skip)
