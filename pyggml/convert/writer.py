@@ -70,16 +70,16 @@ def convert_hf(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        done = 0
+        done, total = 0, sum(sizes)
         for t, size in zip(plan, sizes, strict=True):
             data = t.source.load()
             want = tt.encoded_layout(t.source.shape, t.qtype)[0] if t.source.qtype else t.source.shape
             if data.shape != want:
-                raise ValueError(f"{t.name}: the converter produced shape {data.shape}, not {want}")
+                raise ValueError(f"{t.name} (from {t.origin}): the converter produced shape {data.shape}, not {want}")
             writer.write_tensor_data(data if t.source.qtype else tt.encode(data, t.qtype))
             done += size
             if progress is not None:
-                progress(done, sum(sizes))
+                progress(done, total)
         writer.close()
         os.replace(tmp_path, out_path)
     finally:
