@@ -387,11 +387,11 @@ def test_llama_cpp_computes_the_same_logits_from_our_file(tmp_path, case):
     path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
     text = "The cafe is naive, 42 people said!"
     tokens, expected = llama_cpp_logits(path, text)
-    with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
         assert llm.tokenize(text) == tokens
         ours = llm.logits(tokens)
     assert len(tokens) > 5
-    scale = np.abs(expected).max()  # pyggml's KV cache is F16
+    scale = np.abs(expected).max()  # both with F32 KV caches
     assert np.abs(ours - expected).max() <= 1e-3 * scale
 
 
@@ -578,7 +578,7 @@ def test_llama_cpp_runs_our_qwen_files_like_transformers(tmp_path, case):
     if QWEN_CASES[case]["arch"] in models.registry():  # once pyggml runs the architecture, it must agree too
         import pyggml
 
-        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+        with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
             assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
 
 
@@ -679,7 +679,7 @@ def test_llama_cpp_runs_our_gemma_files_like_transformers_past_the_window(tmp_pa
     if GEMMA_CASES[case]["arch"] in models.registry():  # once pyggml runs the architecture, it must agree too
         import pyggml
 
-        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+        with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
             assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
 
 
@@ -740,7 +740,7 @@ def test_llama_cpp_runs_our_phi3_files_like_transformers(tmp_path, case):
     if "phi3" in models.registry():  # once pyggml runs the architecture, it must agree too
         import pyggml
 
-        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+        with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
             assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
 
 
