@@ -137,7 +137,7 @@ def make_tiny_llama(
     """Build and save a 2-layer, 4-head, 64-wide random model with a locally trained tokenizer.
 
     Returns ``(hf_dir, hf_model)``; the model is float32 in eval mode. ``arch`` is "llama",
-    "mistral", "qwen2", "qwen3", "qwen3moe" or "phi3" (``config_extra`` adds config arguments);
+    "mistral", "qwen2", "qwen3", "qwen3moe", "phi3" or "gpt_oss" (``config_extra`` adds config arguments);
     ``vocab`` is "bpe" (tokenizer.json), "spm" (tokenizer.model) or "qwen" (Qwen's tokenizer.json);
     the embedding is padded to a multiple of 32 rows, as many real checkpoints are. Norm weights
     are randomised around 1 and biases around 0 so that a
@@ -172,12 +172,16 @@ def make_tiny_llama(
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     extra = {"head_dim": head_dim or 16} if head_dim or arch.startswith("qwen3") else {}  # Qwen3's default: 128
     if arch == "qwen3moe":  # 4 experts of 32, 2 chosen per token
         extra |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
     if rope_scaling is not None:
         extra["rope_scaling"] = rope_scaling
+    if arch == "gpt_oss":  # 4 experts of 128 (2 chosen), a 4-token window on even layers, no YaRN
+        extra |= {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "attn_implementation": "eager"}
     if arch == "phi3":  # Phi3Config's defaults name token 32000 and a 2047-token window
         extra |= {"pad_token_id": eos, "sliding_window": None}
     extra |= config_extra or {}

@@ -1,23 +1,26 @@
 """What an architecture file defines: the :class:`Architecture` hooks and the registry by HF name.
 
-An architecture file subclasses :class:`Architecture` and registers it under the Hugging Face
-``architectures`` names it converts. The hooks, in the order :func:`pyggml.convert.convert_hf`
-calls them (only ``gguf_arch`` and ``expected`` are required; the rest have llama.cpp's defaults):
+An architecture file subclasses :class:`Architecture` (or a related architecture's class) and
+registers it under the Hugging Face ``architectures`` names it converts. The hooks, in the order
+:func:`pyggml.convert.convert_hf` calls them (only ``gguf_arch`` and ``expected`` are required):
 
 - ``gguf_arch``: the GGUF ``general.architecture`` (a ``gguf.MODEL_ARCH`` name), which also picks
   ``gguf``'s Hugging Face -> GGUF tensor-name map;
+- ``__init__``: read and check hyper-parameters; refuse what the GGUF architecture cannot express
+  (raise ValueError naming the config.json key);
 - ``metadata(writer)``: hyper-parameters -> GGUF keys (the default writes the keys every transformer
   has, from the usual config.json names; call ``super()`` and add yours);
 - ``vocab()``: the tokenizer (default: tokenizer.model as SentencePiece, else tokenizer.json as BPE);
 - ``skip``: regexes of checkpoint tensors not written (rotary caches, heads another task uses);
 - ``tensors(name, source)``: one checkpoint tensor -> zero or more ``(gguf_name, source)`` pairs; the
-  place for renames the map lacks, transforms (``source.map``), splits of fused tensors
-  (``source.split``) and merges (``self.gather`` then ``Source.stack``);
-- ``extra_tensors()``: tensors computed from the config (e.g. ``rope_freqs.weight``);
+  place for renames the map lacks (``gpt_oss.py``), transforms with ``source.map`` (``llama.py``'s
+  rope permutation, ``gemma2.py``'s ``1 + weight``), splits of fused tensors with ``source.split``
+  and merges with ``self.gather`` then ``Source.stack`` (``qwen3moe.py``'s experts);
+- ``extra_tensors()``: tensors computed from the config (``rope_freqs``, ``rope_factors_*``);
 - ``expected()``: every tensor of the file, GGUF name (``{bid}`` per block) -> numpy shape; the file
   must have exactly these, so a missing, unknown or misshapen tensor fails before anything is written,
-  and it is the order tensors are written in;
-- ``keep_f32``: GGUF tensor kinds never quantised (besides vectors and norms).
+  and it is the order tensors are written in (``decoder_shapes()`` is Llama's layout, to extend);
+- ``keep_f32``: GGUF tensor kinds never quantised (besides vectors, biases and norms).
 """
 
 from __future__ import annotations
@@ -29,9 +32,14 @@ from typing import Any, ClassVar
 
 import gguf
 
+from .checkpoint import read_json
 from .tensors import Source
 from .vocab import Vocab, read_vocab
 
+# sentence-transformers Pooling config flag -> our name for it; our names -> gguf pooling types
+_POOLING_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
+_POOLING = {"none": gguf.PoolingType.NONE, "mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
+            "last": gguf.PoolingType.LAST}
 _REGISTRY: dict[str, type[Architecture]] = {}
 _BY_MODEL_TYPE: dict[str, type[Architecture]] = {}
 _ARCHS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -77,14 +85,16 @@ class Architecture:
     skip: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
     keep_f32: ClassVar[tuple[str, ...]] = ("ffn_gate_inp", "position_embd", "token_types")
     rope_types: ClassVar[tuple[str, ...]] = ("default", "linear", "yarn")  # rope scaling this arch can take
-    embedding: ClassVar[bool] = False  # an encoder whose file carries a pooling type
+    # True: an encoder whose file always carries a pooling type (default mean); None: a decoder that is
+    # an embedding model when its sentence-transformers config (or ``pooling=``) names a pooling
+    embedding: ClassVar[bool | None] = False
     default_context: ClassVar[int] = 2048  # when config.json names no max_position_embeddings
     always_head_dim: ClassVar[bool] = False  # write attention.key_length even when it is hidden / heads
 
     def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
         self.hf_dir, self.config, self.pooling = hf_dir, config, pooling
-        if pooling is not None and not self.embedding:
-            raise ValueError(f"pooling applies to embedding models (BERT); {self.gguf_arch} is a text generation model")
+        if pooling is not None and self.embedding is False:
+            raise ValueError(f"pooling applies to embedding models; {self.gguf_arch} is a text generation model")
         self.n_layers: int = self.hparam("num_hidden_layers")
         self.n_embd: int = self.hparam("hidden_size")
         self.n_heads: int = self.hparam("num_attention_heads")
@@ -188,6 +198,24 @@ class Architecture:
     def incomplete(self) -> list[str]:
         """What :meth:`gather` is still waiting for, one line per key."""
         return [f"{key} ({len(parts)} found)" for key, parts in sorted(self._gathered.items())]
+
+    def sentence_transformers_pooling(self) -> gguf.PoolingType | None:
+        """The ``pooling=`` override, else the sentence-transformers Pooling module's mode, else None."""
+        if self.pooling is not None:
+            if self.pooling not in _POOLING:
+                raise ValueError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(_POOLING)}")
+            return _POOLING[self.pooling]
+        for module in read_json(self.hf_dir / "modules.json") or []:
+            if module.get("type", "").endswith("Pooling"):
+                pool_cfg = read_json(self.hf_dir / module.get("path", "") / "config.json") or {}
+                modes = [mode for flag, mode in _POOLING_FLAGS.items() if pool_cfg.get(flag)]
+                others = [k for k, v in pool_cfg.items()
+                          if k.startswith("pooling_mode") and v and k not in _POOLING_FLAGS]
+                if len(modes) != 1 or others:
+                    raise ValueError(f"{module.get('path')}/config.json asks for pooling {modes + others}; supported: "
+                                     "exactly one of mean, cls, lasttoken (pass pooling=... to override)")
+                return _POOLING[modes[0]]
+        return None
 
     def skipped(self, name: str) -> bool:
         return any(re.search(pattern, name) for pattern in self.skip)

@@ -7,14 +7,8 @@ from collections.abc import Iterable
 import gguf
 
 from .base import Architecture, register
-from .checkpoint import read_json
 from .tensors import Source
 from .vocab import Vocab, wordpiece_vocab
-
-# sentence-transformers Pooling config flag -> gguf pooling type
-_POOLING_FLAGS = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls", "pooling_mode_lasttoken": "last"}
-_POOLING = {"none": gguf.PoolingType.NONE, "mean": gguf.PoolingType.MEAN, "cls": gguf.PoolingType.CLS,
-            "last": gguf.PoolingType.LAST}
 
 
 @register("BertModel", "BertForMaskedLM", model_types=("bert",))
@@ -35,7 +29,7 @@ class Bert(Architecture):
         if self.n_embd % self.n_heads:
             raise ValueError("config.json: hidden_size is not a multiple of num_attention_heads")
         self.n_types = self.config.get("type_vocab_size") or 2
-        self.pooling_type = self._pooling()
+        self.pooling_type = self.sentence_transformers_pooling() or gguf.PoolingType.MEAN
 
     def metadata(self, w: gguf.GGUFWriter) -> None:
         super().metadata(w)
@@ -65,21 +59,3 @@ class Bert(Architecture):
             shapes[f"blk.{{bid}}.{kind}.weight"] = shape
             shapes[f"blk.{{bid}}.{kind}.bias"] = shape[:1]
         return shapes
-
-    def _pooling(self) -> gguf.PoolingType:
-        """The override, else the sentence-transformers Pooling module's mode, else mean."""
-        if self.pooling is not None:
-            if self.pooling not in _POOLING:
-                raise ValueError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(_POOLING)}")
-            return _POOLING[self.pooling]
-        for module in read_json(self.hf_dir / "modules.json") or []:
-            if module.get("type", "").endswith("Pooling"):
-                pool_cfg = read_json(self.hf_dir / module.get("path", "") / "config.json") or {}
-                modes = [mode for flag, mode in _POOLING_FLAGS.items() if pool_cfg.get(flag)]
-                others = [k for k, v in pool_cfg.items()
-                          if k.startswith("pooling_mode") and v and k not in _POOLING_FLAGS]
-                if len(modes) != 1 or others:
-                    raise ValueError(f"{module.get('path')}/config.json asks for pooling {modes + others}; supported: "
-                                     "exactly one of mean, cls, lasttoken (pass pooling=... to override)")
-                return _POOLING[modes[0]]
-        return gguf.PoolingType.MEAN

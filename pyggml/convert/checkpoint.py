@@ -47,7 +47,7 @@ def open_checkpoint(hf_dir: Path) -> Checkpoint:
     return Safetensors(files)
 
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16, "U8": np.uint8}
 
 
 class Safetensors:
@@ -69,11 +69,13 @@ class Safetensors:
                 self._where[name] = (data, info["dtype"], 8 + header_len + begin, 8 + header_len + end)
 
     def load(self, name: str) -> np.ndarray:
-        """The tensor as float32."""
+        """The tensor as float32 (U8 tensors, packed quantised blocks, as they are)."""
         data, dtype, begin, end = self._where[name]
         if dtype not in _ST_DTYPES:
             raise ValueError(f"tensor {name} has dtype {dtype}; supported: {', '.join(_ST_DTYPES)}")
         raw = data[begin:end].view(_ST_DTYPES[dtype]).reshape(self.shapes[name])
+        if dtype == "U8":
+            return np.array(raw)
         if dtype == "BF16":  # bfloat16 is the top half of a float32
             return (raw.astype(np.uint32) << 16).view(np.float32)
         return raw.astype(np.float32)

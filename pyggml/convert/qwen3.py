@@ -6,7 +6,7 @@ from .base import register
 from .qwen2 import Qwen2
 
 
-@register("Qwen3ForCausalLM", model_types=("qwen3",))
+@register("Qwen3ForCausalLM", "Qwen3Model", model_types=("qwen3",))
 class Qwen3(Qwen2):
     gguf_arch = "qwen3"
     always_head_dim = True  # as llama.cpp does for a config.json that states head_dim

@@ -22,10 +22,12 @@ FILE_TYPES = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTL
 
 @dataclass(frozen=True)
 class Source:
-    """A tensor not read yet: its numpy-order shape and a function returning its float32 data."""
+    """A tensor not read yet: its numpy-order shape and a function returning its float32 data, or,
+    with ``qtype``, the bytes of data already in that encoding (e.g. MXFP4 experts, repacked as is)."""
 
     shape: tuple[int, ...]
     load: Callable[[], np.ndarray]
+    qtype: Q | None = None
 
     def map(self, fn: Callable[[np.ndarray], np.ndarray], shape: Sequence[int] | None = None) -> Source:
         """The data passed through ``fn`` (which returns ``shape``, by default the same shape)."""
@@ -56,10 +58,10 @@ class Source:
 
 
 def tensor_type(name: str, shape: tuple[int, ...], out_type: Q, keep_f32: Sequence[str]) -> Q:
-    """llama.cpp's rule: vectors, norms and the kinds in ``keep_f32`` stay F32; matrices get ``out_type``,
-    except that a q8_0 matrix whose rows are not a multiple of the 32-wide block falls back to F16."""
+    """llama.cpp's rule: vectors, biases, norms and the kinds in ``keep_f32`` stay F32; matrices get
+    ``out_type``, except that a q8_0 matrix whose rows are not a multiple of the 32-wide block falls back to F16."""
     kind = name.split(".")[-2]
-    if len(shape) < 2 or name.endswith("_norm.weight") or kind in keep_f32:
+    if len(shape) < 2 or not name.endswith(".weight") or name.endswith("_norm.weight") or kind in keep_f32:
         return Q.F32
     if out_type == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:
         return Q.F16

@@ -70,15 +70,16 @@ def convert_hf(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        done = 0
+        done, total = 0, sum(sizes)
         for t, size in zip(plan, sizes, strict=True):
             data = t.source.load()
-            if data.shape != t.source.shape:
-                raise ValueError(f"{t.name}: the converter produced shape {data.shape}, not {t.source.shape}")
-            writer.write_tensor_data(tt.encode(data, t.qtype))
+            want = tt.encoded_layout(t.source.shape, t.qtype)[0] if t.source.qtype else t.source.shape
+            if data.shape != want:
+                raise ValueError(f"{t.name} (from {t.origin}): the converter produced shape {data.shape}, not {want}")
+            writer.write_tensor_data(data if t.source.qtype else tt.encode(data, t.qtype))
             done += size
             if progress is not None:
-                progress(done, sum(sizes))
+                progress(done, total)
         writer.close()
         os.replace(tmp_path, out_path)
     finally:
@@ -103,6 +104,8 @@ def _plan(arch: Architecture, checkpoint: Checkpoint, out_type: gguf.GGMLQuantiz
         except UnknownTensorError:
             unknown.append(name)
     for gguf_name, out in arch.extra_tensors():
+        if gguf_name in produced:
+            twice.append(gguf_name)
         produced[gguf_name] = ("(computed)", out)
 
     if unknown:
@@ -124,8 +127,8 @@ def _plan(arch: Architecture, checkpoint: Checkpoint, out_type: gguf.GGMLQuantiz
              for n, (origin, source) in produced.items() if source.shape != expected[n]]
     if wrong:
         raise ValueError("; ".join(wrong))
-    return [_Planned(n, produced[n][0], produced[n][1],
-                     tt.tensor_type(n, produced[n][1].shape, out_type, arch.keep_f32)) for n in expected]
+    return [_Planned(n, origin, source, source.qtype or tt.tensor_type(n, source.shape, out_type, arch.keep_f32))
+            for n, (origin, source) in ((n, produced[n]) for n in expected)]
 
 
 def _expand(templates: dict[str, tuple[int, ...]], n_layers: int) -> dict[str, tuple[int, ...]]:
