@@ -25,6 +25,7 @@ from typing import Any, ClassVar, Union
 
 import numpy as np
 
+from pyggml.backend import MAX_CONTEXT
 from pyggml.tensor import DType, RopeType, Tensor
 
 if typing.TYPE_CHECKING:
@@ -175,23 +176,24 @@ class Rope:
     @classmethod
     def from_config(cls, config: Any, n_dims: int, mode: RopeType = RopeType.NORMAL) -> Rope:
         kind = config.string("rope.scaling.type", "") or ""
-        factor = config.float("rope.scaling.factor", 0.0) or 0.0
+        factor = config.float("rope.scaling.factor", 0.0, min=0.0, max=1e6) or 0.0
         if kind not in ("", "none", "linear", "yarn", "llama3"):  # llama3 scales through rope_freqs.weight
             raise ValueError(f"unsupported rope scaling type {kind!r}")
         freq_scale = 1.0 / factor if factor > 0 and kind in ("linear", "yarn") else 1.0
-        if config.float("rope.scale_linear", 0.0):
+        if config.float("rope.scale_linear", 0.0, min=0.0, max=1e6):
             freq_scale = 1.0 / config.float("rope.scale_linear")
         yarn = kind == "yarn"
         return cls(
             n_dims=n_dims,
-            base=config.float("rope.freq_base", 10000.0),
+            base=config.float("rope.freq_base", 10000.0, min=1.0, max=1e12),
             freq_scale=freq_scale,
             mode=mode,
-            n_ctx_orig=config.uint("rope.scaling.original_context_length", 0) or config.uint("context_length", 0),
-            ext_factor=config.float("rope.scaling.yarn_ext_factor", 1.0 if yarn else 0.0),
-            attn_factor=config.float("rope.scaling.yarn_attn_factor", 1.0) or 1.0,
-            beta_fast=config.float("rope.scaling.yarn_beta_fast", 32.0) or 32.0,
-            beta_slow=config.float("rope.scaling.yarn_beta_slow", 1.0) or 1.0,
+            n_ctx_orig=(config.uint("rope.scaling.original_context_length", 0, max=MAX_CONTEXT)
+                        or config.uint("context_length", 0, max=MAX_CONTEXT)),
+            ext_factor=config.float("rope.scaling.yarn_ext_factor", 1.0 if yarn else 0.0, min=-1e6, max=1e6),
+            attn_factor=config.float("rope.scaling.yarn_attn_factor", 1.0, min=-1e6, max=1e6) or 1.0,
+            beta_fast=config.float("rope.scaling.yarn_beta_fast", 32.0, min=-1e6, max=1e6) or 32.0,
+            beta_slow=config.float("rope.scaling.yarn_beta_slow", 1.0, min=-1e6, max=1e6) or 1.0,
         )
 
     def __call__(self, x: Tensor, positions: Tensor, freq_factors: Tensor | None = None) -> Tensor:
