@@ -75,8 +75,12 @@ class Model:
         raise NotImplementedError
 
     def close(self) -> None:
+        """Free the cache and the weights. Dropping the cache also breaks the cycle model -> cache ->
+        ``model.shift`` (the cache's shift function), so the model and everything it holds go as soon as
+        the caller lets go of it, not at the next garbage collection (~2.5 MB per model otherwise)."""
         if self.cache is not None:
             self.cache.close()
+            self.cache = None
         self.backend.close()
 
 
