@@ -159,7 +159,8 @@ def test_intermediate_weight_type_refused_at_load(tmp_path, qtype):
     """token_embd stored as Q8_1 segfaulted in the first request's get_rows (Q8_K aborted)."""
     path = tmp_path / "m.gguf"
     writer = gguf.GGUFWriter(path, "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((4, qtype.type_size), np.int8), raw_dtype=gguf.GGMLQuantizationType.I8)
+    writer.add_tensor("token_embd.weight", np.zeros((4, qtype.type_size), np.int8),
+                      raw_dtype=gguf.GGMLQuantizationType.I8)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
