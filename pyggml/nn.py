@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Union
 import numpy as np
 
 from pyggml.backend import MAX_CONTEXT
-from pyggml.tensor import DType, RopeType, Tensor
+from pyggml.tensor import _NO_TO_FLOAT, _NOT_MATMUL, DType, RopeType, Tensor
 
 if typing.TYPE_CHECKING:
     from pyggml.backend import Backend, Context
@@ -52,10 +52,21 @@ class Weight(Module):
         self.weight = weight
 
 
+def _check_type(weight: Tensor | None, ok: bool, use: str) -> None:
+    """Refuse at load a weight stored in a type ggml has no kernel for in this use (it would fail, or for
+    some types crash, on the first request)."""
+    if weight is not None and not ok:
+        from pyggml.models import ModelError
+
+        raise ModelError(f"weight {weight.name!r} is stored as {weight.dtype.name}, which ggml cannot use as {use}")
+
+
 class Linear(Module):
     leaf = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype not in _NOT_MATMUL, "a matrix-product weight")
+        _check_type(bias, bias is None or bias.dtype == DType.F32, "a bias (F32 only)")
         self.weight = weight
         self.bias = bias
 
@@ -68,6 +79,8 @@ class Embedding(Module):
     leaf = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype in (DType.F32, DType.F16, DType.BF16) or (
+            weight.dtype.is_quantized and weight.dtype not in _NO_TO_FLOAT), "an embedding table")
         self.weight = weight
 
     def __call__(self, ids: Tensor) -> Tensor:
@@ -78,6 +91,7 @@ class RMSNorm(Module):
     leaf = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype == DType.F32, "a norm weight (F32 only)")
         self.weight = weight
 
     def __call__(self, x: Tensor, eps: float) -> Tensor:
@@ -88,6 +102,8 @@ class LayerNorm(Module):
     leaf = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype == DType.F32, "a norm weight (F32 only)")
+        _check_type(bias, bias is None or bias.dtype == DType.F32, "a norm bias (F32 only)")
         self.weight = weight
         self.bias = bias
 

@@ -170,6 +170,24 @@ def test_intermediate_weight_type_refused_at_load(tmp_path, qtype):
         Backend.load(path, BackendParams(n_threads=1))
 
 
+@pytest.mark.parametrize("name, dtype, use", [("token_embd.weight", DType.I32, "embedding table"),
+                                              ("blk.0.attn_norm.weight", DType.I32, "norm weight"),
+                                              ("blk.0.attn_q.weight", DType.I32, "matrix-product weight")])
+def test_weight_type_unusable_for_its_use_refused_at_load(tmp_path, name, dtype, use):
+    """A weight in a type ggml has no kernel for in its use failed on the first request; now at load."""
+    import struct
+
+    path = write_llama(tmp_path / "m.gguf")
+    data = bytearray(path.read_bytes())
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = data.index(key) + len(key)
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, int(dtype))  # F32 -> I32: the same bytes
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match=f"{name.replace('.', '[.]')}.*{dtype.name}.*{use}"):
+        models.load(path, BackendParams(n_threads=1))
+
+
 def test_intermediate_types_refused_by_ops(tmp_path):
     out = run_child(tmp_path, REFUSE_HELPER + """
 for t in ("Q8_1", "Q8_K"):
