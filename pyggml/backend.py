@@ -864,7 +864,9 @@ class _GraphState:
         self.n_tensors = 1  # the graph object
         self.inputs: dict[Any, np.ndarray] = {}
         self.index_checks: dict[Any, tuple[int, str]] = {}  # index tensor -> (exclusive bound, op)
-        self.named: dict[str, Tensor] = {}
+        # name -> (tensor pointer, dtype, shape): not the Tensor, whose ctx refers back to this state (a
+        # reference cycle would keep the graph's ggml memory until the next garbage collection)
+        self.named: dict[str, tuple[Any, DType, tuple[int, ...]]] = {}
         self.anonymous_inputs = 0
         self.placements: list[tuple[Any, int]] = []  # (tensor, backend index) from ctx.input()/layer()
         self.epoch = 0
@@ -1002,20 +1004,21 @@ class Context:
         elif name in state.named:
             raise ValueError(f"from_numpy: this graph already has an input named {name!r}")
         else:
-            state.named[name] = t
+            state.named[name] = (t._p, dtype, t.shape)
         return t
 
     def set_input(self, name: str, array: Any) -> None:
         """Replace the data of the input created with ``from_numpy(..., name=name)``."""
-        tensor = self._state.named.get(name)
-        if tensor is None:
+        entry = self._state.named.get(name)
+        if entry is None:
             raise KeyError(f"set_input: this graph has no input named {name!r}")
-        self._set_input(tensor, _prepare_host_array(array, tensor.dtype, tensor.shape, "set_input"))
+        ptr, dtype, shape = entry
+        self._state.inputs[ptr] = _prepare_host_array(array, dtype, shape, "set_input")
 
     def input_shape(self, name: str) -> tuple[int, ...] | None:
         """Shape (ggml order) of the named input, or None if the graph has none."""
-        tensor = self._state.named.get(name)
-        return None if tensor is None else tensor.shape
+        entry = self._state.named.get(name)
+        return None if entry is None else entry[2]
 
     @property
     def reusable(self) -> bool:

@@ -372,3 +372,29 @@ def test_no_leak_model_build_close():
     finally:
         gc.enable()
     assert grown < 24 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over 40 model builds"
+
+
+def test_graphs_with_named_inputs_are_freed_without_gc(cpu):
+    """A graph's state (its ggml context: ~3 MB of address space for the default node count) goes when its
+    context is closed and dropped; named inputs used to form a cycle state -> tensor -> context -> state."""
+    from pyggml.backend import _GraphState
+
+    def live_states() -> int:
+        return sum(isinstance(o, _GraphState) for o in gc.get_objects())
+
+    gc.collect()
+    gc.disable()
+    try:
+        before = live_states()
+        for _ in range(5):
+            with cpu.new_context() as ctx:
+                x = ctx.from_numpy(np.ones(4, np.float32), name="x")
+                y = x * 2.0
+                ctx.compute(y)
+                ctx.set_input("x", np.full(4, 3.0, np.float32))
+                ctx.compute(y)
+                assert y.numpy().tolist() == [6.0] * 4 and ctx.input_shape("x") == (4,)
+            del ctx, x, y
+        assert live_states() == before
+    finally:
+        gc.enable()
