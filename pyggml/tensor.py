@@ -1245,6 +1245,12 @@ def _contiguous_1(p: Any) -> bool:
 
 
 def _check_writable(t: Tensor, op: str) -> None:
+    # an integer graph input may be an index tensor whose data is range-checked at compute: a write into it
+    # in the graph would change the values after the check
+    root = t._p.view_src if t._p.view_src != NULL else t._p
+    if root.type in _INT_TYPES and root.op == _OP["NONE"] and root.flags & lib.GGML_TENSOR_FLAG_INPUT:
+        raise ValueError(f"{op}: cannot write into an integer graph input (it may be an index checked at compute); "
+                         "write into a new tensor, or give the input its data with set()/set_input()")
     keep = t._keep
     if t.ctx is None and keep is not None:
         if t._p in getattr(keep, "_weight_ptrs", ()):

@@ -223,11 +223,17 @@ attempt("set_rows argsort too wide",
         lambda c: b.alloc_persistent(DType.F32, (8, 3)).set_rows(F(c, 8, 6), F(c, 6).argsort()))
 attempt("rows from rows of argsort",
         lambda c: F(c, 4, 3).rows(F(c, 9).argsort().rows(c.from_numpy(np.array([0, 1], np.int32)))))
+
+def overwrite_index(c):  # the copy runs first and replaces the checked values
+    idx = c.from_numpy(np.array([0, 1], np.int32))
+    c.forward(F(c, 2).scale(1e6).cast(DType.I32).copy(idx))
+    return F(c, 4, 3).rows(idx)
+attempt("copy into index input", overwrite_index)
 """)
     refused, messages = refused_labels(out)
     assert refused == {"rows argmax too wide", "rows argsort too wide", "rows view of argsort", "rows cast",
                        "rows persistent", "mulmat_id top_k too many experts", "set_rows argsort too wide",
-                       "rows from rows of argsort"}, out
+                       "rows from rows of argsort", "copy into index input"}, out
     assert "over 100 entries" in messages["rows argmax too wide"] and "at most 3" in messages["rows argmax too wide"]
     assert "graph input" in messages["rows cast"]
 

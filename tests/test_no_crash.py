@@ -175,6 +175,8 @@ SCRIPT = textwrap.dedent(r'''
         "rows of rows of argsort": lambda c: T(c, 4, 3).rows(T(c, 9).argsort().rows(I(c, 0, 1))),
         "set_rows argsort range": lambda c: backend.alloc_persistent(DType.F32, (8, 3)).set_rows(T(c, 8, 6),
                                                                                               T(c, 6).argsort()),
+        "copy into index input": lambda c: (lambda idx: (c.forward(T(c, 2).scale(1e6).cast(DType.I32).copy(idx)),
+                                                         T(c, 4, 3).rows(idx))[1])(I(c, 0, 1)),
         "mulmat_id top_k experts": lambda c: T(c, 8, 3, 2).mulmat_id(T(c, 8, 1, 2), T(c, 5, 2).top_k(1)),
         "rows q8_1 table": lambda c: backend.alloc_persistent(DType.Q8_1, (32, 4)).rows(I(c, 0, 1)),
         "rows q8_k table": lambda c: backend.alloc_persistent(DType.Q8_K, (256, 4)).rows(I(c, 0, 1)),
