@@ -23,7 +23,10 @@ enum ggml_type { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, G
                  GGML_TYPE_BF16, GGML_TYPE_TQ1_0, GGML_TYPE_TQ2_0, GGML_TYPE_MXFP4, GGML_TYPE_NVFP4,
                  GGML_TYPE_Q1_0, GGML_TYPE_Q2_0, GGML_TYPE_COUNT, ... };
 enum ggml_status { GGML_STATUS_ALLOC_FAILED, GGML_STATUS_FAILED, GGML_STATUS_SUCCESS, GGML_STATUS_ABORTED, ... };
-enum ggml_op { ... };
+enum ggml_op { GGML_OP_NONE, GGML_OP_DUP, GGML_OP_CPY, GGML_OP_CONT, GGML_OP_RESHAPE, GGML_OP_VIEW,
+               GGML_OP_PERMUTE, GGML_OP_TRANSPOSE, GGML_OP_GET_ROWS, GGML_OP_ARGMAX, GGML_OP_ARGSORT,
+               GGML_OP_TOP_K, ... };
+enum ggml_tensor_flag { GGML_TENSOR_FLAG_INPUT, ... };
 enum ggml_prec { GGML_PREC_DEFAULT, GGML_PREC_F32, ... };
 enum ggml_sort_order { GGML_SORT_ORDER_ASC, GGML_SORT_ORDER_DESC, ... };
 enum ggml_op_pool { GGML_OP_POOL_MAX, GGML_OP_POOL_AVG, ... };
@@ -43,6 +46,7 @@ struct ggml_tensor {
     size_t nb[4];
     enum ggml_op op;
     int32_t flags;
+    struct ggml_tensor * src[...];
     struct ggml_tensor * view_src;
     size_t view_offs;
     void * data;

@@ -79,3 +79,12 @@ void pyggml_tensor_layout(const struct ggml_tensor * t, int64_t * ne, size_t * n
         nb[i] = t->nb[i];
     }
 }
+
+void pyggml_forget_compute_placement(struct ggml_context * ctx) {
+    for (struct ggml_tensor * t = ggml_get_first_tensor(ctx); t != NULL; t = ggml_get_next_tensor(ctx, t)) {
+        if (t->buffer != NULL && ggml_backend_buffer_get_usage(t->buffer) == GGML_BACKEND_BUFFER_USAGE_COMPUTE) {
+            t->data = NULL;
+            t->buffer = NULL;
+        }
+    }
+}

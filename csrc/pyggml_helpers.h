@@ -12,3 +12,10 @@ int pyggml_dev_extra_bufts(ggml_backend_dev_t dev, ggml_backend_buffer_type_t * 
 
 /* ne[0..3] and nb[0..3] of a tensor in one call. */
 void pyggml_tensor_layout(const struct ggml_tensor * t, int64_t * ne, size_t * nb);
+
+/* Forget where a graph's tensors were placed in the scheduler's compute buffers (data and buffer
+ * of every tensor of ctx that lies in a COMPUTE buffer), so that allocating the graph again places
+ * them afresh. ggml's allocator keeps the address of any tensor whose data is set: without this, a
+ * graph computed again after another graph made the scheduler grow (move) its buffers would read
+ * and write freed memory. Weights and caches are not in compute buffers and are left alone. */
+void pyggml_forget_compute_placement(struct ggml_context * ctx);

@@ -23,7 +23,15 @@ import numpy as np
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort must not fork gdb first
 
 from pyggml._ggml import ffi, lib  # noqa: E402
-from pyggml.tensor import DType, Tensor, _prepare_host_array, dtype_of_numpy  # noqa: E402
+from pyggml.tensor import (  # noqa: E402
+    _INTERMEDIATE,
+    DType,
+    Tensor,
+    _check_size,
+    _prepare_host_array,
+    dtype_of_numpy,
+    index_source,
+)
 
 NULL = ffi.NULL
 _LOG_LEVELS = {"none": 0, "debug": 1, "info": 2, "warn": 3, "error": 4}
@@ -65,6 +73,12 @@ def physical_cores() -> int:
         except OSError:
             return max(1, len(available))
     return max(1, len(cores))
+
+
+def max_threads() -> int:
+    """The most compute threads a backend may have: 4 per logical CPU (more only adds scheduling cost; ggml's
+    own ceiling is 512)."""
+    return max(1, min(512, 4 * (os.cpu_count() or 1)))
 
 
 # ---- devices ------------------------------------------------------------------------------------
@@ -135,6 +149,14 @@ def _read_kv(gguf: Any) -> dict[str, Any]:
     return values
 
 
+# Bounds for hyper-parameters read with Config's range-checked getters (Options.from_config of each model):
+# far beyond any real model, small enough that no size computed from them overflows ggml's arithmetic
+MAX_LAYERS = 1 << 12
+MAX_WIDTH = 1 << 20  # embedding, feed-forward, head and vocabulary-independent sizes
+MAX_CONTEXT = 2**31 - 1  # ggml takes context lengths and positions as int32
+MAX_VOCAB = 2**31 - 1  # token ids are int32
+
+
 class Config(Mapping[str, Any]):
     """Typed, read-only GGUF metadata. Keys may omit the ``<architecture>.`` prefix:
     ``config.uint("block_count")`` reads ``llama.block_count`` for a llama file."""
@@ -152,29 +174,46 @@ class Config(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._values)
 
-    def _lookup(self, key: str) -> Any:
+    def _lookup(self, key: str) -> tuple[str, Any]:
+        """(the key as stored, its value or None)."""
         if key in self._values:
-            return self._values[key]
-        return self._values.get(f"{self.architecture}.{key}")
+            return key, self._values[key]
+        full = f"{self.architecture}.{key}"
+        return full, self._values.get(full)
 
-    def _typed(self, key: str, default: Any, check: Callable[[Any], bool], kind: str) -> Any:
-        value = self._lookup(key)
+    def _typed(self, key: str, default: Any, check: Callable[[Any], bool], kind: str, lo: Any = None,
+               hi: Any = None) -> Any:
+        """The value of ``key`` (``default`` when absent), refused when ``check`` fails or when a value lies
+        outside [lo, hi] (NaN always does)."""
+        key, value = self._lookup(key)
         if value is None:
             return default
         if not check(value):
             raise GGUFError(f"metadata {key!r} should be {kind}, found {type(value).__name__} {value!r:.80}")
+        if lo is not None or hi is not None:
+            for v in value if isinstance(value, list) else [value]:
+                if v != v or (lo is not None and v < lo) or (hi is not None and v > hi):
+                    bounds = " and ".join(x for x in (f">= {lo}" if lo is not None else "",
+                                                      f"<= {hi}" if hi is not None else "") if x)
+                    raise GGUFError(f"metadata {key!r} = {v!r:.80} is out of range: it must be {bounds}")
         return value
 
-    def uint(self, key: str, default: int | None = 0) -> int | None:
+    # ``min``/``max`` (keyword-only) bound a value that is present; a missing key gives ``default`` unchecked.
+    def uint(self, key: str, default: int | None = 0, *, min: int | None = None,  # noqa: A002
+             max: int | None = None) -> int | None:  # noqa: A002
         return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                           "an unsigned integer")
+                           "an unsigned integer", min, max)
 
-    def int(self, key: str, default: int | None = 0) -> int | None:
-        return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer")
+    def int(self, key: str, default: int | None = 0, *, min: int | None = None,  # noqa: A002
+            max: int | None = None) -> int | None:  # noqa: A002
+        return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer",
+                           min, max)
 
-    def float(self, key: str, default: float | None = 0.0) -> float | None:
+    def float(self, key: str, default: float | None = 0.0, *, min: float | None = None,  # noqa: A002
+              max: float | None = None) -> float | None:  # noqa: A002
+        """A number; with bounds, NaN and (unless a bound is infinite) infinities are refused too."""
         value = self._typed(key, default, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                            "a number")
+                            "a number", min, max)
         return None if value is None else float(value)
 
     def bool(self, key: str, default: bool | None = False) -> bool | None:
@@ -187,12 +226,15 @@ class Config(Mapping[str, Any]):
         return self._typed(key, default, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
                            "a list of strings")
 
-    def uints(self, key: str, default: list[int] | None = None) -> list[int] | None:
+    def uints(self, key: str, default: list[int] | None = None, *, min: int | None = None,  # noqa: A002
+              max: int | None = None) -> list[int] | None:  # noqa: A002
         return self._typed(key, default, lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v),
-                           "a list of integers")
+                           "a list of integers", min, max)
 
-    def floats(self, key: str, default: list[float] | None = None) -> list[float] | None:
-        value = self._typed(key, default, lambda v: isinstance(v, list), "a list of numbers")
+    def floats(self, key: str, default: list[float] | None = None, *, min: float | None = None,  # noqa: A002
+               max: float | None = None) -> list[float] | None:  # noqa: A002
+        value = self._typed(key, default, lambda v: isinstance(v, list) and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in v), "a list of numbers", min, max)
         return None if value is None else [float(x) for x in value]
 
 
@@ -213,6 +255,10 @@ class BackendParams:
     def validate(self) -> None:
         if self.n_threads is not None and (not isinstance(self.n_threads, int) or self.n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {self.n_threads!r}")
+        if self.n_threads is not None and self.n_threads > max_threads():
+            raise ValueError(f"n_threads={self.n_threads} is more than {max_threads()} (4 per logical CPU, of "
+                             f"which this machine has {os.cpu_count()}); more threads than cores only wait on each "
+                             "other")
         g = self.gpu_layers
         if isinstance(g, str):
             if g != "all":
@@ -364,8 +410,10 @@ class Backend:
         file_size = path.stat().st_size
         with open(path, "rb") as f:
             header = f.read(8)
-        if len(header) < 8 or header[:4] != b"GGUF":
+        if header[:4] != b"GGUF":
             raise GGUFError(f"{path} is not a GGUF file (it starts with {header[:4]!r}, not b'GGUF')")
+        if len(header) < 8:
+            raise GGUFError(f"{path} is truncated: {len(header)} bytes, too short for a GGUF header")
         version = int.from_bytes(header[4:8], "little")
         if version == 1:
             raise GGUFError(f"{path} is GGUF version 1, which is no longer supported: convert it again")
@@ -379,6 +427,7 @@ class Backend:
         self._gguf, self._meta_ctx = gguf, meta_ctx[0]
         self.config = Config(_read_kv(gguf))
         self._check_tensors(path, file_size)
+        self._check_layer_count(path)
         self._place_weights(path, file_size, progress)
 
     def _check_tensors(self, path: Path, file_size: int) -> None:
@@ -392,6 +441,9 @@ class Backend:
             kind = lib.gguf_get_tensor_type(gguf, i)
             if kind not in known or DType(kind).type_size == 0:
                 raise GGUFError(f"{path}: tensor {name!r} has unsupported type {kind}")
+            if kind in _INTERMEDIATE:
+                raise GGUFError(f"{path}: tensor {name!r} is stored as {DType(kind).name}, an intermediate type of "
+                                "ggml's matrix kernels that no op can read; quantize the model to another type")
             offset = lib.gguf_get_tensor_offset(gguf, i)
             size = lib.gguf_get_tensor_size(gguf, i)
             t = lib.ggml_get_tensor(self._meta_ctx, name.encode())
@@ -405,6 +457,15 @@ class Backend:
             if data_offset + offset + size > file_size:
                 raise GGUFError(f"{path} is truncated: tensor {name!r} needs bytes up to "
                                 f"{data_offset + offset + size}, the file has {file_size}")
+
+    def _check_layer_count(self, path: Path) -> None:
+        """A ``block_count`` larger than the file's tensor count (every layer has weights) is refused before
+        anything builds per-layer structures for it (10**6 layers took minutes to fail otherwise)."""
+        key, count = self.config._lookup("block_count")
+        n = lib.gguf_get_n_tensors(self._gguf)
+        if isinstance(count, int) and n and count > n:
+            raise GGUFError(f"{path}: metadata {key!r} = {count}, but the file has only {n} tensors "
+                            "(every layer has weights)")
 
     def _layer_backend(self, name: str) -> int:
         """Index into self._backends for a weight, by its layer and params.gpu_layers."""
@@ -626,6 +687,7 @@ class Backend:
         shape = tuple(int(s) for s in shape)
         if not 1 <= len(shape) <= 4 or any(s <= 0 for s in shape) or shape[0] % dtype.block_size:
             raise ValueError(f"alloc_persistent: bad shape {shape} for {dtype.name}")
+        _check_size("alloc_persistent", dtype, shape)
         ctx = lib.ggml_init({"mem_size": 2 * lib.ggml_tensor_overhead(), "mem_buffer": NULL, "no_alloc": True})
         ne = ffi.new("int64_t[4]", shape + (1,) * (4 - len(shape)))
         t = lib.ggml_new_tensor(ctx, dtype, len(shape), ne)
@@ -749,6 +811,7 @@ class Backend:
             reuse = not reserve_only and not state.leaf_outputs and self._allocated == allocated
             self._allocated = None
             if not reuse:
+                lib.pyggml_forget_compute_placement(state.ptr)  # its old places may have moved since
                 lib.ggml_backend_sched_reset(sched)
                 for ptr, index in state.placements:
                     lib.ggml_backend_sched_set_tensor_backend(sched, ptr, self._backends[index])
@@ -802,7 +865,9 @@ class _GraphState:
         self.n_tensors = 1  # the graph object
         self.inputs: dict[Any, np.ndarray] = {}
         self.index_checks: dict[Any, tuple[int, str]] = {}  # index tensor -> (exclusive bound, op)
-        self.named: dict[str, Tensor] = {}
+        # name -> (tensor pointer, dtype, shape): not the Tensor, whose ctx refers back to this state (a
+        # reference cycle would keep the graph's ggml memory until the next garbage collection)
+        self.named: dict[str, tuple[Any, DType, tuple[int, ...]]] = {}
         self.anonymous_inputs = 0
         self.placements: list[tuple[Any, int]] = []  # (tensor, backend index) from ctx.input()/layer()
         self.epoch = 0
@@ -875,13 +940,24 @@ class Context:
         return state.ptr
 
     def _index_bound(self, indices: Tensor, bound: int, op: str) -> None:
-        p = indices._p
-        if p.view_src != NULL:  # a reshape or view of an input: check the input's data
-            p = p.view_src
-        # one entry per index tensor, with the tightest bound: checked once per compute
-        checks = self._state.index_checks
-        if p not in checks or bound < checks[p][0]:
-            checks[p] = (bound, op)
+        """Make sure every value of ``indices`` lies in 0..bound-1 before ggml reads at it: a graph input is
+        checked at each compute, indices computed in the graph must come from an op with a known range."""
+        kind, source = index_source(indices._p)
+        if kind == "input":
+            # one entry per input, with the tightest bound: checked once per compute
+            checks = self._state.index_checks
+            if source not in checks or bound < checks[source][0]:
+                checks[source] = (bound, op)
+        elif kind == "range":
+            if source > bound:
+                raise ValueError(f"{op}: the indices come from argmax/argsort/top_k over {source} entries (values up "
+                                 f"to {source - 1}), but the indexed dimension has {bound}; take them over at most "
+                                 f"{bound} entries (e.g. a view of the first {bound})")
+        else:
+            raise ValueError(f"{op}: the indices come from {source}, whose values pyggml cannot bound (an index "
+                             f"outside 0..{bound - 1} would crash ggml); pass them as a graph input "
+                             "(ctx.from_numpy: checked at compute), or compute them with argmax, argsort or top_k "
+                             f"over at most {bound} entries")
 
     # ---- making tensors ------------------------------------------------------------------
     def _new(self, dtype: DType, shape: tuple[int, ...]) -> Tensor:
@@ -892,6 +968,7 @@ class Context:
         if shape[0] % dtype.block_size:
             raise ValueError(f"dim 0 ({shape[0]}) must be a multiple of the {dtype.name} block size "
                              f"{dtype.block_size}")
+        _check_size("tensor", dtype, shape)
         c = self._c()
         ne = ffi.new("int64_t[4]", shape + (1,) * (4 - len(shape)))
         p = lib.ggml_new_tensor(c, dtype, len(shape), ne)
@@ -928,20 +1005,21 @@ class Context:
         elif name in state.named:
             raise ValueError(f"from_numpy: this graph already has an input named {name!r}")
         else:
-            state.named[name] = t
+            state.named[name] = (t._p, dtype, t.shape)
         return t
 
     def set_input(self, name: str, array: Any) -> None:
         """Replace the data of the input created with ``from_numpy(..., name=name)``."""
-        tensor = self._state.named.get(name)
-        if tensor is None:
+        entry = self._state.named.get(name)
+        if entry is None:
             raise KeyError(f"set_input: this graph has no input named {name!r}")
-        self._set_input(tensor, _prepare_host_array(array, tensor.dtype, tensor.shape, "set_input"))
+        ptr, dtype, shape = entry
+        self._state.inputs[ptr] = _prepare_host_array(array, dtype, shape, "set_input")
 
     def input_shape(self, name: str) -> tuple[int, ...] | None:
         """Shape (ggml order) of the named input, or None if the graph has none."""
-        tensor = self._state.named.get(name)
-        return None if tensor is None else tensor.shape
+        entry = self._state.named.get(name)
+        return None if entry is None else entry[2]
 
     @property
     def graph_id(self) -> int:

@@ -32,7 +32,8 @@ from typing import Any, ClassVar, Union
 
 import numpy as np
 
-from pyggml.tensor import DType, RopeType, Tensor
+from pyggml.backend import MAX_CONTEXT
+from pyggml.tensor import _NO_TO_FLOAT, _NOT_MATMUL, DType, RopeType, Tensor
 
 if typing.TYPE_CHECKING:
     from pyggml.backend import Backend, Context
@@ -63,10 +64,21 @@ class Weight(Module):
         self.weight = weight
 
 
+def _check_type(weight: Tensor | None, ok: bool, use: str) -> None:
+    """Refuse at load a weight stored in a type ggml has no kernel for in this use (it would fail, or for
+    some types crash, on the first request)."""
+    if weight is not None and not ok:
+        from pyggml.models import ModelError
+
+        raise ModelError(f"weight {weight.name!r} is stored as {weight.dtype.name}, which ggml cannot use as {use}")
+
+
 class Linear(Module):
     leaf = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype not in _NOT_MATMUL, "a matrix-product weight")
+        _check_type(bias, bias is None or bias.dtype == DType.F32, "a bias (F32 only)")
         self.weight = weight
         self.bias = bias
 
@@ -79,6 +91,8 @@ class Embedding(Module):
     leaf = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype in (DType.F32, DType.F16, DType.BF16) or (
+            weight.dtype.is_quantized and weight.dtype not in _NO_TO_FLOAT), "an embedding table")
         self.weight = weight
 
     def __call__(self, ids: Tensor) -> Tensor:
@@ -89,6 +103,7 @@ class RMSNorm(Module):
     leaf = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype == DType.F32, "a norm weight (F32 only)")
         self.weight = weight
 
     def __call__(self, x: Tensor, eps: float) -> Tensor:
@@ -99,6 +114,8 @@ class LayerNorm(Module):
     leaf = True
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype == DType.F32, "a norm weight (F32 only)")
+        _check_type(bias, bias is None or bias.dtype == DType.F32, "a norm bias (F32 only)")
         self.weight = weight
         self.bias = bias
 
@@ -396,23 +413,24 @@ class Rope:
     @classmethod
     def from_config(cls, config: Any, n_dims: int, mode: RopeType = RopeType.NORMAL) -> Rope:
         kind = config.string("rope.scaling.type", "") or ""
-        factor = config.float("rope.scaling.factor", 0.0) or 0.0
+        factor = config.float("rope.scaling.factor", 0.0, min=0.0, max=1e6) or 0.0
         if kind not in ("", "none", "linear", "yarn", "llama3"):  # llama3 scales through rope_freqs.weight
             raise ValueError(f"unsupported rope scaling type {kind!r}")
         freq_scale = 1.0 / factor if factor > 0 and kind in ("linear", "yarn") else 1.0
-        if config.float("rope.scale_linear", 0.0):
+        if config.float("rope.scale_linear", 0.0, min=0.0, max=1e6):
             freq_scale = 1.0 / config.float("rope.scale_linear")
         yarn = kind == "yarn"
         return cls(
             n_dims=n_dims,
-            base=config.float("rope.freq_base", 10000.0),
+            base=config.float("rope.freq_base", 10000.0, min=1.0, max=1e12),
             freq_scale=freq_scale,
             mode=mode,
-            n_ctx_orig=config.uint("rope.scaling.original_context_length", 0) or config.uint("context_length", 0),
-            ext_factor=config.float("rope.scaling.yarn_ext_factor", 1.0 if yarn else 0.0),
-            attn_factor=config.float("rope.scaling.yarn_attn_factor", 1.0) or 1.0,
-            beta_fast=config.float("rope.scaling.yarn_beta_fast", 32.0) or 32.0,
-            beta_slow=config.float("rope.scaling.yarn_beta_slow", 1.0) or 1.0,
+            n_ctx_orig=(config.uint("rope.scaling.original_context_length", 0, max=MAX_CONTEXT)
+                        or config.uint("context_length", 0, max=MAX_CONTEXT)),
+            ext_factor=config.float("rope.scaling.yarn_ext_factor", 1.0 if yarn else 0.0, min=-1e6, max=1e6),
+            attn_factor=config.float("rope.scaling.yarn_attn_factor", 1.0, min=-1e6, max=1e6) or 1.0,
+            beta_fast=config.float("rope.scaling.yarn_beta_fast", 32.0, min=-1e6, max=1e6) or 32.0,
+            beta_slow=config.float("rope.scaling.yarn_beta_slow", 1.0, min=-1e6, max=1e6) or 1.0,
         )
 
     def __call__(self, x: Tensor, positions: Tensor, freq_factors: Tensor | None = None) -> Tensor:
@@ -510,25 +528,9 @@ def multimodal_embeddings(ctx: Context, h: Tensor, batch: Batch) -> Tensor:
             if rows.shape[1] != h.shape[0] or start + rows.shape[0] > h.shape[1]:
                 raise ValueError(f"multimodal_embeddings: {rows.shape[0]} rows of width {rows.shape[1]} at batch "
                                  f"index {start} do not fit hidden states {h.shape}")
-            h = _replace_columns(ctx, h, start, ctx.from_numpy(rows))
+            h = h.set_rows(ctx.from_numpy(rows), int32_input(ctx, np.arange(start, start + rows.shape[0])))
             start += rows.shape[0]
     return h
-
-
-def _replace_columns(ctx: Context, h: Tensor, start: int, rows: Tensor) -> Tensor:
-    """``h`` (d, n) with columns start .. start+k-1 replaced by ``rows`` (d, k): a new tensor (views
-    and concatenation, no write into ``h``)."""
-    d, n, k = h.shape[0], h.shape[1], rows.shape[1]
-    parts = []
-    if start:
-        parts.append(h.view(0, (d, start), (h.strides[1],)).contiguous())
-    parts.append(rows)
-    if start + k < n:
-        parts.append(h.view(h.strides[1] * (start + k), (d, n - start - k), (h.strides[1],)).contiguous())
-    out = parts[0]
-    for part in parts[1:]:
-        out = out.concat(part, 1)
-    return out
 
 
 # ---- the per-batch inputs ----------------------------------------------------------------------

@@ -123,9 +123,79 @@ _ONES = ((1, 1, 1, 1), (1, 1, 1), (1, 1), (1,), ())  # pads an n-d shape to ggml
 _DTYPES = {int(d): d for d in DType}
 # types ggml's CPU matrix product cannot take as the left operand (no vec_dot kernel)
 _NOT_MATMUL = frozenset({DType.I8, DType.I16, DType.I32, DType.I64, DType.F64, DType.Q8_1, DType.Q8_K})
+# the intermediate types of ggml's matrix kernels (what activations are quantized to for a dot product):
+# ggml cannot dequantize them, gather their rows or quantize to them outside a matrix product
+_INTERMEDIATE = frozenset({DType.Q8_1, DType.Q8_K})
+# quantized types ggml cannot convert back to float (its type traits have no to_float)
+_NO_TO_FLOAT = frozenset(d for d in DType if d.is_quantized and lib.ggml_get_type_traits(d).to_float == NULL)
 # quantized types without a CPU quantizer: nothing can be converted to them in a graph
 _NO_FROM_FLOAT = frozenset({DType.IQ2_XXS, DType.IQ2_XS, DType.IQ2_S, DType.IQ3_XXS, DType.IQ3_S, DType.IQ1_S,
-                            DType.IQ1_M})
+                            DType.IQ1_M}) | _INTERMEDIATE
+# the largest tensor pyggml makes (csrc/pyggml_ops.c: PYG_MAX_BYTES): far beyond any memory, far below where
+# ggml's size arithmetic (int64 element counts, size_t bytes) overflows
+_MAX_BYTES = 1 << 56
+_C_INT_MAX = 2**31 - 1  # ggml's int parameters (kernel sizes, strides, paddings, context lengths)
+
+
+def _check_size(op: str, dtype: DType, shape: Sequence[int]) -> None:
+    """Refuse a result too large for ggml's size arithmetic (it would wrap around and under-allocate)."""
+    n = _TYPE_SIZE[dtype]
+    for i, d in enumerate(shape):
+        n *= (d // _BLOCK[dtype]) if i == 0 else d
+    if n > _MAX_BYTES:
+        raise ValueError(f"{op}: a {dtype.name} tensor of shape {tuple(shape)} would take {n} bytes, more than "
+                         f"the {_MAX_BYTES} pyggml allows")
+
+
+def _check_c_int(op: str, **values: Any) -> None:
+    """Integer parameters that ggml takes as a C int (cffi would raise a bare OverflowError)."""
+    for name, v in values.items():
+        if isinstance(v, (int, np.integer)) and not -_C_INT_MAX - 1 <= v <= _C_INT_MAX:
+            raise ValueError(f"{op}: {name}={v} is out of range for ggml (at most {_C_INT_MAX})")
+
+
+def _check_eps(op: str, eps: Any) -> None:
+    """ggml's norm kernels assert ``eps >= 0`` (NaN fails it and aborts the process)."""
+    if not isinstance(eps, (int, float, np.floating, np.integer)) or not 0 <= eps < math.inf:
+        raise ValueError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+
+
+# ---- value ranges of index tensors -----------------------------------------------------------------
+# rows / set_rows / mulmat_id read at the indices they are given, and ggml does not check them (an index out of
+# range aborts or reads out of bounds inside a compute). Every I32 tensor's values are therefore traced to their
+# source: a graph input (its data is checked when the graph computes), an op whose results lie in a known range
+# (argmax / argsort / top_k over n entries: 0..n-1), or something pyggml cannot bound (refused).
+_OP = {name: int(getattr(lib, "GGML_OP_" + name)) for name in (
+    "NONE", "DUP", "CPY", "CONT", "RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE", "GET_ROWS", "ARGMAX", "ARGSORT",
+    "TOP_K")}
+_SAME_VALUES = frozenset(_OP[n] for n in ("RESHAPE", "VIEW", "PERMUTE", "TRANSPOSE"))  # the source's values
+_COPIES = frozenset(_OP[n] for n in ("DUP", "CPY", "CONT"))  # the source's values, converted
+_RANGED = frozenset(_OP[n] for n in ("ARGMAX", "ARGSORT", "TOP_K"))  # 0 .. src.ne[0] - 1
+_INT_TYPES = (int(DType.I32), int(DType.I64))
+
+
+def index_source(p: Any) -> tuple[str, Any]:
+    """Where the values of index tensor ``p`` come from: ``("input", leaf)`` (a graph input: checked at
+    compute), ``("range", n)`` (computed, within 0..n-1) or ``("unknown", what)``."""
+    for _ in range(64):
+        op = p.op
+        if op in _SAME_VALUES:
+            p = p.src[0]
+        elif op in _COPIES:
+            p = p.src[0]
+            if p.type not in _INT_TYPES:
+                return "unknown", f"a conversion from {_DTYPES[p.type].name}"
+        elif op in _RANGED:
+            return "range", int(p.src[0].ne[0])
+        elif op == _OP["GET_ROWS"] and p.src[0].type in _INT_TYPES:
+            p = p.src[0]  # rows gathered from an integer table: the table's values
+        elif op == _OP["NONE"]:
+            if p.flags & lib.GGML_TENSOR_FLAG_INPUT:
+                return "input", p
+            return "unknown", "a weight or cache tensor"
+        else:
+            return "unknown", f"ggml op {ffi.string(lib.ggml_op_name(op)).decode()}"
+    return "unknown", "a long chain of ops"
 
 
 def dtype_of_numpy(dtype: np.dtype) -> DType:
@@ -543,6 +613,7 @@ class Tensor:
             out = lib.pyg_norm(ctx._g, _FN[op], self._p, eps)
             if out:
                 return _node(out, ctx, self._nd)
+        _check_eps(op, eps)
         ctx = self._ctx_with(None, op)
         if self._p.type != DType.F32:
             raise TypeError(f"{op}: needs an F32 tensor, got {self.dtype.name}")
@@ -570,6 +641,7 @@ class Tensor:
     def group_norm(self, n_groups: int, eps: float) -> Tensor:
         if n_groups <= 0 or self._ne[2] % n_groups:
             raise _fail("group_norm", f"n_groups={n_groups} must divide dim 2", self)
+        _check_eps("group_norm", eps)
         if self._p.type != DType.F32:
             raise TypeError(f"group_norm: needs an F32 tensor, got {self.dtype.name}")
         if not _rows_packed(self._p):
@@ -584,6 +656,8 @@ class Tensor:
             out = lib.pyg_soft_max(ctx._g, self._p, NULL if mask is None else mask._p, scale, max_bias)
             if out:
                 return _node(out, ctx, self._nd)
+        if mask is None and max_bias > 0:
+            raise _fail("softmax", f"max_bias={max_bias} (ALiBi) needs a mask: ggml adds the slopes through it", self)
         ctx = self._ctx_with(mask, "softmax")
         a = self._ne
         if self._p.type != DType.F32:
@@ -631,6 +705,7 @@ class Tensor:
                             "must be F32, or F16/BF16 like a float left operand)")
         if pb.nb[0] != _TYPE_SIZE[tb]:
             raise _fail("mulmat", "the right operand needs contiguous rows (call .contiguous())", self, other)
+        _check_size("mulmat", DType.F32, (a[1], b[1], b[2], b[3]))
         out = lib.ggml_mul_mat(ctx._state.ptr, pa, pb)
         return Tensor(out, ctx, nd if nd > 2 else 2, None, (a[1], b[1], b[2], b[3]))
 
@@ -654,6 +729,7 @@ class Tensor:
                             f"{self.dtype.name} and {other.dtype.name}")
         if self._p.nb[0] > self._p.nb[1] or not _rows_packed(self._p) or not _rows_packed(other._p):
             raise _fail("mulmat_id", "operands must not be transposed (call .contiguous())", self, other)
+        _check_size("mulmat_id", DType.F32, (a[1], i[0], i[1], 1))
         ctx = self._ctx_with(other, "mulmat_id")
         self._same_graph(ctx, "mulmat_id", ids)
         ctx._index_bound(ids, a[2], "mulmat_id")
@@ -812,6 +888,7 @@ class Tensor:
             raise TypeError(f"concat: types differ ({self.dtype.name} vs {other.dtype.name})")
         if any(self._ne[i] != other._ne[i] for i in range(4) if i != dim):
             raise _fail("concat", f"all dims but {dim} must be equal", self, other)
+        _check_size("concat", self.dtype, [n + (other._ne[i] if i == dim else 0) for i, n in enumerate(self._ne)])
         ctx = self._ctx_with(other, "concat")
         return Tensor(lib.ggml_concat(ctx._state.ptr, self._p, other._p, dim), ctx, max(self._nd, other._nd, dim + 1))
 
@@ -822,6 +899,8 @@ class Tensor:
             raise ValueError(f"pad: need up to 4 non-negative amounts, got {padding}")
         if self._p.type != DType.F32:
             raise TypeError(f"pad: needs an F32 tensor, got {self.dtype.name}")
+        _check_c_int("pad", padding=max(p))
+        _check_size("pad", DType.F32, [n + x for n, x in zip(self._ne, p, strict=True)])
         ctx = self._ctx_with(None, "pad")
         return Tensor(lib.ggml_pad(ctx._state.ptr, self._p, *p), ctx, max(self._nd, len(padding)))
 
@@ -833,6 +912,7 @@ class Tensor:
             raise _fail("repeat", f"target {shape} must be a multiple of the shape in every dim", self)
         if self._p.type not in _FLOAT:
             raise TypeError(f"repeat: needs F32/F16/BF16, got {self.dtype.name}")
+        _check_size("repeat", self.dtype, full)
         if not _rows_packed(self._p):
             raise _fail("repeat", "rows must be contiguous (call .contiguous())", self)
         ctx = self._ctx_with(None, "repeat")
@@ -887,10 +967,12 @@ class Tensor:
         a, i = self._ne, indices._ne
         if indices._p.type != DType.I32:
             raise TypeError(f"rows: indices must be I32, got {indices.dtype.name}")
-        if self._p.type in (DType.I8, DType.I16, DType.I64, DType.F64):
+        t = self._p.type
+        if t in (DType.I8, DType.I16, DType.I64, DType.F64) or t in _NO_TO_FLOAT or t in _INTERMEDIATE:
             raise TypeError(f"rows: ggml cannot gather rows of a {self.dtype.name} table")
         if a[2] != i[1] or a[3] != i[2] or i[3] != 1:
             raise _fail("rows", "indices must be (n, dim2, dim3) matching the table's dims 2 and 3", self, indices)
+        _check_size("rows", DType.F32, (a[0], i[0], i[1], i[2]))
         ctx = self._ctx_with(indices, "rows", ctx)
         ctx._index_bound(indices, a[1], "rows")
         return Tensor(lib.ggml_get_rows(ctx._state.ptr, self._p, indices._p), ctx, max(self._nd, indices._nd + 1))
@@ -971,6 +1053,7 @@ class Tensor:
             raise _fail("rope", "rows must be contiguous (call .contiguous())", self)
         if int(mode) not in (RopeType.NORMAL, RopeType.NEOX):
             raise ValueError(f"rope: mode must be RopeType.NORMAL or RopeType.NEOX, got {mode}")
+        _check_c_int("rope", n_dims=n_dims, n_ctx_orig=n_ctx_orig)
         fp = NULL
         if freq_factors is not None:
             if freq_factors._p.type != DType.F32 or freq_factors._ne[0] < n_dims // 2:
@@ -1053,13 +1136,16 @@ class Tensor:
         """Unfold ``self`` (W, H, C, N) into patches for the kernel (KW, KH, C, OC)."""
         if any(x <= 0 for x in (s0, s1, d0, d1)) or p0 < 0 or p1 < 0:
             raise ValueError("im2col: strides and dilations must be positive, paddings non-negative")
+        _check_c_int("im2col", s0=s0, s1=s1, p0=p0, p1=p1, d0=d0, d1=d1)
         k, x = kernel._ne, self._ne
         if (is_2d and k[2] != x[2]) or (not is_2d and (k[1] != x[1] or x[3] != 1)):
             raise _fail("im2col", "kernel channels (dim 2, or dim 1 for 1-d) must equal input channels",
                         kernel, self)
-        if (x[0] + 2 * p0 - d0 * (k[0] - 1) - 1) // s0 + 1 <= 0 or \
-                (is_2d and (x[1] + 2 * p1 - d1 * (k[1] - 1) - 1) // s1 + 1 <= 0):
+        w_out = (x[0] + 2 * p0 - d0 * (k[0] - 1) - 1) // s0 + 1
+        h_out = (x[1] + 2 * p1 - d1 * (k[1] - 1) - 1) // s1 + 1 if is_2d else 1
+        if w_out <= 0 or h_out <= 0:
             raise _fail("im2col", "kernel larger than the padded input", kernel, self)
+        _check_size("im2col", DType.F32, (k[0] * k[1] * k[2], w_out, h_out, x[3]))
         dtype = DType.parse(dtype)
         if dtype not in (DType.F32, DType.F16) or self._p.type not in (DType.F32, dtype):
             raise TypeError(f"im2col: needs an F32 output from an F32 input, or F16 from F32/F16; got "
@@ -1074,12 +1160,15 @@ class Tensor:
         """2-D convolution of ``self`` (W, H, C, N) with ``kernel`` (KW, KH, C, OC) -> (OW, OH, OC, N)."""
         if any(x <= 0 for x in (s0, s1, d0, d1)) or p0 < 0 or p1 < 0:
             raise ValueError("conv_2d: strides and dilations must be positive, paddings non-negative")
+        _check_c_int("conv_2d", s0=s0, s1=s1, p0=p0, p1=p1, d0=d0, d1=d1)
         if kernel._ne[2] != self._ne[2]:
             raise _fail("conv_2d", "kernel channels (dim 2) must equal input channels", kernel, self)
         w_out = (self._ne[0] + 2 * p0 - d0 * (kernel._ne[0] - 1) - 1) // s0 + 1
         h_out = (self._ne[1] + 2 * p1 - d1 * (kernel._ne[1] - 1) - 1) // s1 + 1
         if w_out <= 0 or h_out <= 0:
             raise _fail("conv_2d", "kernel larger than the padded input", kernel, self)
+        k = kernel._ne
+        _check_size("conv_2d", DType.F32, (k[0] * k[1] * k[2], w_out, h_out, self._ne[3]))
         # ggml unfolds the input to F16 (to F32 for a BF16 kernel) and multiplies by the reshaped kernel
         tk, tx = kernel._p.type, self._p.type
         if tk not in _FLOAT or tx not in (DType.F32, DType.F16) or (tk == DType.BF16 and tx != DType.F32):
@@ -1093,8 +1182,15 @@ class Tensor:
         return Tensor(lib.ggml_conv_2d(ctx._state.ptr, kernel._p, self._p, s0, s1, p0, p1, d0, d1), ctx, 4)
 
     def avg_pool_2d(self, kernel: int, stride: int, padding: float = 0.0) -> Tensor:
-        if kernel <= 0 or stride <= 0 or padding < 0:
-            raise ValueError("avg_pool_2d: kernel and stride must be positive")
+        if not isinstance(kernel, (int, np.integer)) or not isinstance(stride, (int, np.integer)) or kernel <= 0 \
+                or stride <= 0:
+            raise ValueError(f"avg_pool_2d: kernel and stride must be positive integers, got {kernel!r}, {stride!r}")
+        _check_c_int("avg_pool_2d", kernel=kernel, stride=stride)
+        # ggml computes the output size with the float padding (NaN/inf make it garbage and abort) and the
+        # kernel with it truncated to an int
+        if not isinstance(padding, (int, float, np.integer, np.floating)) or not 0 <= padding <= kernel / 2:
+            raise ValueError(f"avg_pool_2d: padding must be a number from 0 to kernel/2 = {kernel / 2}, "
+                             f"got {padding!r}")
         if kernel > self._ne[0] + 2 * padding or kernel > self._ne[1] + 2 * padding:
             raise _fail("avg_pool_2d", f"kernel {kernel} larger than the input", self)
         if self._p.type not in (DType.F32, DType.F16):
@@ -1115,7 +1211,7 @@ def _check_convert(op: str, src: DType, dst: DType) -> None:
     elif src == DType.I32:
         ok = dst in (DType.F32, DType.I32)
     elif src.is_quantized:
-        ok = dst == DType.F32
+        ok = dst == DType.F32 and src not in _NO_TO_FLOAT and src not in _INTERMEDIATE
     else:
         ok = False
     if not ok:
@@ -1149,6 +1245,12 @@ def _contiguous_1(p: Any) -> bool:
 
 
 def _check_writable(t: Tensor, op: str) -> None:
+    # an integer graph input may be an index tensor whose data is range-checked at compute: a write into it
+    # in the graph would change the values after the check
+    root = t._p.view_src if t._p.view_src != NULL else t._p
+    if root.type in _INT_TYPES and root.op == _OP["NONE"] and root.flags & lib.GGML_TENSOR_FLAG_INPUT:
+        raise ValueError(f"{op}: cannot write into an integer graph input (it may be an index checked at compute); "
+                         "write into a new tensor, or give the input its data with set()/set_input()")
     keep = t._keep
     if t.ctx is None and keep is not None:
         if t._p in getattr(keep, "_weight_ptrs", ()):
@@ -1224,7 +1326,9 @@ def quantize(data: np.ndarray, dtype: DType | str) -> np.ndarray:
                          f"{dtype.block_size}")
     if dtype in (DType.F32, DType.F16):
         return data.astype(dtype.numpy_dtype).view(np.uint8)
-    if not dtype.is_quantized or lib.ggml_quantize_requires_imatrix(dtype):
+    if dtype in _INTERMEDIATE or not dtype.is_quantized:
+        raise ValueError(f"quantize: ggml has no quantizer for {dtype.name}")
+    if lib.ggml_quantize_requires_imatrix(dtype):
         raise ValueError(f"quantize: cannot quantize to {dtype.name} without an importance matrix")
     n_rows = data.size // n_per_row
     out = np.empty(data.shape[:-1] + (dtype.row_bytes(n_per_row),), dtype=np.uint8)

@@ -39,6 +39,16 @@ TYPES = [DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.I32]
 def _operand(ctx, rng, spec):
     """A tensor from a spec: (dtype, shape, layout) where layout picks a plain tensor or a view."""
     dtype, shape, layout = spec
+    if dtype is DType.I32 and layout == "computed":  # indices computed in the graph: bounded or not
+        src = ctx.from_numpy(rng.standard_normal(tuple(reversed(shape))).astype(np.float32))
+        kind = int(rng.integers(4))
+        if kind == 0:
+            return src.argsort()
+        if kind == 1:
+            return src.top_k(int(rng.integers(1, shape[0] + 1)))
+        if kind == 2 and len(shape) <= 2:
+            return src.argmax()
+        return src.scale(2.0).cast(DType.I32)
     if dtype is DType.I32:
         t = ctx.from_numpy(rng.integers(0, 4, tuple(reversed(shape))).astype(np.int32))
     elif dtype.is_quantized or dtype is DType.BF16:
@@ -58,7 +68,7 @@ def _random_spec(rng):
     n = int(rng.integers(1, 5))
     shape = tuple(int(rng.choice([1, 2, 3, 4, 32, 64])) for _ in range(n))
     dtype = TYPES[int(rng.integers(len(TYPES)))]
-    layout = ["plain", "plain", "transposed", "permuted", "row_view"][int(rng.integers(5))]
+    layout = ["plain", "plain", "transposed", "permuted", "row_view", "computed"][int(rng.integers(6))]
     return dtype, shape, layout
 
 
@@ -275,3 +285,27 @@ def test_checked_ops_refuse_writes_into_weights(tmp_path):
                 ctx.from_numpy(np.ones((1, r.shape[0]), np.float32)).mulmat(r)
             with pytest.raises(ValueError, match="repacked"):
                 r.view(0, r.shape, ctx=ctx)
+
+
+def test_checked_ops_decline_unbounded_indices_and_bad_parameters(backend):
+    """The C side leaves to Python what Python refuses or must decide (issue 13): computed index tensors,
+    a negative/NaN eps, softmax ALiBi without a mask, a Q8_1 table, a product too large for ggml's sizes."""
+    with backend.new_context(max_nodes=64) as ctx:
+        table = ctx.from_numpy(np.ones((3, 4), np.float32))
+        scores = ctx.from_numpy(np.ones((2, 3), np.float32))
+        g = ctx._g
+        assert lib.pyg_get_rows(g, table._p, scores.argsort()._p) == ffi.NULL
+        assert lib.pyg_get_rows(g, table._p, scores.argmax()._p) == ffi.NULL
+        assert lib.pyg_get_rows(g, table._p, scores.cast(DType.I32).reshape(6)._p) == ffi.NULL
+        inputs = ctx.from_numpy(np.array([0, 2], np.int32))
+        assert lib.pyg_get_rows(g, table._p, inputs.reshape(2, 1)._p) != ffi.NULL  # an input: checked at compute
+        cache = backend.alloc_persistent(DType.F32, (4, 3))
+        rows = ctx.from_numpy(np.ones((3, 4), np.float32))
+        assert lib.pyg_set_rows(g, cache._p, rows._p, scores.argsort().view(0, (3,))._p) == ffi.NULL
+        for eps in (-1.0, float("nan"), float("inf")):
+            assert lib.pyg_norm(g, tensor._FN["rms_norm"], table._p, eps) == ffi.NULL
+        assert lib.pyg_soft_max(g, table._p, ffi.NULL, 1.0, 8.0) == ffi.NULL
+        q81 = backend.alloc_persistent(DType.Q8_1, (32, 4))
+        assert lib.pyg_get_rows(g, q81._p, inputs._p) == ffi.NULL
+        wide = ctx.empty(DType.F32, 1, 2**40)
+        assert lib.pyg_mul_mat(g, wide._p, wide._p) == ffi.NULL

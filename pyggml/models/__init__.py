@@ -105,8 +105,12 @@ class Model:
         raise NotImplementedError(f"{self.architecture}: context shift is not implemented")
 
     def close(self) -> None:
+        """Free the cache and the weights. Dropping the cache also breaks the cycle model -> cache ->
+        ``model.shift`` (the cache's shift function), so the model and everything it holds go as soon as
+        the caller lets go of it, not at the next garbage collection (~2.5 MB per model otherwise)."""
         if self.cache is not None:
             self.cache.close()
+            self.cache = None
         self.backend.close()
 
 
@@ -135,7 +139,7 @@ def _import_builtin() -> None:
 
 def load(path: str | os.PathLike, params: BackendParams | None = None, progress: ProgressFn | None = None) -> Model:
     """Load a GGUF file and build the model its architecture names, with its tokenizer."""
-    from pyggml.backend import Backend
+    from pyggml.backend import Backend, GGUFError
     from pyggml.tokenizer import from_metadata
 
     _import_builtin()
@@ -146,7 +150,10 @@ def load(path: str | os.PathLike, params: BackendParams | None = None, progress:
         if cls is None:
             raise ModelError(f"{path}: unsupported architecture {arch or '(none)'!r}; "
                              f"supported: {', '.join(sorted(_REGISTRY))}")
-        model = cls(backend)
+        try:
+            model = cls(backend)
+        except GGUFError as exc:  # a hyper-parameter of the wrong type or out of range (Config's getters)
+            raise ModelError(f"{path}: {exc}") from None
         model.config = backend.config
         model.tokenizer = from_metadata(backend.config) if "tokenizer.ggml.model" in backend.config else None
         return model

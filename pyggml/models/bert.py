@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyggml import nn
-from pyggml.backend import Backend, Context
+from pyggml.backend import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Backend, Context
 from pyggml.models import Batch, Model, ModelError, Pooling, register
 from pyggml.tensor import Tensor
 
@@ -35,8 +35,8 @@ class Options:
 
     @classmethod
     def from_config(cls, config) -> Options:
-        hidden = config.uint("embedding_length")
-        n_heads = config.uint("attention.head_count")
+        hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
+        n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
         if not hidden or not n_heads or hidden % n_heads:
             raise ModelError(f"bert: embedding_length ({hidden}) must be a non-zero multiple of "
                              f"attention.head_count ({n_heads})")
@@ -53,14 +53,14 @@ class Options:
             raise ModelError("bert: rank pooling (rerankers) is not supported")
         return cls(
             hidden_size=hidden,
-            n_layers=config.uint("block_count"),
+            n_layers=config.uint("block_count", min=1, max=MAX_LAYERS),
             n_heads=n_heads,
             head_dim=hidden // n_heads,
-            ffn_size=config.uint("feed_forward_length"),
+            ffn_size=config.uint("feed_forward_length", min=1, max=MAX_WIDTH),
             vocab_size=len(config.get("tokenizer.ggml.tokens", ())) or None,
-            n_token_types=config.uint("tokenizer.ggml.token_type_count", None),
-            context_length=config.uint("context_length", 512),
-            eps=config.float("attention.layer_norm_epsilon", 1e-12),
+            n_token_types=config.uint("tokenizer.ggml.token_type_count", None, max=MAX_VOCAB),
+            context_length=config.uint("context_length", 512, min=1, max=MAX_CONTEXT),
+            eps=config.float("attention.layer_norm_epsilon", 1e-12, min=0.0, max=1.0),
             pooling=pooling,
         )
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 
 from pyggml import nn
-from pyggml.backend import Backend, Context
+from pyggml.backend import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Backend, Context
 from pyggml.kvcache import Causal
 from pyggml.models import Batch, Model, ModelError, register
 from pyggml.tensor import RopeType, Tensor
@@ -33,26 +33,27 @@ class Options:
 
     @classmethod
     def from_config(cls, config) -> Options:
-        hidden = config.uint("embedding_length")
-        n_heads = config.uint("attention.head_count")
+        hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
+        n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
         if not hidden or not n_heads:
             raise ModelError("llama: embedding_length and attention.head_count must be set and non-zero")
-        head_dim = config.uint("attention.key_length", 0) or hidden // n_heads
-        n_kv_heads = config.uint("attention.head_count_kv", 0) or n_heads
+        head_dim = config.uint("attention.key_length", 0, max=MAX_WIDTH) or hidden // n_heads
+        n_kv_heads = config.uint("attention.head_count_kv", 0, max=n_heads) or n_heads
         if n_heads % n_kv_heads:
             raise ModelError(f"llama: {n_heads} heads are not a multiple of {n_kv_heads} KV heads")
-        n_rot = config.uint("rope.dimension_count", 0) or head_dim
+        n_rot = config.uint("rope.dimension_count", 0, max=head_dim) or head_dim
         return cls(
             hidden_size=hidden,
-            n_layers=config.uint("block_count"),
+            n_layers=config.uint("block_count", min=1, max=MAX_LAYERS),
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
             head_dim=head_dim,
-            head_dim_v=config.uint("attention.value_length", 0) or head_dim,
-            ffn_size=config.uint("feed_forward_length"),
-            vocab_size=config.uint("vocab_size", 0) or len(config.get("tokenizer.ggml.tokens", ())) or None,
-            context_length=config.uint("context_length", 2048),
-            eps=config.float("attention.layer_norm_rms_epsilon", 1e-5),
+            head_dim_v=config.uint("attention.value_length", 0, max=MAX_WIDTH) or head_dim,
+            ffn_size=config.uint("feed_forward_length", min=1, max=MAX_WIDTH),
+            vocab_size=config.uint("vocab_size", 0, max=MAX_VOCAB) or len(config.get("tokenizer.ggml.tokens", ()))
+            or None,
+            context_length=config.uint("context_length", 2048, min=1, max=MAX_CONTEXT),
+            eps=config.float("attention.layer_norm_rms_epsilon", 1e-5, min=0.0, max=1.0),
             rope=nn.Rope.from_config(config, n_rot, RopeType.NORMAL),
         )
 
