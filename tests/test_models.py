@@ -8,7 +8,7 @@ import gguf
 import pytest
 
 import pyggml
-from pyggml import models, nn
+from pyggml import DType, models, nn
 from pyggml.models import Batch, Input, ModelError
 from pyggml.synthetic import write_model, write_synthetic
 
@@ -103,7 +103,7 @@ class FakeBackend:
     path = "fake.gguf"
 
     def __init__(self, shapes):
-        self.tensors = {name: types.SimpleNamespace(shape=shape, name=name) for name, shape in shapes.items()}
+        self.tensors = {name: types.SimpleNamespace(shape=shape, name=name, dtype=DType.F32) for name, shape in shapes.items()}
 
     def get(self, name):
         return self.tensors.get(name)
