@@ -1,9 +1,12 @@
 """Small GGUF files the behaviour tests need and no shared file provides.
 
-- ``letters_llama(path, rope_freqs=...)``: a tiny random llama whose vocabulary is the 26 lowercase
-  letters (plus <unk>, <s>, </s>), so generated text maps back to token ids one character each, with
-  or without Llama 3.1's ``rope_freqs.weight`` (per-frequency divisors). Its query/key weights are
-  large, so attention is sharp and depends on positions: a wrong rotation changes the logits.
+- ``letters_llama(path, rope_freqs=...)``: a tiny random one-layer llama whose vocabulary is the 26
+  lowercase letters (plus <unk>, <s>, </s>), so generated text maps back to token ids one character
+  each, with or without Llama 3.1's ``rope_freqs.weight`` (per-frequency divisors). Its query/key
+  weights are large, so attention is sharp and depends on positions: a wrong rotation changes the
+  logits. Greedy decoding never picks <unk>, <s> or </s>: their output rows are zero (logit 0) while
+  the rows of 'b' and 'a' are opposite, so one of those two always scores >= 0 (no end token, by
+  construction rather than by luck).
 - ``with_chat_template(src, dst, template)``: a byte-for-byte copy of a GGUF with one more key,
   ``tokenizer.chat_template`` (e.g. stories260K, a trained model, with a multi-turn template).
 """
@@ -17,6 +20,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from pyggml.models import Input
+from pyggml.runner import InputCache
+
 LETTERS = string.ascii_lowercase
 LETTER_IDS = {c: 3 + i for i, c in enumerate(LETTERS)}  # after <unk>, <s>, </s>
 LETTER_VOCAB = 3 + len(LETTERS)
@@ -24,7 +30,11 @@ LETTER_VOCAB = 3 + len(LETTERS)
 ROPE_FREQS = np.geomspace(1.0, 40.0, 8).astype(np.float32)
 
 
-def letters_llama(path: str | Path, *, rope_freqs: np.ndarray | None = None, seed: int = 7) -> Path:
+CONCAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def letters_llama(path: str | Path, *, rope_freqs: np.ndarray | None = None, seed: int = 7,
+                  chat_template: str | None = None) -> Path:
     """Write the letters llama (1 layer, hidden 32, 2 heads of 16, 1 KV head)."""
     path = Path(path)
     hidden, n_heads, n_kv, head_dim, ffn, n_layers = 32, 2, 1, 16, 64, 1
@@ -50,6 +60,8 @@ def letters_llama(path: str | Path, *, rope_freqs: np.ndarray | None = None, see
     writer.add_eos_token_id(2)
     writer.add_add_bos_token(True)
     writer.add_add_space_prefix(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
 
     def matrix(rows: int, cols: int, scale: float) -> np.ndarray:
         return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
@@ -72,7 +84,10 @@ def letters_llama(path: str | Path, *, rope_freqs: np.ndarray | None = None, see
         writer.add_tensor(p + "ffn_up.weight", matrix(ffn, hidden, hidden ** -0.5))
         writer.add_tensor(p + "ffn_down.weight", matrix(hidden, ffn, ffn ** -0.5))
     writer.add_tensor("output_norm.weight", norm())
-    writer.add_tensor("output.weight", matrix(LETTER_VOCAB, hidden, 1.0))
+    output = matrix(LETTER_VOCAB, hidden, 1.0)
+    output[:3] = 0.0
+    output[LETTER_IDS["b"]] = -output[LETTER_IDS["a"]]
+    writer.add_tensor("output.weight", output)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -87,6 +102,29 @@ def letters_to_ids(text: str) -> list[int]:
 def only_letters_bias() -> dict[int, float]:
     """A logit_bias that bans <unk>, <s> and </s> (so only letters are generated)."""
     return {0: -float("inf"), 1: -float("inf"), 2: -float("inf")}
+
+
+# ---- what a shifting cache holds ------------------------------------------------------------------
+
+def cache_states(prompt: list[int], generated: list[int], num_ctx: int, num_keep: int) -> tuple[list, int]:
+    """For each generated token, the tokens in the cache (position order) its logits came from;
+    and how many shifts happened."""
+    planner = InputCache(num_ctx, 1)
+    cache, states, shifts = list(prompt), [list(prompt)], 0
+    for token in generated[:-1]:
+        if len(cache) >= num_ctx:
+            discard = planner.shift_discard([Input(token=t) for t in cache], num_keep)
+            del cache[num_keep:num_keep + discard]
+            shifts += 1
+        cache.append(token)
+        states.append(list(cache))
+    return states, shifts
+
+
+def log_softmax(row: np.ndarray) -> np.ndarray:
+    row = row.astype(np.float64)
+    m = row.max()
+    return row - m - np.log(np.exp(row - m).sum())
 
 
 # ---- a GGUF with one more string key ----------------------------------------------------------------

@@ -19,10 +19,17 @@ import numpy as np
 import pytest
 
 import pyggml
-from pyggml.models import Input
-from pyggml.runner import CompletionRequest, InputCache, Runner
+from pyggml.runner import CompletionRequest, Runner
 
-from ._models import LETTER_IDS, ROPE_FREQS, letters_llama, letters_to_ids, only_letters_bias
+from ._models import (
+    LETTER_IDS,
+    ROPE_FREQS,
+    cache_states,
+    letters_llama,
+    letters_to_ids,
+    log_softmax,
+    only_letters_bias,
+)
 
 NUM_CTX = 32
 NUM_KEEP = 4
@@ -45,27 +52,6 @@ def reference(model_path):
     """An LLM with room for everything (never shifts): scores token lists from scratch."""
     with pyggml.load(model_path, n_threads=2, num_ctx=128, cache_type="f32") as llm:
         yield llm
-
-
-def cache_states(prompt: list[int], generated: list[int], num_ctx: int, num_keep: int) -> tuple[list, int]:
-    """For each generated token, the tokens in the cache (position order) its logits came from;
-    and how many shifts happened."""
-    planner = InputCache(num_ctx, 1)
-    cache, states, shifts = list(prompt), [list(prompt)], 0
-    for token in generated[:-1]:
-        if len(cache) >= num_ctx:
-            discard = planner.shift_discard([Input(token=t) for t in cache], num_keep)
-            del cache[num_keep:num_keep + discard]
-            shifts += 1
-        cache.append(token)
-        states.append(list(cache))
-    return states, shifts
-
-
-def log_softmax(row: np.ndarray) -> np.ndarray:
-    row = row.astype(np.float64)
-    m = row.max()
-    return row - m - np.log(np.exp(row - m).sum())
 
 
 def test_runner_logprobs_after_a_shift_equal_a_fresh_computation(model_path, reference):
