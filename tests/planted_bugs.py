@@ -76,7 +76,7 @@ BUGS = [
         "        return self.options.rope(key, shift, None)",
         ("tests/test_shift_e2e.py",), "context shift re-applies rope without rope_freqs"),
     Bug("top-p-64", "pyggml/sample.py",
-        "        k = min(8 * k, probs.size)", "        return top",
+        "        if cum[-1] >= p or k == probs.size:", "        if True:",
         ("tests/test_sample.py",), "the top-p nucleus is capped at the 64 most likely tokens"),
     Bug("make-model-type", "pyggml/bench.py",
         "write_synthetic(args.out, args.shape, args.type, seed=args.seed)",
