@@ -5,6 +5,7 @@ each one fail (a hand-written mutation run; see tests/README.md). Not a test mod
     python -m tests.planted_bugs --list         # the bugs and their target tests
     python -m tests.planted_bugs -b top-p-64 -b make-model-type   # only these
     python -m tests.planted_bugs --baseline     # first check the targets pass on the unmodified copy
+    python -m tests.planted_bugs --check        # only check that every bug still applies (no tests run)
 
 A bug is "caught" when pytest fails on its target tests (exit status 1, or the process crashed),
 "MISSED" when they pass,
@@ -80,8 +81,8 @@ BUGS = [
         "        if cum[-1] >= p or k == probs.size:", "        if True:",
         ("tests/test_sample.py",), "the top-p nucleus is capped at the 64 most likely tokens"),
     Bug("make-model-type", "pyggml/bench.py",
-        "write_synthetic(args.out, args.shape, args.type, seed=args.seed)",
-        'write_synthetic(args.out, args.shape, "q4_0", seed=args.seed)',
+        "write_synthetic(args.out, args.shape, args.type, seed=args.seed",
+        'write_synthetic(args.out, args.shape, "q4_0", seed=args.seed',
         ("tests/test_bench.py",), "make-model ignores --type"),
     Bug("rope-refuses-f16", "pyggml/tensor.py",
         '        if self._p.type not in (DType.F32, DType.F16):\n            raise TypeError(f"rope: needs F32 or F16',
@@ -164,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-b", "--bug", action="append", help="run only this bug (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the bugs and their targets")
     parser.add_argument("--baseline", action="store_true", help="check the targets pass unmodified first")
+    parser.add_argument("--check", action="store_true", help="only check that each bug's text is in the source")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     args = parser.parse_args(argv)
     bugs = BUGS
@@ -176,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         for b in bugs:
             print(f"{b.name:32} {b.path:28} {' '.join(b.targets)}")
         return 0
+    if args.check:
+        stale = [b for b in bugs if (ROOT / b.path).read_text().count(b.old) != 1]
+        for b in stale:
+            print(f"stale   {b.name:32} the text to replace is not in {b.path} exactly once")
+        print(f"{len(bugs) - len(stale)} of {len(bugs)} bugs apply")
+        return 1 if stale else 0
     return run(bugs, args.baseline, args.pytest_args)
 
 
