@@ -88,6 +88,22 @@ BUGS = [
         '        if self._p.type not in (DType.F32, DType.F16):\n            raise TypeError(f"rope: needs F32 or F16',
         '        if self._p.type not in (DType.F32,):\n            raise TypeError(f"rope: needs F32 or F16',
         ("tests/test_checked_ops.py",), "the Python rope check refuses F16 that the C path accepts"),
+    # beyond issue 18: bugs the suite already caught, kept here so it stays that way
+    Bug("logit-bias-ignored", "pyggml/sample.py",
+        "            logits[self._bias_ids] += self._bias_values", "            pass",
+        ("tests/test_sample.py",), "the sampler ignores logit_bias"),
+    Bug("temperature-ignored", "pyggml/sample.py",
+        "        cdf = np.cumsum(_softmax(vals / self.temperature))", "        cdf = np.cumsum(_softmax(vals))",
+        ("tests/test_sample.py",), "sampling ignores the temperature"),
+    Bug("stop-prefix-not-held-back", "pyggml/runner/sequence.py",
+        "        emit = len(self._text) - partial_stop(self._text, self.stops)", "        emit = len(self._text)",
+        ("tests/test_runner.py::test_stop_string_split_across_tokens_is_held_back_and_cut",),
+        "streamed text that may begin a stop string is not held back"),
+    Bug("chat-double-bos", "pyggml/chat.py", "        del ids[0]", "        pass",
+        ("tests/test_chat.py", "tests/test_chat_e2e.py"), "a template's BOS is doubled by the tokenizer's"),
+    Bug("runner-num-keep-ignored", "pyggml/runner/runner.py",
+        "min(num_keep, self.num_ctx - 1)", "min(4, self.num_ctx - 1)",
+        (f"{HTTP}::test_num_keep_survives_a_context_shift",), "the runner ignores a request's num_keep"),
     # the alignment and block-size checks of Backend._check_tensors cannot be caught: ggml's gguf reader
     # refuses those files first (test_crafted_bad_files pins its reasons); the size check is ours alone
     Bug("gguf-size-check-removed", "pyggml/backend.py",
