@@ -103,7 +103,8 @@ class FakeBackend:
     path = "fake.gguf"
 
     def __init__(self, shapes):
-        self.tensors = {name: types.SimpleNamespace(shape=shape, name=name, dtype=DType.F32) for name, shape in shapes.items()}
+        self.tensors = {name: types.SimpleNamespace(shape=shape, name=name, dtype=DType.F32)
+                        for name, shape in shapes.items()}
 
     def get(self, name):
         return self.tensors.get(name)
