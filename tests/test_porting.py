@@ -48,6 +48,29 @@ def test_tap_records_only_inside_capture():
     backend.close()
 
 
+def test_every_registered_architecture_taps_its_states(tmp_path):
+    """What `pyggml compare` reads: token_embd, every block's output and (generating models) output_norm
+    and output, from a tiny synthetic file of each architecture in the registry test."""
+    try:
+        from pyggml.synthetic import write_model
+
+        from .test_architectures import TINY
+    except ImportError:
+        pytest.skip("needs the registry-wide test's tiny configs (tests/test_architectures.py)")
+    from pyggml import models
+    from pyggml.porting import _pyggml_states
+
+    for arch in sorted(models.registry()):
+        path = write_model(tmp_path / f"{arch}.gguf", arch, TINY[arch], "f32", seed=1)
+        ours = _pyggml_states(path, "", [1, 2, 3, 4, 5], n_threads=1)
+        names = [name for name in ours.states if name.count(".") < 2]  # not finer taps inside blocks
+        assert names[0] == "token_embd", arch
+        assert [name for name in names if name.startswith("blk.")] == [f"blk.{i}" for i in range(ours.n_blocks)], arch
+        if models.registry()[arch].generates:
+            assert names[-2:] == ["output_norm", "output"], arch
+        assert all(state.shape[0] == 5 for state in ours.states.values()), arch
+
+
 def test_comparison_names_the_first_state_past_the_tolerance():
     def layer(name: str, error: float, shape=(3, 4), ref_shape=(3, 4)) -> LayerError:
         return LayerError(name, shape, ref_shape, error, error, "m." + name)
