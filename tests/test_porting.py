@@ -49,8 +49,9 @@ def test_tap_records_only_inside_capture():
 
 
 def test_every_registered_architecture_taps_its_states(tmp_path):
-    """What `pyggml compare` reads: token_embd, every block's output and (generating models) output_norm
-    and output, from a tiny synthetic file of each architecture in the registry test."""
+    """What `pyggml compare` reads: every block's output, output_norm (generating models) and, where
+    they match Hugging Face's modules, token_embd first and output last; from a tiny synthetic file of
+    each architecture in the registry test."""
     try:
         from pyggml.synthetic import write_model
 
@@ -64,10 +65,10 @@ def test_every_registered_architecture_taps_its_states(tmp_path):
         path = write_model(tmp_path / f"{arch}.gguf", arch, TINY[arch], "f32", seed=1)
         ours = _pyggml_states(path, "", [1, 2, 3, 4, 5], n_threads=1)
         names = [name for name in ours.states if name.count(".") < 2]  # not finer taps inside blocks
-        assert names[0] == "token_embd", arch
         assert [name for name in names if name.startswith("blk.")] == [f"blk.{i}" for i in range(ours.n_blocks)], arch
+        assert "token_embd" not in names or names[0] == "token_embd", arch  # Gemma 2 scales outside HF's module
         if models.registry()[arch].generates:
-            assert names[-2:] == ["output_norm", "output"], arch
+            assert "output_norm" in names and names[-1] in ("output_norm", "output"), arch
         assert all(state.shape[0] == 5 for state in ours.states.values()), arch
 
 
@@ -184,6 +185,31 @@ def test_other_converted_fixtures_agree_layer_by_layer(case, tmp_path):
 
 
 @needs_reference
+def test_logits_compared_when_the_model_changes_them_after_its_output_tap(tiny_llama, monkeypatch):
+    """A final soft-cap (Gemma 2) comes after the tapped output projection: the returned logits are then
+    compared as "logits" with the reference model's final logits."""
+    from pyggml import porting
+    from pyggml.models import llama
+
+    forward = llama.Llama.forward
+    monkeypatch.setattr(llama.Llama, "forward", lambda self, ctx, batch: forward(self, ctx, batch).scale(1.0))
+    result = porting.compare(*tiny_llama, PROMPT, n_threads=2)
+    assert [x.name for x in result.layers] == [*LLAMA_STATES, "logits"]
+    assert result.layers[-1].module == "(the model's logits)" and result.ok, result.table()
+
+
+def test_reference_logits_cut_to_the_gguf_vocabulary():
+    from pyggml.porting import _vocab_rows
+
+    notes: list[str] = []
+    ref = np.arange(12.0).reshape(2, 6)
+    assert _vocab_rows("logits", np.zeros((2, 4)), ref, notes).shape == (2, 4)
+    assert notes == ["logits: transformers has 6 vocabulary columns, the GGUF 4; compared the first 4"]
+    assert _vocab_rows("blk.0", np.zeros((2, 4)), ref, notes) is ref  # hidden states: never cut
+    assert _vocab_rows("output", np.zeros((3, 4)), ref, notes) is ref  # not the same tokens: a real mismatch
+
+
+@needs_reference
 def test_reference_modules_from_the_gguf_name_map(tiny_llama):
     import transformers
 
@@ -194,7 +220,8 @@ def test_reference_modules_from_the_gguf_name_map(tiny_llama):
     assert found["blk.1"] == "model.layers.1" and found["output"] == "lm_head"
     assert found["blk.0.attn_output"] == "model.layers.0.self_attn.o_proj"  # finer taps have references too
     assert found["blk.1.ffn_down"] == "model.layers.1.mlp.down_proj"
-    assert reference_modules(hf, "no-such-arch", 2) == {}
+    # an architecture gguf knows no names for: the embeddings and the output by transformers' accessors
+    assert reference_modules(hf, "no-such-arch", 2) == {"token_embd": "model.embed_tokens", "output": "lm_head"}
 
 
 @needs_reference
