@@ -281,6 +281,11 @@ def test_compare_cli(tiny_llama, tmp_path, capsys):
     assert data["first_divergence"] == "output_norm" and data["layers"][3]["module"] == "model.layers.1"
     with pytest.raises(SystemExit):
         main(["compare", str(hf_dir), str(gguf_path), "--module", "output_norm"])
+    assert main(["compare", str(hf_dir), str(gguf_path), "--tokens", "1,17,42,99", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == [1, 17, 42, 99]
+    for bad in (["--tokens", "1,x"], ["--tokens", "1", "--prompt", "hi"]):
+        with pytest.raises(SystemExit):
+            main(["compare", str(hf_dir), str(gguf_path), *bad])
     assert main(["compare", str(hf_dir), str(gguf_path), "--module", "output_norm=no.such.module"]) == 1
     assert "no module 'no.such.module'" in capsys.readouterr().err
 
