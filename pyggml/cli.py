@@ -171,6 +171,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return ids
+
+
 def _tap_module(text: str) -> tuple[str, str]:
     tap, sep, module = text.partition("=")
     if not sep or not tap or not module:
@@ -182,7 +192,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Print the per-layer table; exit status 1 when a layer diverges beyond the tolerance."""
     from pyggml import porting
 
-    options = {"prompt": args.prompt, "tolerance": args.tolerance, "n_threads": args.threads,
+    if args.prompt is not None and args.tokens is not None:
+        raise SystemExit("pyggml compare: give --prompt or --tokens, not both")
+    options = {"prompt": args.prompt, "tokens": args.tokens, "tolerance": args.tolerance, "n_threads": args.threads,
                "llama_cpp": args.llama_cpp, "modules": dict(args.module) or None}
     try:
         result = porting.compare(args.hf_dir, _model_path(args.gguf),
@@ -244,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("hf_dir", help="Hugging Face model directory (config.json + weights)")
     compare.add_argument("gguf", help="the GGUF file converted from it")
     compare.add_argument("--prompt", default=None, help="text to run (tokenized by the GGUF's tokenizer)")
+    compare.add_argument("--tokens", default=None, type=_token_ids, metavar="ID,ID,...",
+                         help="token ids to run instead of a prompt (e.g. 1,17,42)")
     compare.add_argument("--tolerance", type=float, default=None,
                          help="relative error beyond which a state diverges (default by the weight type: 1e-3 "
                               "for F32, 1e-2 for F16/BF16, 5e-2 for Q8_0/Q6_K, 0.2 below)")

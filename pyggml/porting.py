@@ -33,6 +33,9 @@ DEFAULT_PROMPT = "The quick brown fox jumps over the lazy dog. 1, 2, 3: café!"
 # room for a few dozen layers (measured on the tiny test models: F32 ~4e-7, F16 ~7e-4, Q8_0 ~2e-2).
 TOLERANCES = {"F32": 1e-3, "F16": 1e-2, "BF16": 1e-2, "Q8_0": 5e-2, "Q6_K": 5e-2}
 LOW_BIT_TOLERANCE = 0.2  # every other (4-5 bit and below) type
+# The model's final logits, compared by that name when the model does not tap them as "output" (as when
+# it soft-caps them after the output projection), and what llama.cpp's logits are compared with.
+LOGITS = "logits"
 
 
 @dataclass(frozen=True)
@@ -161,12 +164,13 @@ def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str
         if name not in refs:
             unmatched.append(name)
             continue
-        layers.append(_layer_error(name, state, refs[name], where[name]))
+        layers.append(_layer_error(name, state, _vocab_rows(name, state, refs[name], notes), where[name]))
     theirs = None
-    if llama_cpp and "output" not in refs:
-        notes.append("llama.cpp not compared: no reference logits (an embedding model, or no lm_head found)")
+    if llama_cpp and LOGITS not in refs:
+        notes.append("llama.cpp not compared: the reference model gives no logits (an embedding model)")
     elif llama_cpp:
-        theirs = _layer_error("output", llama_cpp_logits(gguf_path, ids, n_threads), refs["output"], "lm_head")
+        state = llama_cpp_logits(gguf_path, ids, n_threads)
+        theirs = _layer_error(LOGITS, state, _vocab_rows(LOGITS, state, refs[LOGITS], []), where[LOGITS])
     if tolerance is None:
         tolerance = TOLERANCES.get(ours.weight_type, LOW_BIT_TOLERANCE)
     return Comparison(tokens=ids, tolerance=float(tolerance), layers=layers, weight_type=ours.weight_type,
@@ -188,6 +192,17 @@ def _layer_error(name: str, state: np.ndarray, ref: np.ndarray, module: str) -> 
         return LayerError(name, state.shape, ref.shape, math.inf, math.inf, module)
     error, max_error = relative_error(state, ref)
     return LayerError(name, state.shape, ref.shape, error, max_error, module)
+
+
+def _vocab_rows(name: str, state: np.ndarray, ref: np.ndarray, notes: list[str]) -> np.ndarray:
+    """The reference logits cut to the GGUF's vocabulary when the checkpoint pads its embedding
+    matrix past the tokenizer (and the converter wrote only the real rows)."""
+    if name in ("output", LOGITS) and state.ndim == ref.ndim == 2 and state.shape[0] == ref.shape[0] \
+            and state.shape[1] < ref.shape[1]:
+        notes.append(f"{name}: transformers has {ref.shape[1]} vocabulary columns, the GGUF {state.shape[1]}; "
+                     f"compared the first {state.shape[1]}")
+        return ref[:, :state.shape[1]]
+    return ref
 
 
 def _as_rows(array: np.ndarray, n_tokens: int) -> np.ndarray:
@@ -241,6 +256,8 @@ def _pyggml_states(gguf_path: str | os.PathLike, prompt: str, tokens: Sequence[i
                                  "tensor) in its forward (see docs/porting.md)")
             ctx.compute(out, *taps.values())
             states = {name: _as_rows(t.numpy(), n).copy() for name, t in taps.items()}
+            if model.generates and taps.get("output") is not out:  # e.g. soft-capped after the projection
+                states[LOGITS] = _as_rows(out.numpy(), n).copy()
         return _Ours(states, ids, model.architecture, model.backend.config.uint("block_count", 0) or 0,
                      _main_weight_type(model.backend))
     finally:
@@ -350,10 +367,12 @@ def _reference_states(hf_dir: str | os.PathLike, ids: list[int], arch: str, n_bl
     handles = [named[module].register_forward_hook(hook(name)) for name, module in where.items()]
     try:
         with torch.no_grad():
-            model(input_ids=torch.tensor([ids], dtype=torch.long))
+            result = model(input_ids=torch.tensor([ids], dtype=torch.long))
     finally:
         for handle in handles:
             handle.remove()
+    if getattr(result, "logits", None) is not None:  # a language model's final logits (after any soft-cap)
+        states[LOGITS], where[LOGITS] = result.logits.detach().float().cpu().numpy(), "(the model's logits)"
     n = len(ids)
     return {name: _as_rows(state[0] if state.ndim >= 3 and state.shape[0] == 1 else state, n)
             for name, state in states.items()}, where
@@ -363,17 +382,16 @@ def reference_modules(model: Any, arch: str, n_blocks: int) -> dict[str, str]:
     """Tap name -> Hugging Face module name for ``model`` (a torch module), from ``gguf``'s tensor
     name map for the GGUF architecture ``arch``: every module that maps to a GGUF tensor gives that
     tensor's name (``blk.0.attn_q_norm`` -> ``model.layers.0.self_attn.q_norm``); ``blk.N`` is the
-    innermost module enclosing all that map into block N (``model.layers.N``)."""
+    innermost module enclosing all that map into block N (``model.layers.N``); ``token_embd`` and
+    ``output`` fall back on the model's ``get_input_embeddings`` / ``get_output_embeddings``."""
     import gguf
 
     archs = {name: value for value, name in gguf.MODEL_ARCH_NAMES.items()}
-    if arch not in archs:
-        return {}
-    tensor_map = gguf.get_tensor_name_map(archs[arch], max(n_blocks, 1))
+    tensor_map = gguf.get_tensor_name_map(archs[arch], max(n_blocks, 1)) if arch in archs else None
     found: dict[str, str] = {}
     blocks: dict[int, list[list[str]]] = {}
     for module_name, _ in model.named_modules():
-        gguf_name = _gguf_name(tensor_map, module_name)
+        gguf_name = _gguf_name(tensor_map, module_name) if tensor_map is not None else None
         if gguf_name is None:
             continue
         found.setdefault(gguf_name, module_name)  # also inside blocks: finer taps (blk.0.attn_q_norm)
@@ -384,6 +402,13 @@ def reference_modules(model: Any, arch: str, n_blocks: int) -> dict[str, str]:
         prefix = os.path.commonprefix(paths)  # element-wise: the common leading name components
         if prefix and len(paths) > 1 and prefix not in paths:
             found[f"blk.{index}"] = ".".join(prefix)
+    # the embeddings and the output projection by transformers' own accessors, where the map has no
+    # entry (gguf maps no output tensor for architectures whose llama.cpp files always tie it: Gemma)
+    names = {id(module): name for name, module in model.named_modules()}
+    for tap, accessor in (("token_embd", "get_input_embeddings"), ("output", "get_output_embeddings")):
+        module = getattr(model, accessor, lambda: None)()
+        if tap not in found and id(module) in names:
+            found[tap] = names[id(module)]
     return found
 
 
