@@ -225,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue", type=int, default=None,
                        help="requests that may wait for a free sequence (default: 2 x parallel); more get 503")
     serve.add_argument("--ctx", type=int, default=None, help="context per sequence (default: min(4096, trained))")
-    serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="CPU threads (default: physical cores; on a machine other work keeps busy, use fewer "
+                            "than the free cores, e.g. 1: see docs/server.md)")
     serve.add_argument("--batch-size", type=int, default=512, help="most tokens per forward pass (default: 512)")
     serve.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto",
                        help="ggml's fused flash attention (default auto: on GPUs only)")
