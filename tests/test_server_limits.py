@@ -99,6 +99,31 @@ def test_stop_lists_are_bounded(guarded):
     assert response.status_code == 200
 
 
+def test_stop_matching_finds_what_a_full_scan_finds():
+    """The automaton, fed a piece at a time with the text held back as the runner holds it, cuts
+    where ``find_stop`` over the held text cuts and holds back what ``partial_stop`` says."""
+    import random
+
+    from pyggml.runner.sequence import StopMatcher, check_stops, find_stop, partial_stop
+
+    rng = random.Random(13)
+    for _ in range(20_000):
+        stops = check_stops(["".join(rng.choice("abc") for _ in range(rng.randint(1, 5)))
+                             for _ in range(rng.randint(1, 4))])
+        matcher, held = StopMatcher(stops), ""
+        for _ in range(rng.randint(1, 8)):
+            piece = "".join(rng.choice("abc") for _ in range(rng.randint(0, 3)))
+            cut = matcher.feed(piece, len(held))
+            held += piece
+            assert cut == find_stop(held, stops), (stops, held)
+            if cut is not None:
+                break
+            assert matcher.partial == partial_stop(held, stops), (stops, held)
+            held = held[len(held) - matcher.partial:]
+    with pytest.raises(ValueError, match="stop must be"):
+        check_stops([1])
+
+
 # ---- 7: prompt size before tokenizing ----------------------------------------------------------------
 
 def test_an_oversized_prompt_is_refused_before_it_is_tokenized(guarded, monkeypatch):
