@@ -158,7 +158,7 @@ class ServedModel:
 
     def prompt_ids(self, text: str, chat: bool) -> list[int]:
         """Token ids of a prompt; a rendered chat prompt may carry its own BOS text."""
-        self.check_prompt_size(text, "messages" if chat else "prompt")
+        self.check_prompt_size(text)
         return encode_prompt(self.tokenizer, text) if chat else self.tokenizer.encode(text, add_special=True)
 
     def render(self, messages: list[dict[str, Any]], **variables: Any) -> str:
