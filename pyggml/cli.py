@@ -277,16 +277,30 @@ def build_parser() -> argparse.ArgumentParser:
     # ---- end bench ----
     serve = sub.add_parser("serve", help="serve a model over HTTP: Ollama's API (/api) and OpenAI's (/v1)")
     serve.add_argument("model", help=f"GGUF file, or '{DEMO}' for the built-in demo model")
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    serve.add_argument("--port", type=int, default=11434, help="default: 11434, Ollama's")
+    serve.add_argument("--host", default=os.environ.get("PYGGML_HOST") or "127.0.0.1",
+                       help="address to listen on, or HOST:PORT (default: $PYGGML_HOST, else 127.0.0.1: this "
+                            "machine only)")
+    serve.add_argument("--port", type=int, default=None, help="default: 11434, Ollama's")
     serve.add_argument("--parallel", type=int, default=4, help="sequences generated at once (default: 4)")
     serve.add_argument("--queue", type=int, default=None,
                        help="requests that may wait for a free sequence (default: 2 x parallel); more get 503")
     serve.add_argument("--ctx", type=int, default=None, help="context per sequence (default: min(4096, trained))")
-    serve.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    serve.add_argument("--threads", type=int, default=None,
+                       help="CPU threads (default: physical cores; on a machine other work keeps busy, use fewer "
+                            "than the free cores, e.g. 1: see docs/server.md)")
     serve.add_argument("--batch-size", type=int, default=512, help="most tokens per forward pass (default: 512)")
     serve.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto",
                        help="ggml's fused flash attention (default auto: on GPUs only)")
+    serve.add_argument("--max-predict", type=int, default=None,
+                       help="most tokens one request may generate (default: 10 x the context, as Ollama)")
+    serve.add_argument("--queue-timeout", type=float, default=60.0,
+                       help="seconds a request may wait for a free sequence before a 503 (default: 60)")
+    serve.add_argument("--allowed-hosts", default=None,
+                       help="comma-separated Host names to answer besides local ones ('*': any; default: "
+                            "$PYGGML_ALLOWED_HOSTS; a server bound to a non-loopback address answers any)")
+    serve.add_argument("--origins", default=None,
+                       help="comma-separated extra browser Origins allowed, '*' wildcards as OLLAMA_ORIGINS "
+                            "(default: $PYGGML_ORIGINS; local origins are always allowed)")
     serve.set_defaults(func=cmd_serve)
     return parser
 
@@ -294,12 +308,32 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     try:  # the HTTP stack loads only for this command
         from pyggml.server import serve
+        from pyggml.server.guard import split_list
     except ImportError as exc:
         raise SystemExit(f"pyggml serve needs starlette and uvicorn (pip install starlette uvicorn): {exc}") from exc
 
-    return serve(_model_path(args.model), host=args.host, port=args.port, parallel=args.parallel, queue=args.queue,
+    host, port = _listen_address(args.host, args.port)
+    allowed = args.allowed_hosts if args.allowed_hosts is not None else os.environ.get("PYGGML_ALLOWED_HOSTS")
+    origins = args.origins if args.origins is not None else os.environ.get("PYGGML_ORIGINS", "")
+    return serve(_model_path(args.model), host=host, port=port, parallel=args.parallel, queue=args.queue,
                  num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size,
-                 flash_attention={"on": True, "off": False}.get(args.flash_attn))
+                 flash_attention={"on": True, "off": False}.get(args.flash_attn), max_predict=args.max_predict,
+                 queue_timeout=args.queue_timeout, allowed_hosts=split_list(allowed) if allowed else None,
+                 origins=split_list(origins))
+
+
+def _listen_address(value: str, port: int | None) -> tuple[str, int]:
+    """``host``, ``host:port``, ``[v6]:port`` or ``http://host:port`` (PYGGML_HOST, as OLLAMA_HOST)."""
+    value = value.split("://", 1)[-1].rstrip("/")
+    host, tail = value, ""
+    if value.startswith("["):
+        host, _, rest = value[1:].partition("]")
+        tail = rest[1:] if rest.startswith(":") else ""
+    elif value.count(":") == 1:
+        host, tail = value.split(":")
+    if tail and not tail.isdigit():
+        raise SystemExit(f"pyggml serve: bad port in {value!r}")
+    return host or "127.0.0.1", port or (int(tail) if tail else 11434)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,7 +40,7 @@ from pyggml.models import Batch, Input, Model, ModelError, Multimodal, Multimoda
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
 from pyggml.runner.engine import Engine, Graph
 from pyggml.runner.inputcache import InputCache, ReprocessInputsError
-from pyggml.runner.sequence import MAX_LOGPROBS, CompletionRequest, CompletionStream, RunningSequence
+from pyggml.runner.sequence import MAX_LOGPROBS, CompletionRequest, CompletionStream, RunningSequence, check_stops
 from pyggml.tensor import DType
 
 log = logging.getLogger(__name__)
@@ -237,9 +237,7 @@ class Runner:
         _check_int("max_tokens", request.max_tokens, -1)
         _check_int("num_keep", request.num_keep, -1)
         _check_int("logprobs", request.logprobs, 0, MAX_LOGPROBS)
-        stops = [request.stop] if isinstance(request.stop, str) else list(request.stop)
-        if not all(isinstance(s, str) for s in stops):
-            raise ValueError(f"stop must be a string or a list of strings, got {request.stop!r}")
+        stops = check_stops(request.stop)
         bias = dict(request.logit_bias or {})
         if any(not isinstance(t, (int, np.integer)) or not 0 <= t < self.tokenizer.vocab_size for t in bias):
             raise ValueError(f"logit_bias keys must be token ids in 0..{self.tokenizer.vocab_size - 1}")
@@ -322,7 +320,7 @@ class Runner:
         """One turn of the loop: admit, build a batch, compute, sample. Returns False once closing.
         With ``block`` it waits for work; without, it returns at once when there is none."""
         with self._cond:
-            while not (self._closing or self._waiting or self._active or self._in_flight):
+            while not (self._closing or self._waiting or self._in_flight or any(not s.paused for s in self._active)):
                 if not block:
                     raise RuntimeError("internal error: a completion waits but the runner has nothing to do")
                 self._cond.wait()
@@ -388,6 +386,8 @@ class Runner:
             if seq.cancelled:
                 if not seq.outputs_in_flight:
                     self._release(seq, "cancelled")
+                continue
+            if seq.paused:  # its consumer is not reading: generate nothing until it does
                 continue
             if not seq.pending and seq.outputs_in_flight and self.build_ahead and seq.wants_logits \
                     and seq.placeholder is None:

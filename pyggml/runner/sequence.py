@@ -17,6 +17,11 @@ from pyggml.runner.inputcache import InputCacheSlot
 from pyggml.sample import Sampler, SamplingOptions, logprobs
 
 MAX_LOGPROBS = 20
+# Stop strings are checked on the runner's thread after every token of their sequence, so one
+# request's list must not be able to slow the others: at most MAX_STOPS strings (OpenAI allows 4,
+# Ollama clients send a handful) of at most MAX_STOP_CHARS characters each.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
 
 
 @dataclass
@@ -77,6 +82,20 @@ class CompletionChunk:
     prompt_logits: np.ndarray | None = None  # (prompt tokens, vocab), for a prompt_logits request
 
 
+def check_stops(stop: object) -> list[str]:
+    """The stop strings of a request's ``stop`` (a string or a sequence of strings; empty ones
+    dropped), or ValueError when it is not one or exceeds ``MAX_STOPS``/``MAX_STOP_CHARS``."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r:.80}")
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"{len(stops)} stop strings given; at most {MAX_STOPS} are allowed")
+    long = next((s for s in stops if len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise ValueError(f"a stop string of {len(long)} characters given; at most {MAX_STOP_CHARS} are allowed")
+    return [s for s in stops if s]
+
+
 def find_stop(text: str, stops: Sequence[str]) -> int | None:
     """Index of the earliest stop string in ``text``, or None."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]
@@ -84,19 +103,81 @@ def find_stop(text: str, stops: Sequence[str]) -> int | None:
 
 
 def partial_stop(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string."""
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string.
+    Only the places where a stop's first character occurs near the end are tried, so the cost is
+    about the number of stops, not the product of their lengths."""
     best = 0
     for s in stops:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
+        end = len(text) - best  # suffixes longer than best and shorter than s
+        i = text.find(s[0], max(len(text) - len(s) + 1, 0), end)
+        while i >= 0:
+            if s.startswith(text[i:]):
+                best = len(text) - i
                 break
+            i = text.find(s[0], i + 1, end)
     return best
+
+
+class StopMatcher:
+    """Finds stop strings in text fed a piece at a time (an Aho-Corasick automaton over the
+    stops): each character costs the same however many and however long the stops are. Built
+    once per request, in the caller's thread; ``feed`` runs on the runner's thread."""
+
+    def __init__(self, stops: Sequence[str]):
+        self._goto: list[dict[str, int]] = [{}]
+        self._fail = [0]
+        self._ends: list[tuple[int, ...]] = [()]  # lengths of the stops that end at each state
+        self._depth = [0]
+        for stop in stops:
+            state = 0
+            for ch in stop:
+                nxt = self._goto[state].get(ch)
+                if nxt is None:
+                    nxt = len(self._goto)
+                    self._goto[state][ch] = nxt
+                    self._goto.append({})
+                    self._fail.append(0)
+                    self._ends.append(())
+                    self._depth.append(self._depth[state] + 1)
+                state = nxt
+            self._ends[state] += (len(stop),)
+        todo = deque(self._goto[0].values())
+        while todo:  # breadth first: a state's fallback is shallower, so already linked
+            state = todo.popleft()
+            for ch, child in self._goto[state].items():
+                f = self._fail[state]
+                while f and ch not in self._goto[f]:
+                    f = self._fail[f]
+                back = self._goto[f].get(ch, 0)
+                self._fail[child] = back if back != child else 0
+                self._ends[child] += self._ends[self._fail[child]]
+                todo.append(child)
+        self._state = 0
+
+    @property
+    def partial(self) -> int:
+        """Length of the longest suffix of the text fed so far that begins a stop string."""
+        return self._depth[self._state]
+
+    def feed(self, piece: str, offset: int = 0) -> int | None:
+        """Feed the next ``piece`` of text, which starts at index ``offset`` of the caller's
+        buffer; returns the buffer index where the earliest-starting stop ending in it starts."""
+        goto, fail, ends = self._goto, self._fail, self._ends
+        state, cut = self._state, None
+        for j, ch in enumerate(piece, offset):
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            for n in ends[state]:
+                if cut is None or j - n + 1 < cut:
+                    cut = j - n + 1
+        self._state = state
+        return cut
 
 
 class RunningSequence:
     """A request while the runner works on it. Only the runner's loop thread touches it, except
-    ``cancelled`` (set by the consumer) and ``out`` (read by the consumer)."""
+    ``cancelled`` and ``max_backlog`` (set by the consumer) and ``out`` (read by the consumer)."""
 
     def __init__(self, request: CompletionRequest, prompt: list[Input], tokenizer, stops: list[str], num_keep: int):
         self.request = request
@@ -106,8 +187,10 @@ class RunningSequence:
         self.tokenizer = tokenizer
         self.decoder = tokenizer.stream(skip_special=True, continuation=True)
         self.stops = stops
+        self.matcher = StopMatcher(stops)
         self.num_keep = num_keep
-        self.slot: InputCacheSlot | None = None
+        self.admitted = threading.Event()  # set once it has a slot (or is over)
+        self._slot: InputCacheSlot | None = None
         self.pending: deque[Input] = deque()  # inputs still to put in a batch
         self.outputs_in_flight = 0  # outputs of this sequence in batches not yet sampled
         self.placeholder: Input | None = None  # an input in a built batch whose token the next sample gives
@@ -117,12 +200,30 @@ class RunningSequence:
         self.done = False
         self.scores: list[np.ndarray] | None = [] if request.prompt_logits else None  # prompt rows' logits
         self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.max_backlog: int | None = None  # pause while this many chunks wait unread (None: never)
         self.finished = threading.Event()
         self._text = ""  # decoded text held back (it may begin a stop string)
         self._tokens: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self.t_queued = time.perf_counter()
         self.t_start = self.t_first = 0.0
+
+    @property
+    def slot(self) -> InputCacheSlot | None:
+        return self._slot
+
+    @slot.setter
+    def slot(self, slot: InputCacheSlot | None) -> None:
+        """The runner admits the sequence by giving it a slot."""
+        self._slot = slot
+        if slot is not None:
+            self.admitted.set()
+
+    @property
+    def paused(self) -> bool:
+        """Whether its consumer has left ``max_backlog`` chunks unread: the runner generates no
+        more for it until they are taken (back-pressure; a cancelled sequence is never paused)."""
+        return self.max_backlog is not None and not self.cancelled and self.out.qsize() >= self.max_backlog
 
     @property
     def wants_logits(self) -> bool:
@@ -142,12 +243,13 @@ class RunningSequence:
         if self.request.logprobs:
             lp, top = logprobs(logits, token, self.request.logprobs)
             self._logprobs.append(TokenLogprob(token, lp, top))
-        self._text += self.decoder.feed(token)
-        cut = find_stop(self._text, self.stops)
+        piece = self.decoder.feed(token)
+        cut = self.matcher.feed(piece, len(self._text))
+        self._text += piece
         if cut is not None:
             self._text = self._text[:cut]
             return "stop"
-        emit = len(self._text) - partial_stop(self._text, self.stops)
+        emit = len(self._text) - self.matcher.partial
         if emit:
             self.out.put(self._chunk(self._text[:emit]))
             self._text = self._text[emit:]
@@ -159,8 +261,9 @@ class RunningSequence:
         """Send the held-back text and the final counts."""
         self.done = True
         if reason == "length":
-            self._text += self.decoder.flush()
-            cut = find_stop(self._text, self.stops)
+            piece = self.decoder.flush()
+            cut = self.matcher.feed(piece, len(self._text))
+            self._text += piece
             if cut is not None:
                 self._text, reason = self._text[:cut], "stop"
         now = time.perf_counter()
@@ -176,11 +279,13 @@ class RunningSequence:
                                 generate_seconds=now - first)
         self._text = ""
         self.out.put(chunk)
+        self.admitted.set()
         self.finished.set()
 
     def fail(self, error: BaseException) -> None:
         self.done = True
         self.out.put(error)
+        self.admitted.set()
         self.finished.set()
 
     def _chunk(self, text: str) -> CompletionChunk:
@@ -204,6 +309,9 @@ class CompletionStream(Iterator[CompletionChunk]):
             while self._seq.out.empty():
                 self._pump()
         item = self._seq.out.get()
+        limit = self._seq.max_backlog
+        if limit is not None and self._seq.out.qsize() == limit - 1:  # it was paused: resume it
+            self._wake()
         if isinstance(item, BaseException):
             self._over = True
             raise item
@@ -224,6 +332,19 @@ class CompletionStream(Iterator[CompletionChunk]):
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the runner is done with this completion (its slot is free)."""
         return self._seq.finished.wait(timeout)
+
+    def wait_admitted(self, timeout: float | None = None) -> bool:
+        """Block until the completion has a sequence slot (or is over); False after ``timeout``
+        seconds still waiting behind other requests."""
+        return self._seq.admitted.wait(timeout)
+
+    def set_max_backlog(self, chunks: int | None) -> None:
+        """Back-pressure: pause generating while ``chunks`` chunks wait unread (None: never pause,
+        the default). A paused completion keeps its slot but costs no compute."""
+        if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"max_backlog must be an int >= 1 or None, got {chunks!r}")
+        self._seq.max_backlog = chunks
+        self._wake()
 
     def __enter__(self) -> CompletionStream:
         return self

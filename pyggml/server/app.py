@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -21,23 +23,28 @@ from pyggml import models
 from pyggml.backend import BackendParams
 from pyggml.runner import Runner
 from pyggml.server import ollama, openai
+from pyggml.server.guard import Guard
 from pyggml.server.params import APIError
-from pyggml.server.service import ServedModel
+from pyggml.server.service import QUEUE_TIMEOUT, ServedModel
 from pyggml.tiny import TINY_VERSION, cache_dir
 
 log = logging.getLogger(__name__)
 
 
-def create_app(served: ServedModel) -> Starlette:
-    """The app serving ``served``: Ollama's ``/api``, OpenAI's ``/v1``, ``/health`` and ``/``."""
+def create_app(served: ServedModel, *, bind_host: str = "127.0.0.1", allowed_hosts: Iterable[str] | None = None,
+               origins: Iterable[str] = ()) -> Starlette:
+    """The app serving ``served``: Ollama's ``/api``, OpenAI's ``/v1``, ``/health`` and ``/``,
+    behind the Host/Origin/Content-Type checks of ``pyggml.server.guard`` (``bind_host`` is the
+    address the server listens on: loopback allows local Host names only)."""
     routes = [
         Route("/", _root, methods=["GET", "HEAD"]),
         Route("/health", _health, methods=["GET"]),
         *ollama.routes,
         *openai.routes,
     ]
-    app = Starlette(routes=routes, exception_handlers={APIError: _api_error, HTTPException: _http_error,
-                                                       Exception: _internal_error})
+    guard = Middleware(Guard, bind_host=bind_host, allowed_hosts=allowed_hosts, origins=origins)
+    app = Starlette(routes=routes, middleware=[guard],
+                    exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error})
     app.state.served = served
     return app
 
@@ -74,7 +81,9 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434, parallel: int = 4,
           queue: int | None = None, num_ctx: int | None = None, n_threads: int | None = None,
           batch_size: int = 512, name: str | None = None, log_level: str = "info",
-          flash_attention: bool | None = None) -> int:
+          flash_attention: bool | None = None, max_predict: int | None = None,
+          queue_timeout: float = QUEUE_TIMEOUT, allowed_hosts: Iterable[str] | None = None,
+          origins: Iterable[str] = ()) -> int:
     """Load the model and serve it until interrupted (Ctrl-C / SIGTERM)."""
     import uvicorn
 
@@ -85,11 +94,14 @@ def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434
         trained = model.context_length or 4096
         runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained), batch_size=batch_size)
         try:
-            served = ServedModel(runner, path, queue=queue, name=name)
-            config = uvicorn.Config(create_app(served), host=host, port=port, workers=1, log_level=log_level,
+            served = ServedModel(runner, path, queue=queue, name=name, max_predict=max_predict,
+                                 queue_timeout=queue_timeout)
+            app = create_app(served, bind_host=host, allowed_hosts=allowed_hosts, origins=origins)
+            config = uvicorn.Config(app, host=host, port=port, workers=1, log_level=log_level,
                                     timeout_graceful_shutdown=5)
             print(f"pyggml: serving {served.name} ({runner.parallel} sequences of {runner.num_ctx} tokens, "
-                  f"{served.queue_limit} more may wait) on http://{host}:{port}", file=sys.stderr)
+                  f"{served.queue_limit} more may wait up to {served.queue_timeout:g} s, at most "
+                  f"{served.max_predict} tokens each) on http://{host}:{port}", file=sys.stderr)
             uvicorn.Server(config).run()
         finally:
             runner.close()

@@ -56,6 +56,10 @@ async def generate(request: Request) -> Response:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise APIError(400, "context must be an array of token ids", param="context")
     options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
+    served.check_prompt_size(prompt)
+    if len(context) > served.runner.num_ctx:
+        raise APIError(400, f"context of {len(context)} tokens does not fit the context of {served.runner.num_ctx} "
+                       "tokens", param="context")
     if not prompt and not context:  # Ollama's way to load a model: nothing to generate
         return JSONResponse({"model": served.name, "created_at": _now(), "response": "", "done": True,
                              "done_reason": "load"})
@@ -65,7 +69,7 @@ async def generate(request: Request) -> Response:
         if not raw and not served.template.is_fallback:
             messages = ([{"role": "system", "content": system}] if system else []) + \
                        [{"role": "user", "content": prompt}]
-            text, chat = served.template.render(messages), True
+            text, chat = served.render(messages), True
         elif system and not raw:
             text = f"{system}\n\n{prompt}"
         if context:
@@ -102,7 +106,7 @@ async def chat(request: Request) -> Response:
             raise APIError(400, f"messages[{i}].images is not supported: the model reads text only")
 
     def prepare() -> CompletionRequest:
-        text = served.template.render(messages, tools=tools)
+        text = served.render(messages, tools=tools)
         return served.request(served.prompt_ids(text, True), logprobs=runner_logprobs(logprobs), **options)
 
     return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, _chat_piece)
@@ -229,7 +233,7 @@ async def show(request: Request) -> Response:
         info[key] = value if verbose or not isinstance(value, list) else None
     return JSONResponse({
         "license": served.model.config.get("general.license") or "",
-        "modelfile": f"FROM {served.path}\n",
+        "modelfile": f"FROM {served.path if served.show_path else served.path.name}\n",
         "parameters": f"num_ctx {served.runner.num_ctx}",
         "template": served.template.source,
         "details": served.details,

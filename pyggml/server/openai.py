@@ -151,6 +151,7 @@ def _completion_prompt(served: ServedModel, prompt: Any) -> str | list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
+        served.check_prompt_size(prompt)
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return prompt
@@ -190,7 +191,7 @@ async def chat_completions(request: Request) -> Response:
     usage = stream_usage(f)
 
     def prepare() -> CompletionRequest:
-        text = served.template.render(messages, tools=tools or None)
+        text = served.render(messages, tools=tools or None)
         return served.request(served.prompt_ids(text, True), max_tokens, logprobs=runner_logprobs(top), **sampling)
 
     def choice(chunk: CompletionChunk, text: str, lps: list[TokenLogprob], streaming: bool) -> dict[str, Any]:

@@ -12,6 +12,8 @@ import json
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from pyggml.runner.sequence import check_stops
+
 MAX_BODY_BYTES = 32 << 20
 
 
@@ -38,6 +40,8 @@ async def read_json(request: Any) -> dict[str, Any]:
         body = json.loads(bytes(data), parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {json_type(body)}")
     return body
@@ -124,14 +128,18 @@ class Fields:
             raise APIError(400, f"{self._name(key)} must be {limits}, got {value!r}", param=key)
 
     def stops(self, key: str = "stop") -> list[str] | None:
-        """A string or a list of strings."""
+        """A string or a list of strings, at most ``MAX_STOPS`` of at most ``MAX_STOP_CHARS``."""
         value = self.data.get(key)
         if value is None:
             return None
         if isinstance(value, str):
-            return [value]
+            value = [value]
         if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
             raise self._bad(key, "a string or an array of strings")
+        try:
+            check_stops(value)
+        except ValueError as exc:
+            raise APIError(400, f"{self._name(key)}: {exc}", param=key) from None
         return value
 
     def mapping(self, key: str) -> dict[str, Any] | None:

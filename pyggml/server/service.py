@@ -5,11 +5,21 @@ The event loop never waits on the model. Each completion gets a thread that rend
 tokenizes its prompt, submits it to the ``Runner`` (whose own thread computes) and forwards every
 chunk into an ``asyncio.Queue``. Threads are bounded by admission: at most ``parallel`` running
 plus ``queue`` waiting completions; one more is answered 503 with ``Retry-After``.
+
+Limits that keep one client from starving or exhausting the others:
+- ``max_predict`` caps every completion's tokens (default ``10 * num_ctx``, Ollama's cap);
+- a request that finds no free sequence within ``queue_timeout`` seconds gets a 503;
+- a stream's chunks are buffered at most ``MAX_BACKLOG`` deep in the runner and again in the
+  event loop; beyond that its sequence pauses, and after ``stall_timeout`` seconds unread it is
+  cancelled (its client stopped reading);
+- a prompt longer in bytes than ``num_ctx`` tokens can cover is refused before it is tokenized,
+  and a chat template renders within operation, size and time limits (``pyggml.chat``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import threading
@@ -22,20 +32,34 @@ import numpy as np
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from pyggml.chat import ChatTemplate, encode_prompt
+from pyggml.chat import MIN_TEMPLATE_CHARS, ChatTemplate, encode_prompt
 from pyggml.runner import CompletionChunk, CompletionRequest, Runner, RunnerClosedError
 from pyggml.server.params import APIError
 
 RETRY_AFTER_SECONDS = 1
+MAX_PREDICT_FACTOR = 10  # default max_predict, in contexts: Ollama caps num_predict at 10 * num_ctx
+QUEUE_TIMEOUT = 60.0  # seconds a request may wait for a free sequence before its 503
+STALL_TIMEOUT = 60.0  # seconds a stream may go unread before its completion is cancelled
+MAX_BACKLOG = 64  # chunks of one stream buffered between the runner and the client, per stage
 
 
 class ServedModel:
     """The one model a server serves: its runner, the names clients may call it by, what
     ``/api/show`` and ``/v1/models`` report, and admission control."""
 
-    def __init__(self, runner: Runner, path: str | os.PathLike, queue: int | None = None, name: str | None = None):
+    def __init__(self, runner: Runner, path: str | os.PathLike, queue: int | None = None, name: str | None = None,
+                 *, max_predict: int | None = None, queue_timeout: float = QUEUE_TIMEOUT,
+                 stall_timeout: float = STALL_TIMEOUT, show_path: bool = False):
         if queue is not None and (not isinstance(queue, int) or queue < 0):
             raise ValueError(f"queue must be an int >= 0, got {queue!r}")
+        if max_predict is not None and (not isinstance(max_predict, int) or max_predict < 1):
+            raise ValueError(f"max_predict must be an int >= 1, got {max_predict!r}")
+        for key, value in (("queue_timeout", queue_timeout), ("stall_timeout", stall_timeout)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{key} must be a number of seconds > 0, got {value!r}")
+        self.max_predict = max_predict or MAX_PREDICT_FACTOR * runner.num_ctx
+        self.queue_timeout, self.stall_timeout = float(queue_timeout), float(stall_timeout)
+        self.show_path = show_path  # /api/show names the file's absolute path only when asked to
         self.runner, self.model, self.tokenizer = runner, runner.model, runner.tokenizer
         self.path = Path(path)
         self.name = name or self.path.stem
@@ -45,6 +69,7 @@ class ServedModel:
             self.aliases.add(general)
         self.queue_limit = 2 * runner.parallel if queue is None else queue
         self.template = ChatTemplate.from_model(self.model)
+        self.max_prompt_bytes = _max_prompt_bytes(self.tokenizer, runner.num_ctx)
         stat = self.path.stat()
         self.size, self.modified = stat.st_size, stat.st_mtime
         self.modified_at = datetime.fromtimestamp(stat.st_mtime, timezone.utc).isoformat().replace("+00:00", "Z")
@@ -104,7 +129,7 @@ class ServedModel:
             outstanding = self._outstanding
         return {"status": "ok", "model": self.name, "slots_total": self.runner.parallel,
                 "slots_in_use": self.runner.active_sequences, "requests": outstanding,
-                "queue_limit": self.queue_limit}
+                "queue_limit": self.queue_limit, "max_predict": self.max_predict}
 
     def start(self, prepare: Callable[[], CompletionRequest]) -> Job:
         """Admit a completion (503 when full) and start it; ``prepare`` runs in the job's thread.
@@ -119,16 +144,36 @@ class ServedModel:
             self.release()
             raise
 
+    def check_prompt_size(self, text: str, param: str = "prompt") -> None:
+        """400 for a prompt too long to fit the context, judged by its length in bytes before it
+        is tokenized (tokenizing megabytes costs gigabytes): no token of the vocabulary covers
+        more than ``max_prompt_bytes / num_ctx`` bytes."""
+        if self.max_prompt_bytes is None or len(text) * 4 <= self.max_prompt_bytes:  # UTF-8: <= 4 bytes a char
+            return
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > self.max_prompt_bytes:
+            raise APIError(400, f"{param} of {size} bytes does not fit the context of {self.runner.num_ctx} tokens "
+                           f"(no token covers more than {self.max_prompt_bytes // self.runner.num_ctx} bytes): "
+                           "shorten it", param=param)
+
     def prompt_ids(self, text: str, chat: bool) -> list[int]:
         """Token ids of a prompt; a rendered chat prompt may carry its own BOS text."""
+        self.check_prompt_size(text)
         return encode_prompt(self.tokenizer, text) if chat else self.tokenizer.encode(text, add_special=True)
+
+    def render(self, messages: list[dict[str, Any]], **variables: Any) -> str:
+        """The chat prompt of ``messages``; the template may produce at most what can fit the
+        context (and holds to ``pyggml.chat``'s operation and time limits)."""
+        limit = max(self.max_prompt_bytes or 0, MIN_TEMPLATE_CHARS)
+        return self.template.render(messages, max_chars=limit, **variables)
 
     def request(self, ids: list[int], max_tokens: int | None = None, **options: Any) -> CompletionRequest:
         """A completion of prompt ``ids``; ``max_tokens=None`` generates up to the end of the context
-        (Ollama's default; the engine's context shift would otherwise let a model run forever)."""
+        (Ollama's default; the engine's context shift would otherwise let a model run forever).
+        Any request is capped at ``max_predict`` tokens."""
         if max_tokens is None:
             max_tokens = max(self.runner.num_ctx - len(ids), 0)
-        return CompletionRequest(ids, max_tokens=max_tokens, **options)
+        return CompletionRequest(ids, max_tokens=min(max_tokens, self.max_predict), **options)
 
     async def embed(self, texts: list[str], *, truncate: bool = False, normalize: bool = True,
                     dimensions: int | None = None) -> tuple[list[list[float]], int]:
@@ -177,6 +222,7 @@ class Job:
         self._served, self._prepare = served, prepare
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._room = threading.Semaphore(MAX_BACKLOG)  # chunks the event loop may hold unread
         self._stream = None
         self._closed = self._released = False
         self.request: CompletionRequest | None = None
@@ -199,13 +245,25 @@ class Job:
                 self._put(exc)
                 return
             self._stream = stream
+            stream.set_max_backlog(MAX_BACKLOG)
             if self._closed:  # closed while preparing (close() saw no stream yet)
                 stream.close()
+            if not stream.wait_admitted(self._served.queue_timeout):
+                stream.close()  # the runner drops it from its queue
+                self._put(APIError(503, f"the server is busy: no sequence became free within "
+                                   f"{self._served.queue_timeout:g} s ({self._served.runner.parallel} requests "
+                                   "running); retry later", code="server_busy",
+                                   headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
+                return
             self._put(_STARTED)
             try:
+                stalled = False
                 for chunk in stream:
                     if chunk.done:  # the runner has freed the sequence: so may the next request
                         self._release()
+                    if not stalled and not self._room.acquire(timeout=self._served.stall_timeout):
+                        stalled = True  # the client stopped reading: cancel, the final chunk still comes
+                        stream.cancel()
                     self._put(chunk)
             except Exception as exc:
                 self._release()
@@ -222,8 +280,13 @@ class Job:
             self._served.release()
 
     async def started(self) -> None:
-        """Wait until the runner has accepted the request; raises ``APIError`` for a bad one."""
-        item = await self._queue.get()
+        """Wait until the runner has given the request a sequence; raises ``APIError`` for a bad
+        one, or a 503 when none became free in time. Cancels the job if the wait is cancelled."""
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.close()
+            raise
         if item is not _STARTED:
             raise _as_api_error(item)
 
@@ -233,13 +296,15 @@ class Job:
             item = await self._queue.get()
             if isinstance(item, BaseException):
                 raise _as_api_error(item)
+            self._room.release()
             self.tokens += item.tokens
             yield item
             if item.done:
                 return
 
     async def collect(self, request: Any) -> list[CompletionChunk]:
-        """All chunks; cancels the completion if the client disconnects first."""
+        """All chunks; cancels the completion if the client disconnects first (then a 499 that
+        nobody reads, and nothing logged)."""
         async def gather() -> list[CompletionChunk]:
             return [chunk async for chunk in self.chunks()]
 
@@ -255,15 +320,18 @@ class Job:
             if not work.done():
                 work.cancel()
                 self.close()
-        if work.cancelled():
-            raise APIError(499, "client disconnected")
-        return work.result()
+        if work.done() and not work.cancelled():
+            return work.result()
+        with contextlib.suppress(asyncio.CancelledError):  # cancel() only asks: let it finish
+            await work
+        raise APIError(499, "client disconnected")
 
     def close(self) -> None:
         """Cancel the completion (a no-op once it is done); its slot frees in the runner's loop."""
         self._closed = True
         if self._stream is not None:
             self._stream.close()
+        self._room.release()  # a job thread waiting for the client to read goes on, and ends
 
 
 class _JobResponse(StreamingResponse):
@@ -293,6 +361,18 @@ def _as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):  # bad prompt or options (ChatTemplateError is one too)
         return APIError(400, str(exc))
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _max_prompt_bytes(tokenizer: Any, num_ctx: int) -> int | None:
+    """The most bytes of text ``num_ctx`` tokens can cover, or None where a token may cover text
+    of any length. SentencePiece and byte-level BPE turn every byte of the text into part of a
+    token's piece, and no piece is longer than its vocabulary entry in UTF-8 (SentencePiece's
+    "▁" and BPE's byte letters take more bytes there than the text they stand for). WordPiece
+    drops whitespace and maps whole unknown words to one token: no bound."""
+    if getattr(tokenizer, "model", None) not in ("llama", "gpt2"):
+        return None
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tokenizer.vocab.tokens), default=1)
+    return num_ctx * max(longest, 4)  # <unk> or a byte token covers one character, up to 4 bytes
 
 
 def _sha256(path: Path) -> str:

@@ -15,6 +15,9 @@ from typing import ClassVar
 from .vocab import SPECIAL_TYPES, TokenType, Vocab
 
 _ASCII_SPACE = " \t\n\v\f\r"
+# Tokenizers cache the ids of the words they have seen (at most 100,000); only words up to this
+# length, so that what a server keeps after many prompts stays small whatever they contained.
+CACHED_WORD_CHARS = 64
 
 
 class Tokenizer:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import heapq
 
-from .base import Tokenizer
+from .base import CACHED_WORD_CHARS, Tokenizer
 from .pretokenize import patterns_for, split_words
 from .vocab import Vocab
 
@@ -54,7 +54,9 @@ class BytePairEncoding(Tokenizer):
         for word in split_words(text, self._patterns):
             ids = cache.get(word)
             if ids is None:
-                ids = cache[word] = self._merge(word.encode().decode("latin-1").translate(_ENCODE))
+                ids = self._merge(word.encode().decode("latin-1").translate(_ENCODE))
+                if len(word) <= CACHED_WORD_CHARS:
+                    cache[word] = ids
             out.extend(ids)
 
     def _merge(self, word: str) -> list[int]:

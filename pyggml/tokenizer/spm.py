@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import re
 
-from .base import Tokenizer
+from .base import CACHED_WORD_CHARS, Tokenizer
 from .vocab import Vocab
 
 SPACE = "\u2581"
@@ -45,7 +45,9 @@ class SentencePiece(Tokenizer):
         for word in _WORD.findall(text):
             ids = cache.get(word)
             if ids is None:
-                ids = cache[word] = self._merge(word)
+                ids = self._merge(word)
+                if len(word) <= CACHED_WORD_CHARS:
+                    cache[word] = ids
             out.extend(ids)
 
     def _merge(self, text: str) -> list[int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import unicodedata
 
-from .base import Tokenizer
+from .base import CACHED_WORD_CHARS, Tokenizer
 from .spm import SPACE
 from .vocab import Vocab
 
@@ -75,7 +75,9 @@ class WordPiece(Tokenizer):
         for word in split_words(text):
             ids = cache.get(word)
             if ids is None:
-                ids = cache[word] = self._pieces_of(SPACE + word)
+                ids = self._pieces_of(SPACE + word)
+                if len(word) <= CACHED_WORD_CHARS:
+                    cache[word] = ids
             out.extend(ids)
 
     def _pieces_of(self, word: str) -> list[int]:
