@@ -1,0 +1,321 @@
+"""Layers on remote devices through ggml RPC (`pyggml rpc-server`, `rpc=`), on loopback only.
+
+Two rpc-server processes on free ports serve the module; a model split over the local CPU and both
+remotes must give the same logits and greedy tokens as the all-local run (the remote CPU backends run
+the same kernels, and repacking is off on both sides so the local layers do too). Failures must be
+clean: an unreachable server, a server of another protocol version, and a server killed while
+generating each raise RPCError, within a bounded time, without taking the test process down.
+Every process is started and stopped by PID; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pyggml._ggml import lib
+
+import pyggml
+from pyggml import BackendParams, models
+from pyggml.rpc import RPCError, hello
+from pyggml.runner import CompletionRequest, Runner
+from pyggml.synthetic import write_synthetic
+
+from .conftest import SHARED_MODELS
+
+pytestmark = pytest.mark.skipif(not lib.PYGGML_HAS_RPC, reason="pyggml built without ggml RPC (PYGGML_RPC=OFF)")
+
+STORIES = SHARED_MODELS / "stories260K.gguf"
+ROOT = Path(__file__).resolve().parents[1]
+VERSION = (lib.RPC_PROTO_MAJOR_VERSION, lib.RPC_PROTO_MINOR_VERSION, lib.RPC_PROTO_PATCH_VERSION)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cli(*args: str, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               GGML_NO_BACKTRACE="1")
+    return subprocess.Popen([sys.executable, "-m", "pyggml.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+class Server:
+    """A `pyggml rpc-server` subprocess on a free loopback port."""
+
+    def __init__(self):
+        for _ in range(3):  # another process may take the free port first
+            self.port = free_port()
+            self.endpoint = f"127.0.0.1:{self.port}"
+            self.proc = cli("rpc-server", "--port", str(self.port), "--threads", "1")
+            for _ in range(300):  # up to ~60 s on a loaded machine
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    hello(self.endpoint, VERSION, timeout=2.0)
+                    return
+                except RPCError:
+                    time.sleep(0.2)
+            self.stop()
+        raise RuntimeError("could not start a pyggml rpc-server")
+
+    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = []
+    try:
+        for _ in range(2):
+            started.append(Server())
+        yield [s.endpoint for s in started]
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def stories_path():
+    if not STORIES.exists():
+        pytest.skip(f"{STORIES} is absent")
+    return STORIES
+
+
+@pytest.fixture(scope="module", params=["f32", "q8_0"])
+def synthetic_path(request, tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("rpc") / f"tiny-{request.param}.gguf", "tiny", request.param)
+
+
+def load(path, **options):
+    options.setdefault("n_threads", 1)
+    return pyggml.load(path, repack=False, num_ctx=128, **options)
+
+
+def run_twice(path, prompt, servers, tensor_split=None):
+    """(placement, tokens, logits) all-local, then split over the servers."""
+    runs = []
+    for rpc in ((), servers):
+        llm = load(path, rpc=rpc, tensor_split=tensor_split if rpc else None)
+        try:
+            ids = llm.tokenize(prompt)
+            logits = llm.logits(ids)
+            llm.generate(prompt, max_tokens=12, temperature=0)
+            runs.append((llm.model.backend.placement(), llm.stats.tokens, logits))
+        finally:
+            llm.close()
+    return runs
+
+
+def test_stories_split_over_two_servers_matches_local(stories_path, servers):
+    (_, local_tokens, local_logits), (placement, tokens, logits) = run_twice(stories_path, "Once upon a time", servers)
+    assert list(placement) == ["CPU", f"RPC0 ({servers[0]})", f"RPC1 ({servers[1]})"]
+    assert all(placement.values())  # every device computes some layers
+    assert tokens == local_tokens and len(tokens) == 12
+    np.testing.assert_array_equal(logits, local_logits)
+
+
+def test_synthetic_split_matches_local(synthetic_path, servers):
+    # the tiny shape has two layers: one on each remote; embeddings and the output layer stay local
+    (_, local_tokens, local_logits), (placement, tokens, logits) = run_twice(
+        synthetic_path, "hello world", servers, tensor_split=[0, 1, 1])
+    assert list(placement.values()) == [[0], [1]]
+    assert tokens == local_tokens
+    np.testing.assert_array_equal(logits, local_logits)
+
+
+def test_devices_lists_remote_devices(stories_path, servers):
+    llm = load(stories_path, rpc=servers)
+    try:
+        remote = [d for d in pyggml.devices() if d.kind == "rpc"]
+        assert {d.description for d in remote} >= {f"RPC server {e}" for e in servers}
+        assert all(d.memory_total > 0 for d in remote if d.description.split()[-1] in servers)
+        memory = llm.model.backend.memory()
+        assert sum(1 for name, m in memory.items() if name.startswith("RPC") and m["weights"] > 0) == 2
+    finally:
+        llm.close()
+
+
+def test_runner_four_sequences_over_rpc(stories_path, servers):
+    requests = [("Once upon a time", 20), ("Lily went to the", 12), ("The cat", 16), ("Tom had a big red", 10)]
+
+    def complete_all(model):
+        results: list = [None] * len(requests)
+
+        def work(i):
+            prompt, n = requests[i]
+            chunks = list(runner.completion(CompletionRequest(prompt, max_tokens=n, temperature=0.0)))
+            results[i] = [t for c in chunks for t in c.tokens]
+
+        with Runner(model, parallel=4, num_ctx=128, batch_size=16) as runner:
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(len(requests))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        return results
+
+    local = models.load(stories_path, BackendParams(n_threads=1, repack=False))
+    try:
+        expected = complete_all(local)
+    finally:
+        local.close()
+    remote = models.load(stories_path, BackendParams(n_threads=1, repack=False, rpc=servers))
+    try:
+        got = complete_all(remote)
+    finally:
+        remote.close()
+    assert all(expected) and got == expected
+
+
+def test_killed_server_raises_a_clear_error_and_nothing_hangs(stories_path, servers):
+    victim = Server()
+    outcome: dict = {}
+
+    def generate():
+        llm = load(stories_path, rpc=[servers[0], victim.endpoint])
+        try:
+            for i, _ in enumerate(llm.generate("Once upon a time", max_tokens=100, temperature=0, stream=True)):
+                if i == 2:
+                    os.kill(victim.proc.pid, signal.SIGKILL)
+            outcome["result"] = "finished"
+        except Exception as exc:
+            outcome["result"] = exc
+            try:
+                llm.generate("Once", max_tokens=2)
+            except Exception as again:
+                outcome["again"] = again
+        finally:
+            llm.close()
+            outcome["closed"] = True
+
+    worker = threading.Thread(target=generate, daemon=True)
+    worker.start()
+    worker.join(120)  # a guard against a hang, not a timing check
+    victim.stop(signal.SIGKILL)
+    assert not worker.is_alive(), "generation hung after the server died"
+    error = outcome["result"]
+    assert isinstance(error, RPCError), error
+    assert victim.endpoint in str(error) and "load again" in str(error)
+    assert isinstance(outcome["again"], RPCError) and outcome["closed"]
+    # the surviving server serves the next client
+    llm = load(stories_path, rpc=[servers[0]])
+    try:
+        assert llm.generate("Once upon a time", max_tokens=4, temperature=0)
+    finally:
+        llm.close()
+    with pytest.raises(RPCError, match="cannot reach"):
+        load(stories_path, rpc=[victim.endpoint])
+
+
+def test_unreachable_server_is_a_clear_error(stories_path):
+    port = free_port()  # nothing listens there
+    with pytest.raises(RPCError, match=f"cannot reach rpc server 127.0.0.1:{port}"):
+        load(stories_path, rpc=[f"127.0.0.1:{port}"])
+
+
+def fake_server(answer: bytes) -> tuple[str, threading.Thread, socket.socket]:
+    """A one-connection server that answers HELLO with ``answer`` (framed) and closes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(30)
+
+    def serve():
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(30)
+            try:
+                conn.recv(1 + 8 + 24)
+                conn.sendall(struct.pack("<Q", len(answer)) + answer)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", thread, listener
+
+
+@pytest.mark.parametrize("answer, message", [
+    (bytes([VERSION[0] - 1, 0, 0, 0]) + bytes(24), "speaks RPC protocol"),
+    (bytes([VERSION[0], VERSION[1] + 1, 0, 0]) + bytes(24), "speaks RPC protocol"),
+    (b"HTTP/1.1 400", "not a ggml RPC server"),
+])
+def test_protocol_mismatch_is_a_clear_error(stories_path, answer, message):
+    endpoint, thread, listener = fake_server(answer)
+    try:
+        with pytest.raises(RPCError, match=message):
+            load(stories_path, rpc=[endpoint])
+    finally:
+        listener.close()
+        thread.join(30)
+
+
+def test_options_are_checked(stories_path, servers):
+    for bad in (["localhost"], ["127.0.0.1:0"], ["127.0.0.1:x"], ["::1:50052"], [servers[0], servers[0]]):
+        with pytest.raises(ValueError, match="rpc"):
+            load(stories_path, rpc=bad)
+    with pytest.raises(ValueError, match="one value per device"):
+        load(stories_path, rpc=servers, tensor_split=[1, 1])
+    for bad_split in ([1, -1, 1], [0, 0, 0], ["a", 1, 1]):
+        with pytest.raises(ValueError, match="tensor_split"):
+            load(stories_path, rpc=servers, tensor_split=bad_split)
+
+
+def test_tensor_split_places_layers_in_order(stories_path, servers):
+    llm = load(stories_path, rpc=",".join(servers), tensor_split="3,1,1")  # the CLI's comma-separated forms
+    try:
+        placement = llm.model.backend.placement()
+    finally:
+        llm.close()
+    assert list(placement.values()) == [[0, 1, 2], [3], [4]]
+    assert list(placement)[0] == "CPU" and servers[0] in list(placement)[1] and servers[1] in list(placement)[2]
+
+
+def test_show_reports_the_placement(stories_path, servers):
+    proc = cli("show", str(stories_path), "--rpc", ",".join(servers))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "layers 0-1  CPU" in out and f"({servers[0]})" in out and f"({servers[1]})" in out
+
+
+def test_a_non_loopback_address_needs_allow_remote():
+    proc = cli("rpc-server", "--host", "0.0.0.0", "--port", str(free_port()))
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "--allow-remote" in err and "no authentication" in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_server_stops_cleanly_on_a_signal(sig):
+    server = Server()
+    code, err = server.stop(sig)
+    assert code == 0, err
+    assert "pyggml rpc-server: stopped" in err and "Traceback" not in err
