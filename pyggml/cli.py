@@ -76,19 +76,10 @@ def _rpc_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _print_placement(backend: Any, out: Any) -> None:
+    from pyggml.bench import layer_ranges
+
     for device, layers in backend.placement().items():
-        print(f"pyggml: layers {_ranges(layers)} on {device}", file=out)
-
-
-def _ranges(values: list[int]) -> str:
-    parts, start = [], None
-    for i, v in enumerate(values):
-        if start is None:
-            start = v
-        if i + 1 == len(values) or values[i + 1] != v + 1:
-            parts.append(f"{start}" if start == v else f"{start}-{v}")
-            start = None
-    return ",".join(parts)
+        print(f"pyggml: layers {layer_ranges(layers)} on {device}", file=out)
 
 
 def add_rpc_arguments(parser: argparse.ArgumentParser) -> None:
@@ -187,8 +178,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         for key, value in rows:
             print(f"{key:>18}  {value}")
         if args.rpc:
+            from pyggml.bench import layer_ranges
+
             for device, layers in backend.placement().items():
-                print(f"{'layers ' + _ranges(layers):>18}  {device}")
+                print(f"{'layers ' + layer_ranges(layers):>18}  {device}")
         if args.verbose:
             print("\nmetadata:")
             for key, value in c.items():
