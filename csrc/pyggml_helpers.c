@@ -79,3 +79,42 @@ void pyggml_tensor_layout(const struct ggml_tensor * t, int64_t * ne, size_t * n
         nb[i] = t->nb[i];
     }
 }
+
+#define GRAPH_SLOTS (GGML_MAX_SRC + 1)  /* per node: its sources, then which of them the scheduler allocates */
+
+int pyggml_graph_srcs(struct ggml_cgraph * graph, struct ggml_tensor ** saved, int n_saved, int cap) {
+    int n = ggml_graph_n_nodes(graph);
+    if (n_saved < 0 || n_saved > n || cap < n) {
+        return -n;
+    }
+    for (int i = 0; i < n; i++) {
+        struct ggml_tensor * node = ggml_graph_node(graph, i);
+        struct ggml_tensor ** slot = saved + (size_t) i * GRAPH_SLOTS;
+        if (i < n_saved) {
+            /* as before the first split: the same sources, and no place for what the scheduler placed
+             * (its compute buffers may be gone; the buffers themselves are never read here) */
+            uintptr_t unplaced = (uintptr_t) slot[GGML_MAX_SRC];
+            for (int j = 0; j < GGML_MAX_SRC; j++) {
+                node->src[j] = slot[j];
+                if (slot[j] != NULL && (unplaced >> j & 1)) {
+                    slot[j]->buffer = NULL;
+                    slot[j]->data = NULL;
+                }
+            }
+            if (unplaced >> GGML_MAX_SRC & 1) {
+                node->buffer = NULL;
+                node->data = NULL;
+            }
+        } else {
+            uintptr_t unplaced = node->buffer == NULL ? (uintptr_t) 1 << GGML_MAX_SRC : 0;
+            for (int j = 0; j < GGML_MAX_SRC; j++) {
+                slot[j] = node->src[j];
+                if (slot[j] != NULL && slot[j]->buffer == NULL) {
+                    unplaced |= (uintptr_t) 1 << j;
+                }
+            }
+            slot[GGML_MAX_SRC] = (struct ggml_tensor *) unplaced;
+        }
+    }
+    return n;
+}

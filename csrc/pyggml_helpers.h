@@ -12,3 +12,13 @@ int pyggml_dev_extra_bufts(ggml_backend_dev_t dev, ggml_backend_buffer_type_t * 
 
 /* ne[0..3] and nb[0..3] of a tensor in one call. */
 void pyggml_tensor_layout(const struct ggml_tensor * t, int64_t * ne, size_t * nb);
+
+/* ggml_backend_sched splitting a graph over several backends changes the graph's own tensors: a source
+ * on another backend is replaced by a copy that lives in the scheduler (gone after its next reset), and
+ * every tensor keeps the place the allocator gave it (in compute buffers that later graphs reuse or that
+ * a new scheduler frees). Splitting the same graph again then aborts or computes garbage. Before a graph's
+ * first split this saves, per node, its GGML_MAX_SRC sources and which of them (and itself) have no place
+ * yet; before a later split it puts those back: the same sources, no place. `saved` has room for `cap`
+ * nodes of GGML_MAX_SRC + 1 pointers each; the first n_saved nodes are restored, the others saved.
+ * Returns the node count, or -(node count) without touching anything when cap is too small. */
+int pyggml_graph_srcs(struct ggml_cgraph * graph, struct ggml_tensor ** saved, int n_saved, int cap);

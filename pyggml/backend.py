@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -380,6 +381,7 @@ class Backend:
         self._sched = NULL
         self._sched_size = 0
         self._allocated: tuple[int, int] | None = None  # (graph serial, node count) the scheduler holds
+        self._split_graphs: weakref.WeakSet[_GraphState] = weakref.WeakSet()  # graphs with a scheduler of their own
         self._backends: list[Any] = []
         self._gpus: list[Any] = []
         self._remotes: list[Any] = []  # RPC backends, one per remote device
@@ -808,10 +810,11 @@ class Backend:
     def memory(self) -> dict[str, dict[str, int]]:
         """Bytes per device: weights, cache, and graph (the scheduler's compute buffers)."""
         out = {name: {"weights": m.weights, "cache": m.cache, "graph": 0} for name, m in self._memory.items()}
+        scheds = [self._sched, *(state.sched for state in list(self._split_graphs) if state.sched is not None)]
         for be in self._backends:
             name = ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_get_device(be))).decode()
             entry = out.setdefault(name, {"weights": 0, "cache": 0, "graph": 0})
-            entry["graph"] += int(lib.ggml_backend_sched_get_buffer_size(self._sched, be))
+            entry["graph"] += sum(int(lib.ggml_backend_sched_get_buffer_size(sched, be)) for sched in scheds)
         return out
 
     def new_context(self, max_nodes: int | None = None) -> Context:
@@ -900,6 +903,10 @@ class Backend:
         self._closed = True
         self._pools.closed = 1  # the checked C ops refuse this backend's tensors from now on
         self._weights.clear()
+        with self._lock:
+            for state in list(self._split_graphs):
+                state.free_sched()
+            self._split_graphs.clear()
         if self._sched != NULL:
             lib.ggml_backend_sched_free(self._sched)
             self._sched = NULL
@@ -945,6 +952,8 @@ class Backend:
             self._check_open()
             if self._relays:
                 self._check_remotes()
+            if len(self._backends) > 1:
+                return self._compute_split(state, reserve_only)
             if state.graph_size > self._sched_size:
                 self._new_sched(state.graph_size)
             sched = self._sched
@@ -959,44 +968,117 @@ class Backend:
                     lib.ggml_backend_sched_set_tensor_backend(sched, ptr, self._backends[index])
             if reserve_only:
                 if not lib.ggml_backend_sched_reserve(sched, state.graph):
-                    if self._relays:
-                        self._check_remotes()
                     raise MemoryError(_with_log("could not reserve memory for the graph"))
-                if self._relays:
-                    self._check_remotes()
                 return
-            for indices, (bound, op) in state.index_checks.items():
-                data = state.inputs.get(indices)
-                if data is None and indices.flags & 1:  # GGML_TENSOR_FLAG_INPUT: made by ctx.empty, never set
-                    raise ValueError(f"{op}: the indices were never given data (call .set() before compute)")
-                if data is not None and data.size and (data.min() < 0 or data.max() >= bound):
-                    raise ValueError(f"{op}: index {int(data.max()) if data.max() >= bound else int(data.min())} "
-                                     f"out of range 0..{bound - 1}")
+            self._check_indices(state)
             if not reuse:
                 if state.leaf_outputs and not lib.ggml_backend_sched_reserve(sched, state.graph):
                     raise MemoryError(_with_log("could not reserve memory for the graph"))
                 if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):
-                    if self._relays:
-                        self._check_remotes()
                     raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
-            for ptr, data in state.inputs.items():
-                if ptr.buffer != NULL and data.nbytes:
-                    lib.ggml_backend_tensor_set(ptr, ffi.from_buffer(data), 0, data.nbytes)
-            status = lib.ggml_backend_sched_graph_compute(sched, state.graph)
-            if self._relays:
-                self._check_remotes()  # a lost server's relay answered with zeros: the results are garbage
-            if status != lib.GGML_STATUS_SUCCESS:
-                raise GGMLError(_with_log(f"compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}"))
+            self._run(state, sched)
             self._allocated = allocated
-            self._epoch += 1
-            state.epoch = self._epoch
+
+    def _compute_split(self, state: _GraphState, reserve_only: bool) -> None:
+        """Compute a graph over several devices (GPUs, RPC servers and the CPU) with a scheduler of its own.
+
+        ggml's scheduler splits a graph by rewiring it (a source on another device is replaced by a copy
+        that lives in the scheduler) and leaves the allocator's places in its tensors: it cannot split the
+        same graph a second time, after another graph used the scheduler. So each graph keeps its own
+        scheduler, splits once, and every later compute only rewrites the inputs (the reuse of one graph
+        that llama.cpp also relies on). A reservation uses a throwaway scheduler and undoes its rewiring."""
+        n_nodes = lib.ggml_graph_n_nodes(state.graph)
+        if state.split_nodes and state.split_nodes != n_nodes:
+            raise ValueError("this graph is split over several devices and cannot grow after its first compute: "
+                             "build the new tensors in a new context")
+        if reserve_only:
+            if state.split_nodes:
+                return  # its scheduler already holds the memory
+            sched = self._make_sched(state.graph_size)
+            try:
+                _unsplit_graph(state)  # remember the graph as built
+                self._place(state, sched)
+                reserved = lib.ggml_backend_sched_reserve(sched, state.graph)
+            finally:
+                lib.ggml_backend_sched_free(sched)
+                _unsplit_graph(state)  # the copies were the scheduler's
+            if self._relays:
+                self._check_remotes()
+            if not reserved:
+                raise MemoryError(_with_log("could not reserve memory for the graph"))
+            return
+        self._check_indices(state)
+        if not state.split_nodes:
+            if state.sched is None:
+                state.sched = self._make_sched(state.graph_size)
+                state.owner = self
+                self._split_graphs.add(state)
+            _unsplit_graph(state)  # a reservation may have rewired it
+            self._place(state, state.sched)
+            if not lib.ggml_backend_sched_alloc_graph(state.sched, state.graph):
+                if self._relays:
+                    self._check_remotes()
+                raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
+            state.split_nodes = n_nodes
+        self._run(state, state.sched)
+
+    def _make_sched(self, size: int) -> Any:
+        backends = ffi.new("ggml_backend_t[]", self._backends)
+        bufts = ffi.new("ggml_backend_buffer_type_t[]",
+                        [lib.ggml_backend_get_default_buffer_type(b) for b in self._backends])
+        sched = lib.ggml_backend_sched_new(backends, bufts, len(self._backends), size, False, bool(self._gpus))
+        if sched == NULL:
+            raise GGMLError(_with_log("could not create a backend scheduler"))
+        return sched
+
+    def _place(self, state: _GraphState, sched: Any) -> None:
+        lib.ggml_backend_sched_reset(sched)
+        for ptr, index in state.placements:
+            lib.ggml_backend_sched_set_tensor_backend(sched, ptr, self._backends[index])
+
+    @staticmethod
+    def _check_indices(state: _GraphState) -> None:
+        for indices, (bound, op) in state.index_checks.items():
+            data = state.inputs.get(indices)
+            if data is None and indices.flags & 1:  # GGML_TENSOR_FLAG_INPUT: made by ctx.empty, never set
+                raise ValueError(f"{op}: the indices were never given data (call .set() before compute)")
+            if data is not None and data.size and (data.min() < 0 or data.max() >= bound):
+                raise ValueError(f"{op}: index {int(data.max()) if data.max() >= bound else int(data.min())} "
+                                 f"out of range 0..{bound - 1}")
+
+    def _run(self, state: _GraphState, sched: Any) -> None:
+        """Write the inputs and compute the allocated graph."""
+        for ptr, data in state.inputs.items():
+            if ptr.buffer != NULL and data.nbytes:
+                lib.ggml_backend_tensor_set(ptr, ffi.from_buffer(data), 0, data.nbytes)
+        status = lib.ggml_backend_sched_graph_compute(sched, state.graph)
+        if self._relays:
+            self._check_remotes()  # a lost server's relay answered with zeros: the results are garbage
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise GGMLError(_with_log(f"compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}"))
+        self._epoch += 1
+        state.epoch = self._epoch
+
+
+def _unsplit_graph(state: _GraphState) -> None:
+    """Undo what splitting the graph over several backends did to it (see pyggml_graph_srcs), so that
+    the scheduler can split it again; remembers the sources of nodes added since."""
+    n = lib.ggml_graph_n_nodes(state.graph)
+    if state.srcs is None or state.srcs_cap < n:
+        cap = max(64, 2 * n)
+        grown = ffi.new("struct ggml_tensor *[]", cap * (lib.GGML_MAX_SRC + 1))
+        if state.srcs is not None and state.srcs_n:
+            ffi.memmove(grown, state.srcs, state.srcs_n * (lib.GGML_MAX_SRC + 1) * ffi.sizeof("void *"))
+        state.srcs, state.srcs_cap = grown, cap
+    state.srcs_n = lib.pyggml_graph_srcs(state.graph, state.srcs, state.srcs_n, state.srcs_cap)
 
 
 class _GraphState:
     """What all handles of one Context share: the ggml context, the graph and pending inputs."""
 
     __slots__ = ("ptr", "g", "pools", "graph", "graph_size", "inputs", "index_checks", "epoch",
-                 "leaf_outputs", "named", "anonymous_inputs", "placements", "serial")
+                 "leaf_outputs", "named", "anonymous_inputs", "placements", "serial", "srcs", "srcs_n",
+                 "srcs_cap", "sched", "owner", "split_nodes", "__weakref__")
     _serials = itertools.count(1)
 
     def __init__(self, max_nodes: int, graph_size: int, pools: Any = NULL):
@@ -1022,8 +1104,25 @@ class _GraphState:
         # an input read back as it is (a leaf no node uses): ggml's allocator does not size-check such
         # leaves when it reuses the previous graph's buffers, so these graphs are re-measured first
         self.leaf_outputs = False
+        # several devices (Backend._compute_split): the graph's own scheduler, the node count it was split
+        # at, and every node's sources as built (before a split rewired them)
+        self.sched: Any = None
+        self.owner: Backend | None = None
+        self.split_nodes = 0
+        self.srcs: Any = None
+        self.srcs_n = 0
+        self.srcs_cap = 0
+
+    def free_sched(self) -> None:
+        if self.sched is not None:
+            lib.ggml_backend_sched_free(self.sched)
+            self.sched = None
 
     def __del__(self) -> None:
+        owner = self.owner
+        if self.sched is not None and owner is not None:
+            with owner._lock:  # not while the backend closes (it frees every graph's scheduler)
+                self.free_sched()
         # freed when the last handle (and so the last tensor) of the graph is gone, even after close():
         # a stale tensor's shape, dtype and repr read this memory
         if self.ptr != NULL:

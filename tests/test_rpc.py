@@ -187,6 +187,25 @@ def test_runner_four_sequences_over_rpc(stories_path, servers):
     assert all(expected) and got == expected
 
 
+def test_context_shift_over_rpc_matches_local(stories_path, servers):
+    """Past num_ctx the runner shifts the cache: the keys of the remote layers are re-rotated there."""
+
+    def generate(model):
+        with Runner(model, parallel=1, num_ctx=32, batch_size=16) as runner:
+            chunks = list(runner.completion(CompletionRequest("Once upon a time", max_tokens=60, temperature=0.0,
+                                                              cache_prompt=False)))
+        return [t for c in chunks for t in c.tokens], chunks[-1].generated_tokens
+
+    results = []
+    for rpc in ((), servers):
+        model = models.load(stories_path, BackendParams(n_threads=1, repack=False, rpc=rpc))
+        try:
+            results.append(generate(model))
+        finally:
+            model.close()
+    assert results[0][1] == 60 and results[1] == results[0]
+
+
 def test_killed_server_raises_a_clear_error_and_nothing_hangs(stories_path, servers):
     victim = Server()
     outcome: dict = {}
