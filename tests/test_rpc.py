@@ -45,11 +45,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child: be killed if the test process dies first (Linux), so no server outlives a crash."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def cli(*args: str, **kwargs) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                GGML_NO_BACKTRACE="1")
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
     return subprocess.Popen([sys.executable, "-m", "pyggml.cli", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec, **kwargs)
 
 
 class Server:
@@ -128,7 +139,8 @@ def run_twice(path, prompt, servers, tensor_split=None):
 
 def test_stories_split_over_two_servers_matches_local(stories_path, servers):
     (_, local_tokens, local_logits), (placement, tokens, logits) = run_twice(stories_path, "Once upon a time", servers)
-    assert list(placement) == ["CPU", f"RPC0 ({servers[0]})", f"RPC1 ({servers[1]})"]
+    devices = list(placement)
+    assert devices[0] == "CPU" and devices[1].endswith(f"({servers[0]})") and devices[2].endswith(f"({servers[1]})")
     assert all(placement.values())  # every device computes some layers
     assert tokens == local_tokens and len(tokens) == 12
     np.testing.assert_array_equal(logits, local_logits)
@@ -204,6 +216,47 @@ def test_context_shift_over_rpc_matches_local(stories_path, servers):
         finally:
             model.close()
     assert results[0][1] == 60 and results[1] == results[0]
+
+
+def test_a_split_graph_computes_again_after_other_graphs(servers):
+    """ggml's scheduler cannot split one graph twice: a graph over several devices keeps its own."""
+    from pyggml.backend import Backend
+
+    backend = Backend(BackendParams(n_threads=1, rpc=servers[:1], tensor_split=[1, 1]))
+    try:
+        backend.config = type(backend.config)({"general.architecture": "t", "t.block_count": 2})
+        remote = backend.alloc_persistent("f32", (4, 8), layer=1)  # on the server
+        local = backend.alloc_persistent("f32", (4, 8), layer=0)
+        devices = list(backend.placement())
+        assert devices[0] == "CPU" and devices[1].endswith(f"({servers[0]})")
+        remote_name = devices[1].split()[0]  # RPC<n>: numbered in the order servers joined this process
+        rows = np.arange(32, dtype=np.float32).reshape(8, 4)
+        with backend.new_context() as ctx:
+            index = ctx.from_numpy(np.arange(8, dtype=np.int32))
+            ctx.compute(remote.set_rows(ctx.from_numpy(rows), index), local.set_rows(ctx.from_numpy(-rows), index))
+        graph = backend.new_context()
+        i = graph.from_numpy(np.array([7, 0], np.int32), name="i")
+        out = local.rows(i) + remote.rows(i) * 3.0
+        graph.reserve()
+        graph.compute(out)
+        np.testing.assert_array_equal(out.numpy(), 2 * rows[[7, 0]])
+        for picks in ([6, 1], [2, 2], [5, 3]):
+            with backend.new_context() as other:  # another graph in between
+                x = remote.rows(other.from_numpy(np.array([picks[0]], np.int32))) + 1.0
+                other.compute(x)
+                np.testing.assert_array_equal(x.numpy(), rows[[picks[0]]] + 1)
+            graph.set_input("i", np.array(picks, np.int32))
+            graph.compute(out)
+            np.testing.assert_array_equal(out.numpy(), 2 * rows[picks])
+        graph.close()
+        grown = backend.new_context()
+        y = remote.rows(grown.from_numpy(np.array([1], np.int32)))
+        grown.compute(y)
+        with pytest.raises(ValueError, match="cannot grow"):
+            grown.compute(y + 1.0)
+        assert backend.memory()[remote_name]["graph"] > 0
+    finally:
+        backend.close()
 
 
 def test_killed_server_raises_a_clear_error_and_nothing_hangs(stories_path, servers):
