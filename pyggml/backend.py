@@ -137,6 +137,8 @@ def add_rpc_server(endpoint: str) -> list[Any]:
         raise RPCError("this pyggml was built without ggml's RPC backend (CMake option PYGGML_RPC=OFF)")
     with _RPC_LOCK:
         relay = _rpc.relay_for(endpoint, rpc_version())
+        if os.environ.get("PYGGML_RPC_DIRECT") == "1":  # measuring the relay's cost only (see pyggml/rpc.py)
+            relay = _rpc.Direct(endpoint)
         if relay.connected:
             if relay.error is not None:
                 raise RPCError(f"rpc server {endpoint} was lost earlier in this process ({relay.error}); close the "

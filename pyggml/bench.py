@@ -99,7 +99,8 @@ class Session:
 
     def __init__(self, path: str | os.PathLike, *, n_threads: int | None = None, flash_attn: bool = False,
                  cache_type: str = "f16", gpu_layers: int | str = 0, n_ctx: int = 512, max_batch: int = 512,
-                 seed: int = 0, rpc: Sequence[str] | str = (), tensor_split: Sequence[float] | str | None = None):
+                 seed: int = 0, rpc: Sequence[str] | str = (), tensor_split: Sequence[float] | str | None = None,
+                 repack: bool = True):
         import numpy as np
 
         from pyggml import models
@@ -110,7 +111,7 @@ class Session:
 
         start = time.perf_counter()
         params = BackendParams(n_threads=n_threads, gpu_layers=gpu_layers, flash_attention=flash_attn, rpc=rpc or (),
-                               tensor_split=tensor_split)
+                               tensor_split=tensor_split, repack=repack)
         self.model = models.load(path, params)
         try:
             if self.model.cache is None:
@@ -498,6 +499,8 @@ def add_parsers(sub: Any) -> None:
                             "sent and received per forward pass")
     bench.add_argument("--tensor-split", metavar="W,W,...", default=None,
                        help="with --rpc: share of the layers for the local CPU and each remote device")
+    bench.add_argument("--no-repack", action="store_true",
+                       help="keep quantized weights in their file layout on the CPU (RPC servers never repack)")
     bench.set_defaults(func=cmd_bench)
 
     make = sub.add_parser("make-model", help="write a random-weight GGUF at a real model's dimensions",
@@ -555,7 +558,8 @@ def bench(args: argparse.Namespace, out: Any = None) -> int:
     for t, ngl, fa, ctk in combos:
         session = Session(path, n_threads=t, flash_attn=fa, cache_type=ctk, gpu_layers=ngl, n_ctx=n_ctx,
                           max_batch=max(args.batch_size), rpc=getattr(args, "rpc", None) or (),
-                          tensor_split=getattr(args, "tensor_split", None))
+                          tensor_split=getattr(args, "tensor_split", None),
+                          repack=not getattr(args, "no_repack", False))
         try:
             if model is None:
                 model = model_info(path, session, synthetic)

@@ -385,6 +385,20 @@ class Relay:
         return Traffic(self.sent, self.received, self.messages)
 
 
+class Direct:
+    """Stands in for a relay when ``PYGGML_RPC_DIRECT=1``: ggml connects to the server itself. For measuring
+    what the relay costs, never for use: a lost server then aborts the process, and no bytes are counted."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = self.address = endpoint
+        self.sent = self.received = self.messages = 0
+        self.connected = False
+        self.error: str | None = None
+
+    def traffic(self) -> Traffic:
+        return Traffic(0, 0, 0)
+
+
 _relays: dict[str, Relay] = {}
 _relays_lock = threading.Lock()
 
