@@ -384,6 +384,7 @@ class Backend:
         self._sched_size = 0
         self._allocated: tuple[int, int] | None = None  # (graph serial, node count) the scheduler holds
         self._split_graphs: weakref.WeakSet[_GraphState] = weakref.WeakSet()  # graphs with a scheduler of their own
+        self._sched_pool: list[tuple[int, Any]] = []  # (graph size, scheduler) given back by closed graphs
         self._backends: list[Any] = []
         self._gpus: list[Any] = []
         self._remotes: list[Any] = []  # RPC backends, one per remote device
@@ -812,7 +813,8 @@ class Backend:
     def memory(self) -> dict[str, dict[str, int]]:
         """Bytes per device: weights, cache, and graph (the scheduler's compute buffers)."""
         out = {name: {"weights": m.weights, "cache": m.cache, "graph": 0} for name, m in self._memory.items()}
-        scheds = [self._sched, *(state.sched for state in list(self._split_graphs) if state.sched is not None)]
+        scheds = [self._sched, *(state.sched for state in list(self._split_graphs) if state.sched is not None),
+                  *(sched for _, sched in self._sched_pool)]
         for be in self._backends:
             name = ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_get_device(be))).decode()
             entry = out.setdefault(name, {"weights": 0, "cache": 0, "graph": 0})
@@ -907,8 +909,13 @@ class Backend:
         self._weights.clear()
         with self._lock:
             for state in list(self._split_graphs):
-                state.free_sched()
+                if state.sched is not None:
+                    lib.ggml_backend_sched_free(state.sched)
+                    state.sched = None
             self._split_graphs.clear()
+            for _, sched in self._sched_pool:
+                lib.ggml_backend_sched_free(sched)
+            self._sched_pool.clear()
         if self._sched != NULL:
             lib.ggml_backend_sched_free(self._sched)
             self._sched = NULL
@@ -1012,7 +1019,7 @@ class Backend:
         self._check_indices(state)
         if not state.split_nodes:
             if state.sched is None:
-                state.sched = self._make_sched(state.graph_size)
+                state.sched = self._take_sched(state.graph_size)
                 state.owner = self
                 self._split_graphs.add(state)
             _unsplit_graph(state)  # a reservation may have rewired it
@@ -1023,6 +1030,30 @@ class Backend:
                 raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
             state.split_nodes = n_nodes
         self._run(state, state.sched)
+
+    def _take_sched(self, size: int) -> Any:
+        """A scheduler for a new graph: one that a closed graph gave back (its compute buffers are kept), or
+        a new one."""
+        fits = [entry for entry in self._sched_pool if entry[0] >= size]
+        if fits:
+            entry = min(fits, key=lambda e: e[0])
+            self._sched_pool.remove(entry)
+            return entry[1]
+        return self._make_sched(size)
+
+    def _give_back_sched(self, state: _GraphState) -> None:
+        """``state``'s graph is closed or gone and will not compute again: its scheduler can serve another."""
+        with self._lock:
+            sched, state.sched = state.sched, None
+            self._split_graphs.discard(state)
+            if sched is None:
+                return
+            if self._closed:
+                lib.ggml_backend_sched_free(sched)
+                return
+            self._sched_pool.append((state.graph_size, sched))
+            while len(self._sched_pool) > 4:
+                lib.ggml_backend_sched_free(self._sched_pool.pop(0)[1])
 
     def _make_sched(self, size: int) -> Any:
         backends = ffi.new("ggml_backend_t[]", self._backends)
@@ -1115,16 +1146,9 @@ class _GraphState:
         self.srcs_n = 0
         self.srcs_cap = 0
 
-    def free_sched(self) -> None:
-        if self.sched is not None:
-            lib.ggml_backend_sched_free(self.sched)
-            self.sched = None
-
     def __del__(self) -> None:
-        owner = self.owner
-        if self.sched is not None and owner is not None:
-            with owner._lock:  # not while the backend closes (it frees every graph's scheduler)
-                self.free_sched()
+        if self.sched is not None and self.owner is not None:
+            self.owner._give_back_sched(self)
         # freed when the last handle (and so the last tensor) of the graph is gone, even after close():
         # a stale tensor's shape, dtype and repr read this memory
         if self.ptr != NULL:
@@ -1351,6 +1375,8 @@ class Context:
             state.closed = True
             state.inputs.clear()
             state.index_checks.clear()
+            if state.sched is not None and state.owner is not None:
+                state.owner._give_back_sched(state)  # it will not compute again
 
     def __enter__(self) -> Context:
         return self

@@ -249,6 +249,7 @@ def test_a_split_graph_computes_again_after_other_graphs(servers):
             graph.compute(out)
             np.testing.assert_array_equal(out.numpy(), 2 * rows[picks])
         graph.close()
+        assert len(backend._sched_pool) >= 1  # its scheduler (and compute buffers) serve the next graphs
         grown = backend.new_context()
         y = remote.rows(grown.from_numpy(np.array([1], np.int32)))
         grown.compute(y)
