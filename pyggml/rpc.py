@@ -28,7 +28,7 @@ import os
 import socket
 import struct
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger("pyggml.rpc")
 
@@ -98,6 +98,9 @@ CMD_GET_TENSOR, CMD_COPY_TENSOR, CMD_GRAPH_COMPUTE, CMD_GET_DEVICE_MEMORY = 8, 9
 CMD_INIT_TENSOR, CMD_GET_ALLOC_SIZE, CMD_HELLO, CMD_DEVICE_COUNT = 12, 13, 14, 15
 CMD_GRAPH_RECOMPUTE, CMD_MEMSET_TENSOR = 16, 17
 CMD_COUNT = 19
+COMMAND_NAMES = ("ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",
+                 "SET_TENSOR", "SET_TENSOR_HASH", "GET_TENSOR", "COPY_TENSOR", "GRAPH_COMPUTE", "GET_DEVICE_MEMORY",
+                 "INIT_TENSOR", "GET_ALLOC_SIZE", "HELLO", "DEVICE_COUNT", "GRAPH_RECOMPUTE", "MEMSET_TENSOR")
 
 RPC_TENSOR_SIZE = 296  # sizeof(rpc_tensor), packed: 8+4+8+4*4+4*4+4+64+4+10*8+8+8+8+64+4
 CONN_CAPS_SIZE = 24
@@ -262,6 +265,10 @@ class _Connection:
         cmd = header[0]
         (size,) = struct.unpack_from("<Q", header, 1)
         self.relay.messages += 1
+        if cmd < len(COMMAND_NAMES):
+            counts = self.relay.commands.setdefault(COMMAND_NAMES[cmd], [0, 0])
+            counts[0] += 1
+            counts[1] += 9 + size
         if cmd not in _ANSWER_SIZE and cmd not in _UNANSWERED:
             # cannot happen with the pinned ggml; the framing of the rest is unknown, so stop here
             self.fail(f"unknown RPC command {cmd} from ggml (is the relay's table out of date?)")
@@ -328,9 +335,10 @@ class _Connection:
 
 @dataclass
 class Traffic:
-    sent: int
-    received: int
-    messages: int
+    sent: int  # bytes to the server (framing included)
+    received: int  # bytes from it
+    messages: int  # commands sent
+    commands: dict[str, tuple[int, int]] = field(default_factory=dict)  # command -> (count, bytes sent)
 
 
 class Relay:
@@ -343,6 +351,7 @@ class Relay:
         self.sent = 0
         self.received = 0
         self.messages = 0
+        self.commands: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._connections: list[_Connection] = []
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -384,7 +393,7 @@ class Relay:
         return None
 
     def traffic(self) -> Traffic:
-        return Traffic(self.sent, self.received, self.messages)
+        return Traffic(self.sent, self.received, self.messages, {k: (v[0], v[1]) for k, v in self.commands.items()})
 
 
 class Direct:
