@@ -346,6 +346,104 @@ def test_protocol_mismatch_is_a_clear_error(stories_path, answer, message):
         thread.join(30)
 
 
+class FakeUpstream:
+    """A scripted stand-in for an RPC server behind a relay: ``script(conn)`` runs on its one connection."""
+
+    def __init__(self, script):
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(1)
+        self.listener.settimeout(30)
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, args=(script,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, script):
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(30)
+            try:
+                script(conn)
+            except OSError:
+                pass
+
+    def close(self):
+        self.listener.close()
+        self.thread.join(30)
+
+
+def recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "connection closed"
+        data += chunk
+    return data
+
+
+def command(cmd: int, payload: bytes) -> bytes:
+    return bytes([cmd]) + struct.pack("<Q", len(payload)) + payload
+
+
+def test_relay_forwards_and_counts_then_answers_for_a_silent_server():
+    from pyggml import rpc
+
+    big = bytes(range(256)) * 1024  # 256 KiB: streamed, not buffered
+    got = {}
+
+    def script(conn):
+        got["set"] = recv_exact(conn, 9 + len(big))
+        got["align"] = recv_exact(conn, 9 + 4)
+        conn.sendall(struct.pack("<Q", 8) + struct.pack("<Q", 32))  # GET_ALIGNMENT answered
+        recv_exact(conn, 9 + 4)  # the next GET_ALIGNMENT is never answered
+        time.sleep(3)
+
+    upstream = FakeUpstream(script)
+    relay = rpc.Relay(upstream.endpoint, VERSION, timeout=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", int(relay.address.rsplit(":", 1)[1])), timeout=30) as ggml:
+            ggml.sendall(command(rpc.CMD_SET_TENSOR, big))
+            ggml.sendall(command(rpc.CMD_GET_ALIGNMENT, bytes(4)))
+            assert recv_exact(ggml, 16) == struct.pack("<QQ", 8, 32)
+            ggml.sendall(command(rpc.CMD_GET_ALIGNMENT, bytes(4)))
+            # the server stays silent past the timeout: a well-formed stand-in answer, and the relay says why
+            assert recv_exact(ggml, 16) == struct.pack("<QQ", 8, 64)
+            assert "did not answer within 0.5 s" in relay.error
+            ggml.sendall(command(rpc.CMD_GET_TENSOR, bytes(rpc.RPC_TENSOR_SIZE + 8) + struct.pack("<Q", 12)))
+            assert recv_exact(ggml, 8 + 12) == struct.pack("<Q", 12) + bytes(12)  # zeros from now on
+    finally:
+        upstream.close()
+    assert got["set"] == command(rpc.CMD_SET_TENSOR, big) and got["align"] == command(rpc.CMD_GET_ALIGNMENT, bytes(4))
+    traffic = relay.traffic()
+    assert traffic.commands["SET_TENSOR"] == (1, 9 + len(big)) and traffic.messages == 4
+
+
+def test_relay_pads_a_tensor_cut_off_by_a_dying_server():
+    from pyggml import rpc
+
+    size = 200_000
+    data = bytes(range(256)) * (size // 256 + 1)
+
+    def script(conn):
+        recv_exact(conn, 9 + rpc.RPC_TENSOR_SIZE + 16)
+        conn.sendall(struct.pack("<Q", size) + data[:70_000])  # then the server dies
+
+    upstream = FakeUpstream(script)
+    relay = rpc.Relay(upstream.endpoint, VERSION, timeout=30)
+    try:
+        with socket.create_connection(("127.0.0.1", int(relay.address.rsplit(":", 1)[1])), timeout=30) as ggml:
+            ggml.sendall(command(rpc.CMD_GET_TENSOR, bytes(rpc.RPC_TENSOR_SIZE + 8) + struct.pack("<Q", size)))
+            answer = recv_exact(ggml, 8 + size)
+            assert "connection lost" in relay.error  # while ggml's connection is open
+    finally:
+        upstream.close()
+    assert answer[:8] == struct.pack("<Q", size) and answer[8:8 + 70_000] == data[:70_000]
+    assert answer[8 + 70_000:] == bytes(size - 70_000)
+
+
 def test_options_are_checked(stories_path, servers):
     for bad in (["localhost"], ["127.0.0.1:0"], ["127.0.0.1:x"], ["::1:50052"], [servers[0], servers[0]]):
         with pytest.raises(ValueError, match="rpc"):
