@@ -472,6 +472,21 @@ def test_show_reports_the_placement(stories_path, servers):
     assert "layers 0-1  CPU" in out and f"({servers[0]})" in out and f"({servers[1]})" in out
 
 
+def test_run_over_rpc_matches_run_alone(stories_path, servers):
+    outputs = []
+    for extra in ((), ("--rpc", ",".join(servers), "--tensor-split", "1,1,2")):
+        proc = cli("run", str(stories_path), "Once upon a time", "--max-tokens", "8", "--temperature", "0",
+                   "--threads", "1", *extra)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append((out, err))
+    assert outputs[1][0] == outputs[0][0] and len(outputs[0][0]) > 10
+    lines = [line for line in outputs[1][1].splitlines() if line.startswith("pyggml: layers")]
+    assert lines[0] == "pyggml: layers 0-1 on CPU"
+    assert lines[1].startswith("pyggml: layers 2 on RPC") and lines[1].endswith(f"({servers[0]})")
+    assert lines[2].startswith("pyggml: layers 3-4 on RPC") and lines[2].endswith(f"({servers[1]})")
+
+
 def test_a_non_loopback_address_needs_allow_remote():
     proc = cli("rpc-server", "--host", "0.0.0.0", "--port", str(free_port()))
     try:
