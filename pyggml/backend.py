@@ -385,6 +385,7 @@ class Backend:
         self._allocated: tuple[int, int] | None = None  # (graph serial, node count) the scheduler holds
         self._split_graphs: weakref.WeakSet[_GraphState] = weakref.WeakSet()  # graphs with a scheduler of their own
         self._sched_pool: list[tuple[int, Any]] = []  # (graph size, scheduler) given back by closed graphs
+        self._pool_lock = threading.RLock()  # guards the two above (reentrant: a graph's __del__ may run inside)
         self._backends: list[Any] = []
         self._gpus: list[Any] = []
         self._remotes: list[Any] = []  # RPC backends, one per remote device
@@ -813,12 +814,13 @@ class Backend:
     def memory(self) -> dict[str, dict[str, int]]:
         """Bytes per device: weights, cache, and graph (the scheduler's compute buffers)."""
         out = {name: {"weights": m.weights, "cache": m.cache, "graph": 0} for name, m in self._memory.items()}
-        scheds = [self._sched, *(state.sched for state in list(self._split_graphs) if state.sched is not None),
-                  *(sched for _, sched in self._sched_pool)]
-        for be in self._backends:
-            name = ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_get_device(be))).decode()
-            entry = out.setdefault(name, {"weights": 0, "cache": 0, "graph": 0})
-            entry["graph"] += sum(int(lib.ggml_backend_sched_get_buffer_size(sched, be)) for sched in scheds)
+        with self._pool_lock:
+            scheds = [self._sched, *(state.sched for state in list(self._split_graphs) if state.sched is not None),
+                      *(sched for _, sched in self._sched_pool)]
+            for be in self._backends:
+                name = ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_get_device(be))).decode()
+                entry = out.setdefault(name, {"weights": 0, "cache": 0, "graph": 0})
+                entry["graph"] += sum(int(lib.ggml_backend_sched_get_buffer_size(sched, be)) for sched in scheds)
         return out
 
     def new_context(self, max_nodes: int | None = None) -> Context:
@@ -907,7 +909,7 @@ class Backend:
         self._closed = True
         self._pools.closed = 1  # the checked C ops refuse this backend's tensors from now on
         self._weights.clear()
-        with self._lock:
+        with self._lock, self._pool_lock:
             for state in list(self._split_graphs):
                 if state.sched is not None:
                     lib.ggml_backend_sched_free(state.sched)
@@ -1021,7 +1023,8 @@ class Backend:
             if state.sched is None:
                 state.sched = self._take_sched(state.graph_size)
                 state.owner = self
-                self._split_graphs.add(state)
+                with self._pool_lock:
+                    self._split_graphs.add(state)
             _unsplit_graph(state)  # a reservation may have rewired it
             self._place(state, state.sched)
             if not lib.ggml_backend_sched_alloc_graph(state.sched, state.graph):
@@ -1034,16 +1037,18 @@ class Backend:
     def _take_sched(self, size: int) -> Any:
         """A scheduler for a new graph: one that a closed graph gave back (its compute buffers are kept), or
         a new one."""
-        fits = [entry for entry in self._sched_pool if entry[0] >= size]
-        if fits:
-            entry = min(fits, key=lambda e: e[0])
-            self._sched_pool.remove(entry)
-            return entry[1]
+        with self._pool_lock:
+            fits = [entry for entry in self._sched_pool if entry[0] >= size]
+            if fits:
+                entry = min(fits, key=lambda e: e[0])
+                self._sched_pool.remove(entry)
+                return entry[1]
         return self._make_sched(size)
 
     def _give_back_sched(self, state: _GraphState) -> None:
-        """``state``'s graph is closed or gone and will not compute again: its scheduler can serve another."""
-        with self._lock:
+        """``state``'s graph is closed or gone and will not compute again: its scheduler can serve another.
+        (Not under the compute lock: a graph may be closed while another computes.)"""
+        with self._pool_lock:
             sched, state.sched = state.sched, None
             self._split_graphs.discard(state)
             if sched is None:
