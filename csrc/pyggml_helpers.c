@@ -118,3 +118,61 @@ int pyggml_graph_srcs(struct ggml_cgraph * graph, struct ggml_tensor ** saved, i
     }
     return n;
 }
+
+/* the scheduler's index of the device holding weight `w` (a tensor in a weights buffer), or -1 */
+static int weight_backend(const struct ggml_tensor * w, ggml_backend_t * backends, int n_backends) {
+    if (w == NULL) {
+        return -1;
+    }
+    if (w->view_src != NULL) {
+        w = w->view_src;
+    }
+    if (w->buffer == NULL || ggml_backend_buffer_get_usage(w->buffer) != GGML_BACKEND_BUFFER_USAGE_WEIGHTS) {
+        return -1;
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(w->buffer);
+    for (int i = 0; i < n_backends; i++) {
+        if (ggml_backend_supports_buft(backends[i], buft)) {
+            return i;
+        }
+    }
+    return -1;
+}
+
+static int is_norm(const struct ggml_tensor * t) {
+    return t != NULL && (t->op == GGML_OP_RMS_NORM || t->op == GGML_OP_NORM || t->op == GGML_OP_L2_NORM);
+}
+
+int pyggml_pin_layer_outputs(ggml_backend_sched_t sched, struct ggml_cgraph * graph, ggml_backend_t * backends,
+                             int n_backends) {
+    int pinned = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        struct ggml_tensor * node = ggml_graph_node(graph, i);
+        if (node->op == GGML_OP_ADD) {
+            /* a residual add (or bias) after a weight's matmul: where that weight is */
+            for (int j = 0; j < 2; j++) {
+                const struct ggml_tensor * mm = node->src[j];
+                if (mm == NULL || (mm->op != GGML_OP_MUL_MAT && mm->op != GGML_OP_MUL_MAT_ID)) {
+                    continue;
+                }
+                int b = weight_backend(mm->src[0], backends, n_backends);
+                if (b >= 0) {
+                    ggml_backend_sched_set_tensor_backend(sched, node, backends[b]);
+                    pinned++;
+                    break;
+                }
+            }
+        } else if (node->op == GGML_OP_MUL) {
+            /* a norm scaled by a weight (the first op of a layer): the norm goes where the weight is */
+            for (int j = 0; j < 2; j++) {
+                int b = weight_backend(node->src[1 - j], backends, n_backends);
+                if (b >= 0 && is_norm(node->src[j])) {
+                    ggml_backend_sched_set_tensor_backend(sched, node->src[j], backends[b]);
+                    pinned++;
+                    break;
+                }
+            }
+        }
+    }
+    return pinned;
+}

@@ -1027,6 +1027,8 @@ class Backend:
                     self._split_graphs.add(state)
             _unsplit_graph(state)  # a reservation may have rewired it
             self._place(state, state.sched)
+            backends = ffi.new("ggml_backend_t[]", self._backends)
+            lib.pyggml_pin_layer_outputs(state.sched, state.graph, backends, len(self._backends))
             if not lib.ggml_backend_sched_alloc_graph(state.sched, state.graph):
                 if self._relays:
                     self._check_remotes()
