@@ -282,6 +282,9 @@ bool ggml_backend_dev_supports_op(ggml_backend_dev_t device, const struct ggml_t
 bool ggml_backend_dev_supports_buft(ggml_backend_dev_t device, ggml_backend_buffer_type_t buft);
 
 const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
+size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+void ggml_backend_register(ggml_backend_reg_t reg);
 size_t ggml_backend_dev_count(void);
 ggml_backend_dev_t ggml_backend_dev_get(size_t index);
 ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
@@ -317,6 +320,25 @@ int ggml_cpu_has_f16c(void);
 int ggml_cpu_has_fma(void);
 int ggml_cpu_has_neon(void);
 int ggml_cpu_has_llamafile(void);
+
+/* ---- ggml-rpc.h --------------------------------------------------------------------------
+ * Checked against the pinned header. Built with -DPYGGML_RPC=OFF these are stubs (PYGGML_HAS_RPC is 0,
+ * the versions are 0). The client functions that take an endpoint connect and GGML_ABORT when the server
+ * is unreachable or drops the connection: pyggml only ever hands them the address of its own relay
+ * (pyggml/rpc.py), never a remote address. */
+#define PYGGML_HAS_RPC ...
+#define RPC_PROTO_MAJOR_VERSION ...
+#define RPC_PROTO_MINOR_VERSION ...
+#define RPC_PROTO_PATCH_VERSION ...
+#define GGML_RPC_MAX_SERVERS ...
+ggml_backend_t ggml_backend_rpc_init(const char * endpoint, uint32_t device);
+bool ggml_backend_is_rpc(ggml_backend_t backend);
+ggml_backend_buffer_type_t ggml_backend_rpc_buffer_type(const char * endpoint, uint32_t device);
+void ggml_backend_rpc_get_device_memory(const char * endpoint, uint32_t device, size_t * free, size_t * total);
+void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads, size_t n_devices,
+                                   ggml_backend_dev_t * devices);
+ggml_backend_reg_t ggml_backend_rpc_reg(void);
+ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
 
 /* ---- gguf.h ------------------------------------------------------------------------------- */
 enum gguf_type { GGUF_TYPE_UINT8, GGUF_TYPE_INT8, GGUF_TYPE_UINT16, GGUF_TYPE_INT16, GGUF_TYPE_UINT32,

@@ -31,7 +31,7 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-_SUBMODULES = {"backend", "bench", "chat", "convert", "kvcache", "llm", "models", "nn", "runner", "sample",
+_SUBMODULES = {"backend", "bench", "chat", "convert", "kvcache", "llm", "models", "nn", "rpc", "runner", "sample",
                "server", "synthetic", "tensor", "tiny", "tokenizer"}
 
 

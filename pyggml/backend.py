@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,9 @@ import numpy as np
 
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort must not fork gdb first
 
+from pyggml import rpc as _rpc  # noqa: E402
 from pyggml._ggml import ffi, lib  # noqa: E402
+from pyggml.rpc import RPCError  # noqa: E402
 from pyggml.tensor import (  # noqa: E402
     _INTERMEDIATE,
     DType,
@@ -90,22 +93,107 @@ _KINDS = {lib.GGML_BACKEND_DEVICE_TYPE_CPU: "cpu", lib.GGML_BACKEND_DEVICE_TYPE_
 class Device:
     name: str
     description: str
-    kind: str  # "cpu" | "gpu" | "igpu" | "accel"
+    kind: str  # "cpu" | "gpu" | "igpu" | "accel" | "rpc" (a device of a remote `pyggml rpc-server`)
     memory_free: int
     memory_total: int
 
 
 def _device_info(dev: Any) -> Device:
+    name = ffi.string(lib.ggml_backend_dev_name(dev)).decode()
+    remote = _RPC_DEVICES.get(_address(dev))
+    if remote is not None:
+        endpoint, relay = remote
+        # ask only over a live connection: a fresh one would wait while the server serves another client
+        if relay.connected and relay.error is None:
+            _RPC_MEMORY[endpoint] = _dev_memory(dev)
+        free, total = _RPC_MEMORY.get(endpoint, (0, 0))
+        return Device(name, f"RPC server {endpoint}", "rpc", free, total)
+    free, total = _dev_memory(dev)
+    return Device(name, ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
+                  _KINDS.get(lib.ggml_backend_dev_type(dev), "other"), free, total)
+
+
+def _dev_memory(dev: Any) -> tuple[int, int]:
     free, total = ffi.new("size_t *"), ffi.new("size_t *")
     lib.ggml_backend_dev_memory(dev, free, total)
-    return Device(ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
-                  ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
-                  _KINDS.get(lib.ggml_backend_dev_type(dev), "other"), int(free[0]), int(total[0]))
+    return int(free[0]), int(total[0])
+
+
+def _address(p: Any) -> int:
+    return int(ffi.cast("uintptr_t", p))
 
 
 def devices() -> list[Device]:
-    """The compute devices ggml can use, GPUs first if any."""
+    """The compute devices ggml can use, GPUs first if any; remote (RPC) devices once a model or
+    ``add_rpc_server`` has used their server in this process."""
     return [_device_info(lib.ggml_backend_dev_get(i)) for i in range(lib.ggml_backend_dev_count())]
+
+
+# ---- remote devices (ggml RPC through pyggml.rpc's relays) -------------------------------------------
+_RPC_LOCK = threading.Lock()
+_RPC_SERVERS: dict[str, list[Any]] = {}  # endpoint -> its ggml devices (registered once per process)
+_RPC_DEVICES: dict[int, tuple[str, _rpc.Relay]] = {}  # device address -> (endpoint, relay)
+_RPC_MEMORY: dict[str, tuple[int, int]] = {}  # endpoint -> last known (free, total)
+
+
+def rpc_version() -> tuple[int, int, int]:
+    """The ggml RPC protocol version of this build ((0, 0, 0) when built without RPC)."""
+    return (lib.RPC_PROTO_MAJOR_VERSION, lib.RPC_PROTO_MINOR_VERSION, lib.RPC_PROTO_PATCH_VERSION)
+
+
+def add_rpc_server(endpoint: str) -> list[Any]:
+    """Register the devices of the RPC server at ``endpoint`` ("host:port") with ggml; returns them.
+
+    Checked from Python first (reachable, same protocol), so that ggml, which aborts on such errors,
+    only ever talks to the server's relay in this process."""
+    (endpoint,) = _rpc.normalize_endpoints([endpoint])
+    if not lib.PYGGML_HAS_RPC:
+        raise RPCError("this pyggml was built without ggml's RPC backend (CMake option PYGGML_RPC=OFF)")
+    with _RPC_LOCK:
+        relay = _rpc.relay_for(endpoint, rpc_version())
+        if os.environ.get("PYGGML_RPC_DIRECT") == "1":  # measuring the relay's cost only (see pyggml/rpc.py)
+            relay = _rpc.Direct(endpoint)
+        if relay.connected:
+            if relay.error is not None:
+                raise RPCError(f"rpc server {endpoint} was lost earlier in this process ({relay.error}); close the "
+                               "models that use it, then load again")
+        else:
+            _rpc.hello(endpoint, rpc_version())
+        devs = _RPC_SERVERS.get(endpoint)
+        if devs is None:
+            reg = lib.ggml_backend_rpc_add_server(relay.address.encode())
+            if relay.error is not None:
+                raise RPCError(f"rpc server {endpoint}: {relay.error}")
+            if reg == NULL or lib.ggml_backend_reg_dev_count(reg) == 0:
+                raise RPCError(f"rpc server {endpoint} offers no devices")
+            devs = [lib.ggml_backend_reg_dev_get(reg, i) for i in range(lib.ggml_backend_reg_dev_count(reg))]
+            lib.ggml_backend_register(reg)  # now listed by devices()
+            _RPC_SERVERS[endpoint] = devs
+            for dev in devs:
+                _RPC_DEVICES[_address(dev)] = (endpoint, relay)
+        return list(devs)
+
+
+def rpc_traffic() -> dict[str, _rpc.Traffic]:
+    """Bytes this process sent to / received from each RPC server so far."""
+    return _rpc.traffic()
+
+
+def serve_rpc(endpoint: str, cache_dir: str | None, n_threads: int) -> None:
+    """Run ggml's RPC server on this machine's devices (CPU, and GPUs when built with them); blocks.
+    ``endpoint`` must be an IPv4 address and port (checked by the caller, ``pyggml rpc-server``)."""
+    if not lib.PYGGML_HAS_RPC:
+        raise RPCError("this pyggml was built without ggml's RPC backend (CMake option PYGGML_RPC=OFF)")
+    rpc_reg = lib.ggml_backend_rpc_reg()
+    local = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        if lib.ggml_backend_dev_backend_reg(dev) != rpc_reg:  # never re-export remote devices
+            local.append(dev)
+    # GPUs first, the CPU last, as ggml lists them
+    devs = ffi.new("ggml_backend_dev_t[]", local)
+    cache = ffi.new("char[]", cache_dir.encode()) if cache_dir else NULL
+    lib.ggml_backend_rpc_start_server(endpoint.encode(), cache, n_threads, len(local), devs)
 
 
 # ---- GGUF metadata -------------------------------------------------------------------------------
@@ -251,8 +339,25 @@ class BackendParams:
     flash_attention: bool | None = None
     use_mmap: bool = True
     repack: bool = True
+    # remote devices: "host:port" of `pyggml rpc-server`s (a list, or one comma-separated string); the
+    # layers are split over [local CPU, remote devices...] in proportion to their free memory, or to
+    # ``tensor_split`` (one non-negative number per device, in that order)
+    rpc: Sequence[str] | str = ()
+    tensor_split: Sequence[float] | None = None
 
     def validate(self) -> None:
+        self.rpc = _rpc.normalize_endpoints(self.rpc)
+        if self.tensor_split is not None:
+            split = self.tensor_split
+            if isinstance(split, str):
+                split = [s for s in split.split(",") if s.strip()]
+            try:
+                split = [float(x) for x in split]
+            except (TypeError, ValueError):
+                raise ValueError(f"tensor_split must be numbers, got {self.tensor_split!r}") from None
+            if not split or any(not x >= 0 or x == float("inf") for x in split) or sum(split) <= 0:
+                raise ValueError(f"tensor_split must be non-negative numbers with a positive sum, got {split}")
+            self.tensor_split = split
         if self.n_threads is not None and (not isinstance(self.n_threads, int) or self.n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {self.n_threads!r}")
         if self.n_threads is not None and self.n_threads > max_threads():
@@ -324,7 +429,21 @@ class Backend:
         self._sched = NULL
         self._sched_size = 0
         self._allocated: tuple[int, int] | None = None  # (graph serial, node count) the scheduler holds
-        self._init_devices()
+        self._split_graphs: weakref.WeakSet[_GraphState] = weakref.WeakSet()  # graphs with a scheduler of their own
+        self._sched_pool: list[tuple[int, Any]] = []  # (graph size, scheduler) given back by closed graphs
+        self._pool_lock = threading.RLock()  # guards the two above (reentrant: a graph's __del__ may run inside)
+        self._backends: list[Any] = []
+        self._gpus: list[Any] = []
+        self._remotes: list[Any] = []  # RPC backends, one per remote device
+        self._remote_devs: list[Any] = []
+        self._relays: list[_rpc.Relay] = []
+        self._rpc_failure: str | None = None
+        self._layer_map: list[int] | None = None
+        try:
+            self._init_devices()
+        except BaseException:
+            self.close()  # e.g. the second RPC server is unreachable: let the first one go
+            raise
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -350,9 +469,12 @@ class Backend:
 
     def _init_devices(self) -> None:
         gpus, cpu_dev = [], NULL
+        rpc_reg = lib.ggml_backend_rpc_reg()
         for i in range(lib.ggml_backend_dev_count()):
             dev = lib.ggml_backend_dev_get(i)
             kind = lib.ggml_backend_dev_type(dev)
+            if rpc_reg != NULL and lib.ggml_backend_dev_backend_reg(dev) == rpc_reg:
+                continue  # a remote device: used only when params.rpc names its server
             if kind == lib.GGML_BACKEND_DEVICE_TYPE_CPU:
                 cpu_dev = dev
             elif kind in (lib.GGML_BACKEND_DEVICE_TYPE_GPU, lib.GGML_BACKEND_DEVICE_TYPE_IGPU):
@@ -364,12 +486,12 @@ class Backend:
         self._cpu = lib.ggml_backend_dev_init(cpu_dev, NULL)
         if self._cpu == NULL:
             raise GGMLError(_with_log("could not start the CPU backend"))
+        self._backends = [self._cpu]
         tp_params = lib.ggml_threadpool_params_default(self.n_threads)
         self._threadpool = lib.ggml_threadpool_new(ffi.new("struct ggml_threadpool_params *", tp_params))
         lib.ggml_backend_cpu_set_n_threads(self._cpu, self.n_threads)
         if self._threadpool != NULL:
             lib.ggml_backend_cpu_set_threadpool(self._cpu, self._threadpool)
-        self._gpus = []
         wanted = self.params.gpu_layers
         if self._gpu_devs and wanted not in (0, [], ()):
             for dev in self._gpu_devs:
@@ -377,8 +499,22 @@ class Backend:
                 if be == NULL:
                     raise GGMLError(_with_log(f"could not start {_device_info(dev).name}"))
                 self._gpus.append(be)
+                self._backends = [*self._gpus, self._cpu]
+        if self.params.rpc:
+            if self._gpus:
+                raise ValueError("gpu_layers together with rpc is not supported yet: use one or the other")
+            for endpoint in self.params.rpc:
+                for dev in add_rpc_server(endpoint):
+                    be = lib.ggml_backend_dev_init(dev, NULL)
+                    if be == NULL:
+                        raise RPCError(_with_log(f"could not start a backend on rpc server {endpoint}"))
+                    self._remotes.append(be)
+                    self._remote_devs.append(dev)
+                    self._backends = [*self._gpus, *self._remotes, self._cpu]  # close() frees what exists
+                self._relays.append(_RPC_DEVICES[_address(self._remote_devs[-1])][1])
+            self._check_remotes()
         # the scheduler wants the CPU last
-        self._backends = [*self._gpus, self._cpu]
+        self._backends = [*self._gpus, *self._remotes, self._cpu]
         # Only CPU_REPACK: weights in the AMX buffer type crashed in compute on these (virtualised)
         # Xeons, and repacking gives the AVX-512 kernels most of the speed-up anyway.
         extra = ffi.new("ggml_backend_buffer_type_t[]", 8)
@@ -468,7 +604,13 @@ class Backend:
                             "(every layer has weights)")
 
     def _layer_backend(self, name: str) -> int:
-        """Index into self._backends for a weight, by its layer and params.gpu_layers."""
+        """Index into self._backends for a weight, by its layer and params.gpu_layers (or rpc)."""
+        if self._remotes:
+            match = _LAYER_RE.match(name)
+            layers = self._split_layers()
+            if match and int(match.group(1)) < len(layers):
+                return layers[int(match.group(1))]
+            return len(self._backends) - 1  # embeddings, output and anything else stay local
         if not self._gpus:
             return len(self._backends) - 1
         n_layers = self.config.uint("block_count", 0) or 0
@@ -485,6 +627,70 @@ class Backend:
         if not on_gpu:
             return len(self._backends) - 1
         return min(self.params.main_gpu, len(self._gpus) - 1)
+
+    def _split_layers(self) -> list[int]:
+        """Backend index of each layer when split over [local CPU, remote devices...]: contiguous ranges
+        in that order, sized in proportion to tensor_split or to each device's free memory (the rule of
+        llama.cpp's --tensor-split). The output layer stays on the CPU: logits are needed here, and the
+        hidden state that crosses instead is far smaller than the vocabulary."""
+        if self._layer_map is not None:
+            return self._layer_map
+        n_layers = self.config.uint("block_count", 0) or 0
+        cpu_index = len(self._backends) - 1
+        indices = [cpu_index, *range(len(self._gpus), len(self._gpus) + len(self._remotes))]
+        split = self.params.tensor_split
+        if split is None:
+            split = [_dev_memory(self._cpu_dev)[0]] + [_dev_memory(d)[0] for d in self._remote_devs]
+            self._check_remotes()
+            if sum(split) <= 0:
+                split = [1.0] * len(indices)
+        elif len(split) != len(indices):
+            raise ValueError(f"tensor_split has {len(split)} values; this model runs on {len(indices)} devices "
+                             f"(the local CPU and {len(indices) - 1} remote): give one value per device")
+        total = float(sum(split))
+        bounds, acc = [], 0.0
+        for x in split:
+            acc += x / total
+            bounds.append(acc)
+        layers = []
+        for i in range(n_layers):
+            position = i / n_layers
+            j = sum(1 for b in bounds if b <= position)  # upper_bound, as llama.cpp
+            layers.append(indices[min(j, len(indices) - 1)])
+        if n_layers:
+            self._layer_map = layers
+        return layers
+
+    def placement(self) -> dict[str, list[int]]:
+        """Which layers compute on which device: device label -> layer indices (embeddings and the
+        output layer are on the CPU)."""
+        n_layers = self.config.uint("block_count", 0) or 0
+        out: dict[str, list[int]] = {}
+        for i in range(n_layers):
+            be = self._backends[self._layer_backend(f"blk.{i}.")]
+            dev = lib.ggml_backend_get_device(be)
+            label = ffi.string(lib.ggml_backend_dev_name(dev)).decode()
+            remote = _RPC_DEVICES.get(_address(dev))
+            if remote is not None:
+                label = f"{label} ({remote[0]})"
+            out.setdefault(label, []).append(i)
+        return out
+
+    def rpc_traffic(self) -> tuple[int, int]:
+        """(bytes sent, bytes received) to and from this backend's RPC servers so far, all processes'
+        models on them included (0, 0 without RPC)."""
+        sent = sum(r.sent for r in self._relays)
+        return sent, sum(r.received for r in self._relays)
+
+    def _check_remotes(self) -> None:
+        """Raise RPCError if a remote server of this backend was lost (the backend is then unusable)."""
+        if self._rpc_failure is None:
+            for relay in self._relays:
+                if relay.error is not None:
+                    self._rpc_failure = f"rpc server {relay.endpoint}: {relay.error}"
+                    break
+        if self._rpc_failure is not None:
+            raise RPCError(f"{self._rpc_failure}; the model's layers there are lost: close it and load again")
 
     def _repack_buft(self, t: Any, any_name: bool = False) -> Any:
         """The CPU extra buffer type whose kernels can use this weight, or NULL."""
@@ -574,6 +780,7 @@ class Backend:
             t = lib.ggml_get_tensor(self._meta_ctx, name.encode())
             self._weights[name] = Tensor(t, None, max(1, lib.ggml_n_dims(t)), self)
             self._weight_ptrs.add(t)
+        self._check_remotes()  # an upload to a server that went away was answered by its relay
         self._new_sched(self._graph_size(self.max_graph_nodes))
         if not zero_copy and self._mmap is not None:
             self._unmap()
@@ -668,10 +875,13 @@ class Backend:
     def memory(self) -> dict[str, dict[str, int]]:
         """Bytes per device: weights, cache, and graph (the scheduler's compute buffers)."""
         out = {name: {"weights": m.weights, "cache": m.cache, "graph": 0} for name, m in self._memory.items()}
-        for be in self._backends:
-            name = ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_get_device(be))).decode()
-            entry = out.setdefault(name, {"weights": 0, "cache": 0, "graph": 0})
-            entry["graph"] += int(lib.ggml_backend_sched_get_buffer_size(self._sched, be))
+        with self._pool_lock:
+            scheds = [self._sched, *(state.sched for state in list(self._split_graphs) if state.sched is not None),
+                      *(sched for _, sched in self._sched_pool)]
+            for be in self._backends:
+                name = ffi.string(lib.ggml_backend_dev_name(lib.ggml_backend_get_device(be))).decode()
+                entry = out.setdefault(name, {"weights": 0, "cache": 0, "graph": 0})
+                entry["graph"] += sum(int(lib.ggml_backend_sched_get_buffer_size(sched, be)) for sched in scheds)
         return out
 
     def new_context(self, max_nodes: int | None = None) -> Context:
@@ -700,6 +910,8 @@ class Backend:
         storage = self._add_storage(ctx, writable=True)
         storage.buffers.append(self._alloc_tensors(buft, [t], purpose))
         lib.ggml_backend_buffer_clear(storage.buffers[-1], 0)
+        if self._relays:
+            self._check_remotes()
         return Tensor(t, None, len(shape), self)
 
     def matmul_weight(self, weight: Tensor) -> Tensor:
@@ -759,6 +971,15 @@ class Backend:
         self._closed = True
         self._pools.closed = 1  # the checked C ops refuse this backend's tensors from now on
         self._weights.clear()
+        with self._lock, self._pool_lock:
+            for state in list(self._split_graphs):
+                if state.sched is not None:
+                    lib.ggml_backend_sched_free(state.sched)
+                    state.sched = None
+            self._split_graphs.clear()
+            for _, sched in self._sched_pool:
+                lib.ggml_backend_sched_free(sched)
+            self._sched_pool.clear()
         if self._sched != NULL:
             lib.ggml_backend_sched_free(self._sched)
             self._sched = NULL
@@ -802,6 +1023,10 @@ class Backend:
     def _compute(self, state: _GraphState, reserve_only: bool = False) -> None:
         with self._lock:
             self._check_open()
+            if self._relays:
+                self._check_remotes()
+            if len(self._backends) > 1:
+                return self._compute_split(state, reserve_only)
             if state.graph_size > self._sched_size:
                 self._new_sched(state.graph_size)
             sched = self._sched
@@ -819,34 +1044,144 @@ class Backend:
                 if not lib.ggml_backend_sched_reserve(sched, state.graph):
                     raise MemoryError(_with_log("could not reserve memory for the graph"))
                 return
-            for indices, (bound, op) in state.index_checks.items():
-                data = state.inputs.get(indices)
-                if data is None and indices.flags & 1:  # GGML_TENSOR_FLAG_INPUT: made by ctx.empty, never set
-                    raise ValueError(f"{op}: the indices were never given data (call .set() before compute)")
-                if data is not None and data.size and (data.min() < 0 or data.max() >= bound):
-                    raise ValueError(f"{op}: index {int(data.max()) if data.max() >= bound else int(data.min())} "
-                                     f"out of range 0..{bound - 1}")
+            self._check_indices(state)
             if not reuse:
                 if state.leaf_outputs and not lib.ggml_backend_sched_reserve(sched, state.graph):
                     raise MemoryError(_with_log("could not reserve memory for the graph"))
                 if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):
                     raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
-            for ptr, data in state.inputs.items():
-                if ptr.buffer != NULL and data.nbytes:
-                    lib.ggml_backend_tensor_set(ptr, ffi.from_buffer(data), 0, data.nbytes)
-            status = lib.ggml_backend_sched_graph_compute(sched, state.graph)
-            if status != lib.GGML_STATUS_SUCCESS:
-                raise GGMLError(_with_log(f"compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}"))
+            self._run(state, sched)
             self._allocated = allocated
-            self._epoch += 1
-            state.epoch = self._epoch
+
+    def _compute_split(self, state: _GraphState, reserve_only: bool) -> None:
+        """Compute a graph over several devices (GPUs, RPC servers and the CPU) with a scheduler of its own.
+
+        ggml's scheduler splits a graph by rewiring it (a source on another device is replaced by a copy
+        that lives in the scheduler) and leaves the allocator's places in its tensors: it cannot split the
+        same graph a second time, after another graph used the scheduler. So each graph keeps its own
+        scheduler, splits once, and every later compute only rewrites the inputs (the reuse of one graph
+        that llama.cpp also relies on). A reservation uses a throwaway scheduler and undoes its rewiring."""
+        n_nodes = lib.ggml_graph_n_nodes(state.graph)
+        if state.split_nodes and state.split_nodes != n_nodes:
+            raise ValueError("this graph is split over several devices and cannot grow after its first compute: "
+                             "build the new tensors in a new context")
+        if reserve_only:
+            if state.split_nodes:
+                return  # its scheduler already holds the memory
+            sched = self._make_sched(state.graph_size)
+            try:
+                _unsplit_graph(state)  # remember the graph as built
+                self._place(state, sched)
+                reserved = lib.ggml_backend_sched_reserve(sched, state.graph)
+            finally:
+                lib.ggml_backend_sched_free(sched)
+                _unsplit_graph(state)  # the copies were the scheduler's
+            if self._relays:
+                self._check_remotes()
+            if not reserved:
+                raise MemoryError(_with_log("could not reserve memory for the graph"))
+            return
+        self._check_indices(state)
+        if not state.split_nodes:
+            if state.sched is None:
+                state.sched = self._take_sched(state.graph_size)
+                state.owner = self
+                with self._pool_lock:
+                    self._split_graphs.add(state)
+            _unsplit_graph(state)  # a reservation may have rewired it
+            self._place(state, state.sched)
+            backends = ffi.new("ggml_backend_t[]", self._backends)
+            lib.pyggml_pin_layer_outputs(state.sched, state.graph, backends, len(self._backends))
+            if not lib.ggml_backend_sched_alloc_graph(state.sched, state.graph):
+                if self._relays:
+                    self._check_remotes()
+                raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
+            state.split_nodes = n_nodes
+        self._run(state, state.sched)
+
+    def _take_sched(self, size: int) -> Any:
+        """A scheduler for a new graph: one that a closed graph gave back (its compute buffers are kept), or
+        a new one."""
+        with self._pool_lock:
+            fits = [entry for entry in self._sched_pool if entry[0] >= size]
+            if fits:
+                entry = min(fits, key=lambda e: e[0])
+                self._sched_pool.remove(entry)
+                return entry[1]
+        return self._make_sched(size)
+
+    def _give_back_sched(self, state: _GraphState) -> None:
+        """``state``'s graph is closed or gone and will not compute again: its scheduler can serve another.
+        (Not under the compute lock: a graph may be closed while another computes.)"""
+        with self._pool_lock:
+            sched, state.sched = state.sched, None
+            self._split_graphs.discard(state)
+            if sched is None:
+                return
+            if self._closed:
+                lib.ggml_backend_sched_free(sched)
+                return
+            self._sched_pool.append((state.graph_size, sched))
+            while len(self._sched_pool) > 4:
+                lib.ggml_backend_sched_free(self._sched_pool.pop(0)[1])
+
+    def _make_sched(self, size: int) -> Any:
+        backends = ffi.new("ggml_backend_t[]", self._backends)
+        bufts = ffi.new("ggml_backend_buffer_type_t[]",
+                        [lib.ggml_backend_get_default_buffer_type(b) for b in self._backends])
+        sched = lib.ggml_backend_sched_new(backends, bufts, len(self._backends), size, False, bool(self._gpus))
+        if sched == NULL:
+            raise GGMLError(_with_log("could not create a backend scheduler"))
+        return sched
+
+    def _place(self, state: _GraphState, sched: Any) -> None:
+        lib.ggml_backend_sched_reset(sched)
+        for ptr, index in state.placements:
+            lib.ggml_backend_sched_set_tensor_backend(sched, ptr, self._backends[index])
+
+    @staticmethod
+    def _check_indices(state: _GraphState) -> None:
+        for indices, (bound, op) in state.index_checks.items():
+            data = state.inputs.get(indices)
+            if data is None and indices.flags & 1:  # GGML_TENSOR_FLAG_INPUT: made by ctx.empty, never set
+                raise ValueError(f"{op}: the indices were never given data (call .set() before compute)")
+            if data is not None and data.size and (data.min() < 0 or data.max() >= bound):
+                raise ValueError(f"{op}: index {int(data.max()) if data.max() >= bound else int(data.min())} "
+                                 f"out of range 0..{bound - 1}")
+
+    def _run(self, state: _GraphState, sched: Any) -> None:
+        """Write the inputs and compute the allocated graph."""
+        for ptr, data in state.inputs.items():
+            if ptr.buffer != NULL and data.nbytes:
+                lib.ggml_backend_tensor_set(ptr, ffi.from_buffer(data), 0, data.nbytes)
+        status = lib.ggml_backend_sched_graph_compute(sched, state.graph)
+        if self._relays:
+            self._check_remotes()  # a lost server's relay answered with zeros: the results are garbage
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise GGMLError(_with_log(f"compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}"))
+        self._epoch += 1
+        state.epoch = self._epoch
+
+
+def _unsplit_graph(state: _GraphState) -> None:
+    """Undo what splitting the graph over several backends did to it (see pyggml_graph_srcs), so that
+    the scheduler can split it again; remembers the sources of nodes added since."""
+    n = lib.ggml_graph_n_nodes(state.graph)
+    if state.srcs is None or state.srcs_cap < n:
+        cap = max(64, 2 * n)
+        grown = ffi.new("struct ggml_tensor *[]", cap * (lib.GGML_MAX_SRC + 1))
+        if state.srcs is not None and state.srcs_n:
+            ffi.memmove(grown, state.srcs, state.srcs_n * (lib.GGML_MAX_SRC + 1) * ffi.sizeof("void *"))
+        state.srcs, state.srcs_cap = grown, cap
+    state.srcs_n = lib.pyggml_graph_srcs(state.graph, state.srcs, state.srcs_n, state.srcs_cap)
 
 
 class _GraphState:
     """What all handles of one Context share: the ggml context, the graph and pending inputs."""
 
     __slots__ = ("ptr", "g", "pools", "graph", "graph_size", "inputs", "index_checks", "epoch",
-                 "leaf_outputs", "named", "anonymous_inputs", "placements", "serial")
+                 "leaf_outputs", "named", "anonymous_inputs", "placements", "serial", "srcs", "srcs_n",
+                 "srcs_cap", "sched", "owner", "split_nodes", "__weakref__")
     _serials = itertools.count(1)
 
     def __init__(self, max_nodes: int, graph_size: int, pools: Any = NULL):
@@ -874,8 +1209,18 @@ class _GraphState:
         # an input read back as it is (a leaf no node uses): ggml's allocator does not size-check such
         # leaves when it reuses the previous graph's buffers, so these graphs are re-measured first
         self.leaf_outputs = False
+        # several devices (Backend._compute_split): the graph's own scheduler, the node count it was split
+        # at, and every node's sources as built (before a split rewired them)
+        self.sched: Any = None
+        self.owner: Backend | None = None
+        self.split_nodes = 0
+        self.srcs: Any = None
+        self.srcs_n = 0
+        self.srcs_cap = 0
 
     def __del__(self) -> None:
+        if self.sched is not None and self.owner is not None:
+            self.owner._give_back_sched(self)
         # freed when the last handle (and so the last tensor) of the graph is gone, even after close():
         # a stale tensor's shape, dtype and repr read this memory
         if self.ptr != NULL:
@@ -1121,6 +1466,8 @@ class Context:
             state.closed = True
             state.inputs.clear()
             state.index_checks.clear()
+            if state.sched is not None and state.owner is not None:
+                state.owner._give_back_sched(state)  # it will not compute again
 
     def __enter__(self) -> Context:
         return self

@@ -66,6 +66,7 @@ class Sample:
     wall_ns: int
     tokens: int
     parts: Parts
+    rpc_bytes: tuple[int, int] = (0, 0)  # (sent, received) to/from RPC servers during the run
 
 
 class _KernelClock:
@@ -98,7 +99,8 @@ class Session:
 
     def __init__(self, path: str | os.PathLike, *, n_threads: int | None = None, flash_attn: bool = False,
                  cache_type: str = "f16", gpu_layers: int | str = 0, n_ctx: int = 512, max_batch: int = 512,
-                 seed: int = 0):
+                 seed: int = 0, rpc: Sequence[str] | str = (), tensor_split: Sequence[float] | str | None = None,
+                 repack: bool = True):
         import numpy as np
 
         from pyggml import models
@@ -108,7 +110,8 @@ class Session:
         from pyggml.tensor import DType
 
         start = time.perf_counter()
-        params = BackendParams(n_threads=n_threads, gpu_layers=gpu_layers, flash_attention=flash_attn)
+        params = BackendParams(n_threads=n_threads, gpu_layers=gpu_layers, flash_attention=flash_attn, rpc=rpc or (),
+                               tensor_split=tensor_split, repack=repack)
         self.model = models.load(path, params)
         try:
             if self.model.cache is None:
@@ -135,26 +138,32 @@ class Session:
         tokens = self.tokens(n_prompt)
         self.model.cache.remove(0, 0)
         parts = Parts()
+        before = self.model.backend.rpc_traffic()
         with self._kernel_clock() as clock:
             start = time.perf_counter_ns()
             for first in range(0, n_prompt, n_batch):
                 self.step(tokens[first:first + n_batch], first, parts)
             wall = time.perf_counter_ns() - start
         parts.ggml_compute = clock.seconds if clock else float("nan")
-        return Sample(wall, n_prompt, parts)
+        return Sample(wall, n_prompt, parts, self._rpc_delta(before))
+
+    def _rpc_delta(self, before: tuple[int, int]) -> tuple[int, int]:
+        after = self.model.backend.rpc_traffic()
+        return after[0] - before[0], after[1] - before[1]
 
     def generate(self, n_gen: int) -> Sample:
         """One tg run: ``n_gen`` single-token forward passes on a fresh sequence."""
         tokens = self.tokens(n_gen)
         self.model.cache.remove(0, 0)
         parts = Parts()
+        before = self.model.backend.rpc_traffic()
         with self._kernel_clock() as clock:
             start = time.perf_counter_ns()
             for pos, token in enumerate(tokens):
                 self.step([token], pos, parts)
             wall = time.perf_counter_ns() - start
         parts.ggml_compute = clock.seconds if clock else float("nan")
-        return Sample(wall, n_gen, parts)
+        return Sample(wall, n_gen, parts, self._rpc_delta(before))
 
     def step(self, tokens: list[int], first_pos: int, parts: Parts) -> None:
         """One forward pass through the engine the Runner uses (decode steps reuse a kept graph), timed by part."""
@@ -219,6 +228,11 @@ def result(test: str, inst: Instance, session: Session, n_prompt: int, n_gen: in
     step_ms = 1e3 * wall / steps
     compute_ms, ggml_ms, graph_ms = ms("compute"), ms("ggml_compute"), ms("graph")
     nodes = samples[-1].parts.nodes
+    remote = {}
+    if session.model.backend.params.rpc:
+        remote = {"placement": session.model.backend.placement(),
+                  "rpc_sent_per_step": sum(s.rpc_bytes[0] for s in samples) / steps,
+                  "rpc_received_per_step": sum(s.rpc_bytes[1] for s in samples) / steps}
     return {
         "test": test, "n_prompt": n_prompt, "n_gen": n_gen,
         "n_threads": session.n_threads, "n_batch": inst.n_batch, "n_gpu_layers": inst.n_gpu_layers,
@@ -231,6 +245,7 @@ def result(test: str, inst: Instance, session: Session, n_prompt: int, n_gen: in
         "host_share": None if ggml_ms is None else max(0.0, 1.0 - ggml_ms / step_ms),
         "graph_nodes": nodes, "graph_us_per_node": 1e3 * graph_ms / nodes if nodes else None,
         "load_s": session.load_s,
+        **remote,
     }
 
 
@@ -348,6 +363,7 @@ class Printer:
     def __init__(self, fmt: str, out: Any = None):
         self.fmt, self.out = fmt, out or sys.stdout
         self.header_done = False
+        self.notes: dict[str, None] = {}  # md: lines printed under the table, in order
 
     def row(self, build: dict[str, Any], model: dict[str, Any], r: dict[str, Any]) -> None:
         if self.fmt == "md":
@@ -356,6 +372,11 @@ class Printer:
                 self._line("| " + " | ".join(MD_COLUMNS) + " |")
                 self._line("|" + "|".join("-" * (len(c) + 2) for c in MD_COLUMNS) + "|")
             self._line("| " + " | ".join(cells) + " |")
+            if "placement" in r:
+                layers = "; ".join(f"{layer_ranges(ls)} on {name}" for name, ls in r["placement"].items())
+                self.notes.setdefault(f"{r['test']}: {r['rpc_sent_per_step'] / 1024:,.1f} KiB sent, "
+                                      f"{r['rpc_received_per_step'] / 1024:,.1f} KiB received per forward pass; "
+                                      f"layers {layers}")
         elif self.fmt == "csv":
             buf = io.StringIO()
             writer = csv.DictWriter(buf, CSV_COLUMNS, lineterminator="\n")
@@ -375,6 +396,8 @@ class Printer:
             features = " ".join(b["cpu"]["features"]) or "-"
             self._line(f"\npyggml {b['pyggml_version']}, ggml {b['ggml_version']}, {b['cpu']['model']} "
                        f"({features})")
+            for note in self.notes:
+                self._line(note)
         self.out.flush()
 
     def _line(self, text: str) -> None:
@@ -383,11 +406,25 @@ class Printer:
 
 
 def _backend_names(build: dict[str, Any], r: dict[str, Any]) -> str:
-    names = [d["name"] for d in build["devices"] if d["kind"] != "cpu"] if r["n_gpu_layers"] not in (0, "0") else []
+    if "placement" in r:  # --rpc: the devices that compute layers
+        return ",".join(name.split(" ")[0] for name in r["placement"])
+    names = [d["name"] for d in build["devices"] if d["kind"] not in ("cpu", "rpc")] \
+        if r["n_gpu_layers"] not in (0, "0") else []
     return ",".join(names + ["CPU"])
 
 
 # ---- command line ---------------------------------------------------------------------------------
+def layer_ranges(values: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _int_list(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -457,6 +494,13 @@ def add_parsers(sub: Any) -> None:
     bench.add_argument("-o", "--output", choices=("md", "json", "csv"), default="md", help="output format")
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up run of each test")
     bench.add_argument("--progress", action="store_true", help="report each test on stderr as it starts")
+    bench.add_argument("--rpc", metavar="HOST:PORT,...", default=None,
+                       help="also compute layers on these `pyggml rpc-server`s; reports the placement and the bytes "
+                            "sent and received per forward pass")
+    bench.add_argument("--tensor-split", metavar="W,W,...", default=None,
+                       help="with --rpc: share of the layers for the local CPU and each remote device")
+    bench.add_argument("--no-repack", action="store_true",
+                       help="keep quantized weights in their file layout on the CPU (RPC servers never repack)")
     bench.set_defaults(func=cmd_bench)
 
     make = sub.add_parser("make-model", help="write a random-weight GGUF of any architecture or a real model's shape",
@@ -519,7 +563,9 @@ def bench(args: argparse.Namespace, out: Any = None) -> int:
         combos = valid
     for t, ngl, fa, ctk in combos:
         session = Session(path, n_threads=t, flash_attn=fa, cache_type=ctk, gpu_layers=ngl, n_ctx=n_ctx,
-                          max_batch=max(args.batch_size))
+                          max_batch=max(args.batch_size), rpc=getattr(args, "rpc", None) or (),
+                          tensor_split=getattr(args, "tensor_split", None),
+                          repack=not getattr(args, "no_repack", False))
         try:
             if model is None:
                 model = model_info(path, session, synthetic)

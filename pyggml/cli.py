@@ -59,8 +59,36 @@ def _load(args: argparse.Namespace) -> Any:
     if args.model == DEMO:
         print("pyggml: using the built-in demo model (random weights: the text will be gibberish)",
               file=sys.stderr)
-    options = {"num_ctx": args.ctx, "n_threads": args.threads}
-    return pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v})
+    options = {"num_ctx": args.ctx, "n_threads": args.threads, **_rpc_options(args)}
+    llm = pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v})
+    if options.get("rpc"):
+        _print_placement(llm.model.backend, sys.stderr)
+    return llm
+
+
+def _rpc_options(args: argparse.Namespace) -> dict[str, Any]:
+    """BackendParams fields from --rpc and --tensor-split."""
+    rpc = getattr(args, "rpc", None)
+    split = getattr(args, "tensor_split", None)
+    if split and not rpc:
+        raise ValueError("--tensor-split splits layers over the local CPU and --rpc servers: give --rpc too")
+    return {"rpc": rpc, "tensor_split": split} if rpc else {}
+
+
+def _print_placement(backend: Any, out: Any) -> None:
+    from pyggml.bench import layer_ranges
+
+    for device, layers in backend.placement().items():
+        print(f"pyggml: layers {layer_ranges(layers)} on {device}", file=out)
+
+
+def add_rpc_arguments(parser: argparse.ArgumentParser) -> None:
+    """--rpc and --tensor-split, shared by run, serve, bench and show."""
+    parser.add_argument("--rpc", metavar="HOST:PORT,...", default=None,
+                        help="also compute layers on these `pyggml rpc-server`s (trusted network only)")
+    parser.add_argument("--tensor-split", metavar="W,W,...", default=None,
+                        help="share of the layers for the local CPU and each remote device, in that order "
+                             "(default: in proportion to free memory)")
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -124,7 +152,7 @@ def cmd_embed(args: argparse.Namespace) -> int:
 def cmd_show(args: argparse.Namespace) -> int:
     from pyggml.backend import Backend, BackendParams
 
-    backend = Backend.load(_model_path(args.model), BackendParams(repack=False))
+    backend = Backend.load(_model_path(args.model), BackendParams(repack=False, **_rpc_options(args)))
     try:
         c = backend.config
         tensors = backend.tensors()
@@ -149,6 +177,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         ]
         for key, value in rows:
             print(f"{key:>18}  {value}")
+        if args.rpc:
+            from pyggml.bench import layer_ranges
+
+            for device, layers in backend.placement().items():
+                print(f"{'layers ' + layer_ranges(layers):>18}  {device}")
         if args.verbose:
             print("\nmetadata:")
             for key, value in c.items():
@@ -223,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--max-tokens", type=int, default=128)
     run.add_argument("--verbose", action="store_true", help="print load time and tokens/s")
+    add_rpc_arguments(run)
     run.set_defaults(func=cmd_run)
 
     embed = sub.add_parser("embed", help="embed texts with an embedding model (BERT); one JSON array per text")
@@ -239,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="architecture, parameters, quantization and tensor table")
     show.add_argument("model")
     show.add_argument("--verbose", action="store_true", help="also print all metadata")
+    add_rpc_arguments(show)
     show.set_defaults(func=cmd_show)
 
     convert = sub.add_parser("convert", help="convert a Hugging Face model directory (Llama, Mistral, BERT, ...) "
@@ -301,8 +336,85 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--origins", default=None,
                        help="comma-separated extra browser Origins allowed, '*' wildcards as OLLAMA_ORIGINS "
                             "(default: $PYGGML_ORIGINS; local origins are always allowed)")
+    add_rpc_arguments(serve)
     serve.set_defaults(func=cmd_serve)
+
+    rpc = sub.add_parser("rpc-server", help="lend this machine's devices to other pyggml/llama.cpp clients (ggml RPC)",
+                         description="Run ggml's RPC server in the foreground until SIGINT/SIGTERM. The protocol has "
+                                     "no authentication or encryption: whoever can connect can use this machine's "
+                                     "memory and compute. Listens on 127.0.0.1 unless --allow-remote.")
+    rpc.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (default: 127.0.0.1)")
+    rpc.add_argument("--port", type=int, default=50052, help="default: 50052")
+    rpc.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
+    rpc.add_argument("--cache", metavar="DIR", default=None,
+                     help="keep large tensors sent by clients here, so a reload of the same model skips sending them")
+    rpc.add_argument("--allow-remote", action="store_true",
+                     help="allow listening on a non-loopback address (trusted private networks only)")
+    rpc.set_defaults(func=cmd_rpc_server)
     return parser
+
+
+def cmd_rpc_server(args: argparse.Namespace) -> int:
+    import signal
+    import socket
+    import threading
+
+    from pyggml import rpc
+
+    if not 1 <= args.port <= 65535:
+        raise ValueError(f"--port must be 1..65535, got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    try:
+        address = socket.gethostbyname(args.host)  # ggml binds IPv4 literals only
+    except OSError as exc:
+        raise ValueError(f"cannot resolve --host {args.host!r}: {exc}") from None
+    if not rpc.is_loopback(address):
+        if not args.allow_remote:
+            print(f"pyggml rpc-server: refusing to listen on {args.host} ({address}): the RPC protocol has no "
+                  "authentication, so anyone who can reach the port can use this machine's memory and CPU and send "
+                  "it data to process. Use it only on a trusted private network, and pass --allow-remote to say so.",
+                  file=sys.stderr)
+            return 2
+        print(f"pyggml rpc-server: WARNING: listening on {address}:{args.port} without authentication or encryption; "
+              "anyone who can reach this port can allocate memory here, read and write what clients sent, and run "
+              "computations. Firewall it to trusted hosts.", file=sys.stderr)
+    cache = None
+    if args.cache:
+        cache = Path(args.cache).expanduser()
+        cache.mkdir(parents=True, exist_ok=True)
+    # ggml only prints a message when the port is taken: find out first, with the same socket options
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        probe.bind((address, args.port))
+    except OSError as exc:
+        raise OSError(f"cannot listen on {address}:{args.port}: {exc.strerror or exc}") from None
+    finally:
+        probe.close()
+
+    from pyggml.backend import physical_cores, rpc_version, serve_rpc
+
+    threads = args.threads or physical_cores()
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    endpoint = f"{address}:{args.port}"
+    server = threading.Thread(target=serve_rpc, args=(endpoint, str(cache) if cache else None, threads),
+                              name="ggml rpc server", daemon=True)
+    server.start()
+    print(f"pyggml rpc-server: listening on {endpoint} (RPC protocol {'.'.join(map(str, rpc_version()))}, "
+          f"{threads} threads{f', cache {cache}' if cache else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
+    while not stop.is_set() and server.is_alive():
+        stop.wait(0.5)
+    if not server.is_alive():
+        print("pyggml rpc-server: the server stopped (see the messages above)", file=sys.stderr, flush=True)
+        return 1
+    # ggml's server loop cannot be interrupted; leaving the process closes its sockets. Connected clients see
+    # the connection drop (a pyggml client raises RPCError).
+    print("pyggml rpc-server: stopped", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -319,7 +431,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size,
                  flash_attention={"on": True, "off": False}.get(args.flash_attn), max_predict=args.max_predict,
                  queue_timeout=args.queue_timeout, allowed_hosts=split_list(allowed) if allowed else None,
-                 origins=split_list(origins))
+                 origins=split_list(origins), **_rpc_options(args))
 
 
 def _listen_address(value: str, port: int | None) -> tuple[str, int]:
