@@ -335,7 +335,7 @@ def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
         if typing.get_origin(hint) is ClassVar:
             continue
         kind, optional = _unwrap(hint)
-        spec = cls.__dict__.get(field)
+        spec = getattr(cls, field, None)  # a subclass inherits its bases' declarations
         spec = spec if isinstance(spec, Spec) else Spec()
         if typing.get_origin(kind) is list:
             (item,) = typing.get_args(kind)
@@ -396,7 +396,8 @@ class Rope:
         kind = config.string("rope.scaling.type", "") or ""
         factor = config.float("rope.scaling.factor", 0.0) or 0.0
         if kind not in ("", "none", "linear", "yarn", "llama3"):  # llama3 scales through rope_freqs.weight
-            raise ValueError(f"unsupported rope scaling type {kind!r}")
+            raise ModelError(f"{config.architecture}.rope.scaling.type: unsupported rope scaling type {kind!r} "
+                             "(supported: none, linear, yarn, llama3)")
         freq_scale = 1.0 / factor if factor > 0 and kind in ("linear", "yarn") else 1.0
         if config.float("rope.scale_linear", 0.0):
             freq_scale = 1.0 / config.float("rope.scale_linear")
