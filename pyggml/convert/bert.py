@@ -35,7 +35,8 @@ class Bert(Architecture):
         if self.n_embd % self.n_heads:
             raise ValueError("config.json: hidden_size is not a multiple of num_attention_heads")
         self.n_types = self.config.get("type_vocab_size") or 2
-        self.pooling_type = self._pooling()
+        pooling = sentence_transformers_pooling(self.hf_dir, self.pooling)
+        self.pooling_type = gguf.PoolingType.MEAN if pooling is None else pooling
 
     def metadata(self, w: gguf.GGUFWriter) -> None:
         super().metadata(w)
@@ -66,20 +67,21 @@ class Bert(Architecture):
             shapes[f"blk.{{bid}}.{kind}.bias"] = shape[:1]
         return shapes
 
-    def _pooling(self) -> gguf.PoolingType:
-        """The override, else the sentence-transformers Pooling module's mode, else mean."""
-        if self.pooling is not None:
-            if self.pooling not in _POOLING:
-                raise ValueError(f"unknown pooling {self.pooling!r}; choose one of {', '.join(_POOLING)}")
-            return _POOLING[self.pooling]
-        for module in read_json(self.hf_dir / "modules.json") or []:
-            if module.get("type", "").endswith("Pooling"):
-                pool_cfg = read_json(self.hf_dir / module.get("path", "") / "config.json") or {}
-                modes = [mode for flag, mode in _POOLING_FLAGS.items() if pool_cfg.get(flag)]
-                others = [k for k, v in pool_cfg.items()
-                          if k.startswith("pooling_mode") and v and k not in _POOLING_FLAGS]
-                if len(modes) != 1 or others:
-                    raise ValueError(f"{module.get('path')}/config.json asks for pooling {modes + others}; supported: "
-                                     "exactly one of mean, cls, lasttoken (pass pooling=... to override)")
-                return _POOLING[modes[0]]
-        return gguf.PoolingType.MEAN
+
+def sentence_transformers_pooling(hf_dir, override: str | None) -> gguf.PoolingType | None:
+    """The pooling to write: ``override`` ("mean", "cls", "last", "none"), else the sentence-transformers
+    Pooling module's mode (modules.json), else None."""
+    if override is not None:
+        if override not in _POOLING:
+            raise ValueError(f"unknown pooling {override!r}; choose one of {', '.join(_POOLING)}")
+        return _POOLING[override]
+    for module in read_json(hf_dir / "modules.json") or []:
+        if module.get("type", "").endswith("Pooling"):
+            pool_cfg = read_json(hf_dir / module.get("path", "") / "config.json") or {}
+            modes = [mode for flag, mode in _POOLING_FLAGS.items() if pool_cfg.get(flag)]
+            others = [k for k, v in pool_cfg.items() if k.startswith("pooling_mode") and v and k not in _POOLING_FLAGS]
+            if len(modes) != 1 or others:
+                raise ValueError(f"{module.get('path')}/config.json asks for pooling {modes + others}; supported: "
+                                 "exactly one of mean, cls, lasttoken (pass pooling=... to override)")
+            return _POOLING[modes[0]]
+    return None
