@@ -250,3 +250,21 @@ def test_a_reranker_pooling_type_is_refused(tmp_path):
     path = write_model(tmp_path / "m.gguf", "qwen3", {**TINY["qwen3"], "pooling_type": 4})
     with pytest.raises(ModelError, match=r"qwen3\.pooling_type: rank pooling is not supported"):
         models.load(path)
+
+
+# ---- the benchmark shapes -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-0.6b", "qwen3moe-small", "qwen3-small-dense"])
+def test_named_bench_shapes_are_valid_models(name):
+    from pyggml import nn
+    from pyggml.backend import Config
+    from pyggml.synthetic import SHAPES, metadata
+
+    shape = SHAPES[name]
+    cls = models.registry()[shape.arch]
+    options = cls.Options.from_config(Config(metadata(shape.arch, {**shape.hparams(), "vocab_size": 300})))
+    assert nn.declared(cls.Weights, options)  # every tensor's size is known
+    if shape.arch == "qwen3moe":  # its dense twin has the same active parameters per token (the router aside)
+        dense = SHAPES["qwen3-small-dense"]
+        assert options.n_experts_used * options.expert_ffn_size == dense.ffn
+        assert (shape.n_layers, shape.hidden, shape.n_heads, shape.n_kv_heads) == \
+            (dense.n_layers, dense.hidden, dense.n_heads, dense.n_kv_heads)
