@@ -477,7 +477,8 @@ def add_parsers(sub: Any) -> None:
                                        "options (comma-separated) run every combination. Fields: docs/bench.md.")
     bench.add_argument("model", nargs="?", help="GGUF file (or use --synthetic)")
     bench.add_argument("--synthetic", metavar="SHAPE",
-                       help="a random-weight model of this shape (tiny, tinyllama-1.1b, llama-3.2-1b, llama-3.1-8b),"
+                       help="a random-weight model of this shape (tiny, tinyllama-1.1b, llama-3.2-1b, llama-3.1-8b, "
+                            "qwen2.5-0.5b, qwen3-0.6b, qwen3moe-small, qwen3-small-dense; pyggml.synthetic.SHAPES),"
                             " written once into the pyggml cache directory")
     bench.add_argument("--type", default="q4_0", help="weight type of the --synthetic model (default: q4_0)")
     bench.add_argument("-p", "--n-prompt", type=_int_list, default=[512], help="prompt lengths (default: 512)")
@@ -507,8 +508,8 @@ def add_parsers(sub: Any) -> None:
                           description="Write a GGUF with random weights: a named shape at a real model's dimensions "
                                       "(for benchmarks) or any registered architecture at a small default shape "
                                       "(for tests and porting). --set changes single hyper-parameters.")
-    make.add_argument("shape", help="tiny, tinyllama-1.1b, llama-3.2-1b, llama-3.1-8b, or an architecture "
-                                    "(llama, bert, ...)")
+    make.add_argument("shape", help="a named shape (tiny, tinyllama-1.1b, llama-3.2-1b, qwen3-0.6b, ...) or an "
+                                    "architecture (llama, bert, qwen3moe, ...)")
     make.add_argument("out", help="output .gguf path")
     make.add_argument("--type", default="q4_0", help="weight type: f32, f16, q8_0, q4_0, q4_k, ... (default: q4_0)")
     make.add_argument("--seed", type=int, default=0)

@@ -415,7 +415,8 @@ class Rope:
         kind = config.string("rope.scaling.type", "") or ""
         factor = config.float("rope.scaling.factor", 0.0, min=0.0, max=1e6) or 0.0
         if kind not in ("", "none", "linear", "yarn", "llama3"):  # llama3 scales through rope_freqs.weight
-            raise ValueError(f"unsupported rope scaling type {kind!r}")
+            raise ModelError(f"{config.architecture}.rope.scaling.type: unsupported rope scaling type {kind!r} "
+                             "(supported: none, linear, yarn, llama3)")
         freq_scale = 1.0 / factor if factor > 0 and kind in ("linear", "yarn") else 1.0
         if config.float("rope.scale_linear", 0.0, min=0.0, max=1e6):
             freq_scale = 1.0 / config.float("rope.scale_linear")

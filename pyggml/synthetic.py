@@ -20,7 +20,7 @@ import os
 import secrets
 import string
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,9 @@ Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"
 
 @dataclass(frozen=True)
 class Shape:
-    """A llama-architecture shape (the named shapes below; ``Shape.hparams`` gives its metadata)."""
+    """A real model's shape (the named shapes below; ``Shape.hparams`` gives its metadata): a decoder
+    of architecture ``arch`` (llama unless said) with these sizes; ``extra`` adds or overrides keys
+    (head sizes other than hidden / heads, experts, ...)."""
 
     n_layers: int
     hidden: int
@@ -53,33 +55,46 @@ class Shape:
     context: int
     rope_base: float
     tied: bool
+    arch: str = "llama"
+    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def hparams(self) -> dict[str, Any]:
         return {"block_count": self.n_layers, "context_length": self.context, "embedding_length": self.hidden,
                 "feed_forward_length": self.ffn, "attention.head_count": self.n_heads,
                 "attention.head_count_kv": self.n_kv_heads, "attention.layer_norm_rms_epsilon": 1e-5,
                 "rope.freq_base": self.rope_base, "rope.dimension_count": self.hidden // self.n_heads,
-                "vocab_size": self.vocab}
+                "vocab_size": self.vocab, **self.extra}
 
 
+_QWEN3_HEADS = {"attention.key_length": 128, "attention.value_length": 128, "rope.dimension_count": 128,
+                "attention.layer_norm_rms_epsilon": 1e-6, "tokenizer.ggml.model": "gpt2"}
 SHAPES = {
     "tinyllama-1.1b": Shape(22, 2048, 5632, 32, 4, 32000, 2048, 10000.0, False),
     "llama-3.2-1b": Shape(16, 2048, 8192, 32, 8, 128256, 131072, 500000.0, True),
     "llama-3.1-8b": Shape(32, 4096, 14336, 32, 8, 128256, 131072, 500000.0, False),
     "tiny": Shape(2, 256, 512, 8, 4, 1024, 1024, 10000.0, False),  # for tests
+    "qwen2.5-0.5b": Shape(24, 896, 4864, 14, 2, 151936, 32768, 1000000.0, True, "qwen2",
+                          {"attention.layer_norm_rms_epsilon": 1e-6}),
+    "qwen3-0.6b": Shape(28, 1024, 3072, 16, 8, 151936, 40960, 1000000.0, True, "qwen3", _QWEN3_HEADS),
+    # Qwen3-30B-A3B's layer (64 of its 128 experts, 8 used) in a 16-layer model of ~1.5B parameters, and the
+    # dense model with the same active parameters (one MLP as wide as the 8 used experts together)
+    "qwen3moe-small": Shape(16, 1024, 3072, 16, 8, 151936, 40960, 1000000.0, True, "qwen3moe",
+                            {**_QWEN3_HEADS, "expert_count": 64, "expert_used_count": 8,
+                             "expert_feed_forward_length": 384}),
+    "qwen3-small-dense": Shape(16, 1024, 3072, 16, 8, 151936, 40960, 1000000.0, True, "qwen3", _QWEN3_HEADS),
 }
 
 
 def write_synthetic(path: str | os.PathLike, shape: str | Shape = "tinyllama-1.1b", dtype: DType | str = "q4_0",
                     seed: int = 0, progress: Callable[[int, int], None] | None = None,
                     hparams: Mapping[str, Any] | None = None) -> Path:
-    """Write a named shape (``SHAPES``, llama) or any registered architecture (with ``DEFAULTS``);
+    """Write a named shape (``SHAPES``) or any registered architecture (with ``DEFAULTS``);
     ``hparams`` override single keys."""
     from pyggml.models import registry
 
     named = shape if isinstance(shape, Shape) else SHAPES.get(shape)
     if named is not None:
-        arch, base, omit = "llama", named.hparams(), ("output.weight",) if named.tied else ()
+        arch, base, omit = named.arch, named.hparams(), ("output.weight",) if named.tied else ()
     elif shape in registry():
         arch, base, omit = shape, DEFAULTS, ()
     else:

@@ -19,6 +19,7 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
 @register("Qwen3MoeForCausalLM", model_types=("qwen3_moe",))
 class Qwen3Moe(Qwen3):
     gguf_arch = "qwen3moe"
+    embedding = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

@@ -128,7 +128,8 @@ class Bert(Model):
         pooling = self.pooling if pooling is None else Pooling.parse(pooling)
         if pooling == Pooling.RANK:
             raise ValueError("bert.embed: rank pooling is not supported")
-        tokens, positions, sequences = self._check_batch(batch)
+        tokens, positions, sequences = check_batch(batch, w.token_embd.weight.shape[1], o.context_length,
+                                                   "bert.embed")
         h = w.token_embd(nn.int32_input(ctx.input(), tokens))
         nn.tap("token_embd", h)
         if w.token_types is not None:
@@ -140,25 +141,26 @@ class Bert(Model):
             h = nn.tap(f"blk.{i}", layer(ctx, h, mask, o))
         return pool(ctx, h, sequences, pooling)
 
-    def _check_batch(self, batch: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The batch as int arrays, after checking what the graph would otherwise read out of bounds."""
-        tokens = np.asarray(batch.tokens, dtype=np.int64)
-        positions = np.asarray(batch.positions, dtype=np.int64)
-        sequences = np.asarray(batch.sequences, dtype=np.int64)
-        if not len(tokens) or tokens.ndim != 1 or positions.shape != tokens.shape or \
-                sequences.shape != tokens.shape:
-            raise ValueError(f"bert.embed: need equally long, non-empty tokens, positions and sequences; got "
-                             f"{tokens.shape}, {positions.shape}, {sequences.shape}")
-        n_vocab = self.weights.token_embd.weight.shape[1]
-        if tokens.min() < 0 or tokens.max() >= n_vocab:
-            raise ValueError(f"bert.embed: token ids must lie in 0..{n_vocab - 1}")
-        if positions.min() < 0 or positions.max() >= self.options.context_length:
-            raise ValueError(f"bert.embed: positions must lie in 0..{self.options.context_length - 1} "
-                             f"(the model's context length)")
-        steps = np.diff(sequences)
-        if sequences[0] != 0 or ((steps != 0) & (steps != 1)).any():
-            raise ValueError("bert.embed: sequences must be numbered 0, 1, ... with each one's tokens together")
-        return tokens, positions, sequences
+
+def check_batch(batch: Batch, n_vocab: int, n_positions: int | None, name: str) -> tuple[np.ndarray, ...]:
+    """A batch of whole sequences as int arrays (tokens, positions, sequences), after checking what
+    the graph would otherwise read out of bounds: token ids below ``n_vocab``, positions below
+    ``n_positions`` (None: no limit), sequences numbered 0, 1, ... with each one's tokens together."""
+    tokens = np.asarray(batch.tokens, dtype=np.int64)
+    positions = np.asarray(batch.positions, dtype=np.int64)
+    sequences = np.asarray(batch.sequences, dtype=np.int64)
+    if not len(tokens) or tokens.ndim != 1 or positions.shape != tokens.shape or sequences.shape != tokens.shape:
+        raise ValueError(f"{name}: need equally long, non-empty tokens, positions and sequences; got "
+                         f"{tokens.shape}, {positions.shape}, {sequences.shape}")
+    if tokens.min() < 0 or tokens.max() >= n_vocab:
+        raise ValueError(f"{name}: token ids must lie in 0..{n_vocab - 1}")
+    if positions.min() < 0 or (n_positions is not None and positions.max() >= n_positions):
+        raise ValueError(f"{name}: positions must lie in 0..{n_positions - 1} (the model's context length)"
+                         if n_positions is not None else f"{name}: positions must not be negative")
+    steps = np.diff(sequences)
+    if sequences[0] != 0 or ((steps != 0) & (steps != 1)).any():
+        raise ValueError(f"{name}: sequences must be numbered 0, 1, ... with each one's tokens together")
+    return tokens, positions, sequences
 
 
 def sequence_mask(sequences: np.ndarray) -> np.ndarray:

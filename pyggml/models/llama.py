@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pyggml import nn
 from pyggml.backend import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Backend, Context
@@ -30,17 +31,22 @@ class Options:
     context_length: int
     eps: float
     rope: nn.Rope
+    rope_mode: ClassVar[RopeType] = RopeType.NORMAL  # NEOX (halves rotated together) in Qwen and others
 
     @classmethod
-    def from_config(cls, config) -> Options:
+    def from_config(cls, config, **extra) -> Options:
+        """The options of a file; ``extra``: the fields a subclass adds (read by its own from_config)."""
+        arch = config.architecture
         hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
         n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
         if not hidden or not n_heads:
-            raise ModelError("llama: embedding_length and attention.head_count must be set and non-zero")
+            raise ModelError(f"{arch}: {arch}.embedding_length and {arch}.attention.head_count must be set and "
+                             "non-zero")
         head_dim = config.uint("attention.key_length", 0, max=MAX_WIDTH) or hidden // n_heads
         n_kv_heads = config.uint("attention.head_count_kv", 0, max=n_heads) or n_heads
         if n_heads % n_kv_heads:
-            raise ModelError(f"llama: {n_heads} heads are not a multiple of {n_kv_heads} KV heads")
+            raise ModelError(f"{arch}: {arch}.attention.head_count ({n_heads}) is not a multiple of "
+                             f"{arch}.attention.head_count_kv ({n_kv_heads})")
         n_rot = config.uint("rope.dimension_count", 0, max=head_dim) or head_dim
         return cls(
             hidden_size=hidden,
@@ -54,7 +60,8 @@ class Options:
             or None,
             context_length=config.uint("context_length", 2048, min=1, max=MAX_CONTEXT),
             eps=config.float("attention.layer_norm_rms_epsilon", 1e-5, min=0.0, max=1.0),
-            rope=nn.Rope.from_config(config, n_rot, RopeType.NORMAL),
+            rope=nn.Rope.from_config(config, n_rot, cls.rope_mode),
+            **extra,
         )
 
 
@@ -66,14 +73,18 @@ class SelfAttention(nn.Module):
 
     def __call__(self, ctx: Context, x: Tensor, positions: Tensor, cache: Causal | None, opts: Options,
                  freq_factors: Tensor | None) -> Tensor:
-        n_tokens = x.shape[1]
-        q = self.attn_q(x).reshape(opts.head_dim, opts.n_heads, n_tokens)
-        k = self.attn_k(x).reshape(opts.head_dim, opts.n_kv_heads, n_tokens)
-        v = self.attn_v(x).reshape(opts.head_dim_v, opts.n_kv_heads, n_tokens)
+        q, k, v = self.project(x, opts)
         q = opts.rope(q, positions, freq_factors)
         k = opts.rope(k, positions, freq_factors)
         out = nn.attention(ctx, q, k, v, cache, 1.0 / math.sqrt(opts.head_dim))
         return self.attn_output(out)
+
+    def project(self, x: Tensor, opts: Options) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries (head_dim, n_heads, n_tokens), keys and values (head_dim, n_kv_heads, n_tokens)."""
+        n_tokens = x.shape[1]
+        return (self.attn_q(x).reshape(opts.head_dim, opts.n_heads, n_tokens),
+                self.attn_k(x).reshape(opts.head_dim, opts.n_kv_heads, n_tokens),
+                self.attn_v(x).reshape(opts.head_dim_v, opts.n_kv_heads, n_tokens))
 
 
 class MLP(nn.Module):
@@ -81,7 +92,7 @@ class MLP(nn.Module):
     ffn_up: nn.Linear = nn.shape("hidden_size", "ffn_size")
     ffn_down: nn.Linear = nn.shape("ffn_size", "hidden_size")
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, opts: Options) -> Tensor:
         return self.ffn_down(self.ffn_gate(x).silu(self.ffn_up(x)))
 
 
@@ -97,7 +108,7 @@ class Layer(nn.Module):
         if outputs is not None:  # last layer: only the rows whose logits are wanted go on
             x, h = x.rows(outputs), h.rows(outputs)
         h = h + x
-        return h + self.mlp(self.ffn_norm(h, opts.eps))
+        return h + self.mlp(self.ffn_norm(h, opts.eps), opts)
 
 
 class Weights(nn.Module):
@@ -111,10 +122,11 @@ class Weights(nn.Module):
 @register("llama")
 class Llama(Model):
     Options, Weights = Options, Weights
+
     def __init__(self, backend: Backend):
         self.backend = backend
-        self.options = Options.from_config(backend.config)
-        self.weights: Weights = nn.load(Weights, backend, self.options)
+        self.options = self.Options.from_config(backend.config)
+        self.weights: Weights = nn.load(self.Weights, backend, self.options)
         self.cache = Causal(self.shift)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
