@@ -108,8 +108,10 @@ class LLM:
         """Continue ``prompt``; returns the new text (``stream=True``: an iterator of pieces).
 
         Extra keyword options are ``CompletionRequest``'s sampling options (repeat_penalty,
-        typical_p, logit_bias, ...). Stops at an end-of-generation token, after ``max_tokens``, or
-        before a ``stop`` string; a context that fills up is shifted (``num_keep`` tokens kept).
+        typical_p, logit_bias, ...), ``format`` ("json" or a JSON schema) and ``grammar`` (a Lark/GBNF
+        string or a ``pyggml.constrain.Grammar``), which constrain the output to match. Stops at an
+        end-of-generation token, the grammar's end, after ``max_tokens``, or before a ``stop`` string;
+        a context that fills up is shifted (``num_keep`` tokens kept).
         """
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")

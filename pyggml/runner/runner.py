@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pyggml.constrain import Constraint, grammar_for
 from pyggml.models import Batch, Input, Model, ModelError, Pooling
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
 from pyggml.runner.engine import Engine, Graph
@@ -75,6 +76,7 @@ class _Step:
     seqs: list[RunningSequence] = field(default_factory=list)  # every sequence with inputs in the batch
     finishing: list[RunningSequence] = field(default_factory=list)  # done once the batch is computed
     future: Future | None = None
+    masks: Future | None = None  # the grammar masks of its constrained rows, computed beside the graph
 
 
 class Runner:
@@ -120,6 +122,7 @@ class Runner:
         self.engine = Engine(model, keep=2)
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-compute") if self.build_ahead else None
+        self._mask_pool: ThreadPoolExecutor | None = None  # grammar masks, started with the first constraint
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._loop, name="pyggml-runner", daemon=True)
@@ -194,6 +197,8 @@ class Runner:
             self._thread.join()
         if self._pool is not None:
             self._pool.shutdown()
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown()
 
     def __enter__(self) -> Runner:
         return self
@@ -244,9 +249,11 @@ class Runner:
         if request.seed is not None:
             _check_int("seed", request.seed, 0)
         num_keep = len(ids) if request.num_keep < 0 else request.num_keep
+        grammar = grammar_for(request.format, request.grammar)  # ConstraintError is a ValueError
+        constraint = Constraint(grammar, self.tokenizer) if grammar is not None else None
         try:  # the Sampler checks the sampling options
             return RunningSequence(request, ids, self.tokenizer, [s for s in stops if s],
-                                   min(num_keep, self.num_ctx - 1))
+                                   min(num_keep, self.num_ctx - 1), constraint)
         except TypeError as exc:
             raise ValueError(f"bad sampling option: {exc}") from exc
 
@@ -300,6 +307,7 @@ class Runner:
         if step is None:
             return True
         self._fill(step)
+        self._start_masks(step)
         if self.build_ahead:
             step.future = self._pool.submit(self._compute, step)
             self._in_flight = step
@@ -414,6 +422,16 @@ class Runner:
                 raise RuntimeError("internal error: a batch input has no token id")
             step.ids[index] = max(inp.token, 0)
 
+    def _start_masks(self, step: _Step) -> None:
+        """Compute the grammar masks of the batch's constrained rows in a worker while the graph
+        computes (llguidance releases the GIL); every token they follow is consumed by now."""
+        constraints = [seq.constraint for _, seq in step.rows if seq.constraint is not None]
+        if not constraints:
+            return
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-grammar")
+        step.masks = self._mask_pool.submit(_compute_masks, constraints)
+
     def _compute(self, step: _Step) -> np.ndarray | None:
         return self.engine.compute(step.graph, read=bool(step.rows or step.scored))
 
@@ -433,19 +451,29 @@ class Runner:
             return
         for row, seq in step.scored:
             seq.scores.append(logits[row].copy())
+        if step.masks is not None:
+            try:
+                step.masks.result()
+            except Exception as exc:  # a grammar failure: sampling below recomputes and reports it
+                log.error("grammar masks failed: %r", exc)
         for row, seq in step.rows:
             seq.outputs_in_flight -= 1
             if seq.done:
                 continue
             try:
-                token = seq.sampler.sample(logits[row], seq.history)
+                scores = logits[row] if seq.constraint is None else seq.constraint.apply(logits[row])
+                token = seq.sampler.sample(scores, seq.history)
             except Exception as exc:
                 self._release(seq, error=exc)
                 continue
             placeholder, seq.placeholder = seq.placeholder, None
             if placeholder is not None:
                 placeholder.token = token
-            reason = "cancelled" if seq.cancelled else seq.accept(token, logits[row])
+            try:
+                reason = "cancelled" if seq.cancelled else seq.accept(token, logits[row])
+            except Exception as exc:  # the grammar refused the token: a bug, fail this sequence only
+                self._release(seq, error=exc)
+                continue
             if reason:
                 self._release(seq, reason)
             elif placeholder is None:
@@ -473,6 +501,11 @@ class Runner:
             seq.fail(error)
         else:
             seq.finish(reason)
+
+
+def _compute_masks(constraints: list[Constraint]) -> None:
+    for constraint in constraints:
+        constraint.compute_mask()
 
 
 def _reads_in_place(ctx, ids: np.ndarray) -> bool:

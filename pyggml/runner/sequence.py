@@ -9,9 +9,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from pyggml.constrain import Constraint
 from pyggml.models import Input
 from pyggml.runner.inputcache import InputCacheSlot
 from pyggml.sample import Sampler, SamplingOptions, logprobs
@@ -27,7 +29,10 @@ class CompletionRequest(SamplingOptions):
     reports each token's log-probability and the ``n`` most likely alternatives. ``num_keep``:
     prompt tokens kept at the start when the context shifts (-1: the whole prompt).
     ``prompt_logits=True`` evaluates the whole prompt (no cached prefix is reused) and returns the
-    logits of every prompt position in the last chunk's ``prompt_logits`` (scoring, perplexity)."""
+    logits of every prompt position in the last chunk's ``prompt_logits`` (scoring, perplexity).
+    ``format`` ("json" or a JSON schema dict) or ``grammar`` (a ``pyggml.constrain.Grammar``, or a
+    Lark/GBNF string) constrains the output to match (see ``pyggml.constrain``); generation stops
+    where the grammar ends."""
 
     prompt: str | Sequence[int]
     max_tokens: int = 128
@@ -36,6 +41,8 @@ class CompletionRequest(SamplingOptions):
     cache_prompt: bool = True
     num_keep: int = 4
     prompt_logits: bool = False
+    format: Any = None
+    grammar: Any = None
 
     def sampler(self) -> Sampler:
         return Sampler(**self.sampling_options())
@@ -95,8 +102,10 @@ class RunningSequence:
     """A request while the runner works on it. Only the runner's loop thread touches it, except
     ``cancelled`` (set by the consumer) and ``out`` (read by the consumer)."""
 
-    def __init__(self, request: CompletionRequest, ids: list[int], tokenizer, stops: list[str], num_keep: int):
+    def __init__(self, request: CompletionRequest, ids: list[int], tokenizer, stops: list[str], num_keep: int,
+                 constraint: Constraint | None = None):
         self.request = request
+        self.constraint = constraint  # the grammar the output must match
         self.prompt = [Input(token=t) for t in ids]
         self.history = list(ids)  # prompt + generated tokens, for the penalties
         self.sampler = request.sampler()
@@ -132,6 +141,8 @@ class RunningSequence:
         if not self.generated:
             self.t_first = time.perf_counter()
         self.generated += 1
+        if self.constraint is not None:
+            self.constraint.consume(token)
         if self.tokenizer.is_eog(token):
             return "stop"
         self.history.append(token)
@@ -143,6 +154,9 @@ class RunningSequence:
         cut = find_stop(self._text, self.stops)
         if cut is not None:
             self._text = self._text[:cut]
+            return "stop"
+        if self.constraint is not None and self.constraint.stopped:  # the grammar is complete
+            self._text += self.decoder.flush()
             return "stop"
         emit = len(self._text) - partial_stop(self._text, self.stops)
         if emit:
