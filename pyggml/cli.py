@@ -66,6 +66,12 @@ def _load(args: argparse.Namespace) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     llm = _load(args)
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    try:
+        options.update(_structured(args))
+    except (OSError, ValueError) as exc:
+        llm.close()
+        print(f"pyggml: {exc}", file=sys.stderr)
+        return 2
     prompts = [args.prompt] if args.prompt is not None else None
     if prompts is None and not sys.stdin.isatty():
         prompts = [sys.stdin.read()]
@@ -77,6 +83,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         llm.close()
     return 0
+
+
+def _structured(args: argparse.Namespace) -> dict:
+    """``--format json`` / ``--format SCHEMA.json`` / ``--grammar FILE`` (Lark or GBNF) / ``--regex RE``."""
+    import json
+
+    from pyggml.constrain import Grammar
+
+    out: dict = {}
+    if args.format:
+        if args.format == "json":
+            out["format"] = "json"
+        else:
+            with open(args.format) as f:
+                out["format"] = json.load(f)
+    if args.grammar:
+        with open(args.grammar) as f:
+            out["grammar"] = f.read()
+    if args.regex:
+        if "grammar" in out:
+            raise ValueError("give --grammar or --regex, not both")
+        out["grammar"] = Grammar.regex(args.regex)
+    return out
 
 
 def _stream(llm: Any, prompt: str, options: dict, verbose: bool) -> None:
@@ -210,6 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--format", default=None, metavar="json|SCHEMA.json",
+                     help="constrain the output to JSON, or to a JSON schema read from a file")
+    run.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to a Lark or GBNF grammar")
+    run.add_argument("--regex", default=None, help="constrain the output to a regular expression")
     run.add_argument("--verbose", action="store_true", help="print load time and tokens/s")
     run.set_defaults(func=cmd_run)
 

@@ -34,6 +34,9 @@ except ImportError:  # pragma: no cover - llguidance is a dependency; this keeps
     llguidance = None
 
 
+_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # by mask bit
+
+
 class ConstraintError(ValueError):
     """A grammar or schema that cannot be compiled or enforced."""
 
@@ -200,30 +203,35 @@ class Constraint:
         self.vocab_size = tokenizer.vocab_size
         self.mask = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
         self.mask_ready = False
+        self.bias: np.ndarray | None = None
 
     def compute_mask(self) -> None:
-        """Fill the bitmask of tokens allowed next (llguidance releases the GIL meanwhile)."""
+        """Fill the bitmask of tokens allowed next (llguidance releases the GIL meanwhile) and turn
+        it into ``bias`` (vocab,) float32: 0 where allowed, -inf where not; applying it is one add."""
         self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
+        self.bias = np.take(_BIAS, np.unpackbits(self.mask.view(np.uint8), bitorder="little")[:self.vocab_size])
         self.mask_ready = True
 
     def allowed(self) -> np.ndarray:
         """Bool (vocab,) of the tokens allowed next (the mask must be computed)."""
-        return np.unpackbits(self.mask.view(np.uint8), bitorder="little")[:self.vocab_size].astype(bool)
+        return np.unpackbits(self.mask.view(np.uint8), bitorder="little")[:self.vocab_size].view(bool)
 
     def apply(self, logits: np.ndarray) -> np.ndarray:
-        """A copy of ``logits`` with every token the grammar forbids at -inf (rows past the
-        tokenizer's vocabulary too)."""
+        """``logits`` (a new array) with every token the grammar forbids at -inf (rows past the
+        tokenizer's vocabulary too): one vectorised add of the precomputed bias."""
         if not self.mask_ready:
             self.compute_mask()
-        allowed = self.allowed()
+        if logits.shape[-1] == self.vocab_size:
+            return logits + self.bias
         out = np.full(logits.shape, -np.inf, dtype=np.float32)
         n = min(logits.shape[-1], self.vocab_size)
-        np.copyto(out[:n], logits[:n], where=allowed[:n])
+        np.add(logits[:n], self.bias[:n], out=out[:n])
         return out
 
     def consume(self, token: int) -> None:
         """Advance past an accepted token (a forbidden one is an internal error)."""
         self.mask_ready = False
+        self.bias = None
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"constrained decoding: token {token} was not allowed by the grammar "
                                f"({self.matcher.get_error()})")

@@ -159,3 +159,17 @@ def test_constrained_with_build_ahead(tmp_path):
                 check_schema("".join(c.text for c in stream))
     finally:
         model.close()
+
+
+def test_cli_run_format_and_regex(tmp_path, capsys):
+    from pyggml import cli
+
+    path = SHARED_MODELS / "stories260K.gguf"
+    if not path.exists():
+        pytest.skip(f"{path} is not there")
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    assert cli.main(["run", str(path), "Once", "--format", str(schema), "--max-tokens", "300", "--seed", "1"]) == 0
+    check_schema(capsys.readouterr().out.strip())
+    assert cli.main(["run", str(path), "Once", "--regex", "[0-9]{4}-[ab]{2}", "--max-tokens", "50"]) == 0
+    assert re.fullmatch(r"[0-9]{4}-[ab]{2}", capsys.readouterr().out.strip())

@@ -19,11 +19,19 @@ from starlette.routing import Route
 import pyggml
 from pyggml.chat import validate_messages
 from pyggml.runner import CompletionChunk, CompletionRequest
-from pyggml.server.params import APIError, Fields, ollama_logprobs, ollama_options, read_json, runner_logprobs
+from pyggml.server.params import (
+    APIError,
+    Fields,
+    ollama_format,
+    ollama_logprobs,
+    ollama_options,
+    read_json,
+    runner_logprobs,
+)
 from pyggml.server.service import Job, ServedModel, stream_response
 
 NDJSON = "application/x-ndjson"
-_COMMON = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs"}
+_COMMON = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs", "grammar"}
 GENERATE_FIELDS = _COMMON | {"prompt", "suffix", "system", "template", "context", "raw", "images"}
 CHAT_FIELDS = _COMMON | {"messages", "tools"}
 EMBED_FIELDS = {"model", "input", "truncate", "options", "keep_alive", "dimensions"}
@@ -38,7 +46,6 @@ def _served(request: Request) -> ServedModel:
 
 
 def _check_generation_fields(f: Fields) -> None:
-    f.unsupported("format", what="(structured output) is not supported by this server")
     f.unsupported("think", (False,), "is not supported: the model does not think")
     f.unsupported("images", what="is not supported: the model reads text only")
 
@@ -56,6 +63,7 @@ async def generate(request: Request) -> Response:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise APIError(400, "context must be an array of token ids", param="context")
     options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
+    options.update(ollama_format(f))
     if not prompt and not context:  # Ollama's way to load a model: nothing to generate
         return JSONResponse({"model": served.name, "created_at": _now(), "response": "", "done": True,
                              "done_reason": "load"})
@@ -89,6 +97,7 @@ async def chat(request: Request) -> Response:
     served.check_model(body.get("model"))
     _check_generation_fields(f)
     options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
+    options.update(ollama_format(f))
     raw_messages, tools = f.array("messages"), f.array("tools")
     if not raw_messages:  # Ollama's way to load a model
         return JSONResponse({"model": served.name, "created_at": _now(),

@@ -26,7 +26,9 @@ from pyggml.server.params import (
     OPENAI_COMMON,
     APIError,
     Fields,
+    grammar_extension,
     openai_max_tokens,
+    openai_response_format,
     openai_sampling,
     read_json,
     runner_logprobs,
@@ -34,10 +36,10 @@ from pyggml.server.params import (
 )
 from pyggml.server.service import ServedModel, stream_response
 
-COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "echo", "suffix", "best_of", "grammar"}
 CHAT_FIELDS = OPENAI_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "response_format", "store", "metadata", "service_tier", "reasoning_effort", "modalities",
+    "response_format", "store", "metadata", "service_tier", "reasoning_effort", "modalities", "grammar",
 }
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 FINGERPRINT = f"pyggml-{pyggml.__version__}"
@@ -118,6 +120,7 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
                        param="echo")
     sampling, max_tokens = openai_sampling(f), openai_max_tokens(f, "max_tokens")
+    sampling.update(grammar_extension(f))
     stream = f.boolean("stream", False)
     usage = stream_usage(f)
 
@@ -166,8 +169,6 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     f = Fields(body, "the request", CHAT_FIELDS)
     served.check_model(body.get("model"))
-    f.unsupported("response_format", ({"type": "text"},), "(structured output) is not supported; use "
-                  '{"type": "text"}')
     f.unsupported("modalities", (["text"],), 'is not supported beyond ["text"]')
     f.unsupported("reasoning_effort", what="is not supported: the model does not reason")
     tool_choice = body.get("tool_choice")
@@ -185,6 +186,7 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     top = (top or 0) if want else None
     sampling = openai_sampling(f)
+    sampling.update(openai_response_format(f))
     max_tokens = openai_max_tokens(f, "max_completion_tokens", "max_tokens")
     stream = f.boolean("stream", False)
     usage = stream_usage(f)
