@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pyggml.tokenizer.vocab import SPECIAL_TYPES
+from pyggml.tokenizer.vocab import TokenType
 
 try:
     import llguidance
@@ -34,6 +34,9 @@ except ImportError:  # pragma: no cover - llguidance is a dependency; this keeps
     llguidance = None
 
 
+# tokens llguidance treats as special (never text): control and unknown ones. User-defined tokens
+# (Qwen's <tool_call>) are text, as our tokenizer matches them in text.
+_MARKED = frozenset({TokenType.CONTROL, TokenType.UNKNOWN})
 _BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # by mask bit
 
 
@@ -158,12 +161,12 @@ class _Wrapper:
 
     def __init__(self, tokenizer):
         types = tokenizer.vocab.types
-        self.tokens = [(b"\xff" if types[i] in SPECIAL_TYPES else b"") + tokenizer.token_to_piece(i)
+        self.tokens = [(b"\xff" if types[i] in _MARKED else b"") + tokenizer.token_to_piece(i)
                        for i in range(tokenizer.vocab_size)]
         eog = sorted(tokenizer.vocab.eog)
         self.eos_token_id = eog[0] if tokenizer.eos is None else tokenizer.eos
         self.bos_token_id = tokenizer.bos
-        self.special_token_ids = [i for i in range(tokenizer.vocab_size) if types[i] in SPECIAL_TYPES]
+        self.special_token_ids = [i for i in range(tokenizer.vocab_size) if types[i] in _MARKED]
         self._tokenizer = tokenizer
 
     def __call__(self, text: bytes) -> list[int]:

@@ -6,6 +6,7 @@ are ``{"error": "..."}`` (also as the last line of a stream that fails midway).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +30,7 @@ from pyggml.server.params import (
     runner_logprobs,
 )
 from pyggml.server.service import Job, ServedModel, stream_response
+from pyggml.tools import ToolOutput, check_tools, detect_format, normalize_messages
 
 NDJSON = "application/x-ndjson"
 _COMMON = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs", "grammar"}
@@ -103,7 +105,8 @@ async def chat(request: Request) -> Response:
         return JSONResponse({"model": served.name, "created_at": _now(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     try:
-        messages = validate_messages(raw_messages)
+        messages = normalize_messages(validate_messages(raw_messages))
+        tools = check_tools(tools) or None
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     for i, message in enumerate(messages):
@@ -114,12 +117,18 @@ async def chat(request: Request) -> Response:
         text = served.template.render(messages, tools=tools)
         return served.request(served.prompt_ids(text, True), logprobs=runner_logprobs(logprobs), **options)
 
-    return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, _chat_piece)
+    tool_output = ToolOutput(detect_format(served.template.source), served.tokenizer) if tools else None
 
+    def piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
+        calls = []
+        if tool_output is not None:
+            text, calls = tool_output.feed(chunk, text)
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [c.ollama() for c in calls]
+        return {"model": served.name, "created_at": _now(), "message": message, "done": chunk.done}
 
-def _chat_piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
-    return {"model": served.name, "created_at": _now(), "message": {"role": "assistant", "content": text},
-            "done": chunk.done}
+    return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, piece)
 
 
 Piece = Callable[[ServedModel, Job, CompletionChunk, str], dict[str, Any]]
@@ -142,7 +151,8 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
     if not stream:
         chunks = await job.collect(request)
         lps = [lp for c in chunks for lp in c.logprobs or ()]
-        return JSONResponse(render(chunks[-1], "".join(c.text for c in chunks), lps))
+        last = dataclasses.replace(chunks[-1], tokens=[t for c in chunks for t in c.tokens])  # all of them
+        return JSONResponse(render(last, "".join(c.text for c in chunks), lps))
 
     async def lines() -> AsyncIterator[str]:
         try:
