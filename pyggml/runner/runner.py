@@ -40,11 +40,13 @@ from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, Gener
 from pyggml.runner.engine import Engine, Graph
 from pyggml.runner.inputcache import InputCache, ReprocessInputsError
 from pyggml.runner.sequence import MAX_LOGPROBS, CompletionRequest, CompletionStream, RunningSequence
+from pyggml.runner.speculative import lookup_draft, verify_token
 from pyggml.tensor import DType
 
 log = logging.getLogger(__name__)
 
 _UNSET = -1  # token id of a placeholder input whose token is not sampled yet
+MAX_DRAFT = 32  # most tokens drafted per step (speculative decoding)
 
 
 class RunnerClosedError(RuntimeError):
@@ -77,6 +79,7 @@ class _Step:
     finishing: list[RunningSequence] = field(default_factory=list)  # done once the batch is computed
     future: Future | None = None
     masks: Future | None = None  # the grammar masks of its constrained rows, computed beside the graph
+    spec: list[tuple[int, RunningSequence]] = field(default_factory=list)  # (first row, sequence) with drafts
 
 
 class Runner:
@@ -238,6 +241,7 @@ class Runner:
         _check_int("max_tokens", request.max_tokens, -1)
         _check_int("num_keep", request.num_keep, -1)
         _check_int("logprobs", request.logprobs, 0, MAX_LOGPROBS)
+        _check_int("prompt_lookup", request.prompt_lookup, 0, MAX_DRAFT)
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop)
         if not all(isinstance(s, str) for s in stops):
             raise ValueError(f"stop must be a string or a list of strings, got {request.stop!r}")
@@ -358,6 +362,9 @@ class Runner:
             room = self.batch_size - len(ids)
             if not seq.pending or not room:
                 continue
+            if seq.request.prompt_lookup and len(seq.pending) == 1 and seq.generated and not self.build_ahead \
+                    and seq.scores is None:
+                self._draft(seq, room - 1)
             slot, taken, first = seq.slot, 0, len(ids)
             while seq.pending and taken < room:
                 if len(slot.inputs) >= self.num_ctx:
@@ -378,7 +385,11 @@ class Runner:
                 if seq.scores is not None:  # every prompt position gets a logits row
                     step.scored.extend((len(outputs) + i, seq) for i in range(taken))
                     outputs.extend(range(first, len(ids)))
-            if taken and not seq.pending:
+            if taken and not seq.pending and seq.drafts:  # a logits row at every drafted position too
+                outputs.extend(range(len(ids) - len(seq.drafts) - 1, len(ids)))
+                step.spec.append((len(outputs) - len(seq.drafts) - 1, seq))
+                seq.outputs_in_flight += 1
+            elif taken and not seq.pending:
                 if seq.wants_logits:
                     if seq.scores is None:
                         outputs.append(len(ids) - 1)
@@ -403,6 +414,57 @@ class Runner:
             self._fail_step(step, exc)
             return None
         return step
+
+    def _draft(self, seq: RunningSequence, room: int) -> None:
+        """Queue drafted tokens behind a sequence's decode input (speculative decoding): as many as
+        the batch, the slot, ``max_tokens`` and the grammar leave room for."""
+        k = min(seq.request.prompt_lookup, room, self.num_ctx - len(seq.slot.inputs) - 1)
+        if seq.request.max_tokens >= 0:
+            k = min(k, seq.request.max_tokens - seq.generated - 1)
+        drafts = lookup_draft(seq.history, k) if k > 0 else []
+        if drafts and seq.constraint is not None:  # the matcher is past the decode input: check the draft
+            drafts = drafts[:seq.constraint.validate(drafts)]
+        seq.drafts = drafts
+        seq.pending.extend(Input(token=t) for t in drafts)
+
+    def _verify(self, logits: np.ndarray, first: int, seq: RunningSequence) -> None:
+        """Check a sequence's drafts against the target's rows ``first..first+len(drafts)``: keep the
+        longest accepted prefix plus the token that follows it, and remove the rest from the cache."""
+        drafts, seq.drafts = seq.drafts, []
+        seq.outputs_in_flight -= 1
+        if seq.done:
+            return
+        slot = seq.slot
+        base = len(slot.inputs) - len(drafts)  # position of the first drafted token
+        seq.draft_tokens += len(drafts)
+        accepted, reason, token = 0, None, None
+        try:
+            for i in range(len(drafts) + 1):
+                row = logits[first + i]
+                scores = row if seq.constraint is None else seq.constraint.apply(row)
+                if i < len(drafts):
+                    token = verify_token(seq.sampler, scores, seq.history, drafts[i])
+                else:
+                    token = seq.sampler.sample(scores, seq.history)
+                reason = "cancelled" if seq.cancelled else seq.accept(token, row)
+                if i < len(drafts) and token == drafts[i]:
+                    accepted += 1
+                    if reason:
+                        break
+                    continue
+                break
+        except Exception as exc:
+            reason = exc
+        seq.accepted_tokens += accepted
+        if accepted < len(drafts):  # the rejected positions leave the cache
+            self.model.cache.remove(slot.id, base + accepted)
+            del slot.inputs[base + accepted:]
+        if isinstance(reason, Exception):
+            self._release(seq, error=reason)
+        elif reason:
+            self._release(seq, reason)
+        else:  # the correction at the first rejected position, or the bonus token after a whole draft
+            seq.pending.append(Input(token=token))
 
     def _shift(self, seq: RunningSequence) -> None:
         """Make room in a full slot. Moving keys computes on the cache: the batch in flight, built
@@ -433,7 +495,7 @@ class Runner:
         step.masks = self._mask_pool.submit(_compute_masks, constraints)
 
     def _compute(self, step: _Step) -> np.ndarray | None:
-        return self.engine.compute(step.graph, read=bool(step.rows or step.scored))
+        return self.engine.compute(step.graph, read=bool(step.rows or step.scored or step.spec))
 
     def _complete(self, step: _Step) -> None:
         """Wait for a batch, then sample each sequence that has a row in it."""
@@ -478,6 +540,8 @@ class Runner:
                 self._release(seq, reason)
             elif placeholder is None:
                 seq.pending.append(Input(token=token))
+        for first, seq in step.spec:
+            self._verify(logits, first, seq)
         for seq in step.finishing:
             if not seq.done:
                 self._release(seq, "cancelled" if seq.cancelled else "length")

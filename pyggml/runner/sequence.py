@@ -32,7 +32,10 @@ class CompletionRequest(SamplingOptions):
     logits of every prompt position in the last chunk's ``prompt_logits`` (scoring, perplexity).
     ``format`` ("json" or a JSON schema dict) or ``grammar`` (a ``pyggml.constrain.Grammar``, or a
     Lark/GBNF string) constrains the output to match (see ``pyggml.constrain``); generation stops
-    where the grammar ends."""
+    where the grammar ends. ``prompt_lookup=n`` decodes speculatively with drafts of up to ``n`` tokens
+    looked up in the prompt and output so far (n-gram matches; same output, fewer model passes when
+    the output repeats its input: summaries, edits, code).
+    """
 
     prompt: str | Sequence[int]
     max_tokens: int = 128
@@ -43,6 +46,7 @@ class CompletionRequest(SamplingOptions):
     prompt_logits: bool = False
     format: Any = None
     grammar: Any = None
+    prompt_lookup: int = 0
 
     def sampler(self) -> Sampler:
         return Sampler(**self.sampling_options())
@@ -79,6 +83,8 @@ class CompletionChunk:
     generated_tokens: int = 0
     timings: Timings | None = None
     prompt_logits: np.ndarray | None = None  # (prompt tokens, vocab), for a prompt_logits request
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, and of those accepted
+    accepted_tokens: int = 0
 
 
 def find_stop(text: str, stops: Sequence[str]) -> int | None:
@@ -121,6 +127,8 @@ class RunningSequence:
         self.cached_tokens = 0
         self.cancelled = False
         self.done = False
+        self.drafts: list[int] = []  # drafted tokens in the batch in flight (speculative decoding)
+        self.draft_tokens = self.accepted_tokens = 0
         self.scores: list[np.ndarray] | None = [] if request.prompt_logits else None  # prompt rows' logits
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.finished = threading.Event()
@@ -181,6 +189,7 @@ class RunningSequence:
         chunk.done, chunk.finish_reason = True, reason
         chunk.prompt_tokens, chunk.cached_tokens = len(self.prompt), self.cached_tokens
         chunk.generated_tokens = self.generated
+        chunk.draft_tokens, chunk.accepted_tokens = self.draft_tokens, self.accepted_tokens
         if self.scores is not None and reason != "cancelled":
             chunk.prompt_logits = np.stack(self.scores) if self.scores else None
         chunk.timings = Timings(queued_seconds=start - self.t_queued, prompt_seconds=first - start,
