@@ -121,3 +121,56 @@ def test_rejection_sampling_keeps_the_distribution(options, draft):
 def test_bad_prompt_lookup(runner):
     with pytest.raises(ValueError, match="prompt_lookup"):
         runner.completion(CompletionRequest(prompt="a", prompt_lookup=-1))
+
+
+# ---- a draft model ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target_and_draft(tmp_path_factory):
+    """A random-weight target (F32) and the same weights in Q8_0 as its draft."""
+    folder = tmp_path_factory.mktemp("draft")
+    target = models.load(write_synthetic(folder / "t.gguf", "tiny", "f32", seed=5), BackendParams(n_threads=1))
+    draft = models.load(write_synthetic(folder / "d.gguf", "tiny", "q8_0", seed=5), BackendParams(n_threads=1))
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+def test_draft_model_greedy_equivalence_with_several_sequences(target_and_draft):
+    target, draft = target_and_draft
+    eog = {t: float("-inf") for t in target.tokenizer.vocab.eog}
+    prompts = ["hello world", "one two three four", "a b c"]
+
+    def run(runner, p):
+        return runner.completion(CompletionRequest(prompt=p, max_tokens=40, temperature=0, logit_bias=eog))
+
+    with Runner(target, parallel=3, num_ctx=256, batch_size=64) as plain:
+        alone = [[t for c in run(plain, p) for t in c.tokens] for p in prompts]
+    with Runner(target, parallel=3, num_ctx=256, batch_size=64, draft=draft, draft_max=5) as spec:
+        streams = [run(spec, p) for p in prompts]
+        chunks = [list(s) for s in streams]
+    assert [[t for c in cs for t in c.tokens] for cs in chunks] == alone
+    drafted = sum(cs[-1].draft_tokens for cs in chunks)
+    accepted = sum(cs[-1].accepted_tokens for cs in chunks)
+    assert drafted > 0 and accepted > drafted // 2  # the same weights at 8 bits mostly agree
+
+
+def test_draft_model_must_share_the_vocabulary(target_and_draft):
+    target, _ = target_and_draft
+    path = SHARED_MODELS / "stories260K.gguf"
+    if not path.exists():
+        pytest.skip("no stories260K")
+    other = models.load(path, BackendParams(n_threads=1))
+    try:
+        with pytest.raises(models.ModelError, match="same vocabulary"):
+            Runner(target, parallel=1, num_ctx=64, draft=other)
+    finally:
+        other.close()
+
+
+def test_llm_load_with_a_draft(tmp_path):
+    import pyggml
+    path = write_synthetic(tmp_path / "t.gguf", "tiny", "f32", seed=2)
+    with pyggml.load(path, n_threads=1, num_ctx=128) as plain:
+        want = plain.generate("hello", 20, temperature=0)
+    with pyggml.load(path, n_threads=1, num_ctx=128, draft=path, draft_max=4) as llm:
+        assert llm.generate("hello", 20, temperature=0) == want

@@ -18,6 +18,12 @@ first waits for the batch in flight, so the tensors always see the bookkeeping's
 Graph reuse (``Engine``): decode steps repeat the same batch shape, so the engine keeps the last
 two graphs (one may be in flight while the next is built) and refills one when the cache allows.
 
+Speculative decoding (``speculative.py``): a sequence with ``prompt_lookup`` (n-gram drafts), or
+every sequence of a runner given a ``draft`` model (greedy drafts of up to ``draft_max`` tokens from
+its own runner, batched over the sequences), puts its drafted tokens behind its decode input with a
+logits row at each; ``_verify`` keeps the accepted prefix and the token after it and removes the
+rest from the cache. Drafting needs the sampled token, so it is off with build-ahead.
+
 ``LLM`` is this runner with one sequence; ``pyggml bench`` times the same ``Engine``.
 """
 
@@ -93,7 +99,7 @@ class Runner:
 
     def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool | None = None,
-                 background: bool = True):
+                 background: bool = True, draft: Model | None = None, draft_max: int = 8):
         if model.tokenizer is None:
             raise ModelError("the model file has no tokenizer (tokenizer.ggml.* keys)")
         if model.generates and model.cache is None:
@@ -123,6 +129,14 @@ class Runner:
         self._closing = False
         self._in_flight: _Step | None = None  # the batch computing in the worker (build-ahead)
         self.engine = Engine(model, keep=2)
+        self.drafter: Runner | None = None  # speculative decoding: the draft model's own runner
+        self.draft_max = draft_max
+        if draft is not None:
+            _check_int("draft_max", draft_max, 1, MAX_DRAFT)
+            if draft.tokenizer is None or draft.tokenizer.vocab.tokens != model.tokenizer.vocab.tokens:
+                raise ModelError("the draft model must have the same vocabulary as the model")
+            self.drafter = Runner(draft, parallel=parallel, num_ctx=num_ctx, batch_size=batch_size,
+                                  cache_type=cache_type, build_ahead=False, background=False)
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-compute") if self.build_ahead else None
         self._mask_pool: ThreadPoolExecutor | None = None  # grammar masks, started with the first constraint
@@ -202,6 +216,8 @@ class Runner:
             self._pool.shutdown()
         if self._mask_pool is not None:
             self._mask_pool.shutdown()
+        if self.drafter is not None:
+            self.drafter.close()
 
     def __enter__(self) -> Runner:
         return self
@@ -348,7 +364,8 @@ class Runner:
         """Pack the next batch: decode tokens first, then prompt tokens in arrival order."""
         ids, positions, sequences, outputs = [], [], [], []
         step = _Step()
-        for seq in sorted(self._active, key=lambda s: len(s.pending) > 1):
+        self._draft_all()
+        for seq in sorted(self._active, key=lambda s: len(s.pending) - len(s.drafts) > 1):
             if seq.done:
                 continue
             if seq.cancelled:
@@ -362,9 +379,6 @@ class Runner:
             room = self.batch_size - len(ids)
             if not seq.pending or not room:
                 continue
-            if seq.request.prompt_lookup and len(seq.pending) == 1 and seq.generated and not self.build_ahead \
-                    and seq.scores is None:
-                self._draft(seq, room - 1)
             slot, taken, first = seq.slot, 0, len(ids)
             while seq.pending and taken < room:
                 if len(slot.inputs) >= self.num_ctx:
@@ -415,13 +429,38 @@ class Runner:
             return None
         return step
 
-    def _draft(self, seq: RunningSequence, room: int) -> None:
-        """Queue drafted tokens behind a sequence's decode input (speculative decoding): as many as
-        the batch, the slot, ``max_tokens`` and the grammar leave room for."""
-        k = min(seq.request.prompt_lookup, room, self.num_ctx - len(seq.slot.inputs) - 1)
-        if seq.request.max_tokens >= 0:
-            k = min(k, seq.request.max_tokens - seq.generated - 1)
-        drafts = lookup_draft(seq.history, k) if k > 0 else []
+    def _draft_all(self) -> None:
+        """Queue drafted tokens behind each speculating sequence's decode input: from prompt lookup,
+        or from the draft model (all sequences' drafts in one batched run of it). Each draft gets
+        as many tokens as the batch (shared), the slot, ``max_tokens`` and the grammar leave room for."""
+        if self.build_ahead:  # drafts need the sampled token; build-ahead builds before it is known
+            return
+        seqs = [s for s in self._active if not s.done and not s.cancelled and len(s.pending) == 1 and s.generated
+                and s.scores is None and (s.request.prompt_lookup or self.drafter is not None)]
+        if not seqs:
+            return
+        share = self.batch_size // len(seqs) - 1
+        wanted = []
+        for seq in seqs:
+            k = min(seq.request.prompt_lookup or self.draft_max, share, self.num_ctx - len(seq.slot.inputs) - 1)
+            if seq.request.max_tokens >= 0:
+                k = min(k, seq.request.max_tokens - seq.generated - 1)
+            if k > 0:
+                wanted.append((seq, k))
+        streams = []
+        for seq, k in wanted:
+            if seq.request.prompt_lookup:
+                self._queue_draft(seq, lookup_draft(seq.history, k))
+            elif len(seq.history) + k <= self.drafter.num_ctx:
+                streams.append((seq, self.drafter.completion(CompletionRequest(
+                    prompt=seq.history, max_tokens=k, temperature=0.0, num_keep=0))))
+        for seq, stream in streams:  # reading the first runs the draft model for all of them
+            try:
+                self._queue_draft(seq, [t for chunk in stream for t in chunk.tokens])
+            except Exception as exc:  # no draft this step; the target decodes on its own
+                log.warning("draft model failed: %r", exc)
+
+    def _queue_draft(self, seq: RunningSequence, drafts: list[int]) -> None:
         if drafts and seq.constraint is not None:  # the matcher is past the decode input: check the draft
             drafts = drafts[:seq.constraint.validate(drafts)]
         seq.drafts = drafts
