@@ -59,13 +59,16 @@ def _load(args: argparse.Namespace) -> Any:
     if args.model == DEMO:
         print("pyggml: using the built-in demo model (random weights: the text will be gibberish)",
               file=sys.stderr)
-    options = {"num_ctx": args.ctx, "n_threads": args.threads}
+    options = {"num_ctx": args.ctx, "n_threads": args.threads, "draft": getattr(args, "draft", None),
+               "draft_max": getattr(args, "draft_max", None)}
     return pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v})
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     llm = _load(args)
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.lookup:
+        options["prompt_lookup"] = args.lookup
     try:
         options.update(_structured(args))
     except (OSError, ValueError) as exc:
@@ -243,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="constrain the output to JSON, or to a JSON schema read from a file")
     run.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to a Lark or GBNF grammar")
     run.add_argument("--regex", default=None, help="constrain the output to a regular expression")
+    run.add_argument("--draft", default=None, metavar="GGUF",
+                     help="speculative decoding: a smaller model with the same vocabulary drafts tokens")
+    run.add_argument("--draft-max", type=int, default=None, help="most tokens drafted per step (default: 8)")
+    run.add_argument("--lookup", type=int, default=0, metavar="N",
+                     help="speculative decoding by prompt lookup: draft up to N tokens from n-gram matches")
     run.add_argument("--verbose", action="store_true", help="print load time and tokens/s")
     run.set_defaults(func=cmd_run)
 
@@ -306,6 +314,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--batch-size", type=int, default=512, help="most tokens per forward pass (default: 512)")
     serve.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto",
                        help="ggml's fused flash attention (default auto: on GPUs only)")
+    serve.add_argument("--draft", default=None, metavar="GGUF",
+                       help="speculative decoding: a smaller model with the same vocabulary drafts tokens")
+    serve.add_argument("--draft-max", type=int, default=8, help="most tokens drafted per step (default: 8)")
     serve.set_defaults(func=cmd_serve)
     return parser
 
@@ -318,7 +329,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     return serve(_model_path(args.model), host=args.host, port=args.port, parallel=args.parallel, queue=args.queue,
                  num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size,
-                 flash_attention={"on": True, "off": False}.get(args.flash_attn))
+                 flash_attention={"on": True, "off": False}.get(args.flash_attn), draft=args.draft,
+                 draft_max=args.draft_max)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,16 +74,21 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
 def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434, parallel: int = 4,
           queue: int | None = None, num_ctx: int | None = None, n_threads: int | None = None,
           batch_size: int = 512, name: str | None = None, log_level: str = "info",
-          flash_attention: bool | None = None) -> int:
-    """Load the model and serve it until interrupted (Ctrl-C / SIGTERM)."""
+          flash_attention: bool | None = None, draft: str | os.PathLike | None = None, draft_max: int = 8) -> int:
+    """Load the model and serve it until interrupted (Ctrl-C / SIGTERM). ``draft``: a smaller model
+    with the same vocabulary for speculative decoding."""
     import uvicorn
 
     if name is None and Path(path) == cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf":
         name = "demo"  # `pyggml serve demo`: clients ask for it by that name
     model = models.load(path, BackendParams(n_threads=n_threads, flash_attention=flash_attention))
+    draft_model = None
     try:
+        if draft is not None:
+            draft_model = models.load(draft, BackendParams(n_threads=n_threads, flash_attention=flash_attention))
         trained = model.context_length or 4096
-        runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained), batch_size=batch_size)
+        runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained), batch_size=batch_size,
+                        draft=draft_model, draft_max=draft_max)
         try:
             served = ServedModel(runner, path, queue=queue, name=name)
             config = uvicorn.Config(create_app(served), host=host, port=port, workers=1, log_level=log_level,
@@ -95,4 +100,6 @@ def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434
             runner.close()
     finally:
         model.close()
+        if draft_model is not None:
+            draft_model.close()
     return 0
