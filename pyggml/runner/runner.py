@@ -450,7 +450,10 @@ class Runner:
         streams = []
         for seq, k in wanted:
             if seq.request.prompt_lookup:
-                self._queue_draft(seq, lookup_draft(seq.history, k))
+                drafts = lookup_draft(seq.history, k)
+                # a shorter match is padded (the padding is rejected like any wrong guess): steps of one
+                # shape reuse one graph instead of building one per draft length
+                self._queue_draft(seq, drafts + drafts[-1:] * (k - len(drafts)))
             elif len(seq.history) + k <= self.drafter.num_ctx:
                 streams.append((seq, self.drafter.completion(CompletionRequest(
                     prompt=seq.history, max_tokens=k, temperature=0.0, num_keep=0))))
