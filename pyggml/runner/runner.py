@@ -454,13 +454,16 @@ class Runner:
                 # a shorter match is padded (the padding is rejected like any wrong guess): steps of one
                 # shape reuse one graph instead of building one per draft length
                 self._queue_draft(seq, drafts + drafts[-1:] * (k - len(drafts)))
-            elif len(seq.history) + k <= self.drafter.num_ctx:
-                streams.append((seq, self.drafter.completion(CompletionRequest(
-                    prompt=seq.history, max_tokens=k, temperature=0.0, num_keep=0))))
+            elif len(seq.history) + k <= self.drafter.num_ctx and min(seq.history) >= 0:
+                try:
+                    streams.append((seq, self.drafter.completion(CompletionRequest(
+                        prompt=seq.history, max_tokens=k, temperature=0.0, num_keep=0))))
+                except Exception as exc:  # no draft this step; the target decodes on its own
+                    log.warning("draft model refused a draft request: %r", exc)
         for seq, stream in streams:  # reading the first runs the draft model for all of them
             try:
                 self._queue_draft(seq, [t for chunk in stream for t in chunk.tokens])
-            except Exception as exc:  # no draft this step; the target decodes on its own
+            except Exception as exc:
                 log.warning("draft model failed: %r", exc)
 
     def _queue_draft(self, seq: RunningSequence, drafts: list[int]) -> None:
