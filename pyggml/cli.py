@@ -59,7 +59,8 @@ def _load(args: argparse.Namespace) -> Any:
     if args.model == DEMO:
         print("pyggml: using the built-in demo model (random weights: the text will be gibberish)",
               file=sys.stderr)
-    options = {"num_ctx": args.ctx, "n_threads": args.threads, **_rpc_options(args)}
+    options = {"num_ctx": args.ctx, "n_threads": args.threads, "draft": getattr(args, "draft", None),
+               "draft_max": getattr(args, "draft_max", None), **_rpc_options(args)}
     llm = pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v})
     if options.get("rpc"):
         _print_placement(llm.model.backend, sys.stderr)
@@ -94,6 +95,14 @@ def add_rpc_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     llm = _load(args)
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.lookup:
+        options["prompt_lookup"] = args.lookup
+    try:
+        options.update(_structured(args))
+    except (OSError, ValueError) as exc:
+        llm.close()
+        print(f"pyggml: {exc}", file=sys.stderr)
+        return 2
     prompts = [args.prompt] if args.prompt is not None else None
     if prompts is None and not sys.stdin.isatty():
         prompts = [sys.stdin.read()]
@@ -105,6 +114,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         llm.close()
     return 0
+
+
+def _structured(args: argparse.Namespace) -> dict:
+    """``--format json`` / ``--format SCHEMA.json`` / ``--grammar FILE`` (Lark or GBNF) / ``--regex RE``."""
+    import json
+
+    from pyggml.constrain import Grammar
+
+    out: dict = {}
+    if args.format:
+        if args.format == "json":
+            out["format"] = "json"
+        else:
+            with open(args.format) as f:
+                out["format"] = json.load(f)
+    if args.grammar:
+        with open(args.grammar) as f:
+            out["grammar"] = f.read()
+    if args.regex:
+        if "grammar" in out:
+            raise ValueError("give --grammar or --regex, not both")
+        out["grammar"] = Grammar.regex(args.regex)
+    return out
 
 
 def _stream(llm: Any, prompt: str, options: dict, verbose: bool) -> None:
@@ -255,6 +287,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--max-tokens", type=int, default=128)
+    run.add_argument("--format", default=None, metavar="json|SCHEMA.json",
+                     help="constrain the output to JSON, or to a JSON schema read from a file")
+    run.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to a Lark or GBNF grammar")
+    run.add_argument("--regex", default=None, help="constrain the output to a regular expression")
+    run.add_argument("--draft", default=None, metavar="GGUF",
+                     help="speculative decoding: a smaller model with the same vocabulary drafts tokens")
+    run.add_argument("--draft-max", type=int, default=None, help="most tokens drafted per step (default: 8)")
+    run.add_argument("--lookup", type=int, default=0, metavar="N",
+                     help="speculative decoding by prompt lookup: draft up to N tokens from n-gram matches")
     run.add_argument("--verbose", action="store_true", help="print load time and tokens/s")
     add_rpc_arguments(run)
     run.set_defaults(func=cmd_run)
@@ -337,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="comma-separated extra browser Origins allowed, '*' wildcards as OLLAMA_ORIGINS "
                             "(default: $PYGGML_ORIGINS; local origins are always allowed)")
     add_rpc_arguments(serve)
+    serve.add_argument("--draft", default=None, metavar="GGUF",
+                       help="speculative decoding: a smaller model with the same vocabulary drafts tokens")
+    serve.add_argument("--draft-max", type=int, default=8, help="most tokens drafted per step (default: 8)")
     serve.set_defaults(func=cmd_serve)
 
     rpc = sub.add_parser("rpc-server", help="lend this machine's devices to other pyggml/llama.cpp clients (ggml RPC)",
@@ -431,7 +475,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size,
                  flash_attention={"on": True, "off": False}.get(args.flash_attn), max_predict=args.max_predict,
                  queue_timeout=args.queue_timeout, allowed_hosts=split_list(allowed) if allowed else None,
-                 origins=split_list(origins), **_rpc_options(args))
+                 origins=split_list(origins), draft=args.draft, draft_max=args.draft_max,
+                 **_rpc_options(args))
 
 
 def _listen_address(value: str, port: int | None) -> tuple[str, int]:

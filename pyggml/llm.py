@@ -53,7 +53,8 @@ class LLM:
     calling thread drives while it reads the output (not thread-safe: one caller at a time)."""
 
     def __init__(self, model: Model, *, num_ctx: int | None = None, batch_size: int = 512,
-                 cache_type: DType | str = DType.F16, num_keep: int = 4):
+                 cache_type: DType | str = DType.F16, num_keep: int = 4, draft: Model | None = None,
+                 draft_max: int = 8):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.model = model
@@ -62,7 +63,9 @@ class LLM:
         if num_ctx < 2:
             raise ValueError(f"num_ctx must be >= 2, got {num_ctx}")
         self.runner = Runner(model, parallel=1, num_ctx=num_ctx, batch_size=batch_size, cache_type=cache_type,
-                             multi_user_cache=False, background=False)  # the caller's thread runs it
+                             multi_user_cache=False, background=False,  # the caller's thread runs it
+                             draft=draft, draft_max=draft_max)  # speculative decoding with a draft model
+        self.draft = draft
         self.num_ctx, self.batch_size = self.runner.num_ctx, self.runner.batch_size
         self.num_keep = num_keep
         self.stats = Stats()
@@ -72,15 +75,21 @@ class LLM:
     def load(cls, path: str | os.PathLike, *, progress: ProgressFn | None = None, **options: Any) -> LLM:
         backend_options = {k: v for k, v in options.items() if k in _BACKEND_FIELDS}
         llm_options = {k: v for k, v in options.items() if k not in _BACKEND_FIELDS}
-        unknown = set(llm_options) - {"num_ctx", "batch_size", "cache_type", "num_keep"}
+        unknown = set(llm_options) - {"num_ctx", "batch_size", "cache_type", "num_keep", "draft", "draft_max"}
         if unknown:
             raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
         start = time.perf_counter()
+        draft_path = llm_options.pop("draft", None)
         model = models.load(path, BackendParams(**backend_options), progress)
+        draft = None
         try:
-            llm = cls(model, **llm_options)
+            if draft_path is not None:  # the draft model: same backend options
+                draft = models.load(draft_path, BackendParams(**backend_options))
+            llm = cls(model, draft=draft, **llm_options)
         except BaseException:
             model.close()
+            if draft is not None:
+                draft.close()
             raise
         llm.stats.load_seconds = time.perf_counter() - start
         return llm
@@ -108,8 +117,10 @@ class LLM:
         """Continue ``prompt``; returns the new text (``stream=True``: an iterator of pieces).
 
         Extra keyword options are ``CompletionRequest``'s sampling options (repeat_penalty,
-        typical_p, logit_bias, ...). Stops at an end-of-generation token, after ``max_tokens``, or
-        before a ``stop`` string; a context that fills up is shifted (``num_keep`` tokens kept).
+        typical_p, logit_bias, ...), ``format`` ("json" or a JSON schema) and ``grammar`` (a Lark/GBNF
+        string or a ``pyggml.constrain.Grammar``), which constrain the output to match. Stops at an
+        end-of-generation token, the grammar's end, after ``max_tokens``, or before a ``stop`` string;
+        a context that fills up is shifted (``num_keep`` tokens kept).
         """
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -166,6 +177,8 @@ class LLM:
     def close(self) -> None:
         self.runner.close()
         self.model.close()
+        if self.draft is not None:
+            self.draft.close()
 
     def __enter__(self) -> LLM:
         return self
@@ -176,7 +189,9 @@ class LLM:
 
 def load(path: str | os.PathLike, **options: Any) -> LLM:
     """Load a GGUF model for generation. Options: the ``BackendParams`` fields (n_threads,
-    gpu_layers, flash_attention, use_mmap, ...) plus num_ctx, batch_size, cache_type, num_keep."""
+    gpu_layers, flash_attention, use_mmap, ...) plus num_ctx, batch_size, cache_type, num_keep, and
+    ``draft`` (the path of a smaller model with the same vocabulary: speculative decoding, drafts of up
+    to ``draft_max`` tokens)."""
     return LLM.load(path, **options)
 
 

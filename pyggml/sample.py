@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +73,35 @@ class Sampler(SamplingOptions):
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Pick one token id from ``logits`` (shape ``(vocab,)``); ``history`` feeds the penalties."""
+        ids, vals = self._candidates(logits, history)
+        if vals is None:
+            return int(ids)
+        cdf = np.cumsum(_softmax(vals / self.temperature))
+        return int(ids[self._draw(cdf)])
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, probabilities) of what ``sample`` draws from (greedy: the argmax with probability 1).
+        Speculative decoding's rejection sampling reads the target's probabilities here."""
+        ids, vals = self._candidates(logits, history)
+        if vals is None:
+            return np.array([ids]), np.ones(1)
+        return ids, _softmax((vals / self.temperature).astype(np.float64))
+
+    def draw(self, probs: np.ndarray) -> int:
+        """An index drawn from ``probs`` (non-negative weights) with this sampler's generator."""
+        return self._draw(np.cumsum(probs))
+
+    def uniform(self) -> float:
+        return float(self._rng.random())
+
+    def _draw(self, cdf: np.ndarray) -> int:
+        i = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
+        if i == cdf.size:  # u * total rounded up to total: take the last token with weight
+            i = int(np.searchsorted(cdf, cdf[-1]))
+        return i
+
+    def _candidates(self, logits: np.ndarray, history: Sequence[int]) -> tuple[Any, np.ndarray | None]:
+        """The surviving (ids, logits) after penalties, bias and truncation; (argmax, None) when greedy."""
         given = _as_logits(logits)
         logits = self._penalise(given, history)
         if self._bias_ids.size:
@@ -86,7 +116,7 @@ class Sampler(SamplingOptions):
         if top == math.inf:
             raise ValueError("sample: logits contain +inf")
         if self.temperature <= 0:
-            return int(np.argmax(logits))
+            return int(np.argmax(logits)), None
 
         if 0 < self.top_k < logits.size:
             ids = _top_k(logits, self.top_k)
@@ -101,11 +131,7 @@ class Sampler(SamplingOptions):
         if self.min_p > 0.0:  # p >= min_p * p_max, in logit space
             keep = vals >= vals.max() + math.log(self.min_p)
             ids, vals = ids[keep], vals[keep]
-        cdf = np.cumsum(_softmax(vals / self.temperature))
-        i = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
-        if i == cdf.size:  # u * total rounded up to total: take the last token with weight
-            i = int(np.searchsorted(cdf, cdf[-1]))
-        return int(ids[i])
+        return ids, vals
 
     def _penalise(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """llama.cpp's penalties: repeat (divide positive, multiply negative logits), then

@@ -18,6 +18,12 @@ first waits for the batch in flight, so the tensors always see the bookkeeping's
 Graph reuse (``Engine``): decode steps repeat the same batch shape, so the engine keeps the last
 two graphs (one may be in flight while the next is built) and refills one when the cache allows.
 
+Speculative decoding (``speculative.py``): a sequence with ``prompt_lookup`` (n-gram drafts), or
+every sequence of a runner given a ``draft`` model (greedy drafts of up to ``draft_max`` tokens from
+its own runner, batched over the sequences), puts its drafted tokens behind its decode input with a
+logits row at each; ``_verify`` keeps the accepted prefix and the token after it and removes the
+rest from the cache. Drafting needs the sampled token, so it is off with build-ahead.
+
 ``LLM`` is this runner with one sequence; ``pyggml bench`` times the same ``Engine``.
 """
 
@@ -36,17 +42,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pyggml.constrain import Constraint, grammar_for
 from pyggml.models import Batch, Input, Model, ModelError, Multimodal, MultimodalIndex, Pooling
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
 from pyggml.runner.engine import Engine, Graph
 from pyggml.runner.inputcache import InputCache, ReprocessInputsError
 from pyggml.runner.sequence import MAX_LOGPROBS, CompletionRequest, CompletionStream, RunningSequence, check_stops
+from pyggml.runner.speculative import lookup_draft, verify_token
 from pyggml.tensor import DType
 
 log = logging.getLogger(__name__)
 
 _UNSET = -1  # token id of a placeholder input whose token is not sampled yet
 _IMAGE_MARK = re.compile(r"\[img-(\d+)\]")  # where an image goes in a prompt (Ollama's marker)
+MAX_DRAFT = 32  # most tokens drafted per step (speculative decoding)
 
 
 class RunnerClosedError(RuntimeError):
@@ -78,6 +87,8 @@ class _Step:
     seqs: list[RunningSequence] = field(default_factory=list)  # every sequence with inputs in the batch
     finishing: list[RunningSequence] = field(default_factory=list)  # done once the batch is computed
     future: Future | None = None
+    masks: Future | None = None  # the grammar masks of its constrained rows, computed beside the graph
+    spec: list[tuple[int, RunningSequence]] = field(default_factory=list)  # (first row, sequence) with drafts
 
 
 class Runner:
@@ -91,7 +102,7 @@ class Runner:
 
     def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool | None = None,
-                 background: bool = True):
+                 background: bool = True, draft: Model | None = None, draft_max: int = 8):
         if model.tokenizer is None:
             raise ModelError("the model file has no tokenizer (tokenizer.ggml.* keys)")
         if model.generates and model.cache is None:
@@ -121,8 +132,17 @@ class Runner:
         self._closing = False
         self._in_flight: _Step | None = None  # the batch computing in the worker (build-ahead)
         self.engine = Engine(model, keep=2)
+        self.drafter: Runner | None = None  # speculative decoding: the draft model's own runner
+        self.draft_max = draft_max
+        if draft is not None:
+            _check_int("draft_max", draft_max, 1, MAX_DRAFT)
+            if draft.tokenizer is None or draft.tokenizer.vocab.tokens != model.tokenizer.vocab.tokens:
+                raise ModelError("the draft model must have the same vocabulary as the model")
+            self.drafter = Runner(draft, parallel=parallel, num_ctx=num_ctx, batch_size=batch_size,
+                                  cache_type=cache_type, build_ahead=False, background=False)
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-compute") if self.build_ahead else None
+        self._mask_pool: ThreadPoolExecutor | None = None  # grammar masks, started with the first constraint
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._loop, name="pyggml-runner", daemon=True)
@@ -197,6 +217,10 @@ class Runner:
             self._thread.join()
         if self._pool is not None:
             self._pool.shutdown()
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown()
+        if self.drafter is not None:
+            self.drafter.close()
 
     def __enter__(self) -> Runner:
         return self
@@ -237,6 +261,7 @@ class Runner:
         _check_int("max_tokens", request.max_tokens, -1)
         _check_int("num_keep", request.num_keep, -1)
         _check_int("logprobs", request.logprobs, 0, MAX_LOGPROBS)
+        _check_int("prompt_lookup", request.prompt_lookup, 0, MAX_DRAFT)
         stops = check_stops(request.stop)
         bias = dict(request.logit_bias or {})
         if any(not isinstance(t, (int, np.integer)) or not 0 <= t < self.tokenizer.vocab_size for t in bias):
@@ -246,9 +271,11 @@ class Runner:
         if request.seed is not None:
             _check_int("seed", request.seed, 0)
         num_keep = len(inputs) if request.num_keep < 0 else request.num_keep
+        grammar = grammar_for(request.format, request.grammar)  # ConstraintError is a ValueError
+        constraint = Constraint(grammar, self.tokenizer) if grammar is not None else None
         try:  # the Sampler checks the sampling options
             return RunningSequence(request, inputs, self.tokenizer, [s for s in stops if s],
-                                   min(num_keep, self.num_ctx - 1))
+                                   min(num_keep, self.num_ctx - 1), constraint)
         except TypeError as exc:
             raise ValueError(f"bad sampling option: {exc}") from exc
 
@@ -344,6 +371,7 @@ class Runner:
         if step is None:
             return True
         self._fill(step)
+        self._start_masks(step)
         if self.build_ahead:
             step.future = self._pool.submit(self._compute, step)
             self._in_flight = step
@@ -380,7 +408,8 @@ class Runner:
         """Pack the next batch: decode tokens first, then prompt tokens in arrival order."""
         ids, positions, sequences, outputs, multimodal = [], [], [], [], []
         step = _Step()
-        for seq in sorted(self._active, key=lambda s: len(s.pending) > 1):
+        self._draft_all()
+        for seq in sorted(self._active, key=lambda s: len(s.pending) - len(s.drafts) > 1):
             if seq.done:
                 continue
             if seq.cancelled:
@@ -429,7 +458,11 @@ class Runner:
                 if seq.scores is not None:  # every prompt position gets a logits row
                     step.scored.extend((len(outputs) + i, seq) for i in range(taken))
                     outputs.extend(range(first, len(ids)))
-            if taken and not seq.pending:
+            if taken and not seq.pending and seq.drafts:  # a logits row at every drafted position too
+                outputs.extend(range(len(ids) - len(seq.drafts) - 1, len(ids)))
+                step.spec.append((len(outputs) - len(seq.drafts) - 1, seq))
+                seq.outputs_in_flight += 1
+            elif taken and not seq.pending:
                 if seq.wants_logits:
                     if seq.scores is None:
                         outputs.append(len(ids) - 1)
@@ -455,6 +488,88 @@ class Runner:
             return None
         return step
 
+    def _draft_all(self) -> None:
+        """Queue drafted tokens behind each speculating sequence's decode input: from prompt lookup,
+        or from the draft model (all sequences' drafts in one batched run of it). Each draft gets
+        as many tokens as the batch (shared), the slot, ``max_tokens`` and the grammar leave room for."""
+        if self.build_ahead:  # drafts need the sampled token; build-ahead builds before it is known
+            return
+        seqs = [s for s in self._active if not s.done and not s.cancelled and len(s.pending) == 1 and s.generated
+                and s.scores is None and (s.request.prompt_lookup or self.drafter is not None)]
+        if not seqs:
+            return
+        share = self.batch_size // len(seqs) - 1
+        wanted = []
+        for seq in seqs:
+            k = min(seq.request.prompt_lookup or self.draft_max, share, self.num_ctx - len(seq.slot.inputs) - 1)
+            if seq.request.max_tokens >= 0:
+                k = min(k, seq.request.max_tokens - seq.generated - 1)
+            if k > 0:
+                wanted.append((seq, k))
+        streams = []
+        for seq, k in wanted:
+            if seq.request.prompt_lookup:
+                drafts = lookup_draft(seq.history, k)
+                # a shorter match is padded (the padding is rejected like any wrong guess): steps of one
+                # shape reuse one graph instead of building one per draft length
+                self._queue_draft(seq, drafts + drafts[-1:] * (k - len(drafts)))
+            elif len(seq.history) + k <= self.drafter.num_ctx and min(seq.history) >= 0:
+                try:
+                    streams.append((seq, self.drafter.completion(CompletionRequest(
+                        prompt=seq.history, max_tokens=k, temperature=0.0, num_keep=0))))
+                except Exception as exc:  # no draft this step; the target decodes on its own
+                    log.warning("draft model refused a draft request: %r", exc)
+        for seq, stream in streams:  # reading the first runs the draft model for all of them
+            try:
+                self._queue_draft(seq, [t for chunk in stream for t in chunk.tokens])
+            except Exception as exc:
+                log.warning("draft model failed: %r", exc)
+
+    def _queue_draft(self, seq: RunningSequence, drafts: list[int]) -> None:
+        if drafts and seq.constraint is not None:  # the matcher is past the decode input: check the draft
+            drafts = drafts[:seq.constraint.validate(drafts)]
+        seq.drafts = drafts
+        seq.pending.extend(Input(token=t) for t in drafts)
+
+    def _verify(self, logits: np.ndarray, first: int, seq: RunningSequence) -> None:
+        """Check a sequence's drafts against the target's rows ``first..first+len(drafts)``: keep the
+        longest accepted prefix plus the token that follows it, and remove the rest from the cache."""
+        drafts, seq.drafts = seq.drafts, []
+        seq.outputs_in_flight -= 1
+        if seq.done:
+            return
+        slot = seq.slot
+        base = len(slot.inputs) - len(drafts)  # position of the first drafted token
+        seq.draft_tokens += len(drafts)
+        accepted, reason, token = 0, None, None
+        try:
+            for i in range(len(drafts) + 1):
+                row = logits[first + i]
+                scores = row if seq.constraint is None else seq.constraint.apply(row)
+                if i < len(drafts):
+                    token = verify_token(seq.sampler, scores, seq.history, drafts[i])
+                else:
+                    token = seq.sampler.sample(scores, seq.history)
+                reason = "cancelled" if seq.cancelled else seq.accept(token, row)
+                if i < len(drafts) and token == drafts[i]:
+                    accepted += 1
+                    if reason:
+                        break
+                    continue
+                break
+        except Exception as exc:
+            reason = exc
+        seq.accepted_tokens += accepted
+        if accepted < len(drafts):  # the rejected positions leave the cache
+            self.model.cache.remove(slot.id, base + accepted)
+            del slot.inputs[base + accepted:]
+        if isinstance(reason, Exception):
+            self._release(seq, error=reason)
+        elif reason:
+            self._release(seq, reason)
+        else:  # the correction at the first rejected position, or the bonus token after a whole draft
+            seq.pending.append(Input(token=token))
+
     def _shift(self, seq: RunningSequence) -> None:
         """Make room in a full slot. Moving keys computes on the cache: the batch in flight, built
         before the move, must have written its keys and values first (and had its logits read)."""
@@ -473,8 +588,18 @@ class Runner:
                 raise RuntimeError("internal error: a batch input has no token id")
             step.ids[index] = max(inp.token, 0)
 
+    def _start_masks(self, step: _Step) -> None:
+        """Compute the grammar masks of the batch's constrained rows in a worker while the graph
+        computes (llguidance releases the GIL); every token they follow is consumed by now."""
+        constraints = [seq.constraint for _, seq in step.rows if seq.constraint is not None]
+        if not constraints:
+            return
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-grammar")
+        step.masks = self._mask_pool.submit(_compute_masks, constraints)
+
     def _compute(self, step: _Step) -> np.ndarray | None:
-        return self.engine.compute(step.graph, read=bool(step.rows or step.scored))
+        return self.engine.compute(step.graph, read=bool(step.rows or step.scored or step.spec))
 
     def _complete(self, step: _Step) -> None:
         """Wait for a batch, then sample each sequence that has a row in it."""
@@ -492,23 +617,35 @@ class Runner:
             return
         for row, seq in step.scored:
             seq.scores.append(logits[row].copy())
+        if step.masks is not None:
+            try:
+                step.masks.result()
+            except Exception as exc:  # a grammar failure: sampling below recomputes and reports it
+                log.error("grammar masks failed: %r", exc)
         for row, seq in step.rows:
             seq.outputs_in_flight -= 1
             if seq.done:
                 continue
             try:
-                token = seq.sampler.sample(logits[row], seq.history)
+                scores = logits[row] if seq.constraint is None else seq.constraint.apply(logits[row])
+                token = seq.sampler.sample(scores, seq.history)
             except Exception as exc:
                 self._release(seq, error=exc)
                 continue
             placeholder, seq.placeholder = seq.placeholder, None
             if placeholder is not None:
                 placeholder.token = token
-            reason = "cancelled" if seq.cancelled else seq.accept(token, logits[row])
+            try:
+                reason = "cancelled" if seq.cancelled else seq.accept(token, logits[row])
+            except Exception as exc:  # the grammar refused the token: a bug, fail this sequence only
+                self._release(seq, error=exc)
+                continue
             if reason:
                 self._release(seq, reason)
             elif placeholder is None:
                 seq.pending.append(Input(token=token))
+        for first, seq in step.spec:
+            self._verify(logits, first, seq)
         for seq in step.finishing:
             if not seq.done:
                 self._release(seq, "cancelled" if seq.cancelled else "length")
@@ -539,6 +676,11 @@ class Runner:
             seq.fail(error)
         else:
             seq.finish(reason)
+
+
+def _compute_masks(constraints: list[Constraint]) -> None:
+    for constraint in constraints:
+        constraint.compute_mask()
 
 
 def _reads_in_place(ctx, ids: np.ndarray) -> bool:

@@ -9,9 +9,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
+from pyggml.constrain import Constraint
 from pyggml.models import Input
 from pyggml.runner.inputcache import InputCacheSlot
 from pyggml.sample import Sampler, SamplingOptions, logprobs
@@ -34,7 +36,13 @@ class CompletionRequest(SamplingOptions):
     ``images``: image files' bytes for a vision model; a string prompt marks where each goes with
     ``[img-N]`` (N from 0; without markers the images come first).
     ``prompt_logits=True`` evaluates the whole prompt (no cached prefix is reused) and returns the
-    logits of every prompt position in the last chunk's ``prompt_logits`` (scoring, perplexity)."""
+    logits of every prompt position in the last chunk's ``prompt_logits`` (scoring, perplexity).
+    ``format`` ("json" or a JSON schema dict) or ``grammar`` (a ``pyggml.constrain.Grammar``, or a
+    Lark/GBNF string) constrains the output to match (see ``pyggml.constrain``); generation stops
+    where the grammar ends. ``prompt_lookup=n`` decodes speculatively with drafts of up to ``n`` tokens
+    looked up in the prompt and output so far (n-gram matches; same output, fewer model passes when
+    the output repeats its input: summaries, edits, code).
+    """
 
     prompt: str | Sequence[int]
     max_tokens: int = 128
@@ -44,6 +52,9 @@ class CompletionRequest(SamplingOptions):
     num_keep: int = 4
     prompt_logits: bool = False
     images: Sequence[bytes] = ()
+    format: Any = None
+    grammar: Any = None
+    prompt_lookup: int = 0
 
     def sampler(self) -> Sampler:
         return Sampler(**self.sampling_options())
@@ -80,6 +91,8 @@ class CompletionChunk:
     generated_tokens: int = 0
     timings: Timings | None = None
     prompt_logits: np.ndarray | None = None  # (prompt tokens, vocab), for a prompt_logits request
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, and of those accepted
+    accepted_tokens: int = 0
 
 
 def check_stops(stop: object) -> list[str]:
@@ -179,8 +192,10 @@ class RunningSequence:
     """A request while the runner works on it. Only the runner's loop thread touches it, except
     ``cancelled`` and ``max_backlog`` (set by the consumer) and ``out`` (read by the consumer)."""
 
-    def __init__(self, request: CompletionRequest, prompt: list[Input], tokenizer, stops: list[str], num_keep: int):
+    def __init__(self, request: CompletionRequest, prompt: list[Input], tokenizer, stops: list[str], num_keep: int,
+                 constraint: Constraint | None = None):
         self.request = request
+        self.constraint = constraint  # the grammar the output must match
         self.prompt = prompt
         self.history = [inp.token for inp in prompt]  # prompt + generated tokens, for the penalties
         self.sampler = request.sampler()
@@ -198,6 +213,8 @@ class RunningSequence:
         self.cached_tokens = 0
         self.cancelled = False
         self.done = False
+        self.drafts: list[int] = []  # drafted tokens in the batch in flight (speculative decoding)
+        self.draft_tokens = self.accepted_tokens = 0
         self.scores: list[np.ndarray] | None = [] if request.prompt_logits else None  # prompt rows' logits
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.max_backlog: int | None = None  # pause while this many chunks wait unread (None: never)
@@ -236,6 +253,8 @@ class RunningSequence:
         if not self.generated:
             self.t_first = time.perf_counter()
         self.generated += 1
+        if self.constraint is not None:
+            self.constraint.consume(token)
         if self.tokenizer.is_eog(token):
             return "stop"
         self.history.append(token)
@@ -248,6 +267,13 @@ class RunningSequence:
         self._text += piece
         if cut is not None:
             self._text = self._text[:cut]
+            return "stop"
+        if self.constraint is not None and self.constraint.stopped:  # the grammar is complete
+            piece = self.decoder.flush()
+            cut = self.matcher.feed(piece, len(self._text))
+            self._text += piece
+            if cut is not None:
+                self._text = self._text[:cut]
             return "stop"
         emit = len(self._text) - self.matcher.partial
         if emit:
@@ -273,6 +299,7 @@ class RunningSequence:
         chunk.done, chunk.finish_reason = True, reason
         chunk.prompt_tokens, chunk.cached_tokens = len(self.prompt), self.cached_tokens
         chunk.generated_tokens = self.generated
+        chunk.draft_tokens, chunk.accepted_tokens = self.draft_tokens, self.accepted_tokens
         if self.scores is not None and reason != "cancelled":
             chunk.prompt_logits = np.stack(self.scores) if self.scores else None
         chunk.timings = Timings(queued_seconds=start - self.t_queued, prompt_seconds=first - start,

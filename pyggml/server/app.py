@@ -84,18 +84,24 @@ def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434
           flash_attention: bool | None = None, max_predict: int | None = None,
           queue_timeout: float = QUEUE_TIMEOUT, allowed_hosts: Iterable[str] | None = None,
           origins: Iterable[str] = (), rpc: Sequence[str] | str = (),
-          tensor_split: Sequence[float] | str | None = None) -> int:
+          tensor_split: Sequence[float] | str | None = None, draft: str | os.PathLike | None = None,
+          draft_max: int = 8) -> int:
     """Load the model and serve it until interrupted (Ctrl-C / SIGTERM). ``rpc``: remote devices
-    (``pyggml rpc-server`` endpoints) that compute some of the layers."""
+    (``pyggml rpc-server`` endpoints) that compute some of the layers. ``draft``: a smaller model with the same
+    vocabulary for speculative decoding."""
     import uvicorn
 
     if name is None and Path(path) == cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf":
         name = "demo"  # `pyggml serve demo`: clients ask for it by that name
     model = models.load(path, BackendParams(n_threads=n_threads, flash_attention=flash_attention, rpc=rpc,
                                                 tensor_split=tensor_split))
+    draft_model = None
     try:
+        if draft is not None:
+            draft_model = models.load(draft, BackendParams(n_threads=n_threads, flash_attention=flash_attention))
         trained = model.context_length or 4096
-        runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained), batch_size=batch_size)
+        runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained), batch_size=batch_size,
+                        draft=draft_model, draft_max=draft_max)
         try:
             served = ServedModel(runner, path, queue=queue, name=name, max_predict=max_predict,
                                  queue_timeout=queue_timeout)
@@ -110,4 +116,6 @@ def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434
             runner.close()
     finally:
         model.close()
+        if draft_model is not None:
+            draft_model.close()
     return 0

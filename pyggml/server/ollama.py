@@ -6,6 +6,7 @@ are ``{"error": "..."}`` (also as the last line of a stream that fails midway).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,11 +20,20 @@ from starlette.routing import Route
 import pyggml
 from pyggml.chat import validate_messages
 from pyggml.runner import CompletionChunk, CompletionRequest
-from pyggml.server.params import APIError, Fields, ollama_logprobs, ollama_options, read_json, runner_logprobs
+from pyggml.server.params import (
+    APIError,
+    Fields,
+    ollama_format,
+    ollama_logprobs,
+    ollama_options,
+    read_json,
+    runner_logprobs,
+)
 from pyggml.server.service import Job, ServedModel, stream_response
+from pyggml.tools import ToolOutput, check_tools, detect_format, normalize_messages
 
 NDJSON = "application/x-ndjson"
-_COMMON = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs"}
+_COMMON = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs", "grammar"}
 GENERATE_FIELDS = _COMMON | {"prompt", "suffix", "system", "template", "context", "raw", "images"}
 CHAT_FIELDS = _COMMON | {"messages", "tools"}
 EMBED_FIELDS = {"model", "input", "truncate", "options", "keep_alive", "dimensions"}
@@ -38,7 +48,6 @@ def _served(request: Request) -> ServedModel:
 
 
 def _check_generation_fields(f: Fields) -> None:
-    f.unsupported("format", what="(structured output) is not supported by this server")
     f.unsupported("think", (False,), "is not supported: the model does not think")
     f.unsupported("images", what="is not supported: the model reads text only")
 
@@ -56,6 +65,7 @@ async def generate(request: Request) -> Response:
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise APIError(400, "context must be an array of token ids", param="context")
     options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
+    options.update(ollama_format(f))
     served.check_prompt_size(prompt)
     if len(context) > served.runner.num_ctx:
         raise APIError(400, f"context of {len(context)} tokens does not fit the context of {served.runner.num_ctx} "
@@ -93,12 +103,14 @@ async def chat(request: Request) -> Response:
     served.check_model(body.get("model"))
     _check_generation_fields(f)
     options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
+    options.update(ollama_format(f))
     raw_messages, tools = f.array("messages"), f.array("tools")
     if not raw_messages:  # Ollama's way to load a model
         return JSONResponse({"model": served.name, "created_at": _now(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     try:
-        messages = validate_messages(raw_messages)
+        messages = normalize_messages(validate_messages(raw_messages))
+        tools = check_tools(tools) or None
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     for i, message in enumerate(messages):
@@ -109,12 +121,18 @@ async def chat(request: Request) -> Response:
         text = served.render(messages, tools=tools)
         return served.request(served.prompt_ids(text, True), logprobs=runner_logprobs(logprobs), **options)
 
-    return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, _chat_piece)
+    tool_output = ToolOutput(detect_format(served.template.source), served.tokenizer) if tools else None
 
+    def piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
+        calls = []
+        if tool_output is not None:
+            text, calls = tool_output.feed(chunk, text)
+        message = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = [c.ollama() for c in calls]
+        return {"model": served.name, "created_at": _now(), "message": message, "done": chunk.done}
 
-def _chat_piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
-    return {"model": served.name, "created_at": _now(), "message": {"role": "assistant", "content": text},
-            "done": chunk.done}
+    return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, piece)
 
 
 Piece = Callable[[ServedModel, Job, CompletionChunk, str], dict[str, Any]]
@@ -137,7 +155,8 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
     if not stream:
         chunks = await job.collect(request)
         lps = [lp for c in chunks for lp in c.logprobs or ()]
-        return JSONResponse(render(chunks[-1], "".join(c.text for c in chunks), lps))
+        last = dataclasses.replace(chunks[-1], tokens=[t for c in chunks for t in c.tokens])  # all of them
+        return JSONResponse(render(last, "".join(c.text for c in chunks), lps))
 
     async def lines() -> AsyncIterator[str]:
         try:

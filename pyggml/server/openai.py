@@ -8,6 +8,7 @@ OpenAI sends it. Errors are ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import time
 import uuid
@@ -26,18 +27,28 @@ from pyggml.server.params import (
     OPENAI_COMMON,
     APIError,
     Fields,
+    grammar_extension,
     openai_max_tokens,
+    openai_response_format,
     openai_sampling,
     read_json,
     runner_logprobs,
     stream_usage,
 )
 from pyggml.server.service import ServedModel, stream_response
+from pyggml.tools import (
+    ToolOutput,
+    check_tools,
+    detect_format,
+    forced_grammar,
+    normalize_messages,
+    tool_choice_name,
+)
 
-COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "echo", "suffix", "best_of"}
+COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "echo", "suffix", "best_of", "grammar"}
 CHAT_FIELDS = OPENAI_COMMON | {
     "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-    "response_format", "store", "metadata", "service_tier", "reasoning_effort", "modalities",
+    "response_format", "store", "metadata", "service_tier", "reasoning_effort", "modalities", "grammar",
 }
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 FINGERPRINT = f"pyggml-{pyggml.__version__}"
@@ -78,7 +89,7 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
     if not stream:
         chunks = await job.collect(request)
         lps = [lp for c in chunks for lp in c.logprobs or ()]
-        last = chunks[-1]
+        last = dataclasses.replace(chunks[-1], tokens=[t for c in chunks for t in c.tokens])  # all of them
         answer = choice(last, "".join(c.text for c in chunks), lps, False)
         return JSONResponse({**head, "choices": [answer], "usage": _usage(last)})
 
@@ -118,6 +129,7 @@ async def completions(request: Request) -> Response:
         raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
                        param="echo")
     sampling, max_tokens = openai_sampling(f), openai_max_tokens(f, "max_tokens")
+    sampling.update(grammar_extension(f))
     stream = f.boolean("stream", False)
     usage = stream_usage(f)
 
@@ -167,25 +179,37 @@ async def chat_completions(request: Request) -> Response:
     body = await read_json(request)
     f = Fields(body, "the request", CHAT_FIELDS)
     served.check_model(body.get("model"))
-    f.unsupported("response_format", ({"type": "text"},), "(structured output) is not supported; use "
-                  '{"type": "text"}')
     f.unsupported("modalities", (["text"],), 'is not supported beyond ["text"]')
     f.unsupported("reasoning_effort", what="is not supported: the model does not reason")
     tool_choice = body.get("tool_choice")
-    if tool_choice not in (None, "auto", "none"):
-        raise APIError(400, 'tool_choice must be "auto" or "none" (forced tool calls are not supported)',
-                       param="tool_choice")
-    tools = f.array("tools") if tool_choice != "none" else None
     try:
-        messages = validate_messages(body.get("messages"))
+        forced, forced_name = tool_choice_name(tool_choice)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+    try:
+        tools = check_tools(f.array("tools")) if tool_choice != "none" else None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tools") from None
+    try:
+        messages = normalize_messages(validate_messages(body.get("messages")))
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
+    fmt = detect_format(served.template.source)
     want = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", low=0, high=20)
     if top is not None and not want:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     top = (top or 0) if want else None
     sampling = openai_sampling(f)
+    sampling.update(openai_response_format(f))
+    if forced:
+        if "format" in sampling or "grammar" in sampling:
+            raise APIError(400, "a forced tool call (tool_choice) cannot have a response_format or grammar too",
+                           param="tool_choice")
+        try:
+            sampling["grammar"] = forced_grammar(fmt, tools or [], forced_name)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice") from None
     max_tokens = openai_max_tokens(f, "max_completion_tokens", "max_tokens")
     stream = f.boolean("stream", False)
     usage = stream_usage(f)
@@ -194,15 +218,25 @@ async def chat_completions(request: Request) -> Response:
         text = served.render(messages, tools=tools or None)
         return served.request(served.prompt_ids(text, True), max_tokens, logprobs=runner_logprobs(top), **sampling)
 
+    tool_output = ToolOutput(fmt, served.tokenizer) if tools else None
+
     def choice(chunk: CompletionChunk, text: str, lps: list[TokenLogprob], streaming: bool) -> dict[str, Any]:
         logprobs = None
         if top is not None:
             logprobs = {"content": [_chat_logprob(served, lp, top) for lp in lps]}
+        calls = []
+        if tool_output is not None:
+            text, calls = tool_output.feed(chunk, text)
         message = {"content": text} if streaming else {"role": "assistant", "content": text}
         if streaming and chunk.done and not text:
             message = {}
+        if calls:
+            if not streaming:
+                message["content"] = text or None
+            message["tool_calls"] = [c.openai(i if streaming else None) for i, c in enumerate(calls)]
+        finish = "tool_calls" if calls else _finish(chunk)
         return {"index": 0, "delta" if streaming else "message": message, "logprobs": logprobs,
-                "finish_reason": _finish(chunk)}
+                "finish_reason": finish}
 
     first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     return await _complete(request, served, prepare, stream, usage, "chat.completion", choice, first)

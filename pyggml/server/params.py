@@ -282,3 +282,63 @@ def _logit_bias(bias: dict[str, Any]) -> dict[int, float]:
                            param="logit_bias")
         out[token] = float(value)
     return out
+
+
+# ---- structured output -----------------------------------------------------------------------------
+def grammar_extension(f: Fields) -> dict[str, Any]:
+    """pyggml's ``grammar`` field (both APIs): a Lark or GBNF grammar string, or an object
+    ``{"regex" | "lark" | "gbnf": text}``. The runner compiles it (400 with llguidance's message)."""
+    value = f.data.get("grammar")
+    if value is None:
+        return {}
+    from pyggml.constrain import Grammar
+
+    if isinstance(value, str) and value.strip():
+        return {"grammar": value}
+    if isinstance(value, dict) and len(value) == 1:
+        (kind, text), = value.items()
+        if kind in ("regex", "lark", "gbnf") and isinstance(text, str):
+            return {"grammar": Grammar(kind, text)}
+    raise APIError(400, 'grammar must be a Lark or GBNF grammar string, or an object {"regex" | "lark" | "gbnf": '
+                   'string}', param="grammar")
+
+
+def ollama_format(f: Fields) -> dict[str, Any]:
+    """Ollama's ``format``: "json" (any JSON value) or a JSON schema object (or pyggml's ``grammar``)."""
+    value = f.data.get("format")
+    if value is None or value == "":
+        return grammar_extension(f)
+    if f.has("grammar"):
+        raise APIError(400, "give format or grammar, not both", param="grammar")
+    if value == "json" or isinstance(value, dict):
+        return {"format": value}
+    raise APIError(400, f'format must be "json" or a JSON schema object, got {json_type(value)} {value!r:.40}',
+                   param="format")
+
+
+def openai_response_format(f: Fields) -> dict[str, Any]:
+    """OpenAI's ``response_format``: text, ``json_object`` (any JSON value) or ``json_schema``
+    ({"json_schema": {"name", "schema", "strict"}}); or pyggml's ``grammar``."""
+    value = f.data.get("response_format")
+    if value is None:
+        return grammar_extension(f)
+    rf = Fields(value, "response_format", {"type", "json_schema"})
+    kind = rf.string("type")
+    if kind == "text":
+        return grammar_extension(f)
+    if f.has("grammar"):
+        raise APIError(400, "give response_format or grammar, not both", param="grammar")
+    if kind == "json_object":
+        return {"format": "json"}
+    if kind == "json_schema":
+        spec = Fields(rf.data.get("json_schema"), "response_format.json_schema",
+                      {"name", "description", "schema", "strict"})
+        schema = spec.data.get("schema")
+        if schema is None:
+            return {"format": "json"}
+        if not isinstance(schema, (dict, bool)):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
+                           param="response_format")
+        return {"format": schema if isinstance(schema, dict) else ({} if schema else {"not": {}})}
+    raise APIError(400, 'response_format.type must be "text", "json_object" or "json_schema"',
+                   param="response_format")
