@@ -40,6 +40,10 @@ TINY: dict[str, dict] = {
                "attention.head_count_kv": 2, "attention.key_length": 16, "attention.value_length": 16,
                "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "attention.sliding_window": 4,
                "attention.sliding_window_pattern": 2, "rope.freq_base": 1e6, "vocab_size": 320},
+    "phi3": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+             "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
+             "rope.dimension_count": 8, "rope.freq_base": 10000.0, "vocab_size": 320,
+             "general.name": "tiny"},  # a name with "phi3" makes llama.cpp want Phi-3's <|endoftext|> token
     "bert": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
              "context_length": 64, "attention.layer_norm_epsilon": 1e-12, "pooling_type": 1, "vocab_size": 160,
              "tokenizer.ggml.model": "bert", "tokenizer.ggml.token_type_count": 2},
