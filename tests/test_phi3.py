@@ -114,8 +114,22 @@ def test_llama_cpp_computes_the_same_logits_from_our_file(converted):
     assert scaled_error(theirs, ref) <= 1e-4
 
 
-def copy_gguf(src, dst, *, keys=None, drop=()):
-    """Copy an F32 GGUF with some metadata values replaced and some tensors left out."""
+def test_llama_cpps_longrope_scaling_type_is_read(converted, tmp_path):
+    """llama.cpp's converter writes ``rope.scaling.type = longrope`` (ours leaves it out): the same."""
+    import pyggml
+
+    case, path, num_ctx, tokens, ref = converted
+    if not case.startswith("longrope"):
+        pytest.skip("no LongRoPE in this case")
+    named = copy_gguf(path, tmp_path / "named.gguf", keys={"phi3.rope.scaling.type": "longrope"})
+    with pyggml.load(named, n_threads=2, num_ctx=num_ctx, cache_type="f32") as llm:
+        assert scaled_error(llm.logits(tokens), ref) <= 1e-3
+
+
+def copy_gguf(src, dst, *, keys=None, drop=(), tensors=None):
+    """Copy an F32 GGUF with some metadata values replaced or added (``keys``), some tensors left out
+    (``drop``) and some re-encoded: ``tensors(name, data)`` returns the data to write, or
+    (bytes, gguf type) for a quantized tensor, or None to keep it."""
     import gguf
 
     keys = keys or {}
@@ -129,9 +143,19 @@ def copy_gguf(src, dst, *, keys=None, drop=()):
             writer.add_array(name, value)
         else:
             writer.add_key_value(name, value, field.types[0])
+    for name, value in keys.items():  # keys the file lacks
+        if name not in reader.fields:
+            add = {str: writer.add_string, int: writer.add_uint32, float: writer.add_float32}[type(value)]
+            add(name, value)
     for t in reader.tensors:
-        if t.name not in drop:
-            writer.add_tensor(t.name, np.asarray(t.data))  # F32: the data has the numpy shape
+        if t.name in drop:
+            continue
+        data = np.asarray(t.data)  # F32: the data has the numpy shape
+        new = tensors(t.name, data) if tensors is not None else None
+        if isinstance(new, tuple):
+            writer.add_tensor(t.name, new[0], raw_dtype=new[1])
+        else:
+            writer.add_tensor(t.name, data if new is None else new)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -53,20 +53,24 @@ class Options:
         n_rot = config.uint("rope.dimension_count", 0) or head_dim
         if n_rot > head_dim or n_rot % 2:
             raise ModelError(f"phi3: rope.dimension_count {n_rot} must be even and at most the head size {head_dim}")
-        try:
-            rope = nn.Rope.from_config(config, n_rot, RopeType.NEOX)
-        except ValueError as exc:
-            raise ModelError(f"phi3: rope.scaling.type: {exc}") from None
+        context = config.uint("context_length", 4096)
+        original = config.uint("rope.scaling.original_context_length", 0) or context
+        if (config.string("rope.scaling.type", "") or "") in ("longrope", "su"):  # llama.cpp's files name it
+            rope = nn.Rope(n_rot, config.float("rope.freq_base", 10000.0), mode=RopeType.NEOX, n_ctx_orig=original)
+        else:
+            try:
+                rope = nn.Rope.from_config(config, n_rot, RopeType.NEOX)
+            except ValueError as exc:
+                raise ModelError(f"phi3: phi3.rope.scaling.type: {exc}") from None
         # LongRoPE's attention factor multiplies llama.cpp's yarn one (both scale cos and sin)
         rope = dataclasses.replace(rope, attn_factor=rope.attn_factor * config.float("rope.scaling.attn_factor", 1.0))
-        context = config.uint("context_length", 4096)
         window = config.uint("attention.sliding_window", 0) or None
         return cls(
             hidden_size=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
             ffn_size=config.uint("feed_forward_length"),
             vocab_size=config.uint("vocab_size", 0) or len(config.get("tokenizer.ggml.tokens", ())) or None,
             context_length=context,
-            original_context=config.uint("rope.scaling.original_context_length", 0) or context,
+            original_context=original,
             eps=config.float("attention.layer_norm_rms_epsilon", 1e-5),
             sliding_window=window, rope=rope,
         )
