@@ -1,0 +1,165 @@
+"""gpt-oss: a tiny random Hugging Face model (4 layers alternating a 4-token window with full attention,
+4 experts of which 2 are used, learned sinks, YaRN rope) converted by our converter gives
+transformers' logits in one batch and token by token past the window; llama.cpp computes the same
+from our files (F32, F16 and MXFP4 experts); broken files fail at load naming the key or tensor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .hf_fixtures import make_bpe_tokenizer
+from .test_convert import llama_cpp_logits, needs_llama_cpp
+from .test_phi3 import copy_gguf
+
+torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
+transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (`reference` extra)")
+
+WINDOW = 4
+TEXT = "Which way about many people water? The cafe is naive, 42 said!"
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32.0,
+        "beta_slow": 1.0, "rope_theta": 10000.0,
+        "truncate": True}  # ggml's YaRN rounds the ramp's ends as transformers' truncate=True (gpt-oss's is False)
+
+
+def make_tiny_gptoss(tmp_path: Path, seed: int = 0) -> tuple[Path, object]:
+    """A 4-layer, 64-wide GptOssForCausalLM (4 heads of 16, 2 KV heads, 4 experts of 32, 2 used) with
+    a BPE tokenizer; biases, sinks and norms randomised so that a swapped or missing one shows."""
+    hf_dir = tmp_path / "tiny-gptoss"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    config = transformers.GptOssConfig(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=WINDOW, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.05,
+        rope_parameters=YARN, bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+        attn_implementation="eager")
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):  # expert biases start at zero
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("sinks"):  # large enough to take a visible share of the softmax
+                p.copy_(torch.randn_like(p))
+            elif name.endswith("router.weight"):  # routers that really choose
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
+def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    import pyggml
+    from pyggml.convert import convert_hf
+
+    tmp = tmp_path_factory.mktemp("gptoss")
+    hf_dir, model = make_tiny_gptoss(tmp)
+    path = convert_hf(hf_dir, tmp / "model.gguf", "f32")
+    with pyggml.load(path, n_threads=1, num_ctx=64) as llm:
+        tokens = llm.tokenize(TEXT)
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()
+    return path, tokens, ref
+
+
+def test_logits_match_transformers_in_one_batch_and_token_by_token_past_the_window(converted):
+    import pyggml
+
+    path, tokens, ref = converted
+    assert len(tokens) > 3 * WINDOW
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        assert llm.model.architecture == "gpt-oss"
+        assert [c.swa_window for c in llm.model.cache.caches] == [WINDOW, None]
+        batch = llm.logits(tokens)
+    with pyggml.load(path, n_threads=2, num_ctx=64, batch_size=1, cache_type="f32") as llm:
+        steps = llm.logits(tokens)
+    # measured: 8.4e-7 in one batch, 7.6e-7 token by token (float32 rounding)
+    assert scaled_error(batch, ref) <= 1e-3
+    assert scaled_error(steps, ref) <= 1e-3
+
+
+def test_flash_attention_with_sinks_agrees(converted):
+    import pyggml
+
+    path, tokens, ref = converted
+    with pyggml.load(path, n_threads=2, num_ctx=64, flash_attention=True) as llm:
+        flash = llm.logits(tokens)
+    # measured 8.6e-4: flash attention's F16 cache and mask
+    assert scaled_error(flash, ref) <= 5e-3
+
+
+def test_the_window_and_the_sinks_matter(converted, tmp_path):
+    """Without the window, or with sinks so low they take no mass, the logits differ: the parity
+    above checks both."""
+    import pyggml
+
+    path, tokens, ref = converted
+    wide = copy_gguf(path, tmp_path / "wide.gguf", keys={"gpt-oss.attention.sliding_window": 64})
+    with pyggml.load(wide, n_threads=2, num_ctx=64) as llm:
+        unwindowed = llm.logits(tokens)
+    assert scaled_error(unwindowed[:WINDOW], ref[:WINDOW]) <= 1e-3  # nothing is out of the window yet
+    assert scaled_error(unwindowed, ref) > 1e-2
+    no_sinks = copy_gguf(path, tmp_path / "no-sinks.gguf",
+                         tensors=lambda name, data: np.full_like(data, -1e4) if "attn_sinks" in name else None)
+    with pyggml.load(no_sinks, n_threads=2, num_ctx=64) as llm:
+        sinkless = llm.logits(tokens)
+    assert scaled_error(sinkless, ref) > 1e-2
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("experts", ["f32", "f16", "mxfp4"])
+def test_llama_cpp_computes_the_same_logits_from_our_file(converted, tmp_path, experts):
+    import pyggml
+
+    path, tokens, ref = converted
+    if experts != "f32":
+        path = copy_gguf(path, tmp_path / f"{experts}.gguf", tensors=lambda name, data: _encode(name, data, experts))
+    theirs_tokens, theirs = llama_cpp_logits(path, TEXT)
+    assert theirs_tokens == tokens
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        ours = llm.logits(tokens)
+    # measured: 0 for F32, F16 and MXFP4 experts (the same kernels in the same order); llama.cpp vs
+    # transformers 8.4e-7 (F32 experts), 3.4e-4 (F16), 0.25 (MXFP4: 4-bit random weights)
+    assert scaled_error(ours, theirs) <= 1e-4
+    if experts == "f32":
+        assert scaled_error(theirs, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("change", ["missing expert tensor", "wrong expert count", "unknown rope type"])
+def test_bad_files_fail_at_load_naming_the_key_or_tensor(converted, tmp_path, change):
+    import pyggml
+    from pyggml.models import ModelError
+
+    path, _, _ = converted
+    bad = tmp_path / "bad.gguf"
+    if change == "missing expert tensor":
+        copy_gguf(path, bad, drop={"blk.2.ffn_up_exps.weight"})
+        match = "blk.2.ffn_up_exps.weight"
+    elif change == "wrong expert count":
+        copy_gguf(path, bad, keys={"gpt-oss.expert_count": 8})
+        match = "ffn_gate_exps.weight"
+    else:
+        copy_gguf(path, bad, keys={"gpt-oss.rope.scaling.type": "longrope-x"})
+        match = "rope.scaling.type"
+    with pytest.raises(ModelError, match=match):
+        pyggml.load(bad, n_threads=1, num_ctx=64)
+
+
+def _encode(name: str, data: np.ndarray, kind: str):
+    """Expert matrices as F16 or MXFP4 (llama.cpp's layout, by gguf's quantiser); others unchanged."""
+    import gguf
+
+    if not name.endswith("_exps.weight"):
+        return None
+    if kind == "f16":
+        return data.astype(np.float16)
+    return gguf.quants.quantize(data, gguf.GGMLQuantizationType.MXFP4), gguf.GGMLQuantizationType.MXFP4
