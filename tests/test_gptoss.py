@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from .hf_fixtures import make_bpe_tokenizer
-from .test_convert import llama_cpp_logits, needs_llama_cpp
+from .test_convert import llama_cpp_logits, needs_llama_cpp, read_gguf
 from .test_phi3 import copy_gguf
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
@@ -132,6 +132,52 @@ def test_llama_cpp_computes_the_same_logits_from_our_file(converted, tmp_path, e
     assert scaled_error(ours, theirs) <= 1e-4
     if experts == "f32":
         assert scaled_error(theirs, ref) <= 1e-4
+
+
+def test_files_have_llama_cpps_names_and_keys(converted):
+    path, _, _ = converted
+    meta, tensors = read_gguf(path)
+    per_block = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_sinks", "post_attention_norm",
+                 "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
+    biased = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+              "ffn_down_exps"}
+    assert set(tensors) == {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}.{part}" for i in range(4) for n in per_block for part in ("weight", "bias")
+        if part == "weight" or n in biased}
+    keys = {k.removeprefix("gpt-oss."): v for k, v in meta.items() if k.startswith("gpt-oss.")}
+    assert keys == pytest.approx({
+        "context_length": 256, "embedding_length": 64, "block_count": 4, "feed_forward_length": 32,
+        "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+        "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0,
+        "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 64,
+        "rope.scaling.yarn_beta_fast": 32.0, "rope.scaling.yarn_beta_slow": 1.0, "expert_count": 4,
+        "expert_used_count": 2, "expert_feed_forward_length": 32, "attention.sliding_window": WINDOW})
+    assert all(kind == "F32" for kind, _ in tensors.values())
+    hf = transformers.GptOssForCausalLM.from_pretrained(path.parent / "tiny-gptoss").state_dict()
+    gate_up = hf["model.layers.1.mlp.experts.gate_up_proj"].numpy()  # (E, hidden, 2 ff), gate/up interleaved
+    np.testing.assert_array_equal(tensors["blk.1.ffn_gate_exps.weight"][1], gate_up[:, :, 0::2].transpose(0, 2, 1))
+    np.testing.assert_array_equal(tensors["blk.1.ffn_up_exps.weight"][1], gate_up[:, :, 1::2].transpose(0, 2, 1))
+    np.testing.assert_array_equal(tensors["blk.1.ffn_up_exps.bias"][1],
+                                  hf["model.layers.1.mlp.experts.gate_up_proj_bias"].numpy()[:, 1::2])
+    np.testing.assert_array_equal(tensors["blk.1.ffn_down_exps.weight"][1],
+                                  hf["model.layers.1.mlp.experts.down_proj"].numpy().transpose(0, 2, 1))
+
+
+@pytest.mark.parametrize("change", [{"swiglu_limit": 5.0}, {"layer_types": ["full_attention"] * 4}],
+                         ids=["swiglu_limit", "layer_types"])
+def test_converter_refuses_what_gguf_cannot_say(converted, tmp_path, change):
+    import json
+    import shutil
+
+    from pyggml.convert import convert_hf
+
+    path, _, _ = converted
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(path.parent / "tiny-gptoss", hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps(config | change))
+    with pytest.raises(ValueError, match=next(iter(change))):
+        convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
 
 
 @pytest.mark.parametrize("change", ["missing expert tensor", "wrong expert count", "unknown rope type"])
