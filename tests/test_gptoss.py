@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .hf_fixtures import make_bpe_tokenizer
+from .hf_fixtures import corpus, make_bpe_tokenizer
 from .test_convert import llama_cpp_logits, needs_llama_cpp, read_gguf
 from .test_phi3 import copy_gguf
 
@@ -29,7 +29,9 @@ def make_tiny_gptoss(tmp_path: Path, seed: int = 0) -> tuple[Path, object]:
     a BPE tokenizer; biases, sinks and norms randomised so that a swapped or missing one shows."""
     hf_dir = tmp_path / "tiny-gptoss"
     hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    from pyggml.convert.vocab import GPT4O_PATTERN
+
+    n_tokens = make_bpe_tokenizer(hf_dir, seed, pattern=GPT4O_PATTERN)  # o200k's split, as gpt-oss has it
     config = transformers.GptOssConfig(
         vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
@@ -85,6 +87,20 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token_past_the_wind
     # measured: 8.4e-7 in one batch, 7.6e-7 token by token (float32 rounding)
     assert scaled_error(batch, ref) <= 1e-3
     assert scaled_error(steps, ref) <= 1e-3
+
+
+def test_the_o200k_tokenizer_splits_like_transformers(converted):
+    """The file names its pre-tokenizer ``gpt-4o`` (as llama.cpp's converter does) and pyggml splits
+    text as the Hugging Face tokenizer does, non-ASCII letters and case changes included."""
+    import pyggml
+
+    path, _, _ = converted
+    hf = transformers.AutoTokenizer.from_pretrained(path.parent / "tiny-gptoss")
+    texts = [*corpus(3, 40), "CamelCase WORDS's naïve ÜBER-café 1234567 don'T\n\n  x"]
+    with pyggml.load(path, n_threads=1, num_ctx=64) as llm:
+        assert llm.model.config.string("tokenizer.ggml.pre") == "gpt-4o"
+        for text in texts:
+            assert llm.tokenize(text) == hf(text)["input_ids"], text
 
 
 def test_flash_attention_with_sinks_agrees(converted):

@@ -26,7 +26,12 @@ LLAMA3_PATTERN = (
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")  # digits split one by one
-PRE_TOKENIZERS = {LLAMA3_PATTERN: "llama-bpe", QWEN2_PATTERN: "qwen2"}
+GPT4O_PATTERN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)  # o200k: GPT-4o, gpt-oss
+PRE_TOKENIZERS = {LLAMA3_PATTERN: "llama-bpe", QWEN2_PATTERN: "qwen2", GPT4O_PATTERN: "gpt-4o"}
 
 
 @dataclass
