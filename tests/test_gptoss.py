@@ -12,6 +12,7 @@ import pytest
 
 from .hf_fixtures import corpus, make_bpe_tokenizer
 from .test_convert import llama_cpp_logits, needs_llama_cpp, read_gguf
+from .test_gemma import _llama_cpp_greedy
 from .test_phi3 import copy_gguf
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
@@ -143,6 +144,9 @@ def test_llama_cpp_computes_the_same_logits_from_our_file(converted, tmp_path, e
     assert theirs_tokens == tokens
     with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
         ours = llm.logits(tokens)
+        llm.generate(tokens, max_tokens=8, temperature=0)
+        greedy = llm.stats.tokens
+    assert greedy == _llama_cpp_greedy(path, tokens, 8)
     # measured: 0 for F32, F16 and MXFP4 experts (the same kernels in the same order); llama.cpp vs
     # transformers 8.4e-7 (F32 experts), 3.4e-4 (F16), 0.25 (MXFP4: 4-bit random weights)
     assert scaled_error(ours, theirs) <= 1e-4

@@ -12,6 +12,7 @@ import pytest
 
 from .hf_fixtures import make_tiny_llama
 from .test_convert import llama_cpp_logits, needs_llama_cpp
+from .test_gemma import _llama_cpp_greedy
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
 pytest.importorskip("transformers", reason="the parity tests need transformers (the `reference` extra)")
@@ -109,6 +110,9 @@ def test_llama_cpp_computes_the_same_logits_from_our_file(converted):
     assert theirs_tokens == tokens
     with pyggml.load(path, n_threads=2, num_ctx=num_ctx, cache_type="f32") as llm:
         ours = llm.logits(tokens)
+        llm.generate(tokens, max_tokens=8, temperature=0)
+        greedy = llm.stats.tokens
+    assert greedy == _llama_cpp_greedy(path, tokens, 8)
     # measured: 0 (both F32 caches: the same kernels); llama.cpp vs transformers up to 5.4e-7
     assert scaled_error(ours, theirs) <= 1e-4
     assert scaled_error(theirs, ref) <= 1e-4
