@@ -70,6 +70,8 @@ class Options:
         n_rot = config.uint("rope.dimension_count", 0) or head_dim
         try:
             rope = nn.Rope.from_config(config, n_rot, RopeType.NEOX)
+        except ModelError:
+            raise
         except ValueError as exc:
             raise ModelError(f"{arch}: {arch}.rope.scaling.type: {exc}") from None
         return cls(

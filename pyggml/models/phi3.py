@@ -60,6 +60,8 @@ class Options:
         else:
             try:
                 rope = nn.Rope.from_config(config, n_rot, RopeType.NEOX)
+            except ModelError:
+                raise
             except ValueError as exc:
                 raise ModelError(f"phi3: phi3.rope.scaling.type: {exc}") from None
         # LongRoPE's attention factor multiplies llama.cpp's yarn one (both scale cos and sin)
