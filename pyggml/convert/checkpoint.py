@@ -47,7 +47,8 @@ def open_checkpoint(hf_dir: Path) -> Checkpoint:
     return Safetensors(files)
 
 
-_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16}
+_ST_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+              "U8": np.uint8}  # U8: packed MXFP4 blocks and scales (gpt-oss), exact as float32
 
 
 class Safetensors:
