@@ -158,6 +158,8 @@ struct ggml_tensor * ggml_gelu_quick(struct ggml_context * ctx, struct ggml_tens
 struct ggml_tensor * ggml_silu(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_swiglu_split(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 struct ggml_tensor * ggml_geglu_split(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_swiglu_oai(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
+                                     float alpha, float limit);
 struct ggml_tensor * ggml_sum(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_sum_rows(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_mean(struct ggml_context * ctx, struct ggml_tensor * a);
@@ -201,6 +203,7 @@ struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor
 struct ggml_tensor * ggml_diag_mask_inf(struct ggml_context * ctx, struct ggml_tensor * a, int n_past);
 struct ggml_tensor * ggml_soft_max_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * mask,
                                        float scale, float max_bias);
+void ggml_soft_max_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
 struct ggml_tensor * ggml_rope_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
                                    struct ggml_tensor * c, int n_dims, int mode, int n_ctx_orig, float freq_base,
                                    float freq_scale, float ext_factor, float attn_factor, float beta_fast,
@@ -218,6 +221,7 @@ struct ggml_tensor * ggml_arange(struct ggml_context * ctx, float start, float s
 struct ggml_tensor * ggml_flash_attn_ext(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
                                          struct ggml_tensor * v, struct ggml_tensor * mask, float scale,
                                          float max_bias, float logit_softcap);
+void ggml_flash_attn_ext_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
 
 /* graphs */
 struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);

@@ -123,6 +123,25 @@ class LayerNorm(Module):
         return x.norm(eps, self.weight, self.bias)
 
 
+class Experts(Module):
+    """A mixture of experts' stacked matrices, weight (in, out, n_experts) and optional per-expert
+    bias (out, n_experts) (GGUF ``ffn_*_exps``): each token through the experts chosen for it."""
+
+    leaf = True
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: Tensor, chosen: Tensor) -> Tensor:
+        """``x`` (in, n_tokens), or (in, n_used, n_tokens) per chosen expert; ``chosen`` I32
+        (n_used, n_tokens) expert ids. Returns (out, n_used, n_tokens); unchosen experts cost nothing."""
+        if len(x.shape) == 2:
+            x = x.reshape(x.shape[0], 1, x.shape[1])
+        y = self.weight.mulmat_id(x, chosen)
+        return y if self.bias is None else y.add_id(self.bias, chosen)
+
+
 # ---- shape declarations ----------------------------------------------------------------------
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
            ast.Mod: operator.mod}
@@ -209,7 +228,8 @@ def shape(*dims: str | int, alt: str | None = None, bias: bool = False, when: st
         token_embd: nn.Embedding = nn.shape("hidden_size", "vocab_size")     # Embedding: (dim, rows)
         attn_norm: nn.RMSNorm = nn.shape("hidden_size")                      # norms: (dim,)
 
-    ``bias=True``: the architecture has a ``.bias`` too, of shape (last dimension,): required and
+    ``bias=True``: the architecture has a ``.bias`` too, of the weight's shape without its first
+    (input) dimension: (out,) for a Linear, (dim,) for a norm, (out, n_experts) for stacked experts; required and
     written by ``pyggml.synthetic``; without it a bias present in the file is still loaded and checked.
     ``alt``: load that tensor when the field's own is absent (tied output embeddings).
     ``when`` (optional fields): a condition under which the tensor is required (and written by
@@ -257,7 +277,7 @@ def declared(cls: type, hparams: Any, n_layers: int | None = None) -> list[Tenso
             raise ValueError(f"{name}.weight: the size of {', '.join(unknown)} is unknown; set it")
         out.append(TensorDecl(f"{name}.weight", sizes, kind, required))
         if spec.bias:
-            out.append(TensorDecl(f"{name}.bias", sizes[-1:], kind, required))
+            out.append(TensorDecl(f"{name}.bias", _bias_dims(sizes), kind, required))
 
     _walk(cls, "", n, None, visit)
     return out
@@ -331,6 +351,11 @@ class _Check:
                               f"({', '.join(d.text for d in dims)})")
 
 
+def _bias_dims(dims: tuple) -> tuple:
+    """A bias's dimensions from its weight's: all but the input dimension (a 1-d weight: the same)."""
+    return dims[1:] if len(dims) > 1 else dims
+
+
 def _required(optional: bool, spec: Spec, lookup: typing.Callable[[str], Any], layer: int | None) -> bool:
     """Whether a field's tensor must be in the file: not optional, or optional ``when`` its condition holds."""
     return not optional or (spec.when is not None and bool(spec.when.evaluate(lookup, layer)))
@@ -387,7 +412,7 @@ def _build(cls: type, backend: Backend, n_layers: int, check: _Check) -> Any:
         if spec.shape is not None:
             check.shape(f"{source}.weight", weight, spec.shape, layer)
             if bias is not None:
-                check.shape(f"{name}.bias", bias, spec.shape[-1:], layer)
+                check.shape(f"{name}.bias", bias, _bias_dims(spec.shape), layer)
         if source != name and kind is Linear:  # e.g. tied output embeddings: a fast mulmat layout
             weight = backend.matmul_weight(weight)
         return kind(weight, bias)
@@ -490,13 +515,15 @@ def capture_taps() -> Iterator[dict[str, Tensor]]:
 
 # ---- attention --------------------------------------------------------------------------------
 def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Cache | None, scale: float, *,
-              flash: bool | None = None, mask: Tensor | None = None, softcap: float = 0.0) -> Tensor:
+              flash: bool | None = None, mask: Tensor | None = None, softcap: float = 0.0,
+              sinks: Tensor | None = None) -> Tensor:
     """Multi-head attention with GQA. ``query`` is (head_dim, n_heads, n_tokens), ``key`` and
     ``value`` (head_dim, n_kv_heads, n_tokens). With a cache, the new keys/values are stored and
     attention runs over the cached history with the cache's mask; without one, every token sees
     every other (encoders), or those ``mask`` (n_tokens, n_tokens; 0 or -inf) lets it see (several
     sequences in one encoder batch). ``softcap``: scores become ``softcap * tanh(score / softcap)``
-    before the mask (Gemma 2). Returns (head_dim_v * n_heads, n_tokens)."""
+    before the mask (Gemma 2). ``sinks`` (n_heads,): a learned logit per head joining each softmax
+    (gpt-oss's attention sinks). Returns (head_dim_v * n_heads, n_tokens)."""
     if cache is not None:
         if mask is not None:
             raise ValueError("attention: a mask is only for attention without a cache (the cache has its own)")
@@ -507,7 +534,7 @@ def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Ca
     if flash is None:
         flash = ctx.backend.flash_attention
     q = query.permute(0, 2, 1, 3)  # (head_dim, n_tokens, n_heads)
-    out = q.scaled_dot_product_attention(key, value, mask, scale, flash=flash, softcap=softcap)
+    out = q.scaled_dot_product_attention(key, value, mask, scale, flash=flash, softcap=softcap, sinks=sinks)
     d_v, n_heads, n_tokens = out.shape[0], out.shape[1], out.shape[2]
     return out.reshape(d_v * n_heads, n_tokens)
 

@@ -522,6 +522,20 @@ class Tensor:
             return self._unary(lib.ggml_gelu, "gelu")
         return self._glu(up, lib.ggml_geglu_split, "gelu")
 
+    def swiglu_oai(self, up: Tensor, alpha: float, limit: float) -> Tensor:
+        """gpt-oss's clamped SwiGLU of gate ``self`` and ``up`` (same shape, F32):
+        ``g * sigmoid(alpha * g) * (u + 1)`` with ``g = min(self, limit)``, ``u = clamp(up, -limit, limit)``."""
+        ctx = self._ctx_with(up, "swiglu_oai")
+        if self._ne != up._ne:
+            raise _fail("swiglu_oai", "gate and up must have the same shape", self, up)
+        if self._p.type != DType.F32 or up._p.type != DType.F32:
+            raise TypeError(f"swiglu_oai: gate and up must both be F32, got {self.dtype.name} and {up.dtype.name}")
+        if not _contiguous_1(self._p) or not _contiguous_1(up._p):
+            raise _fail("swiglu_oai", "gate and up need contiguous rows packed in dims 2 and 3 (call .contiguous())",
+                        self, up)
+        out = lib.ggml_swiglu_oai(ctx._state.ptr, self._p, up._p, float(alpha), float(limit))
+        return Tensor(out, ctx, self._nd, None, self._ne)
+
     def gelu_erf(self) -> Tensor:
         return self._unary(lib.ggml_gelu_erf, "gelu_erf")
 
@@ -734,6 +748,24 @@ class Tensor:
         self._same_graph(ctx, "mulmat_id", ids)
         ctx._index_bound(ids, a[2], "mulmat_id")
         return Tensor(lib.ggml_mul_mat_id(ctx._state.ptr, self._p, other._p, ids._p), ctx, 3)
+
+    def add_id(self, bias: Tensor, ids: Tensor) -> Tensor:
+        """Per-expert biases of a ``mulmat_id`` result: ``self`` (M, n_used, N) F32 gets row
+        ``ids[u, n]`` of ``bias`` (M, n_experts) F32 added at (:, u, n); ``ids`` I32 (n_used, N)."""
+        a, b, i = self._ne, bias._ne, ids._ne
+        if ids._p.type != DType.I32:
+            raise TypeError(f"add_id: ids must be I32, got {ids.dtype.name}")
+        if self._p.type != DType.F32 or bias._p.type != DType.F32:
+            raise TypeError(f"add_id: needs F32 operands, got {self.dtype.name} and {bias.dtype.name}")
+        if a[0] != b[0] or a[1] != i[0] or a[2] != i[1] or a[3] != 1 or b[2] != 1 or b[3] != 1 or i[2] != 1 \
+                or i[3] != 1:
+            raise _fail("add_id", "expects (M, U, N) + bias (M, E) with ids (U, N)", self, bias, ids)
+        if not _rows_packed(self._p) or not _rows_packed(bias._p):
+            raise _fail("add_id", "operands need contiguous rows (call .contiguous())", self, bias)
+        ctx = self._ctx_with(bias, "add_id")
+        self._same_graph(ctx, "add_id", ids)
+        ctx._index_bound(ids, b[1], "add_id")
+        return Tensor(lib.ggml_add_id(ctx._state.ptr, self._p, bias._p, ids._p), ctx, self._nd, None, self._ne)
 
     # ---- shape and layout ------------------------------------------------------------------
     def reshape(self, *shape: int, ctx: Context | None = None) -> Tensor:
@@ -1068,16 +1100,17 @@ class Tensor:
         return Tensor(out, ctx, self._nd, None, self._ne)
 
     def scaled_dot_product_attention(self, key: Tensor, value: Tensor, mask: Tensor | None, scale: float, *,
-                                     flash: bool = False, softcap: float = 0.0) -> Tensor:
+                                     flash: bool = False, softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
         """Attention of queries ``self`` (head_dim, n_tokens, n_heads) over ``key``
         (head_dim, n_kv, n_kv_heads) and ``value`` (head_dim_v, n_kv, n_kv_heads), with an additive
         ``mask`` (n_kv, >= n_tokens). Returns (head_dim_v, n_heads, n_tokens).
 
         ``flash=True`` uses ggml_flash_attn_ext (the mask is converted to F16); otherwise
-        softmax(K^T Q * scale + mask) V with plain ops.
+        softmax(K^T Q * scale + mask) V with plain ops. ``sinks`` (n_heads,) F32: one learned logit
+        per head that joins every row's softmax and takes probability mass without a value (gpt-oss).
         """
         ctx = self.ctx or key.ctx
-        if ctx is not None and not softcap and type(scale) is float:
+        if ctx is not None and not softcap and sinks is None and type(scale) is float:
             out = lib.pyg_attention(ctx._g, self._p, key._p, value._p, NULL if mask is None else mask._p, scale,
                                     flash)
             if out:
@@ -1095,8 +1128,11 @@ class Tensor:
             if m[0] != k[1] or m[1] < q[1] or q[2] % m[2] or q[3] % m[3]:
                 raise _fail("scaled_dot_product_attention", "mask must be (n_kv, >= n_tokens)",
                             self, key, mask)
+        if sinks is not None and (sinks._p.type != DType.F32 or sinks._nd != 1 or sinks._ne[0] != q[2]):
+            raise _fail("scaled_dot_product_attention", f"sinks must be F32 of shape ({q[2]},): one per head",
+                        self, sinks)
         ctx = self._ctx_with(key, "scaled_dot_product_attention")
-        self._same_graph(ctx, "scaled_dot_product_attention", value, mask)
+        self._same_graph(ctx, "scaled_dot_product_attention", value, mask, sinks)
         if flash:
             # ggml's CPU kernel reads q as F32 and needs packed rows, a K with a dot product and a V it can
             # convert to float
@@ -1116,6 +1152,8 @@ class Tensor:
             out = lib.ggml_flash_attn_ext(ctx._state.ptr, self._p, key._p, value._p, mp, float(scale), 0.0,
                                           float(softcap))
             lib.ggml_prec_set_acc(out, lib.GGML_PREC_F32)
+            if sinks is not None:
+                lib.ggml_flash_attn_ext_add_sinks(out, sinks._p)
             return Tensor(out, ctx, 4).reshape(v[0], q[2], q[1], *((q[3],) if q[3] > 1 else ()))
         scores = key.mulmat(self)  # (KV, T, H)
         if softcap:
@@ -1124,6 +1162,8 @@ class Tensor:
         if mask is not None and not lib.ggml_is_contiguous(mask._p):
             mask = mask.contiguous()
         probs = scores.softmax(mask, scale)
+        if sinks is not None:
+            lib.ggml_soft_max_add_sinks(probs._p, sinks._p)
         if value.dtype.is_quantized:  # a quantized V cannot be transposed block-wise: dequantize it
             value = value.cast(DType.F32, ctx=ctx)
         v_t = value.permute(1, 0, 2, 3).contiguous()  # (KV, Dv, Hkv)

@@ -48,7 +48,7 @@ def corpus(seed: int = 0, n_lines: int = 300) -> list[str]:
     return lines
 
 
-def make_bpe_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384) -> int:
+def make_bpe_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384, pattern: str = LLAMA3_PATTERN) -> int:
     """Train a byte-level BPE with Llama 3's split pattern; write tokenizer.json and tokenizer_config.json.
 
     Returns the number of token ids (base vocabulary plus added tokens).
@@ -57,7 +57,7 @@ def make_bpe_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384) -> i
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()

@@ -19,6 +19,11 @@ def _llama3_like(digits: str) -> str:
             + r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
+_GPT4O = (  # o200k (GPT-4o, gpt-oss), as its tokenizer.json has it
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _CJK = "[一-龥ࠀ-一가-퟿]+"
 # Cased letters (Lu, Ll, Lt), as ranges. Escapes mark code points that Unicode
 # normalisation would replace with a look-alike (e.g. KELVIN SIGN -> K).
@@ -43,6 +48,7 @@ _PATTERNS: dict[str, list[str]] = {
         r"\s+\Z", _CJK, r"\p{N}+",
     ],
     "deepseek-coder": ["[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"],
+    "gpt-4o": [_GPT4O],
     "bloom": [r" ?[^(\s|.,!?…。，、।۔،)]+"],
     "viking": [r" ?[^(\s|.,!?…。，、।۔،)]+", r"\p{N}"],
 }
@@ -64,7 +70,7 @@ _ALIASES = {
     "smollm": "starcoder", "codeshell": "starcoder", "exaone": "starcoder",
     "minerva-7b": "starcoder", "mellum2": "starcoder",
     "poro-chat": "bloom", "bloom": "bloom", "gpt3-finnish": "bloom", "viking": "viking",
-    "default": "default", "falcon": "falcon",
+    "default": "default", "falcon": "falcon", "gpt-4o": "gpt-4o", "llama4": "gpt-4o",
     "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder",
 }
 
