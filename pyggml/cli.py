@@ -94,6 +94,10 @@ def add_rpc_arguments(parser: argparse.ArgumentParser) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     llm = _load(args)
     options = dict(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.image:
+        from pathlib import Path
+
+        options["images"] = [Path(p) for p in args.image]  # read (and checked) by generate
     prompts = [args.prompt] if args.prompt is not None else None
     if prompts is None and not sys.stdin.isatty():
         prompts = [sys.stdin.read()]
@@ -256,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--max-tokens", type=int, default=128)
     run.add_argument("--verbose", action="store_true", help="print load time and tokens/s")
+    run.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image for a vision model (repeat for several; [img-N] in the prompt places image N)")
     add_rpc_arguments(run)
     run.set_defaults(func=cmd_run)
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import io
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -72,3 +74,79 @@ def resize_normalize(image, size: tuple[int, int], mean: Sequence[float], std: S
     pixels = (resized.astype(np.float64) * rescale).astype(np.float32)
     pixels = (pixels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+
+
+def image_bytes(item: Any, where: str = "image") -> bytes:
+    """An image given as file bytes, base64 text (Ollama), a ``data:`` URL (OpenAI) or a local path
+    (``pathlib.Path`` only); remote URLs are refused: pyggml never fetches them on a caller's behalf."""
+    import base64
+    import binascii
+    import os
+
+    if isinstance(item, (bytes, bytearray)):
+        data = bytes(item)
+    elif isinstance(item, os.PathLike):
+        data = Path(item).read_bytes()
+    elif isinstance(item, str):
+        text = item.strip()
+        if text.lower().startswith(("http://", "https://", "ftp://", "file:")):
+            raise ImageError(f"{where}: remote image URLs are not fetched; send the image itself "
+                             "(base64, or a data: URL)")
+        if text.lower().startswith("data:"):
+            header, _, text = text.partition(",")
+            if ";base64" not in header.lower():
+                raise ImageError(f"{where}: a data: URL must be base64-encoded (data:image/png;base64,...)")
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError(f"{where}: not base64 image data") from None
+    else:
+        raise ImageError(f"{where}: an image must be bytes, base64 text or a data: URL, got {type(item).__name__}")
+    if not data:
+        raise ImageError(f"{where}: empty image")
+    return data
+
+
+def split_chat_images(messages: Sequence[Any]) -> tuple[list[Any], list[bytes]]:
+    """Messages with their images replaced by ``[img-N]`` markers in the text, and the images in order.
+    Images come as a message's ``images`` list (Ollama: put before its text) or as content parts
+    ``{"type": "image_url", "image_url": {"url": "data:..."}}`` (OpenAI) or ``{"type": "image", "image": ...}``."""
+    out, images = [], []
+
+    def marker(item: Any, where: str) -> str:
+        images.append(image_bytes(item, where))
+        return f"[img-{len(images) - 1}]"
+
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            out.append(message)
+            continue
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, (list, tuple)):
+            parts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                where = f"messages[{i}].content[{j}]"
+                if kind == "image_url":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, Mapping) else url
+                    if not isinstance(url, str):
+                        raise ImageError(f"{where}: image_url needs a url")
+                    parts.append({"type": "text", "text": marker(url, where)})
+                elif kind == "image":
+                    parts.append({"type": "text", "text": marker(part.get("image"), where)})
+                else:
+                    parts.append(part)
+            message["content"] = parts
+        extra = message.pop("images", None) or []
+        if isinstance(extra, (str, bytes)) or not isinstance(extra, Sequence):
+            raise ImageError(f"messages[{i}].images must be a list")
+        if extra:
+            markers = "".join(marker(x, f"messages[{i}].images[{k}]") for k, x in enumerate(extra))
+            if isinstance(message.get("content"), list):
+                message["content"] = [{"type": "text", "text": markers}, *message["content"]]
+            else:
+                message["content"] = markers + (message.get("content") or "")
+        out.append(message)
+    return out, images

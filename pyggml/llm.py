@@ -104,8 +104,12 @@ class LLM:
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.9, min_p: float = 0.0, seed: int | None = None,
-                 stop: Sequence[str] = (), stream: bool = False, **sampling: Any) -> str | Iterator[str]:
+                 stop: Sequence[str] = (), stream: bool = False, images: Sequence[Any] = (),
+                 **sampling: Any) -> str | Iterator[str]:
         """Continue ``prompt``; returns the new text (``stream=True``: an iterator of pieces).
+
+        ``images`` (vision models): image files as bytes, ``pathlib.Path``s, base64 text or ``data:``
+        URLs, placed where the prompt says ``[img-0]``, ``[img-1]``, ... (before the text when it says nowhere).
 
         Extra keyword options are ``CompletionRequest``'s sampling options (repeat_penalty,
         typical_p, logit_bias, ...). Stops at an end-of-generation token, after ``max_tokens``, or
@@ -114,6 +118,12 @@ class LLM:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         prompt = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+        if images:
+            from pyggml.image import image_bytes
+
+            if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+                raise ValueError("images must be a list")
+            sampling["images"] = [image_bytes(x, f"images[{i}]") for i, x in enumerate(images)]
         try:
             request = CompletionRequest(prompt=prompt, max_tokens=max_tokens, stop=list(stop), num_keep=self.num_keep,
                                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
@@ -125,13 +135,19 @@ class LLM:
 
     def chat(self, messages: Sequence[Mapping[str, Any]], max_tokens: int = 128, **options: Any) -> str | Iterator[str]:
         """Reply to ``messages`` ([{"role": ..., "content": ...}, ...]) rendered with the model's chat
-        template (``tokenizer.chat_template``, or a plain fallback); options as for ``generate``."""
-        from pyggml.chat import ChatTemplate, encode_prompt
+        template (``tokenizer.chat_template``, or a plain fallback); options as for ``generate``.
+        Images (vision models): a message's ``images`` list, or ``image_url`` (``data:`` URLs) and
+        ``image`` content parts."""
+        from pyggml.chat import ChatTemplate, encode_prompt, strip_bos_text
+        from pyggml.image import split_chat_images
 
         if self._template is None:
             self._template = ChatTemplate.from_model(self.model)
-        ids = encode_prompt(self.tokenizer, self._template.render(messages, add_generation_prompt=True))
-        return self.generate(ids, max_tokens, **options)
+        messages, images = split_chat_images(messages)
+        text = self._template.render(messages, add_generation_prompt=True)
+        if images:  # the runner tokenizes around the images and adds the BOS itself
+            return self.generate(strip_bos_text(self.tokenizer, text), max_tokens, images=images, **options)
+        return self.generate(encode_prompt(self.tokenizer, text), max_tokens, **options)
 
     def embed(self, texts: str | Sequence[str], *, normalize: bool = True, truncate: bool = False,
               pooling: str | None = None) -> np.ndarray:

@@ -19,6 +19,7 @@ Image = pytest.importorskip("PIL.Image", reason="images need Pillow")
 SYMBOLS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 SIZE, PATCH, TOKENS = 32, 8, 4  # a 4x4 patch grid pooled to 2x2 image tokens
 PROMPT = "The cafe is [img-0] naive, 42 people said! Then they left"
+SHORT = "a [img-0] cat"  # prompt + output within the sliding window (16): a cached prefix can be resumed
 
 
 def png(seed: int, size: tuple[int, int] = (40, 28), mode: str = "RGB") -> bytes:
@@ -160,7 +161,7 @@ def test_same_image_is_served_from_the_cache_and_another_is_not(tiny):
     _, _, path, _ = tiny
     with pyggml.load(path, n_threads=2, num_ctx=128) as llm:
         def run(data):
-            chunks = list(llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=4,
+            chunks = list(llm.runner.completion(CompletionRequest(prompt=SHORT, images=[data], max_tokens=2,
                                                                   temperature=0, logit_bias={2: float("-inf")})))
             return [t for c in chunks for t in c.tokens], chunks[-1]
 
@@ -212,3 +213,65 @@ def test_converter_writes_the_vision_part(tiny):
             "mm.soft_emb_norm.weight"} <= names
     assert reader.fields["clip.projector_type"].contents() == "gemma3"
     assert reader.fields["clip.vision.projector.scale_factor"].contents() == 2
+
+
+def test_llm_generate_and_chat_take_images(tiny, tmp_path):
+    import base64
+
+    import pyggml
+
+    _, _, path, _ = tiny
+    data = png(8)
+    file = tmp_path / "cat.png"
+    file.write_bytes(data)
+    greedy = dict(max_tokens=2, temperature=0, logit_bias={2: float("-inf")})
+    with pyggml.load(path, n_threads=2, num_ctx=128) as llm:
+        by_bytes = llm.generate(SHORT, images=[data], **greedy)
+        assert llm.generate(SHORT, images=[file], **greedy) == by_bytes
+        assert llm.stats.cached_tokens > 0  # the same image: the prompt came from the cache
+        b64 = base64.b64encode(data).decode()
+        ollama = llm.chat([{"role": "user", "content": "what is this?", "images": [b64]}], **greedy)
+        openai = llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}},
+            {"type": "text", "text": "what is this?"}]}], **greedy)
+        assert ollama == openai  # the marker goes first either way; the template's newline joins the parts
+        with pytest.raises(ValueError, match="remote image URLs are not fetched"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
+
+
+def test_server_takes_images_through_both_apis_and_refuses_bad_ones(tiny):
+    import base64
+
+    import httpx
+
+    from ._server import post, running_server
+
+    _, _, path, _ = tiny
+    b64 = base64.b64encode(png(9)).decode()
+    options = {"temperature": 0, "num_predict": 3}
+    with running_server(path, parallel=1, num_ctx=128) as server:
+        base, served = server
+        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
+        assert "vision" in show["capabilities"]
+        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
+        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
+                                          "options": options})
+        assert gen["response"] == chat["message"]["content"]  # the same rendered prompt
+        openai = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}]}],
+            "max_tokens": 3, "temperature": 0})
+        assert openai["choices"][0]["message"]["content"] is not None
+        bad = [("/api/generate", {"prompt": "x", "images": ["not base64!"]}, "base64"),
+               ("/api/generate", {"prompt": "x", "images": [base64.b64encode(b"GIF89a junk").decode()]},
+                "not an image"),
+               ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [b64[: len(b64) // 2]]}]},
+                ""),
+               ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                   {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}, "not fetched")]
+        for route, body, words in bad:
+            response = httpx.post(base + route, json={"model": served.name, "stream": False, **body}, timeout=60)
+            assert response.status_code == 400, (route, response.status_code, response.text)
+            assert words in response.text
+        again = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
+        assert again["response"] == gen["response"]  # the slot was freed and works
