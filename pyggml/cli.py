@@ -59,7 +59,8 @@ def _load(args: argparse.Namespace) -> Any:
     if args.model == DEMO:
         print("pyggml: using the built-in demo model (random weights: the text will be gibberish)",
               file=sys.stderr)
-    options = {"num_ctx": args.ctx, "n_threads": args.threads, **_rpc_options(args)}
+    options = {"num_ctx": args.ctx, "n_threads": args.threads, "mmproj": getattr(args, "mmproj", None),
+               **_rpc_options(args)}
     llm = pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v})
     if options.get("rpc"):
         _print_placement(llm.model.backend, sys.stderr)
@@ -262,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--verbose", action="store_true", help="print load time and tokens/s")
     run.add_argument("--image", action="append", default=[], metavar="PATH",
                      help="an image for a vision model (repeat for several; [img-N] in the prompt places image N)")
+    run.add_argument("--mmproj", default=None, metavar="PATH", help="llama.cpp mmproj file: the vision part")
     add_rpc_arguments(run)
     run.set_defaults(func=cmd_run)
 

@@ -72,11 +72,12 @@ class LLM:
     def load(cls, path: str | os.PathLike, *, progress: ProgressFn | None = None, **options: Any) -> LLM:
         backend_options = {k: v for k, v in options.items() if k in _BACKEND_FIELDS}
         llm_options = {k: v for k, v in options.items() if k not in _BACKEND_FIELDS}
+        mmproj = llm_options.pop("mmproj", None)
         unknown = set(llm_options) - {"num_ctx", "batch_size", "cache_type", "num_keep"}
         if unknown:
             raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
         start = time.perf_counter()
-        model = models.load(path, BackendParams(**backend_options), progress)
+        model = models.load(path, BackendParams(**backend_options), progress, mmproj=mmproj)
         try:
             llm = cls(model, **llm_options)
         except BaseException:
@@ -192,7 +193,8 @@ class LLM:
 
 def load(path: str | os.PathLike, **options: Any) -> LLM:
     """Load a GGUF model for generation. Options: the ``BackendParams`` fields (n_threads,
-    gpu_layers, flash_attention, use_mmap, ...) plus num_ctx, batch_size, cache_type, num_keep."""
+    gpu_layers, flash_attention, use_mmap, ...) plus num_ctx, batch_size, cache_type, num_keep, and
+    mmproj (a llama.cpp multimodal projector file for a vision model's image encoder)."""
     return LLM.load(path, **options)
 
 

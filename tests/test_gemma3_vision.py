@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from .hf_fixtures import make_spm_tokenizer
+from .test_convert import needs_llama_cpp
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (`reference` extra)")
@@ -275,3 +276,93 @@ def test_server_takes_images_through_both_apis_and_refuses_bad_ones(tiny):
             assert words in response.text
         again = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
         assert again["response"] == gen["response"]  # the slot was freed and works
+
+
+def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
+    import pyggml
+    from pyggml.convert.gemma3_vision import split_mmproj
+    from pyggml.runner import CompletionRequest
+
+    _, _, path, _ = tiny
+    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    data = png(10)
+
+    def logits(llm):
+        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
+                                                           prompt_logits=True))
+        return last.prompt_logits
+
+    with pyggml.load(path, n_threads=2, num_ctx=128, cache_type="f32") as llm:
+        single = logits(llm)
+    with pyggml.load(text, n_threads=2, num_ctx=128) as llm:
+        assert not llm.model.takes_images
+    with pyggml.load(text, n_threads=2, num_ctx=128, cache_type="f32", mmproj=mmproj) as llm:
+        assert llm.model.takes_images
+        np.testing.assert_array_equal(logits(llm), single)
+    with pytest.raises(ValueError, match="not an mmproj file"):
+        pyggml.load(text, n_threads=1, num_ctx=64, mmproj=text)
+    with pytest.raises(ValueError, match="has a vision part already"):
+        pyggml.load(path, n_threads=1, num_ctx=64, mmproj=mmproj)
+
+
+_MTMD = """
+import ctypes, json, sys
+import numpy as np
+import llama_cpp
+from llama_cpp import mtmd_cpp as m
+
+text, mmproj, raw, nx, ny = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+llama_cpp.llama_backend_init()
+model = llama_cpp.llama_model_load_from_file(text.encode(), llama_cpp.llama_model_default_params())
+assert model, "text model failed to load"
+params = m.mtmd_context_params_default()
+params.use_gpu, params.n_threads, params.warmup = False, 2, False
+ctx = m.mtmd_init_from_file(mmproj.encode(), model, params)
+assert ctx, "mmproj failed to load"
+data = open(raw, "rb").read()
+bitmap = m.mtmd_bitmap_init(nx, ny, (ctypes.c_uint8 * len(data)).from_buffer_copy(data))
+chunks = m.mtmd_input_chunks_init()
+t = m.mtmd_input_text()
+t.text = b"look " + m.mtmd_default_marker() + b" here"
+t.text_len, t.add_special, t.parse_special = len(t.text), True, True
+assert m.mtmd_tokenize(ctx, chunks, ctypes.byref(t), (m.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
+n_embd = llama_cpp.llama_model_n_embd(model)
+for i in range(m.mtmd_input_chunks_size(chunks)):
+    chunk = m.mtmd_input_chunks_get(chunks, i)
+    if m.mtmd_input_chunk_get_type(chunk) == 1:  # an image
+        n = m.mtmd_input_chunk_get_n_tokens(chunk)
+        assert m.mtmd_encode_chunk(ctx, chunk) == 0
+        print(json.dumps(np.ctypeslib.as_array(m.mtmd_get_output_embd(ctx), shape=(n * n_embd,)).tolist()))
+"""
+
+
+@needs_llama_cpp
+def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_embeddings(tiny, tmp_path):
+    """llama.cpp's multimodal path (mtmd) on the split files; the image is already SIZE x SIZE, so
+    its own resizing does not enter."""
+    import json
+    import subprocess
+    import sys
+
+    from pyggml import BackendParams, models
+    from pyggml.convert.gemma3_vision import split_mmproj
+
+    _, _, path, _ = tiny
+    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    pixels = np.random.default_rng(3).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+    (tmp_path / "img.rgb").write_bytes(pixels.tobytes())
+    done = subprocess.run([sys.executable, "-c", _MTMD, str(text), str(mmproj), str(tmp_path / "img.rgb"),
+                           str(SIZE), str(SIZE)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = np.array(json.loads(done.stdout.strip().splitlines()[-1]), np.float32).reshape(TOKENS, -1)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    model = models.load(path, BackendParams(n_threads=2))
+    try:
+        with model.backend.new_context() as ctx:
+            (item,) = model.encode_multimodal(ctx, out.getvalue())
+            ctx.compute(item.tensor)
+            ours = item.tensor.numpy()
+    finally:
+        model.close()
+    assert scaled_error(ours, theirs) <= 2e-3  # measured 5.9e-4

@@ -106,3 +106,34 @@ class Gemma3Vision(Gemma3):
         shapes |= {"v.post_ln.weight": (hidden,), "v.post_ln.bias": (hidden,),
                    "mm.input_projection.weight": (hidden, self.n_embd), "mm.soft_emb_norm.weight": (hidden,)}
         return super().expected() | shapes
+
+
+def split_mmproj(src: str | Path, text_out: str | Path, mmproj_out: str | Path) -> tuple[Path, Path]:
+    """llama.cpp's layout from a single file: the text model (without ``v.*``, ``mm.*`` and ``clip.*``)
+    and an mmproj file (``general.architecture = clip``: the vision tensors and ``clip.*`` keys)."""
+    reader = gguf.GGUFReader(Path(src))
+    outputs = []
+    for path, vision in ((Path(text_out), False), (Path(mmproj_out), True)):
+        arch = "clip" if vision else str(reader.fields["general.architecture"].contents())
+        writer = gguf.GGUFWriter(path, arch)
+        for key, field in reader.fields.items():
+            if key.startswith("GGUF.") or key == "general.architecture":
+                continue
+            if vision and not (key.startswith("clip.") or key in ("general.name", "general.file_type")):
+                continue
+            if not vision and key.startswith("clip."):
+                continue
+            kind = field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), kind, sub_type=sub)
+        if vision:
+            writer.add_string("general.type", "mmproj")
+        for t in reader.tensors:
+            if t.name.startswith(("v.", "mm.")) == vision:
+                writer.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        outputs.append(path)
+    return outputs[0], outputs[1]

@@ -43,6 +43,20 @@ class Gemma3(gemma2.Gemma2):
         super().__init__(backend)
         self.vision = gemma3_vision.load(backend, self.options.hidden_size)
 
+    def attach_mmproj(self, projector: Backend) -> None:
+        if self.vision is not None:
+            raise ModelError(f"{self.backend.path} has a vision part already; it takes no mmproj file")
+        vision = gemma3_vision.load(projector, self.options.hidden_size)
+        if vision is None:
+            raise ModelError(f"{projector.path}: no vision tensors (v.patch_embd.weight)")
+        self.vision, self._projector = vision, projector
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "_projector", None) is not None:
+            self._projector.close()
+            self._projector = None
+
     @property
     def takes_images(self) -> bool:
         return self.vision is not None
