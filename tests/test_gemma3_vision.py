@@ -366,3 +366,20 @@ def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_e
     finally:
         model.close()
     assert scaled_error(ours, theirs) <= 2e-3  # measured 5.9e-4
+
+
+def test_cli_converts_to_text_plus_mmproj_and_runs_with_an_image(tiny, tmp_path, capsys):
+    from pyggml.cli import main
+
+    model, _, path, _ = tiny
+    hf_dir = Path(path).parent / "hf"
+    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
+    assert main(["convert", str(hf_dir), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    picture = tmp_path / "p.png"
+    picture.write_bytes(png(11))
+    assert main(["run", str(text), "--mmproj", str(mmproj), "--image", str(picture), "what [img-0] is",
+                 "--max-tokens", "3", "--temperature", "0"]) == 0
+    assert main(["show", str(mmproj)]) == 0
+    assert "gemma3 projector, 2 layers" in capsys.readouterr().out
+    assert main(["run", str(text), "--image", str(picture), "what is"]) == 1  # no vision part: a clear error
+    assert "takes no images" in capsys.readouterr().err
