@@ -383,3 +383,23 @@ def test_cli_converts_to_text_plus_mmproj_and_runs_with_an_image(tiny, tmp_path,
     assert "gemma3 projector, 2 layers" in capsys.readouterr().out
     assert main(["run", str(text), "--image", str(picture), "what is"]) == 1  # no vision part: a clear error
     assert "takes no images" in capsys.readouterr().err
+
+
+def test_server_refuses_images_for_a_text_only_model(tmp_path):
+    import base64
+
+    import httpx
+
+    from pyggml.synthetic import write_synthetic
+
+    from ._server import running_server
+
+    path = write_synthetic(tmp_path / "g3.gguf", "gemma3", "f32")
+    b64 = base64.b64encode(png(1)).decode()
+    with running_server(path, parallel=1, num_ctx=64) as (base, served):
+        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
+        assert "vision" not in show["capabilities"]
+        for route, body in (("/api/generate", {"prompt": "x", "images": [b64]}),
+                            ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [b64]}]})):
+            response = httpx.post(base + route, json={"model": served.name, "stream": False, **body}, timeout=60)
+            assert response.status_code == 400 and "takes no images" in response.text, response.text
