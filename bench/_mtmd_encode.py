@@ -16,7 +16,7 @@ ctx = m.mtmd_init_from_file(mmproj.encode(), model, params)
 assert ctx, "mmproj failed to load"
 data = open(raw, "rb").read()
 out = {}
-for run in range(2):
+for run in range(1):
     bitmap = m.mtmd_bitmap_init(side, side, (ctypes.c_uint8 * len(data)).from_buffer_copy(data))
     chunks = m.mtmd_input_chunks_init()
     t = m.mtmd_input_text()

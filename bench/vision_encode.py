@@ -89,12 +89,13 @@ def main() -> None:
     results = {}
     with pyggml.load(text, mmproj=mmproj, n_threads=args.threads, num_ctx=512) as llm:
         model = llm.model
-        for run in range(2):
-            start = time.perf_counter()
-            with model.backend.new_context() as ctx:
-                (item,) = model.encode_multimodal(ctx, buf.getvalue())
-                ctx.compute(item.tensor)
-            results[f"pyggml_encode_s_{run}"] = time.perf_counter() - start
+        start = time.perf_counter()
+        with model.backend.new_context() as ctx:
+            (item,) = model.encode_multimodal(ctx, buf.getvalue())
+            ctx.compute(item.tensor)
+        results["pyggml_encode_s"] = time.perf_counter() - start
+        print(json.dumps(results), flush=True)
+        model._image_tokens = lambda: ([10], [11], 12)  # the synthetic vocabulary has no image marker tokens
         start = time.perf_counter()
         stream = llm.runner.completion(CompletionRequest(prompt="[img-0] what is this?", images=[buf.getvalue()],
                                                          max_tokens=1, temperature=0))

@@ -403,3 +403,17 @@ def test_server_refuses_images_for_a_text_only_model(tmp_path):
                             ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [b64]}]})):
             response = httpx.post(base + route, json={"model": served.name, "stream": False, **body}, timeout=60)
             assert response.status_code == 400 and "takes no images" in response.text, response.text
+
+
+def test_exif_orientation_is_applied():
+    from pyggml import image
+
+    pixels = np.zeros((20, 40, 3), np.uint8)
+    pixels[:, :20] = 255  # left half white
+    exif = Image.Exif()
+    exif[0x0112] = 6  # the camera was turned: show rotated 90 degrees clockwise
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", exif=exif.tobytes(), quality=95)
+    upright = np.asarray(image.decode(out.getvalue()))
+    assert upright.shape == (40, 20, 3)  # width and height swapped
+    assert upright[:20].mean() > 200 and upright[20:].mean() < 50  # the white half is now on top
