@@ -3,6 +3,9 @@ F16 weights written here), pyggml vs llama.cpp's multimodal path (mtmd, llama-cp
 same mmproj file, and pyggml's time to first token for a one-image prompt (a 1-layer text model).
 
     python bench/vision_encode.py [--threads 2] [--dir /tmp/pyggml-vision-bench]
+
+Measured on the shared 2-core machine (2 threads, one 896x896 image, 4096 patches), back to back: pyggml
+60.9 s (with ggml's fused attention in the encoder; 112.6 s without, under more load), llama.cpp 51.5 s.
 """
 
 from __future__ import annotations
