@@ -143,6 +143,12 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
+def strip_bos_text(tokenizer: Any, text: str) -> str:
+    """A rendered prompt without the BOS text its template wrote, for a caller whose encoding adds the BOS."""
+    bos = _token_text(tokenizer, "bos")
+    return text[len(bos):] if bos and text.startswith(bos) else text
+
+
 def _join_parts(parts: Sequence[Any], where: str) -> str:
     texts = []
     for j, part in enumerate(parts):

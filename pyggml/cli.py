@@ -60,7 +60,8 @@ def _load(args: argparse.Namespace) -> Any:
         print("pyggml: using the built-in demo model (random weights: the text will be gibberish)",
               file=sys.stderr)
     options = {"num_ctx": args.ctx, "n_threads": args.threads, "draft": getattr(args, "draft", None),
-               "draft_max": getattr(args, "draft_max", None), **_rpc_options(args)}
+               "draft_max": getattr(args, "draft_max", None), "mmproj": getattr(args, "mmproj", None),
+               **_rpc_options(args)}
     llm = pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v})
     if options.get("rpc"):
         _print_placement(llm.model.backend, sys.stderr)
@@ -103,6 +104,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         llm.close()
         print(f"pyggml: {exc}", file=sys.stderr)
         return 2
+    if args.image:
+        from pathlib import Path
+
+        options["images"] = [Path(p) for p in args.image]  # read (and checked) by generate
     prompts = [args.prompt] if args.prompt is not None else None
     if prompts is None and not sys.stdin.isatty():
         prompts = [sys.stdin.read()]
@@ -203,6 +208,11 @@ def cmd_show(args: argparse.Namespace) -> int:
             ("embedding length", c.uint("embedding_length", 0) or "-"),
             ("layers", c.uint("block_count", 0) or "-"),
             ("heads / kv heads", f"{c.uint('attention.head_count', 0)} / {c.uint('attention.head_count_kv', 0)}"),
+            *([("vision", f"{c.string('clip.projector_type', '') or '-'} projector, "
+                          f"{c.uint('clip.vision.block_count', 0)} layers, {c.uint('clip.vision.embedding_length', 0)}"
+                          f" wide, {c.uint('clip.vision.image_size', 0)} px images in "
+                          f"{c.uint('clip.vision.patch_size', 0)} px patches")] if "v.patch_embd.weight" in tensors
+              else []),
             ("tokenizer", f"{c.string('tokenizer.ggml.model', '') or '-'} "
                           f"({len(c.get('tokenizer.ggml.tokens', ()))} tokens)"),
             ("file", f"{backend.path} ({os.path.getsize(backend.path) / 2**20:,.1f} MiB)"),
@@ -232,6 +242,17 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     bar = ProgressBar("converting", min_total=0)  # called with bytes written
     out = convert_hf(args.hf_dir, args.out, out_type=args.type, progress=bar, pooling=args.pooling)
+    if args.mmproj:  # llama.cpp's layout: the text model in OUT, the vision part in the mmproj file
+        from pyggml.convert.gemma3_vision import split_mmproj
+
+        single = out.with_name(out.name + ".single")
+        os.replace(out, single)
+        try:
+            split_mmproj(single, out, args.mmproj)
+        finally:
+            single.unlink()
+        print(f"wrote {out} and {args.mmproj}")
+        return 0
     print(f"wrote {out}")
     return 0
 
@@ -297,6 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--lookup", type=int, default=0, metavar="N",
                      help="speculative decoding by prompt lookup: draft up to N tokens from n-gram matches")
     run.add_argument("--verbose", action="store_true", help="print load time and tokens/s")
+    run.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image for a vision model (repeat for several; [img-N] in the prompt places image N)")
+    run.add_argument("--mmproj", default=None, metavar="PATH", help="llama.cpp mmproj file: the vision part")
     add_rpc_arguments(run)
     run.set_defaults(func=cmd_run)
 
@@ -325,6 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="type of the weight matrices (norms and vectors stay f32; default: f16)")
     convert.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
                          help="BERT: how embeddings are pooled (default: the sentence-transformers config, else mean)")
+    convert.add_argument("--mmproj", default=None, metavar="PATH",
+                         help="vision models: write the vision part to this llama.cpp mmproj file (default: in OUT)")
     convert.set_defaults(func=cmd_convert)
 
     compare = sub.add_parser("compare", help="per-layer error of a GGUF against its Hugging Face checkpoint "
@@ -357,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to listen on, or HOST:PORT (default: $PYGGML_HOST, else 127.0.0.1: this "
                             "machine only)")
     serve.add_argument("--port", type=int, default=None, help="default: 11434, Ollama's")
+    serve.add_argument("--mmproj", default=None, metavar="PATH", help="llama.cpp mmproj file: the vision part")
     serve.add_argument("--parallel", type=int, default=4, help="sequences generated at once (default: 4)")
     serve.add_argument("--queue", type=int, default=None,
                        help="requests that may wait for a free sequence (default: 2 x parallel); more get 503")
@@ -475,7 +502,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size,
                  flash_attention={"on": True, "off": False}.get(args.flash_attn), max_predict=args.max_predict,
                  queue_timeout=args.queue_timeout, allowed_hosts=split_list(allowed) if allowed else None,
-                 origins=split_list(origins), draft=args.draft, draft_max=args.draft_max,
+                 origins=split_list(origins), draft=args.draft, draft_max=args.draft_max, mmproj=args.mmproj,
                  **_rpc_options(args))
 
 
@@ -494,7 +521,12 @@ def _listen_address(value: str, port: int | None) -> tuple[str, int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "prompt", "") is None and len(extra) == 1 and not extra[0].startswith("-"):
+        args.prompt = extra[0]  # `run MODEL --image PATH "prompt"`: argparse leaves a prompt after options
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except BrokenPipeError:  # e.g. `pyggml show model.gguf | head`

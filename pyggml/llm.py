@@ -75,12 +75,13 @@ class LLM:
     def load(cls, path: str | os.PathLike, *, progress: ProgressFn | None = None, **options: Any) -> LLM:
         backend_options = {k: v for k, v in options.items() if k in _BACKEND_FIELDS}
         llm_options = {k: v for k, v in options.items() if k not in _BACKEND_FIELDS}
+        mmproj = llm_options.pop("mmproj", None)
         unknown = set(llm_options) - {"num_ctx", "batch_size", "cache_type", "num_keep", "draft", "draft_max"}
         if unknown:
             raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
         start = time.perf_counter()
         draft_path = llm_options.pop("draft", None)
-        model = models.load(path, BackendParams(**backend_options), progress)
+        model = models.load(path, BackendParams(**backend_options), progress, mmproj=mmproj)
         draft = None
         try:
             if draft_path is not None:  # the draft model: same backend options
@@ -113,8 +114,12 @@ class LLM:
     # ---- generation ------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 128, *, temperature: float = 0.8,
                  top_k: int = 40, top_p: float = 0.9, min_p: float = 0.0, seed: int | None = None,
-                 stop: Sequence[str] = (), stream: bool = False, **sampling: Any) -> str | Iterator[str]:
+                 stop: Sequence[str] = (), stream: bool = False, images: Sequence[Any] = (),
+                 **sampling: Any) -> str | Iterator[str]:
         """Continue ``prompt``; returns the new text (``stream=True``: an iterator of pieces).
+
+        ``images`` (vision models): image files as bytes, ``pathlib.Path``s, base64 text or ``data:``
+        URLs, placed where the prompt says ``[img-0]``, ``[img-1]``, ... (before the text when it says nowhere).
 
         Extra keyword options are ``CompletionRequest``'s sampling options (repeat_penalty,
         typical_p, logit_bias, ...), ``format`` ("json" or a JSON schema) and ``grammar`` (a Lark/GBNF
@@ -125,6 +130,12 @@ class LLM:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         prompt = prompt if isinstance(prompt, str) else [int(t) for t in prompt]
+        if images:
+            from pyggml.image import image_bytes
+
+            if isinstance(images, (str, bytes)) or not isinstance(images, Sequence):
+                raise ValueError("images must be a list")
+            sampling["images"] = [image_bytes(x, f"images[{i}]") for i, x in enumerate(images)]
         try:
             request = CompletionRequest(prompt=prompt, max_tokens=max_tokens, stop=list(stop), num_keep=self.num_keep,
                                         temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
@@ -136,13 +147,19 @@ class LLM:
 
     def chat(self, messages: Sequence[Mapping[str, Any]], max_tokens: int = 128, **options: Any) -> str | Iterator[str]:
         """Reply to ``messages`` ([{"role": ..., "content": ...}, ...]) rendered with the model's chat
-        template (``tokenizer.chat_template``, or a plain fallback); options as for ``generate``."""
-        from pyggml.chat import ChatTemplate, encode_prompt
+        template (``tokenizer.chat_template``, or a plain fallback); options as for ``generate``.
+        Images (vision models): a message's ``images`` list, or ``image_url`` (``data:`` URLs) and
+        ``image`` content parts."""
+        from pyggml.chat import ChatTemplate, encode_prompt, strip_bos_text
+        from pyggml.image import split_chat_images
 
         if self._template is None:
             self._template = ChatTemplate.from_model(self.model)
-        ids = encode_prompt(self.tokenizer, self._template.render(messages, add_generation_prompt=True))
-        return self.generate(ids, max_tokens, **options)
+        messages, images = split_chat_images(messages)
+        text = self._template.render(messages, add_generation_prompt=True)
+        if images:  # the runner tokenizes around the images and adds the BOS itself
+            return self.generate(strip_bos_text(self.tokenizer, text), max_tokens, images=images, **options)
+        return self.generate(encode_prompt(self.tokenizer, text), max_tokens, **options)
 
     def embed(self, texts: str | Sequence[str], *, normalize: bool = True, truncate: bool = False,
               pooling: str | None = None) -> np.ndarray:
@@ -191,7 +208,8 @@ def load(path: str | os.PathLike, **options: Any) -> LLM:
     """Load a GGUF model for generation. Options: the ``BackendParams`` fields (n_threads,
     gpu_layers, flash_attention, use_mmap, ...) plus num_ctx, batch_size, cache_type, num_keep, and
     ``draft`` (the path of a smaller model with the same vocabulary: speculative decoding, drafts of up
-    to ``draft_max`` tokens)."""
+    to ``draft_max`` tokens) and ``mmproj`` (a llama.cpp multimodal projector file for a vision model's
+    image encoder)."""
     return LLM.load(path, **options)
 
 

@@ -352,7 +352,10 @@ class _Check:
 
 
 def _bias_dims(dims: tuple) -> tuple:
-    """A bias's dimensions from its weight's: all but the input dimension (a 1-d weight: the same)."""
+    """A bias's dimensions from its weight's: all but the input dimension (a 1-d weight: the same;
+    stacked experts (in, out, n): (out, n); a 2-d convolution kernel (kw, kh, in, out): (out,))."""
+    if len(dims) == 4:
+        return dims[3:]
     return dims[1:] if len(dims) > 1 else dims
 
 

@@ -103,14 +103,15 @@ def make_qwen_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384) -> 
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def make_spm_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 400) -> int:
-    """Train a SentencePiece BPE with byte fallback (Llama 2 style ids); write tokenizer.model and config."""
+def make_spm_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 400, symbols: tuple[str, ...] = ()) -> int:
+    """Train a SentencePiece BPE with byte fallback (Llama 2 style ids); write tokenizer.model and config.
+    ``symbols``: more user-defined tokens (after ``<tool>``)."""
     import sentencepiece
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus(seed)), model_writer=model, vocab_size=vocab_size,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0, user_defined_symbols=["<tool>"],
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, user_defined_symbols=["<tool>", *symbols],
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
     (out_dir / "tokenizer.model").write_bytes(model.getvalue())
     _write_json(out_dir / "tokenizer_config.json", {

@@ -84,6 +84,12 @@ class Model:
         ``same_batch`` keeping them in one batch. Text-only models return ``inputs`` as they are."""
         return inputs
 
+    def attach_mmproj(self, projector: Backend) -> None:
+        """Take the vision part from a llama.cpp mmproj file's weights (loaded as ``projector``, which
+        the model then owns and closes); the base refuses."""
+        raise ModelError(f"the {self.architecture or 'loaded'} model takes no mmproj file (no vision part is "
+                         "implemented for it)")
+
     @property
     def takes_images(self) -> bool:
         return type(self).encode_multimodal is not Model.encode_multimodal
@@ -137,8 +143,10 @@ def _import_builtin() -> None:
     from pyggml.models import bert, gemma2, gemma3, gptoss, llama, phi3, qwen2, qwen3, qwen3moe  # noqa: F401  (register themselves)
 
 
-def load(path: str | os.PathLike, params: BackendParams | None = None, progress: ProgressFn | None = None) -> Model:
-    """Load a GGUF file and build the model its architecture names, with its tokenizer."""
+def load(path: str | os.PathLike, params: BackendParams | None = None, progress: ProgressFn | None = None,
+         mmproj: str | os.PathLike | None = None) -> Model:
+    """Load a GGUF file and build the model its architecture names, with its tokenizer; ``mmproj``: a
+    llama.cpp multimodal projector file (``general.architecture = clip``) giving it its vision part."""
     from pyggml.backend import Backend, GGUFError
     from pyggml.tokenizer import from_metadata
 
@@ -156,6 +164,17 @@ def load(path: str | os.PathLike, params: BackendParams | None = None, progress:
             raise ModelError(f"{path}: {exc}") from None
         model.config = backend.config
         model.tokenizer = from_metadata(backend.config) if "tokenizer.ggml.model" in backend.config else None
+        if mmproj is not None:
+            projector = Backend.load(mmproj, params)
+            try:
+                if projector.config.architecture != "clip":
+                    raise ModelError(f"{mmproj}: not an mmproj file (general.architecture is "
+                                     f"{projector.config.architecture!r}, not 'clip')")
+                model.attach_mmproj(projector)
+            except BaseException:
+                projector.close()
+                model.close()
+                raise
         return model
     except BaseException:
         backend.close()

@@ -162,10 +162,13 @@ class Gemma2(Model):
         self.cache = Wrapper(Causal(self.shift, swa_window=o.sliding_window), Causal(self.shift),
                              layer_types=o.layer_kinds)
 
-    def forward(self, ctx: Context, batch: Batch) -> Tensor:
+    def forward(self, ctx: Context, batch: Batch, embeddings=None) -> Tensor:
+        """``embeddings(ctx, h, batch) -> h``: edits the scaled token embeddings (Gemma 3's images)."""
         w, o = self.weights, self.options
         inputs = nn.batch_inputs(ctx, batch)
         h = w.token_embd(inputs.tokens).scale(math.sqrt(o.hidden_size))
+        if embeddings is not None:
+            h = embeddings(ctx, h, batch)
         for i, layer in enumerate(w.blk):
             self.cache.set_layer(i)
             last = inputs.outputs if i == len(w.blk) - 1 else None

@@ -85,16 +85,16 @@ def serve(path: str | os.PathLike, *, host: str = "127.0.0.1", port: int = 11434
           queue_timeout: float = QUEUE_TIMEOUT, allowed_hosts: Iterable[str] | None = None,
           origins: Iterable[str] = (), rpc: Sequence[str] | str = (),
           tensor_split: Sequence[float] | str | None = None, draft: str | os.PathLike | None = None,
-          draft_max: int = 8) -> int:
+          draft_max: int = 8, mmproj: str | os.PathLike | None = None) -> int:
     """Load the model and serve it until interrupted (Ctrl-C / SIGTERM). ``rpc``: remote devices
     (``pyggml rpc-server`` endpoints) that compute some of the layers. ``draft``: a smaller model with the same
-    vocabulary for speculative decoding."""
+    vocabulary for speculative decoding; ``mmproj``: a vision model's llama.cpp projector file."""
     import uvicorn
 
     if name is None and Path(path) == cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf":
         name = "demo"  # `pyggml serve demo`: clients ask for it by that name
     model = models.load(path, BackendParams(n_threads=n_threads, flash_attention=flash_attention, rpc=rpc,
-                                                tensor_split=tensor_split))
+                                                tensor_split=tensor_split), mmproj=mmproj)
     draft_model = None
     try:
         if draft is not None:

@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 import pyggml
 from pyggml.chat import validate_messages
+from pyggml.image import image_bytes, split_chat_images
 from pyggml.runner import CompletionChunk, CompletionRequest
 from pyggml.server.params import (
     APIError,
@@ -49,7 +50,6 @@ def _served(request: Request) -> ServedModel:
 
 def _check_generation_fields(f: Fields) -> None:
     f.unsupported("think", (False,), "is not supported: the model does not think")
-    f.unsupported("images", what="is not supported: the model reads text only")
 
 
 async def generate(request: Request) -> Response:
@@ -61,6 +61,9 @@ async def generate(request: Request) -> Response:
     f.unsupported("suffix", what="(fill-in-the-middle) is not supported by this server")
     f.unsupported("template", what="is not supported: the model's own chat template is used")
     prompt, system, raw = f.string("prompt", ""), f.string("system"), f.boolean("raw", False)
+    images = _images(f.array("images") or [], "images")
+    if images and "[img-" not in prompt:  # Ollama puts a prompt's images before its text
+        prompt = "".join(f"[img-{i}]" for i in range(len(images))) + prompt
     context = f.array("context") or []
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in context):
         raise APIError(400, "context must be an array of token ids", param="context")
@@ -84,9 +87,19 @@ async def generate(request: Request) -> Response:
             text = f"{system}\n\n{prompt}"
         if context:
             text = served.tokenizer.decode(context, skip_special=True) + text
+        if images:
+            return served.image_request(text, chat, images, logprobs=runner_logprobs(logprobs), **options)
         return served.request(served.prompt_ids(text, chat), logprobs=runner_logprobs(logprobs), **options)
 
     return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, _generate_piece)
+
+
+def _images(items: list[Any], where: str) -> list[bytes]:
+    """Base64 images (Ollama's ``images``) as bytes; 400 for anything else."""
+    try:
+        return [image_bytes(x, f"{where}[{i}]") for i, x in enumerate(items)]
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=where) from None
 
 
 def _generate_piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
@@ -109,16 +122,16 @@ async def chat(request: Request) -> Response:
         return JSONResponse({"model": served.name, "created_at": _now(),
                              "message": {"role": "assistant", "content": ""}, "done": True, "done_reason": "load"})
     try:
-        messages = normalize_messages(validate_messages(raw_messages))
+        messages, images = split_chat_images(raw_messages)
+        messages = normalize_messages(validate_messages(messages))
         tools = check_tools(tools) or None
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
-    for i, message in enumerate(messages):
-        if message.get("images"):
-            raise APIError(400, f"messages[{i}].images is not supported: the model reads text only")
 
     def prepare() -> CompletionRequest:
         text = served.render(messages, tools=tools)
+        if images:
+            return served.image_request(text, True, images, logprobs=runner_logprobs(logprobs), **options)
         return served.request(served.prompt_ids(text, True), logprobs=runner_logprobs(logprobs), **options)
 
     tool_output = ToolOutput(detect_format(served.template.source), served.tokenizer) if tools else None

@@ -22,6 +22,7 @@ from starlette.routing import Route
 
 import pyggml
 from pyggml.chat import validate_messages
+from pyggml.image import split_chat_images
 from pyggml.runner import CompletionChunk, CompletionRequest, TokenLogprob
 from pyggml.server.params import (
     OPENAI_COMMON,
@@ -191,7 +192,9 @@ async def chat_completions(request: Request) -> Response:
     except ValueError as exc:
         raise APIError(400, str(exc), param="tools") from None
     try:
-        messages = normalize_messages(validate_messages(body.get("messages")))
+        raw = body.get("messages")
+        messages, images = split_chat_images(raw) if isinstance(raw, list) else (raw, [])
+        messages = normalize_messages(validate_messages(messages))
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
     fmt = detect_format(served.template.source)
@@ -216,6 +219,8 @@ async def chat_completions(request: Request) -> Response:
 
     def prepare() -> CompletionRequest:
         text = served.render(messages, tools=tools or None)
+        if images:
+            return served.image_request(text, True, images, max_tokens, logprobs=runner_logprobs(top), **sampling)
         return served.request(served.prompt_ids(text, True), max_tokens, logprobs=runner_logprobs(top), **sampling)
 
     tool_output = ToolOutput(fmt, served.tokenizer) if tools else None

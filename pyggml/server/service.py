@@ -93,7 +93,8 @@ class ServedModel:
     def capabilities(self) -> list[str]:
         if not self.runner.generates:
             return ["embedding"]
-        return ["completion", "tools"] if "tools" in self.template.source else ["completion"]
+        tools = ["tools"] if "tools" in self.template.source else []
+        return ["completion", *tools, *(["vision"] if self.model.takes_images else [])]
 
     def check_model(self, name: Any) -> None:
         """400 without a model name, 404 for a model this server does not serve."""
@@ -174,6 +175,23 @@ class ServedModel:
         if max_tokens is None:
             max_tokens = max(self.runner.num_ctx - len(ids), 0)
         return CompletionRequest(ids, max_tokens=min(max_tokens, self.max_predict), **options)
+
+    def image_request(self, text: str, chat: bool, images: list[bytes], max_tokens: int | None = None,
+                      **options: Any) -> CompletionRequest:
+        """A completion of prompt ``text`` whose ``[img-N]`` markers place ``images``; each image is
+        decoded here first, so one that is not an image, or too large, is a 400 before any work."""
+        from pyggml.chat import strip_bos_text
+        from pyggml.image import decode
+
+        if not self.model.takes_images:
+            raise APIError(400, f"model {self.name!r} takes no images (it has no vision part)")
+        for data in images:
+            decode(data)  # ImageError (a ValueError): 400
+        self.check_prompt_size(text)
+        text = strip_bos_text(self.tokenizer, text) if chat else text  # the runner adds the BOS
+        if max_tokens is None:
+            max_tokens = max(self.runner.num_ctx - len(self.tokenizer.encode(text)), 0)
+        return CompletionRequest(text, images=images, max_tokens=min(max_tokens, self.max_predict), **options)
 
     async def embed(self, texts: list[str], *, truncate: bool = False, normalize: bool = True,
                     dimensions: int | None = None) -> tuple[list[list[float]], int]:
