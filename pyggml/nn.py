@@ -68,8 +68,6 @@ def _check_type(weight: Tensor | None, ok: bool, use: str) -> None:
     """Refuse at load a weight stored in a type ggml has no kernel for in this use (it would fail, or for
     some types crash, on the first request)."""
     if weight is not None and not ok:
-        from pyggml.models import ModelError
-
         raise ModelError(f"weight {weight.name!r} is stored as {weight.dtype.name}, which ggml cannot use as {use}")
 
 
@@ -421,6 +419,26 @@ def _build(cls: type, backend: Backend, n_layers: int, check: _Check) -> Any:
         return kind(weight, bias)
 
     return _walk(cls, "", n_layers, None, leaf)
+
+
+# ---- attention sizes --------------------------------------------------------------------------
+def attention_sizes(config: Any) -> tuple[int, int, int, int, int]:
+    """(hidden, n_layers, n_heads, n_kv_heads, head_dim) from the usual GGUF keys, range-checked, for
+    models whose keys and values have one head size; ModelError naming the key otherwise."""
+    from pyggml.backend import MAX_LAYERS, MAX_WIDTH
+
+    arch = config.architecture
+    hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
+    n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
+    n_layers = config.uint("block_count", min=1, max=MAX_LAYERS)
+    head_dim = config.uint("attention.key_length", 0, max=MAX_WIDTH) or hidden // n_heads
+    if (config.uint("attention.value_length", 0, max=MAX_WIDTH) or head_dim) != head_dim:
+        raise ModelError(f"{arch}: {arch}.attention.value_length must equal {arch}.attention.key_length")
+    n_kv_heads = config.uint("attention.head_count_kv", 0, max=n_heads) or n_heads
+    if not head_dim or n_heads % n_kv_heads:
+        raise ModelError(f"{arch}: {arch}.attention.head_count ({n_heads}) must be a multiple of "
+                         f"{arch}.attention.head_count_kv ({n_kv_heads}), with heads of at least one dimension")
+    return hidden, n_layers, n_heads, n_kv_heads, head_dim
 
 
 # ---- rope -------------------------------------------------------------------------------------

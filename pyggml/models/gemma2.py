@@ -47,16 +47,7 @@ class Options:
         """``local_rope_base``: Gemma 3's sliding-window layers rotate with their own unscaled base
         (``rope.freq_base_swa``, else this); Gemma 2's use the global rope."""
         arch = config.architecture
-        hidden, n_heads = config.uint("embedding_length"), config.uint("attention.head_count")
-        n_layers = config.uint("block_count")
-        if not hidden or not n_heads or not n_layers:
-            raise ModelError(f"{arch}: embedding_length, attention.head_count and block_count must be non-zero")
-        head_dim = config.uint("attention.key_length", 0) or hidden // n_heads
-        if (config.uint("attention.value_length", 0) or head_dim) != head_dim:
-            raise ModelError(f"{arch}: attention.value_length must equal attention.key_length")
-        n_kv_heads = config.uint("attention.head_count_kv", 0) or n_heads
-        if n_heads % n_kv_heads:
-            raise ModelError(f"{arch}: {n_heads} heads are not a multiple of {n_kv_heads} KV heads")
+        hidden, n_layers, n_heads, n_kv_heads, head_dim = nn.attention_sizes(config)
         window = config.uint("attention.sliding_window", 4096)
         if window < 1:
             raise ModelError(f"{arch}: attention.sliding_window must be >= 1")

@@ -47,16 +47,7 @@ class Options:
     @classmethod
     def from_config(cls, config) -> Options:
         arch = config.architecture
-        hidden, n_heads = config.uint("embedding_length"), config.uint("attention.head_count")
-        n_layers = config.uint("block_count")
-        if not hidden or not n_heads or not n_layers:
-            raise ModelError(f"{arch}: embedding_length, attention.head_count and block_count must be non-zero")
-        head_dim = config.uint("attention.key_length", 0) or hidden // n_heads
-        if (config.uint("attention.value_length", 0) or head_dim) != head_dim:
-            raise ModelError(f"{arch}: attention.value_length must equal attention.key_length")
-        n_kv_heads = config.uint("attention.head_count_kv", 0) or n_heads
-        if n_heads % n_kv_heads:
-            raise ModelError(f"{arch}: {n_heads} heads are not a multiple of {n_kv_heads} KV heads")
+        hidden, n_layers, n_heads, n_kv_heads, head_dim = nn.attention_sizes(config)
         n_experts, n_used = config.uint("expert_count", 0), config.uint("expert_used_count", 0)
         if not n_experts or not 0 < n_used <= n_experts:
             raise ModelError(f"{arch}: {arch}.expert_count ({n_experts}) and {arch}.expert_used_count ({n_used}) "

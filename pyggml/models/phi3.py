@@ -40,16 +40,7 @@ class Options:
 
     @classmethod
     def from_config(cls, config) -> Options:
-        hidden, n_heads = config.uint("embedding_length"), config.uint("attention.head_count")
-        n_layers = config.uint("block_count")
-        if not hidden or not n_heads or not n_layers:
-            raise ModelError("phi3: embedding_length, attention.head_count and block_count must be non-zero")
-        head_dim = config.uint("attention.key_length", 0) or hidden // n_heads
-        if (config.uint("attention.value_length", 0) or head_dim) != head_dim:
-            raise ModelError("phi3: attention.value_length must equal attention.key_length")
-        n_kv_heads = config.uint("attention.head_count_kv", 0) or n_heads
-        if n_heads % n_kv_heads:
-            raise ModelError(f"phi3: {n_heads} heads are not a multiple of {n_kv_heads} KV heads")
+        hidden, n_layers, n_heads, n_kv_heads, head_dim = nn.attention_sizes(config)
         n_rot = config.uint("rope.dimension_count", 0) or head_dim
         if n_rot > head_dim or n_rot % 2:
             raise ModelError(f"phi3: rope.dimension_count {n_rot} must be even and at most the head size {head_dim}")
