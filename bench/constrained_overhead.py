@@ -2,7 +2,7 @@
 and without a grammar (alternating runs, medians), the mask computation time (in the worker, beside
 the graph), the time the loop waited for masks after the graph finished, and the time applying them.
 
-    PYTHONPATH=. python bench/constrained_overhead.py ../shared/models/llama-2-tiny-random.gguf
+    PYTHONPATH=src python bench/constrained_overhead.py ../shared/models/llama-2-tiny-random.gguf
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def start_servers(n: int, threads: int) -> list[tuple[subprocess.Popen, str]]:
         port = free_port()
         proc = subprocess.Popen([sys.executable, "-m", "pyggml.cli", "rpc-server", "--port", str(port), "--threads",
                                  str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT),
+                                env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"),
                                                                                  os.environ.get("PYTHONPATH", "")])))
         endpoint = f"127.0.0.1:{port}"
         for _ in range(300):

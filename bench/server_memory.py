@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 def start(args: argparse.Namespace, parallel: int) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=args.tree)
+    env = dict(os.environ, PYTHONPATH=str(Path(args.tree) / "src"))
     cmd = [sys.executable, "-m", "pyggml.cli", "serve", args.model, "--port", str(args.port), "--ctx", "128",
            "--parallel", str(parallel), "--threads", "1", *args.serve]
     server = subprocess.Popen(cmd, cwd=args.tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,9 +1,9 @@
 """Speculative decoding, side by side with plain decoding: acceptance rate and generation tokens/s
 (alternating runs, medians; greedy, EOG banned so every run generates the same number of tokens).
 
-    PYTHONPATH=. python bench/speculative.py draft            # Q4_0 drafting for Q8_0 of a synthetic shape
-    PYTHONPATH=. python bench/speculative.py lookup MODEL.gguf   # prompt lookup on an input-grounded prompt
-    PYTHONPATH=. python bench/speculative.py llamacpp MODEL.gguf # llama-cpp-python's LlamaPromptLookupDecoding
+    PYTHONPATH=src python bench/speculative.py draft            # Q4_0 drafting for Q8_0 of a synthetic shape
+    PYTHONPATH=src python bench/speculative.py lookup MODEL.gguf   # prompt lookup on an input-grounded prompt
+    PYTHONPATH=src python bench/speculative.py llamacpp MODEL.gguf # llama-cpp-python's LlamaPromptLookupDecoding
 
 On a shared machine timings are noisy: read the medians, and compare only within one invocation.
 """

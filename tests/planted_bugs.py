@@ -44,69 +44,69 @@ class Bug:
 
 HTTP = "tests/test_http_options.py"
 BUGS = [
-    Bug("openai-stop-dropped", "pyggml/server/params.py",
+    Bug("openai-stop-dropped", "src/pyggml/server/params.py",
         '    if f.has("stop"):\n        out["stop"] = f.stops("stop")\n    bias = f.mapping("logit_bias")',
         '    f.stops("stop")\n    bias = f.mapping("logit_bias")',
         (f"{HTTP}::test_stop_string_ends_the_text",), "the server silently drops OpenAI `stop`"),
-    Bug("openai-seed-dropped", "pyggml/server/params.py",
+    Bug("openai-seed-dropped", "src/pyggml/server/params.py",
         '        out["seed"] = f.integer("seed", low=0)', '        f.integer("seed", low=0)',
         (f"{HTTP}::test_same_seed_same_text_and_another_seed_another_text",), "the server drops OpenAI `seed`"),
-    Bug("ollama-seed-dropped", "pyggml/server/params.py",
+    Bug("ollama-seed-dropped", "src/pyggml/server/params.py",
         '        out["seed"] = seed if seed >= 0 else None', '        _ = seed',
         (f"{HTTP}::test_same_seed_same_text_and_another_seed_another_text",), "the server drops Ollama `seed`"),
-    Bug("ollama-stop-dropped", "pyggml/server/params.py",
+    Bug("ollama-stop-dropped", "src/pyggml/server/params.py",
         '    if f.has("stop"):\n        out["stop"] = f.stops("stop")\n    return out',
         '    return out',
         (f"{HTTP}::test_stop_string_ends_the_text",), "the server drops Ollama `stop`"),
-    Bug("ollama-num-keep-dropped", "pyggml/server/params.py",
+    Bug("ollama-num-keep-dropped", "src/pyggml/server/params.py",
         '        out["num_keep"] = f.integer("num_keep", low=-1)', '        f.integer("num_keep", low=-1)',
         (f"{HTTP}::test_num_keep_survives_a_context_shift",), "the server drops Ollama `num_keep`"),
-    Bug("openai-chat-no-template", "pyggml/server/openai.py",
+    Bug("openai-chat-no-template", "src/pyggml/server/openai.py",
         "        text = served.template.render(messages, tools=tools or None)",
         '        text = messages[-1]["content"]',
         ("tests/test_chat_e2e.py",), "OpenAI chat uses the raw last message, not the chat template"),
-    Bug("ollama-chat-no-template", "pyggml/server/ollama.py",
+    Bug("ollama-chat-no-template", "src/pyggml/server/ollama.py",
         "        text = served.template.render(messages, tools=tools)",
         '        text = served.template.render(messages[-1:], tools=tools)',
         ("tests/test_chat_e2e.py",), "Ollama chat renders only the last message"),
-    Bug("llm-chat-last-message", "pyggml/llm.py",
+    Bug("llm-chat-last-message", "src/pyggml/llm.py",
         "self._template.render(messages, add_generation_prompt=True)",
         "self._template.render(messages[-1:], add_generation_prompt=False)",
         ("tests/test_chat_e2e.py",), "LLM.chat renders only the last message, without the generation prompt"),
-    Bug("shift-without-rope-freqs", "pyggml/models/llama.py",
+    Bug("shift-without-rope-freqs", "src/pyggml/models/llama.py",
         "        return self.options.rope(key, shift, freq_factors)",
         "        return self.options.rope(key, shift, None)",
         ("tests/test_shift_e2e.py",), "context shift re-applies rope without rope_freqs"),
-    Bug("top-p-64", "pyggml/sample.py",
+    Bug("top-p-64", "src/pyggml/sample.py",
         "        if cum[-1] >= p or k == probs.size:", "        if True:",
         ("tests/test_sample.py",), "the top-p nucleus is capped at the 64 most likely tokens"),
-    Bug("make-model-type", "pyggml/bench.py",
+    Bug("make-model-type", "src/pyggml/bench.py",
         "write_synthetic(args.out, args.shape, args.type, seed=args.seed",
         'write_synthetic(args.out, args.shape, "q4_0", seed=args.seed',
         ("tests/test_bench.py",), "make-model ignores --type"),
-    Bug("rope-refuses-f16", "pyggml/tensor.py",
+    Bug("rope-refuses-f16", "src/pyggml/tensor.py",
         '        if self._p.type not in (DType.F32, DType.F16):\n            raise TypeError(f"rope: needs F32 or F16',
         '        if self._p.type not in (DType.F32,):\n            raise TypeError(f"rope: needs F32 or F16',
         ("tests/test_checked_ops.py",), "the Python rope check refuses F16 that the C path accepts"),
     # beyond issue 18: bugs the suite already caught, kept here so it stays that way
-    Bug("logit-bias-ignored", "pyggml/sample.py",
+    Bug("logit-bias-ignored", "src/pyggml/sample.py",
         "            logits[self._bias_ids] += self._bias_values", "            pass",
         ("tests/test_sample.py",), "the sampler ignores logit_bias"),
-    Bug("temperature-ignored", "pyggml/sample.py",
+    Bug("temperature-ignored", "src/pyggml/sample.py",
         "        cdf = np.cumsum(_softmax(vals / self.temperature))", "        cdf = np.cumsum(_softmax(vals))",
         ("tests/test_sample.py",), "sampling ignores the temperature"),
-    Bug("stop-prefix-not-held-back", "pyggml/runner/sequence.py",
+    Bug("stop-prefix-not-held-back", "src/pyggml/runner/sequence.py",
         "        emit = len(self._text) - partial_stop(self._text, self.stops)", "        emit = len(self._text)",
         ("tests/test_runner.py::test_stop_string_split_across_tokens_is_held_back_and_cut",),
         "streamed text that may begin a stop string is not held back"),
-    Bug("chat-double-bos", "pyggml/chat.py", "        del ids[0]", "        pass",
+    Bug("chat-double-bos", "src/pyggml/chat.py", "        del ids[0]", "        pass",
         ("tests/test_chat.py", "tests/test_chat_e2e.py"), "a template's BOS is doubled by the tokenizer's"),
-    Bug("runner-num-keep-ignored", "pyggml/runner/runner.py",
+    Bug("runner-num-keep-ignored", "src/pyggml/runner/runner.py",
         "min(num_keep, self.num_ctx - 1)", "min(4, self.num_ctx - 1)",
         (f"{HTTP}::test_num_keep_survives_a_context_shift",), "the runner ignores a request's num_keep"),
     # the alignment and block-size checks of Backend._check_tensors cannot be caught: ggml's gguf reader
     # refuses those files first (test_crafted_bad_files pins its reasons); the size check is ours alone
-    Bug("gguf-size-check-removed", "pyggml/backend.py",
+    Bug("gguf-size-check-removed", "src/pyggml/backend.py",
         "            if data_offset + offset + size > file_size:", "            if False:",
         ("tests/test_gguf.py::test_crafted_bad_files",), "the GGUF check of tensor data against the file size is gone"),
 ]
@@ -117,7 +117,7 @@ def _copy_repo(dest: Path) -> Path:
     with dest/shared pointing at the real shared models (tests find them beside the repo)."""
     repo = dest / "repo"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".hypothesis")
-    for part in ("pyggml", "tests", "bench", "docs"):
+    for part in ("src", "tests", "bench", "docs"):
         if (ROOT / part).exists():
             shutil.copytree(ROOT / part, repo / part, ignore=ignore)
     for name in ("pyproject.toml", "README.md"):
@@ -138,7 +138,7 @@ def _plant(repo: Path, bug: Bug) -> bool:
 
 
 def _pytest(repo: Path, targets: tuple[str, ...], extra: list[str]) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONPATH": str(repo), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(repo / "src"), "PYTHONDONTWRITEBYTECODE": "1"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, *targets]
     out = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
     lines = (out.stdout + out.stderr).strip().splitlines()

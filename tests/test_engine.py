@@ -196,7 +196,7 @@ def test_a_graph_computed_again_after_the_compute_buffer_moved(path):
     import sys
 
     env = {**os.environ, "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165"}
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[1] / "src")
     done = subprocess.run([sys.executable, "-c", _STALE, str(path), root], capture_output=True, text=True,
                           timeout=120, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -56,7 +56,7 @@ def _die_with_parent() -> None:
 
 
 def cli(*args: str, **kwargs) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                GGML_NO_BACKTRACE="1")
     preexec = _die_with_parent if sys.platform.startswith("linux") else None
     return subprocess.Popen([sys.executable, "-m", "pyggml.cli", *args], env=env, stdout=subprocess.PIPE,

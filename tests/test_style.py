@@ -13,6 +13,6 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(importlib.util.find_spec("ruff") is None,
                     reason="ruff is not installed for this Python (the `test` extra has it)")
 def test_ruff_clean():
-    out = subprocess.run([sys.executable, "-m", "ruff", "check", "pyggml", "tests", "bench"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "src", "tests", "bench"], cwd=ROOT,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout + out.stderr
