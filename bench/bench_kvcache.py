@@ -3,7 +3,7 @@
 Target: under 0.2 ms for a decode step of 8 sequences (one token each) sharing
 4,096 cells, nearly all in use so that the mask is ~8 x 4,096.
 
-    PYTHONPATH=. python -m pytest bench/bench_kvcache.py --benchmark-only
+    PYTHONPATH=src python -m pytest bench/bench_kvcache.py --benchmark-only
 """
 
 from __future__ import annotations

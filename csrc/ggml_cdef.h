@@ -23,7 +23,10 @@ enum ggml_type { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q4_1, G
                  GGML_TYPE_BF16, GGML_TYPE_TQ1_0, GGML_TYPE_TQ2_0, GGML_TYPE_MXFP4, GGML_TYPE_NVFP4,
                  GGML_TYPE_Q1_0, GGML_TYPE_Q2_0, GGML_TYPE_COUNT, ... };
 enum ggml_status { GGML_STATUS_ALLOC_FAILED, GGML_STATUS_FAILED, GGML_STATUS_SUCCESS, GGML_STATUS_ABORTED, ... };
-enum ggml_op { ... };
+enum ggml_op { GGML_OP_NONE, GGML_OP_DUP, GGML_OP_CPY, GGML_OP_CONT, GGML_OP_RESHAPE, GGML_OP_VIEW,
+               GGML_OP_PERMUTE, GGML_OP_TRANSPOSE, GGML_OP_GET_ROWS, GGML_OP_ARGMAX, GGML_OP_ARGSORT,
+               GGML_OP_TOP_K, ... };
+enum ggml_tensor_flag { GGML_TENSOR_FLAG_INPUT, ... };
 enum ggml_prec { GGML_PREC_DEFAULT, GGML_PREC_F32, ... };
 enum ggml_sort_order { GGML_SORT_ORDER_ASC, GGML_SORT_ORDER_DESC, ... };
 enum ggml_op_pool { GGML_OP_POOL_MAX, GGML_OP_POOL_AVG, ... };
@@ -43,6 +46,7 @@ struct ggml_tensor {
     size_t nb[4];
     enum ggml_op op;
     int32_t flags;
+    struct ggml_tensor * src[...];
     struct ggml_tensor * view_src;
     size_t view_offs;
     void * data;
@@ -154,6 +158,8 @@ struct ggml_tensor * ggml_gelu_quick(struct ggml_context * ctx, struct ggml_tens
 struct ggml_tensor * ggml_silu(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_swiglu_split(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
 struct ggml_tensor * ggml_geglu_split(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b);
+struct ggml_tensor * ggml_swiglu_oai(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
+                                     float alpha, float limit);
 struct ggml_tensor * ggml_sum(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_sum_rows(struct ggml_context * ctx, struct ggml_tensor * a);
 struct ggml_tensor * ggml_mean(struct ggml_context * ctx, struct ggml_tensor * a);
@@ -197,6 +203,7 @@ struct ggml_tensor * ggml_set_rows(struct ggml_context * ctx, struct ggml_tensor
 struct ggml_tensor * ggml_diag_mask_inf(struct ggml_context * ctx, struct ggml_tensor * a, int n_past);
 struct ggml_tensor * ggml_soft_max_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * mask,
                                        float scale, float max_bias);
+void ggml_soft_max_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
 struct ggml_tensor * ggml_rope_ext(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b,
                                    struct ggml_tensor * c, int n_dims, int mode, int n_ctx_orig, float freq_base,
                                    float freq_scale, float ext_factor, float attn_factor, float beta_fast,
@@ -214,6 +221,7 @@ struct ggml_tensor * ggml_arange(struct ggml_context * ctx, float start, float s
 struct ggml_tensor * ggml_flash_attn_ext(struct ggml_context * ctx, struct ggml_tensor * q, struct ggml_tensor * k,
                                          struct ggml_tensor * v, struct ggml_tensor * mask, float scale,
                                          float max_bias, float logit_softcap);
+void ggml_flash_attn_ext_add_sinks(struct ggml_tensor * a, struct ggml_tensor * sinks);
 
 /* graphs */
 struct ggml_cgraph * ggml_new_graph_custom(struct ggml_context * ctx, size_t size, bool grads);
@@ -278,6 +286,9 @@ bool ggml_backend_dev_supports_op(ggml_backend_dev_t device, const struct ggml_t
 bool ggml_backend_dev_supports_buft(ggml_backend_dev_t device, ggml_backend_buffer_type_t buft);
 
 const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
+size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+ggml_backend_dev_t ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+void ggml_backend_register(ggml_backend_reg_t reg);
 size_t ggml_backend_dev_count(void);
 ggml_backend_dev_t ggml_backend_dev_get(size_t index);
 ggml_backend_dev_t ggml_backend_dev_by_type(enum ggml_backend_dev_type type);
@@ -313,6 +324,25 @@ int ggml_cpu_has_f16c(void);
 int ggml_cpu_has_fma(void);
 int ggml_cpu_has_neon(void);
 int ggml_cpu_has_llamafile(void);
+
+/* ---- ggml-rpc.h --------------------------------------------------------------------------
+ * Checked against the pinned header. Built with -DPYGGML_RPC=OFF these are stubs (PYGGML_HAS_RPC is 0,
+ * the versions are 0). The client functions that take an endpoint connect and GGML_ABORT when the server
+ * is unreachable or drops the connection: pyggml only ever hands them the address of its own relay
+ * (pyggml/rpc.py), never a remote address. */
+#define PYGGML_HAS_RPC ...
+#define RPC_PROTO_MAJOR_VERSION ...
+#define RPC_PROTO_MINOR_VERSION ...
+#define RPC_PROTO_PATCH_VERSION ...
+#define GGML_RPC_MAX_SERVERS ...
+ggml_backend_t ggml_backend_rpc_init(const char * endpoint, uint32_t device);
+bool ggml_backend_is_rpc(ggml_backend_t backend);
+ggml_backend_buffer_type_t ggml_backend_rpc_buffer_type(const char * endpoint, uint32_t device);
+void ggml_backend_rpc_get_device_memory(const char * endpoint, uint32_t device, size_t * free, size_t * total);
+void ggml_backend_rpc_start_server(const char * endpoint, const char * cache_dir, size_t n_threads, size_t n_devices,
+                                   ggml_backend_dev_t * devices);
+ggml_backend_reg_t ggml_backend_rpc_reg(void);
+ggml_backend_reg_t ggml_backend_rpc_add_server(const char * endpoint);
 
 /* ---- gguf.h ------------------------------------------------------------------------------- */
 enum gguf_type { GGUF_TYPE_UINT8, GGUF_TYPE_INT8, GGUF_TYPE_UINT16, GGUF_TYPE_INT16, GGUF_TYPE_UINT32,

@@ -1,8 +1,14 @@
 /* Checked graph ops (see pyggml_ops.h): the same conditions as tensor.py's Python checks, or
  * stricter, so that a non-NULL result is always a node ggml can build and compute. */
 
+#include <math.h>
+
 #include "ggml.h"
 #include "pyggml_ops.h"
+
+/* the largest tensor pyggml makes (tensor.py: _MAX_BYTES): far beyond any memory, far below where ggml's
+ * size arithmetic (int64 element counts, size_t bytes) overflows */
+#define PYG_MAX_BYTES ((int64_t) 1 << 56)
 
 static int is_float(enum ggml_type t) {
     return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16;
@@ -32,6 +38,28 @@ static int contiguous_1(const struct ggml_tensor * t) {
 static int no_matmul(enum ggml_type t) {
     return t == GGML_TYPE_I8 || t == GGML_TYPE_I16 || t == GGML_TYPE_I32 || t == GGML_TYPE_I64 ||
            t == GGML_TYPE_F64 || t == GGML_TYPE_Q8_1 || t == GGML_TYPE_Q8_K;
+}
+
+/* a tensor of this type and shape stays below PYG_MAX_BYTES (dims positive) */
+static int size_ok(enum ggml_type type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3) {
+    int64_t ne[4] = {ne0, ne1, ne2, ne3};
+    int64_t n = ggml_type_size(type);
+    for (int i = 0; i < 4; i++) {
+        if (ne[i] <= 0 || ne[i] > PYG_MAX_BYTES / n) {
+            return 0;
+        }
+        n *= ne[i];
+    }
+    return 1;
+}
+
+/* tables ggml's CPU get_rows can read: float, I32, and quantized types it can dequantize (not the
+ * intermediate Q8_1 / Q8_K) */
+static int rows_table_ok(enum ggml_type t) {
+    if (t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16 || t == GGML_TYPE_I32) {
+        return 1;
+    }
+    return ggml_is_quantized(t) && t != GGML_TYPE_Q8_1 && t != GGML_TYPE_Q8_K && ggml_get_type_traits(t)->to_float != NULL;
 }
 
 /* ---- the graph and its operands ---------------------------------------------------------------- */
@@ -74,6 +102,24 @@ static int usable(const struct pyg_graph * g, const struct ggml_tensor * t, enum
         const struct pyg_pool * pool = &pools->pool[i];
         if (holds(pool->base, pool->end, t)) {
             return use == WRITE ? pool->writable : use == READ_REPACKED || t->extra == NULL;
+        }
+    }
+    return 0;
+}
+
+/* An index tensor whose values are checked at compute: a graph input of this graph, or a reshape,
+ * view, permute or transpose of one. tensor.py also accepts indices computed by ops with a known range
+ * (argmax, argsort, top_k): those are left to it. */
+static int index_is_input(const struct pyg_graph * g, const struct ggml_tensor * t) {
+    for (int depth = 0; depth < 16 && t != NULL; depth++) {
+        switch (t->op) {
+            case GGML_OP_RESHAPE: case GGML_OP_VIEW: case GGML_OP_PERMUTE: case GGML_OP_TRANSPOSE:
+                t = t->src[0];
+                break;
+            case GGML_OP_NONE:
+                return (t->flags & GGML_TENSOR_FLAG_INPUT) && holds(g->base, g->end, t);
+            default:
+                return 0;
         }
     }
     return 0;
@@ -141,7 +187,8 @@ struct ggml_tensor * pyg_norm(struct pyg_graph * g,
     if (!room(g, 1) || !usable(g, a, READ)) {
         return NULL;
     }
-    if (a->type != GGML_TYPE_F32 || !rows_packed(a)) {
+    /* the CPU kernels assert eps >= 0 (NaN fails it) */
+    if (a->type != GGML_TYPE_F32 || !rows_packed(a) || !(eps >= 0.0f) || isinf(eps)) {
         return NULL;
     }
     return counted(g, fn(g->ctx, a, eps));
@@ -174,7 +221,8 @@ static int mul_mat_ok(const struct ggml_tensor * a, const struct ggml_tensor * b
 }
 
 struct ggml_tensor * pyg_mul_mat(struct pyg_graph * g, struct ggml_tensor * a, struct ggml_tensor * b) {
-    if (!room(g, 1) || !usable(g, a, READ_REPACKED) || !usable(g, b, READ) || !mul_mat_ok(a, b)) {
+    if (!room(g, 1) || !usable(g, a, READ_REPACKED) || !usable(g, b, READ) || !mul_mat_ok(a, b) ||
+        !size_ok(GGML_TYPE_F32, a->ne[1], b->ne[1], b->ne[2], b->ne[3])) {
         return NULL;
     }
     return counted(g, ggml_mul_mat(g->ctx, a, b));
@@ -302,12 +350,11 @@ struct ggml_tensor * pyg_get_rows(struct pyg_graph * g, struct ggml_tensor * a, 
     if (!room(g, 1) || !usable(g, a, READ) || !usable(g, idx, READ)) {
         return NULL;
     }
-    enum ggml_type t = a->type;
-    if (idx->type != GGML_TYPE_I32 || t == GGML_TYPE_I8 || t == GGML_TYPE_I16 || t == GGML_TYPE_I64 ||
-        t == GGML_TYPE_F64) {
+    if (idx->type != GGML_TYPE_I32 || !rows_table_ok(a->type) || !index_is_input(g, idx)) {
         return NULL;
     }
-    if (a->ne[2] != idx->ne[1] || a->ne[3] != idx->ne[2] || idx->ne[3] != 1) {
+    if (a->ne[2] != idx->ne[1] || a->ne[3] != idx->ne[2] || idx->ne[3] != 1 ||
+        !size_ok(GGML_TYPE_F32, a->ne[0], idx->ne[0], idx->ne[1], idx->ne[2])) {
         return NULL;
     }
     return counted(g, ggml_get_rows(g->ctx, a, idx));
@@ -322,7 +369,7 @@ struct ggml_tensor * pyg_set_rows(struct pyg_graph * g, struct ggml_tensor * dst
     const int64_t * b = src->ne;
     const int64_t * i = idx->ne;
     if ((src->type != GGML_TYPE_F32 && src->type != GGML_TYPE_F16) ||
-        (idx->type != GGML_TYPE_I32 && idx->type != GGML_TYPE_I64) || !rows_packed(src)) {
+        (idx->type != GGML_TYPE_I32 && idx->type != GGML_TYPE_I64) || !rows_packed(src) || !index_is_input(g, idx)) {
         return NULL;
     }
     if (a[0] != b[0] || b[1] != i[0] || b[2] % a[2] || b[3] % a[3] || i[1] != b[2] || i[2] != b[3]) {
@@ -342,7 +389,8 @@ struct ggml_tensor * pyg_soft_max(struct pyg_graph * g, struct ggml_tensor * a, 
     if (!room(g, 1) || !usable(g, a, READ) || (mask != NULL && !usable(g, mask, READ))) {
         return NULL;
     }
-    if (a->type != GGML_TYPE_F32 || !ggml_is_contiguous(a)) {
+    /* ggml asserts a mask when max_bias > 0 (ALiBi slopes are added through it) */
+    if (a->type != GGML_TYPE_F32 || !ggml_is_contiguous(a) || (max_bias > 0.0f && mask == NULL)) {
         return NULL;
     }
     if (mask != NULL) {
@@ -389,7 +437,8 @@ struct ggml_tensor * pyg_attention(struct pyg_graph * g, struct ggml_tensor * q,
     const int64_t * a = q->ne;
     const int64_t * b = k->ne;
     const int64_t * c = v->ne;
-    if (a[0] != b[0] || b[1] != c[1] || b[2] != c[2] || a[2] % b[2] || a[3] != b[3] || b[3] != c[3]) {
+    if (a[0] != b[0] || b[1] != c[1] || b[2] != c[2] || a[2] % b[2] || a[3] != b[3] || b[3] != c[3] ||
+        !size_ok(GGML_TYPE_F32, b[1], a[1], a[2], a[3])) {
         return NULL;
     }
     if (mask != NULL) {

@@ -56,7 +56,7 @@ struct ggml_tensor * pyg_glu(struct pyg_graph * g,
                              struct ggml_tensor * (*fn)(struct ggml_context *, struct ggml_tensor *, struct ggml_tensor *),
                              struct ggml_tensor * a, struct ggml_tensor * b);
 
-/* ggml_rms_norm / ggml_norm on F32 with packed rows. */
+/* ggml_rms_norm / ggml_norm / ggml_l2_norm on F32 with packed rows; eps finite and >= 0. */
 struct ggml_tensor * pyg_norm(struct pyg_graph * g,
                               struct ggml_tensor * (*fn)(struct ggml_context *, struct ggml_tensor *, float),
                               struct ggml_tensor * a, float eps);
@@ -79,14 +79,17 @@ struct ggml_tensor * pyg_view(struct pyg_graph * g, struct ggml_tensor * a, int 
 struct ggml_tensor * pyg_permute(struct pyg_graph * g, struct ggml_tensor * a, int ax0, int ax1, int ax2, int ax3);
 struct ggml_tensor * pyg_cont(struct pyg_graph * g, struct ggml_tensor * a);
 
-/* ggml_get_rows with I32 indices (n[, dim2, dim3]) of a float or quantized table. */
+/* ggml_get_rows with I32 indices (n[, dim2, dim3]) of a float, I32 or dequantizable table; the indices are a
+ * graph input (or a reshape/view/permute/transpose of one), whose values tensor.py checks at compute. */
 struct ggml_tensor * pyg_get_rows(struct pyg_graph * g, struct ggml_tensor * a, struct ggml_tensor * idx);
 
-/* ggml_set_rows of F32/F16 rows into an F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL destination. */
+/* ggml_set_rows of F32/F16 rows into an F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/IQ4_NL destination; indices
+ * as for pyg_get_rows. */
 struct ggml_tensor * pyg_set_rows(struct pyg_graph * g, struct ggml_tensor * dst, struct ggml_tensor * src,
                                   struct ggml_tensor * idx);
 
-/* ggml_soft_max_ext on a contiguous F32 tensor; mask NULL or a contiguous F32/F16 (n_kv, >= rows). */
+/* ggml_soft_max_ext on a contiguous F32 tensor; mask NULL (then max_bias <= 0) or a contiguous F32/F16
+ * (n_kv, >= rows). */
 struct ggml_tensor * pyg_soft_max(struct pyg_graph * g, struct ggml_tensor * a, struct ggml_tensor * mask,
                                   float scale, float max_bias);
 

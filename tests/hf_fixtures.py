@@ -48,7 +48,7 @@ def corpus(seed: int = 0, n_lines: int = 300) -> list[str]:
     return lines
 
 
-def make_bpe_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384) -> int:
+def make_bpe_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384, pattern: str = LLAMA3_PATTERN) -> int:
     """Train a byte-level BPE with Llama 3's split pattern; write tokenizer.json and tokenizer_config.json.
 
     Returns the number of token ids (base vocabulary plus added tokens).
@@ -57,7 +57,7 @@ def make_bpe_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384) -> i
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"),
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
@@ -103,14 +103,15 @@ def make_qwen_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384) -> 
     return tok.get_vocab_size(with_added_tokens=True)
 
 
-def make_spm_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 400) -> int:
-    """Train a SentencePiece BPE with byte fallback (Llama 2 style ids); write tokenizer.model and config."""
+def make_spm_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 400, symbols: tuple[str, ...] = ()) -> int:
+    """Train a SentencePiece BPE with byte fallback (Llama 2 style ids); write tokenizer.model and config.
+    ``symbols``: more user-defined tokens (after ``<tool>``)."""
     import sentencepiece
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus(seed)), model_writer=model, vocab_size=vocab_size,
-        model_type="bpe", byte_fallback=True, character_coverage=1.0, user_defined_symbols=["<tool>"],
+        model_type="bpe", byte_fallback=True, character_coverage=1.0, user_defined_symbols=["<tool>", *symbols],
         unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
     (out_dir / "tokenizer.model").write_bytes(model.getvalue())
     _write_json(out_dir / "tokenizer_config.json", {
@@ -137,7 +138,7 @@ def make_tiny_llama(
     """Build and save a 2-layer, 4-head, 64-wide random model with a locally trained tokenizer.
 
     Returns ``(hf_dir, hf_model)``; the model is float32 in eval mode. ``arch`` is "llama",
-    "mistral", "qwen2", "qwen3", "qwen3moe" or "phi3" (``config_extra`` adds config arguments);
+    "mistral", "qwen2", "qwen3", "qwen3moe", "phi3" or "gpt_oss" (``config_extra`` adds config arguments);
     ``vocab`` is "bpe" (tokenizer.json), "spm" (tokenizer.model) or "qwen" (Qwen's tokenizer.json);
     the embedding is padded to a multiple of 32 rows, as many real checkpoints are. Norm weights
     are randomised around 1 and biases around 0 so that a
@@ -172,12 +173,16 @@ def make_tiny_llama(
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
     extra = {"head_dim": head_dim or 16} if head_dim or arch.startswith("qwen3") else {}  # Qwen3's default: 128
     if arch == "qwen3moe":  # 4 experts of 32, 2 chosen per token
         extra |= {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True}
     if rope_scaling is not None:
         extra["rope_scaling"] = rope_scaling
+    if arch == "gpt_oss":  # 4 experts of 128 (2 chosen), a 4-token window on even layers, no YaRN
+        extra |= {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 4,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "attn_implementation": "eager"}
     if arch == "phi3":  # Phi3Config's defaults name token 32000 and a 2047-token window
         extra |= {"pad_token_id": eos, "sliding_window": None}
     extra |= config_extra or {}

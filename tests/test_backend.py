@@ -25,7 +25,7 @@ def test_version_and_devices():
     devs = pyggml.devices()
     cpus = [d for d in devs if d.kind == "cpu"]
     assert len(cpus) == 1 and cpus[0].name
-    assert all(d.kind in ("cpu", "gpu", "igpu", "accel") for d in devs)
+    assert all(d.kind in ("cpu", "gpu", "igpu", "accel", "rpc") for d in devs)  # rpc: servers other tests added
 
 
 @pytest.mark.parametrize("params", [

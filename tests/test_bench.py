@@ -198,6 +198,19 @@ def test_make_model_of_any_architecture(tmp_path):
     assert code == 1 and "do not make a valid llama model" in err
 
 
+@pytest.mark.parametrize("kind", ["f16", "q8_0", "q4_k"])
+def test_make_model_writes_the_type_asked_for(tmp_path, kind):
+    import gguf
+
+    out = tmp_path / f"m-{kind}.gguf"
+    code, _, err = run_cli(["make-model", "tiny", str(out), "--type", kind])
+    assert code == 0, err
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    matrices = {name: kind_ for name, kind_ in types.items() if not name.endswith("norm.weight")}
+    assert matrices and set(matrices.values()) == {kind.upper()}, types
+    assert {types[n] for n in types if n.endswith("norm.weight")} == {"F32"}
+
+
 # ---- bench/compare_baseline.py ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def compare_baseline():

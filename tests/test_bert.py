@@ -37,7 +37,9 @@ TEXTS = [
     "Which way about many people water? " * 4,  # ~60 tokens
     "x",
 ]
-F32_TOL, F16_TOL, Q8_TOL, LLAMA_CPP_TOL = 1e-4, 5e-3, 0.1, 2e-3
+# max |ours - transformers| over the hidden states / pooled vectors (values up to ~3.7), ~3x the measured:
+# F32 1.4e-6 (hidden states), F16 weights 8.7e-4 (mean pooled), Q8_0 weights 2.9e-2 (mean pooled)
+F32_TOL, F16_TOL, Q8_TOL, LLAMA_CPP_TOL = 4e-6, 2.5e-3, 9e-2, 2e-3
 
 
 @pytest.fixture(scope="module")

@@ -39,6 +39,16 @@ TYPES = [DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.I32]
 def _operand(ctx, rng, spec):
     """A tensor from a spec: (dtype, shape, layout) where layout picks a plain tensor or a view."""
     dtype, shape, layout = spec
+    if dtype is DType.I32 and layout == "computed":  # indices computed in the graph: bounded or not
+        src = ctx.from_numpy(rng.standard_normal(tuple(reversed(shape))).astype(np.float32))
+        kind = int(rng.integers(4))
+        if kind == 0:
+            return src.argsort()
+        if kind == 1:
+            return src.top_k(int(rng.integers(1, shape[0] + 1)))
+        if kind == 2 and len(shape) <= 2:
+            return src.argmax()
+        return src.scale(2.0).cast(DType.I32)
     if dtype is DType.I32:
         t = ctx.from_numpy(rng.integers(0, 4, tuple(reversed(shape))).astype(np.int32))
     elif dtype.is_quantized or dtype is DType.BF16:
@@ -58,7 +68,7 @@ def _random_spec(rng):
     n = int(rng.integers(1, 5))
     shape = tuple(int(rng.choice([1, 2, 3, 4, 32, 64])) for _ in range(n))
     dtype = TYPES[int(rng.integers(len(TYPES)))]
-    layout = ["plain", "plain", "transposed", "permuted", "row_view"][int(rng.integers(5))]
+    layout = ["plain", "plain", "transposed", "permuted", "row_view", "computed"][int(rng.integers(6))]
     return dtype, shape, layout
 
 
@@ -275,3 +285,218 @@ def test_checked_ops_refuse_writes_into_weights(tmp_path):
                 ctx.from_numpy(np.ones((1, r.shape[0]), np.float32)).mulmat(r)
             with pytest.raises(ValueError, match="repacked"):
                 r.view(0, r.shape, ctx=ctx)
+
+
+def test_checked_ops_decline_unbounded_indices_and_bad_parameters(backend):
+    """The C side leaves to Python what Python refuses or must decide (issue 13): computed index tensors,
+    a negative/NaN eps, softmax ALiBi without a mask, a Q8_1 table, a product too large for ggml's sizes."""
+    with backend.new_context(max_nodes=64) as ctx:
+        table = ctx.from_numpy(np.ones((3, 4), np.float32))
+        scores = ctx.from_numpy(np.ones((2, 3), np.float32))
+        g = ctx._g
+        assert lib.pyg_get_rows(g, table._p, scores.argsort()._p) == ffi.NULL
+        assert lib.pyg_get_rows(g, table._p, scores.argmax()._p) == ffi.NULL
+        assert lib.pyg_get_rows(g, table._p, scores.cast(DType.I32).reshape(6)._p) == ffi.NULL
+        inputs = ctx.from_numpy(np.array([0, 2], np.int32))
+        assert lib.pyg_get_rows(g, table._p, inputs.reshape(2, 1)._p) != ffi.NULL  # an input: checked at compute
+        cache = backend.alloc_persistent(DType.F32, (4, 3))
+        rows = ctx.from_numpy(np.ones((3, 4), np.float32))
+        assert lib.pyg_set_rows(g, cache._p, rows._p, scores.argsort().view(0, (3,))._p) == ffi.NULL
+        for eps in (-1.0, float("nan"), float("inf")):
+            assert lib.pyg_norm(g, tensor._FN["rms_norm"], table._p, eps) == ffi.NULL
+        assert lib.pyg_soft_max(g, table._p, ffi.NULL, 1.0, 8.0) == ffi.NULL
+        q81 = backend.alloc_persistent(DType.Q8_1, (32, 4))
+        assert lib.pyg_get_rows(g, q81._p, inputs._p) == ffi.NULL
+        wide = ctx.empty(DType.F32, 1, 2**40)
+        assert lib.pyg_mul_mat(g, wide._p, wide._p) == ffi.NULL
+
+
+# ---- every checked op, sampled until C has accepted it often enough --------------------------------
+
+MIN_ACCEPTED = 40  # per op
+MAX_TRIES = 500  # per op; the generators below aim near each op's rules, so ~1/3 to 2/3 are accepted
+DIMS = (1, 2, 3, 4, 8, 32)
+FLOATS = (DType.F32, DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.I32)
+
+
+def _shape(rng, n=None):
+    return tuple(int(rng.choice(DIMS)) for _ in range(n or int(rng.integers(1, 5))))
+
+
+def _some(rng, options):
+    return options[int(rng.integers(len(options)))]
+
+
+def _layout(rng):
+    return _some(rng, ("plain", "plain", "plain", "transposed", "permuted", "row_view"))
+
+
+def _near(rng, shape, p=0.2):
+    """``shape``, or (with probability p) one dim changed."""
+    shape = list(shape)
+    if rng.random() < p:
+        shape[int(rng.integers(len(shape)))] = int(rng.choice(DIMS))
+    return tuple(shape)
+
+
+def _make(ctx, rng, spec):
+    """A tensor from (dtype, shape[, layout[, high]]): float data, I32/I64 indices in [0, high),
+    or (BF16 and quantized types) an uninitialised tensor; returns (tensor, has_data)."""
+    dtype, shape = spec[0], spec[1]
+    layout = spec[2] if len(spec) > 2 else "plain"
+    high = spec[3] if len(spec) > 3 else 4
+    numpy_shape = tuple(reversed(shape))
+    if (dtype.is_quantized or dtype is DType.BF16) and shape[0] % dtype.block_size:
+        dtype = DType.F32  # no such tensor can exist
+    if dtype in (DType.I32, DType.I64):
+        t, data = ctx.from_numpy(rng.integers(0, max(high, 1), numpy_shape).astype(np.int64), dtype), True
+    elif dtype.is_quantized or dtype is DType.BF16:
+        t, data = ctx.empty(dtype, *shape), False
+    else:
+        t, data = ctx.from_numpy(rng.standard_normal(numpy_shape).astype(np.float32), dtype), True
+    if layout == "transposed" and t.ndim >= 2:
+        t = t.transpose()
+    elif layout == "permuted" and t.ndim >= 3:
+        t = t.permute(0, 2, 1, 3)
+    elif layout == "row_view" and t.shape[0] > 1 and not t.dtype.is_quantized:
+        t = t.view(0, (t.shape[0] - 1, *t.shape[1:]), t.strides[1:])
+    return t, data
+
+
+def _mask_spec(rng, n_kv, n_tokens, heads):
+    rows = n_tokens + int(rng.choice([0, 0, 0, 1, 3]))
+    return (_some(rng, (DType.F32, DType.F16)), _near(rng, (n_kv, rows, _some(rng, (1, heads)))), "plain")
+
+
+def _binary_case(rng, fn):
+    a = _shape(rng)
+    b = tuple(d if rng.random() < 0.6 else 1 for d in a) if rng.random() < 0.8 else _shape(rng)
+    da = _some(rng, FLOATS)
+    return [(da, a, _layout(rng)), (_some(rng, (DType.F32, da, DType.F16)), b, _layout(rng))], fn
+
+
+def _unary_case(rng, fn):
+    return [(_some(rng, FLOATS), _shape(rng), _layout(rng))], fn
+
+
+def _case(op, rng):
+    """Operand specs and ``fn(*tensors) -> Tensor`` for one random call of ``op``, near its rules."""
+    if op in ("add", "sub", "mul", "div"):
+        return _binary_case(rng, {"add": lambda a, b: a + b, "sub": lambda a, b: a - b,
+                                  "mul": lambda a, b: a * b, "div": lambda a, b: a / b}[op])
+    if op in ("silu", "neg", "rms_norm", "norm", "scale"):
+        return _unary_case(rng, {"silu": lambda a: a.silu(), "neg": lambda a: a.neg(),
+                                 "rms_norm": lambda a: a.rms_norm(1e-5), "norm": lambda a: a.norm(1e-5),
+                                 "scale": lambda a: a.scale(0.5)}[op])
+    if op == "swiglu":
+        shape, dtype = _shape(rng), _some(rng, FLOATS)
+        return [(dtype, shape, _layout(rng)), (_some(rng, (dtype, dtype, DType.F32)), _near(rng, shape),
+                                               _layout(rng))], lambda a, b: a.silu(b)
+    if op == "mulmat":
+        k, d2, d3 = int(rng.choice([4, 32, 64])), int(rng.choice([1, 2])), int(rng.choice([1, 2]))
+        a = (k, int(rng.integers(1, 9)), d2, d3)
+        b = (k, int(rng.integers(1, 9)), d2 * int(rng.choice([1, 2])), d3)
+        return [(_some(rng, FLOATS), _near(rng, a), _layout(rng)),
+                (_some(rng, (DType.F32, DType.F32, DType.F16)), _near(rng, b), _layout(rng))], lambda a, b: a.mulmat(b)
+    if op == "reshape":
+        shape = _shape(rng)
+        n = int(np.prod(shape))
+        target = [n] if rng.random() < 0.4 else [d for d in _shape(rng, len(shape))]
+        if rng.random() < 0.5 and n % 2 == 0:
+            target = [2, n // 2]
+        return [(_some(rng, FLOATS), shape, _layout(rng))], lambda a: a.reshape(*target)
+    if op in ("view", "view_strided"):
+        shape = _shape(rng)
+        dims = tuple(max(1, d // int(rng.choice([1, 2]))) for d in _near(rng, shape))
+        offset = int(rng.choice([0, 0, 4, 64]))
+        if op == "view":
+            return [(_some(rng, FLOATS), shape, _layout(rng))], lambda a: a.view(offset, dims)
+        return [(_some(rng, FLOATS), shape, _layout(rng))], \
+            lambda a: a.view(0, dims, tuple(a.strides[1:len(dims)]))
+    if op == "permute":
+        shape = _shape(rng, 4)
+        perm = [int(x) for x in rng.permutation(4)] if rng.random() < 0.8 else [int(x) for x in rng.integers(0, 4, 4)]
+        return [(_some(rng, FLOATS), shape, _layout(rng))], lambda a: a.permute(*perm)
+    if op == "contiguous":
+        return [(_some(rng, FLOATS), _shape(rng), _layout(rng))], lambda a: a.contiguous()
+    if op == "rows":
+        k, r, d2 = int(rng.choice([4, 32])), int(rng.integers(1, 9)), int(rng.choice([1, 2]))
+        n = int(rng.integers(1, 6))
+        return [(_some(rng, FLOATS), (k, r, d2), _layout(rng)),
+                (_some(rng, (DType.I32, DType.I32, DType.F32)), _near(rng, (n, d2)), "plain", r)], \
+            lambda a, i: a.rows(i)
+    if op == "set_rows":
+        k, r, d2 = int(rng.choice([4, 32])), int(rng.integers(2, 9)), int(rng.choice([1, 2]))
+        n = int(rng.integers(1, r + 1))
+        dst_type = _some(rng, (DType.F32, DType.F16, DType.BF16, DType.Q8_0, DType.Q4_0, DType.I32))
+        return [(dst_type, (k, r, d2), "plain"),
+                (_some(rng, (DType.F32, DType.F32, DType.F16, DType.BF16)), _near(rng, (k, n, d2)), _layout(rng)),
+                (_some(rng, (DType.I32, DType.I32, DType.I64, DType.F32)), _near(rng, (n, d2)), "plain", r)], \
+            lambda dst, src, i: dst.set_rows(src, i)
+    if op in ("softmax", "softmax_mask"):
+        n_kv, t, h = int(rng.choice([4, 8, 32])), int(rng.integers(1, 5)), int(rng.choice([1, 2, 4]))
+        a = (_some(rng, (DType.F32, DType.F32, DType.F32, DType.F16)), _near(rng, (n_kv, t, h), 0.1),
+             _some(rng, ("plain", "plain", "transposed")))
+        if op == "softmax":
+            return [a], lambda a: a.softmax()
+        return [a, _mask_spec(rng, n_kv, t, h)], lambda a, m: a.softmax(m, 0.5)
+    if op == "rope":
+        d, h, t = int(rng.choice([4, 8, 16, 64])), int(rng.integers(1, 4)), int(rng.integers(1, 6))
+        n_dims = int(rng.choice([d, d, d // 2, 2, 3, d + 2]))
+        mode = int(rng.choice([0, 2]))
+        specs = [(_some(rng, (DType.F32, DType.F16, DType.F16, DType.BF16, DType.Q8_0)), (d, h, t), _layout(rng)),
+                 (_some(rng, (DType.I32, DType.I32, DType.I32, DType.F32)), _near(rng, (t,), 0.1), "plain", 100)]
+        if rng.random() < 0.3:
+            n_factors = max(1, n_dims // 2 - int(rng.integers(0, 2)))
+            specs.append((_some(rng, (DType.F32, DType.F32, DType.F16)), (n_factors,), "plain"))
+            return specs, lambda a, p, f: a.rope(p, n_dims, 1e4, mode=mode, freq_factors=f)
+        return specs, lambda a, p: a.rope(p, n_dims, 1e4, mode=mode)
+    raise AssertionError(op)
+
+
+CHECKED_OPS = ("add", "sub", "mul", "div", "silu", "neg", "swiglu", "rms_norm", "norm", "scale", "mulmat", "reshape",
+               "view", "view_strided", "permute", "contiguous", "rows", "set_rows", "softmax", "softmax_mask", "rope")
+
+
+def _op_outcome(backend, monkeypatch, decline: bool, op: str, seed: int):
+    """(shape, dtype) and the computed values (None when an input has no data) of one call, or
+    (None, None) when it is refused."""
+    rng = np.random.default_rng(seed)
+    specs, fn = _case(op, rng)
+    with monkeypatch.context() as m:
+        if decline:
+            m.setattr(tensor, "lib", _DeclineChecked())
+        with backend.new_context(max_nodes=64) as ctx:
+            made = [_make(ctx, rng, s) for s in specs]
+            try:
+                out = fn(*(t for t, _ in made))
+            except (ValueError, TypeError):
+                return None, None
+            values = None
+            if all(has for _, has in made) and out.dtype in (DType.F32, DType.F16, DType.I32):
+                ctx.compute(out)
+                values = out.numpy()
+            return (out.shape, out.dtype), values
+
+
+@pytest.mark.parametrize("op", CHECKED_OPS)
+def test_each_checked_op_agrees_with_python_when_c_accepts(backend, monkeypatch, op):
+    """Sampled near its rules until C has accepted the op MIN_ACCEPTED times: whenever C accepts,
+    Python accepts the same call with the same shape and type, and the node computes the same values
+    (bit for bit: the same ggml op on the same data)."""
+    accepted = refused = tries = 0
+    while accepted < MIN_ACCEPTED and tries < MAX_TRIES:
+        seed = 10_000 * CHECKED_OPS.index(op) + tries
+        tries += 1
+        fast, fast_values = _op_outcome(backend, monkeypatch, False, op, seed)
+        if fast is None:
+            refused += 1
+            continue
+        accepted += 1
+        slow, slow_values = _op_outcome(backend, monkeypatch, True, op, seed)
+        assert slow == fast, f"{op} (seed {seed}): the C path built {fast}, the Python checks say {slow}"
+        if fast_values is not None:
+            np.testing.assert_array_equal(fast_values, slow_values, err_msg=f"{op} (seed {seed})")
+    print(f"{op}: C accepted {accepted}, declined {refused} of {tries} calls")
+    assert accepted >= MIN_ACCEPTED, f"{op}: C accepted only {accepted} of {tries} calls"
+    assert refused > 0 or op in ("contiguous", "scale"), f"{op}: no call was declined (the rules are untested)"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -386,11 +387,11 @@ def test_llama_cpp_computes_the_same_logits_from_our_file(tmp_path, case):
     path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
     text = "The cafe is naive, 42 people said!"
     tokens, expected = llama_cpp_logits(path, text)
-    with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
         assert llm.tokenize(text) == tokens
         ours = llm.logits(tokens)
     assert len(tokens) > 5
-    scale = np.abs(expected).max()  # pyggml's KV cache is F16
+    scale = np.abs(expected).max()  # both with F32 KV caches
     assert np.abs(ours - expected).max() <= 1e-3 * scale
 
 
@@ -577,7 +578,7 @@ def test_llama_cpp_runs_our_qwen_files_like_transformers(tmp_path, case):
     if QWEN_CASES[case]["arch"] in models.registry():  # once pyggml runs the architecture, it must agree too
         import pyggml
 
-        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+        with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
             assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
 
 
@@ -678,7 +679,7 @@ def test_llama_cpp_runs_our_gemma_files_like_transformers_past_the_window(tmp_pa
     if GEMMA_CASES[case]["arch"] in models.registry():  # once pyggml runs the architecture, it must agree too
         import pyggml
 
-        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+        with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
             assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
 
 
@@ -739,5 +740,160 @@ def test_llama_cpp_runs_our_phi3_files_like_transformers(tmp_path, case):
     if "phi3" in models.registry():  # once pyggml runs the architecture, it must agree too
         import pyggml
 
-        with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+        # a context past the original 64: pyggml then takes the long factors too
+        with pyggml.load(path, n_threads=2, num_ctx=256, cache_type="f32") as llm:
             assert np.abs(llm.logits(tokens) - theirs).max() <= 1e-3 * scale
+
+
+# ---- gpt-oss: sinks, biased experts, MXFP4 experts repacked as they are ------------------------------------
+
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def to_openai_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(expert, out, in) floats as OpenAI's MXFP4 checkpoint tensors: blocks (expert, out, in / 32, 16)
+    with value 2i in the low nibble of byte i, and one E8M0 exponent per 32 values."""
+    x = w.reshape(*w.shape[:-1], -1, 32)
+    exponent = np.clip(np.floor(np.log2(np.maximum(np.abs(x).max(-1, keepdims=True), 1e-30))) - 2, -127, 127)
+    codes = np.abs(np.abs(x / 2.0**exponent)[..., None] - FP4_VALUES).argmin(-1) | ((x < 0) << 3)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    # contiguous: safetensors' numpy writer stores the buffer as it lies in memory, whatever the strides
+    return np.ascontiguousarray(blocks), np.ascontiguousarray((exponent[..., 0] + 127).astype(np.uint8))
+
+
+def test_gpt_oss_files_have_llama_cpps_names_and_keys(tmp_path):
+    hf_dir, model = make_tiny_llama(tmp_path, arch="gpt_oss", vocab="bpe")
+    meta, tensors = read_gguf(convert_hf(hf_dir, tmp_path / "m.gguf", "q8_0"))
+
+    assert meta["general.architecture"] == "gpt-oss"
+    per_block = {"attn_norm.weight", "attn_sinks.weight", "post_attention_norm.weight"}
+    per_block |= {f"{k}.{s}" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_inp", "ffn_gate_exps",
+                                       "ffn_up_exps", "ffn_down_exps") for s in ("weight", "bias")}
+    assert set(tensors) == {"token_embd.weight", "output_norm.weight", "output.weight"} | {
+        f"blk.{i}.{n}" for i in range(2) for n in per_block}
+    keys = {"context_length": 256, "embedding_length": 64, "block_count": 2, "feed_forward_length": 128,
+            "attention.head_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+            "attention.value_length": 16, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 10000.0,
+            "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 128,
+            "attention.sliding_window": 4}
+    assert {k.removeprefix("gpt-oss."): v for k, v in meta.items() if k.startswith("gpt-oss.")} == pytest.approx(keys)
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    gate_up = sd["model.layers.1.mlp.experts.gate_up_proj"]  # (expert, hidden, gate/up interleaved)
+    assert tensors["blk.1.ffn_up_exps.weight"][0] == "Q8_0"
+    np.testing.assert_allclose(tensors["blk.1.ffn_up_exps.weight"][1], gate_up[:, :, 1::2].transpose(0, 2, 1),
+                               atol=0.01)
+    bias = tensors["blk.1.ffn_gate_exps.bias"]
+    assert bias[0] == "F32"  # biases stay F32, as in llama.cpp's files
+    np.testing.assert_array_equal(bias[1], sd["model.layers.1.mlp.experts.gate_up_proj_bias"][:, 0::2])
+    np.testing.assert_array_equal(tensors["blk.0.attn_sinks.weight"][1], sd["model.layers.0.self_attn.sinks"])
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("experts", ["float", "mxfp4"])
+def test_llama_cpp_runs_our_gpt_oss_files_like_transformers_past_the_window(tmp_path, experts):
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    hf_dir, model = make_tiny_llama(tmp_path, arch="gpt_oss", vocab="bpe")
+    if experts == "mxfp4":  # requantise the experts as OpenAI ships them; transformers dequantises the reference
+        weights = load_file(hf_dir / "model.safetensors")
+        for i, layer in enumerate(model.model.layers):
+            for kind in ("gate_up", "down"):
+                name = f"model.layers.{i}.mlp.experts.{kind}_proj"
+                blocks, scales = to_openai_mxfp4(weights.pop(name).transpose(0, 2, 1))
+                weights[f"{name}_blocks"], weights[f"{name}_scales"] = blocks, scales
+                dequantised = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales),
+                                                         dtype=torch.float32)
+                with torch.no_grad():
+                    getattr(layer.mlp.experts, f"{kind}_proj").copy_(dequantised)
+        save_file(weights, hf_dir / "model.safetensors")
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    if experts == "mxfp4":  # repacked, not requantised: the file holds exactly transformers' values
+        _, tensors = read_gguf(path)
+        down = model.model.layers[1].mlp.experts.down_proj.detach().numpy().transpose(0, 2, 1)
+        assert tensors["blk.1.ffn_down_exps.weight"][0] == "MXFP4"
+        np.testing.assert_array_equal(tensors["blk.1.ffn_down_exps.weight"][1], down)
+    tokens, theirs = llama_cpp_logits(path, "Which way about many people water? The cafe is naive, 42 said!")
+    assert len(tokens) > 3 * 4  # past the 4-token window
+    with torch.no_grad():
+        ref = model(torch.tensor([tokens])).logits[0].numpy()
+    # float experts: measured 4e-7 of the scale; MXFP4 experts: ggml multiplies them with activations
+    # quantised to 8 bits
+    scale = np.abs(ref).max()
+    assert np.abs(theirs - ref).max() <= (1e-4 if experts == "float" else 2e-2) * scale
+
+
+# ---- what GGUF cannot express is refused, naming the config.json key ----------------------------------------
+
+REFUSALS = {
+    "llama-dynamic-rope": (dict(arch="llama"), {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
+                                                "rope_parameters": None},  # as transformers 4 writes it
+                           "unsupported rope scaling type 'dynamic' for llama; supported: linear, yarn, llama3"),
+    "qwen2-sliding-window": (dict(arch="qwen2", vocab="qwen"), {"use_sliding_window": True}, "use_sliding_window"),
+    "gemma2-layer-pattern": (dict(gemma="gemma2", n_layers=2),
+                             {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+    "gemma3-query-scale": (dict(gemma="gemma3", n_layers=6), {"query_pre_attn_scalar": 20},
+                           "query_pre_attn_scalar=20"),
+    "gemma3-local-rope": (dict(gemma="gemma3", n_layers=6), {"rope_local_base_freq": 5000.0, "rope_parameters": None,
+                                                             "rope_theta": 1e6}, "rope base is 5000"),
+    "phi3-longrope-factors": (dict(arch="phi3", vocab="spm"),
+                              {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]},
+                               "rope_parameters": None}, "long_factor must have 8 values"),
+    "gpt-oss-swiglu": (dict(arch="gpt_oss"), {"swiglu_limit": 10.0}, "swiglu_limit=10.0"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_configs_gguf_cannot_express_are_refused(tmp_path, case):
+    make, change, message = REFUSALS[case]
+    if "gemma" in make:
+        hf_dir, _ = make_tiny_gemma(tmp_path, arch=make["gemma"], n_layers=make["n_layers"])
+    else:
+        hf_dir, _ = make_tiny_llama(tmp_path, **make)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ValueError, match=re.escape(message)):
+        convert_hf(hf_dir, tmp_path / "x.gguf")
+    assert not list(tmp_path.glob("x.gguf*"))
+
+
+# ---- Qwen 3 as an embedding model (Qwen3-Embedding): last-token pooling ----------------------------------------
+
+_LLAMA_CPP_EMBED = textwrap.dedent("""
+    import json, sys
+    import llama_cpp
+    path, text = sys.argv[1], sys.argv[2]
+    llm = llama_cpp.Llama(model_path=path, embedding=True, n_ctx=64, n_threads=2, verbose=False, type_k=0, type_v=0)
+    print(json.dumps({"tokens": llm.tokenize(text.encode(), add_bos=True), "embedding": llm.embed(text)}))
+""")
+
+
+@pytest.mark.parametrize("headless", [False, True], ids=["Qwen3ForCausalLM", "Qwen3Model"])
+def test_qwen3_embedding_model_pools_the_last_token_in_llama_cpp_like_transformers(tmp_path, headless):
+    from safetensors.numpy import load_file, save_file
+
+    hf_dir, model = make_tiny_llama(tmp_path, arch="qwen3", vocab="qwen", tie=True)
+    (hf_dir / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+    (hf_dir / "1_Pooling").mkdir()
+    (hf_dir / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_lasttoken": True}))
+    if headless:  # the bare transformer, as some embedding checkpoints ship: no "model." prefix, no head
+        weights = {k.removeprefix("model."): v for k, v in load_file(hf_dir / "model.safetensors").items()}
+        save_file(weights, hf_dir / "model.safetensors")
+        config = json.loads((hf_dir / "config.json").read_text())
+        (hf_dir / "config.json").write_text(json.dumps({**config, "architectures": ["Qwen3Model"]}))
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    meta, tensors = read_gguf(path)
+    assert meta["qwen3.pooling_type"] == gguf.PoolingType.LAST
+    assert set(tensors) == expected_names("qwen3", tied=True)
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("needs llama-cpp-python==0.3.36 (the `bench` extra) for the rest")
+    text = "The cafe is naive, 42 people said!"
+    done = subprocess.run([sys.executable, "-c", _LLAMA_CPP_EMBED, str(path), text], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    with torch.no_grad():
+        ref = model.model(torch.tensor([theirs["tokens"]])).last_hidden_state[0, -1].numpy()
+    np.testing.assert_allclose(np.array(theirs["embedding"]), ref, atol=1e-4 * np.abs(ref).max())

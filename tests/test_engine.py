@@ -6,6 +6,7 @@ rebuilt for every step."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,3 +153,50 @@ def test_engine_refuses_nothing_silently_when_a_refill_raises(path):
         assert not engine._kept
     finally:
         model.close()
+
+
+_STALE = """
+import sys
+import numpy as np
+sys.path.insert(0, sys.argv[2])
+from tests.test_multimodal_runner import ToyVision
+from pyggml import BackendParams, models
+from pyggml.input import Batch, Multimodal, MultimodalIndex
+from pyggml.runner.engine import Engine
+model = models.load(sys.argv[1], BackendParams(n_threads=1))
+model.__class__ = ToyVision
+model.cache.init(model.backend, "f16", max_sequences=1, capacity=64, max_batch=4)
+engine, pos = Engine(model), 0
+def step(tokens, mm=()):
+    global pos
+    n = len(tokens)
+    engine.forward(Batch(inputs=tokens, outputs=[n - 1], positions=range(pos, pos + n), sequences=[0] * n,
+                         multimodal=mm))
+    pos += n
+for _ in range(4):
+    step([10, 11, 12, 13])  # kept graph A
+step([14])  # kept graph B
+image = np.sin(np.arange(3 * 256)).astype(np.float32).reshape(3, 256)
+step([0, 0, 0, 9], [MultimodalIndex(0, [Multimodal(tensor=image)])])  # bigger: the buffers grow (move)
+step([10, 11, 12, 13])  # A again: its tensors' old places were in the buffer that moved
+for _ in range(6):
+    step([15])
+engine.close()
+model.close()
+print("ok")
+"""
+
+
+def test_a_graph_computed_again_after_the_compute_buffer_moved(path):
+    """A kept graph computed again after a bigger graph grew the scheduler's buffers must be placed
+    afresh (ggml's allocator keeps any tensor whose data is set: it wrote into freed memory, which
+    glibc reported as heap corruption). In a subprocess, with glibc's heap checks on."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MALLOC_CHECK_": "3", "MALLOC_PERTURB_": "165"}
+    root = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run([sys.executable, "-c", _STALE, str(path), root], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -8,7 +8,7 @@ import gguf
 import pytest
 
 import pyggml
-from pyggml import models, nn
+from pyggml import DType, models, nn
 from pyggml.models import Batch, Input, ModelError
 from pyggml.synthetic import write_model, write_synthetic
 
@@ -103,7 +103,8 @@ class FakeBackend:
     path = "fake.gguf"
 
     def __init__(self, shapes):
-        self.tensors = {name: types.SimpleNamespace(shape=shape, name=name) for name, shape in shapes.items()}
+        self.tensors = {name: types.SimpleNamespace(shape=shape, name=name, dtype=DType.F32)
+                        for name, shape in shapes.items()}
 
     def get(self, name):
         return self.tensors.get(name)
@@ -206,3 +207,18 @@ def test_position_beyond_context_is_refused_before_touching_the_cache(tmp_path):
 def test_gguf_v1_file_is_refused():
     with pytest.raises(pyggml.GGUFError, match="version 1"):
         models.load(SHARED_MODELS / "legacy" / "tinyllamas-stories-260k-f32.gguf")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "phi3", "gpt-oss"])
+@pytest.mark.parametrize("key, value, named", [("attention.head_count_kv", 3, "head_count"),
+                                               ("block_count", 10**9, "block_count"),
+                                               ("attention.value_length", 8, "value_length")])
+def test_attention_sizes_are_checked_alike_by_every_model(arch, key, value, named):
+    """One helper (nn.attention_sizes) reads and bounds the head sizes of these models: a bad value is a
+    ModelError (or, out of range, the config's GGUFError, which models.load turns into one) naming the key."""
+    from pyggml.backend import Config
+
+    meta = {"general.architecture": arch, f"{arch}.embedding_length": 64, f"{arch}.attention.head_count": 4,
+            f"{arch}.block_count": 2, f"{arch}.{key}": value}
+    with pytest.raises(ValueError, match=named):
+        nn.attention_sizes(Config(meta))

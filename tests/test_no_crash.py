@@ -25,6 +25,11 @@ SCRIPT = textwrap.dedent(r'''
     from pyggml import Backend, BackendParams, DType, GGUFError
     from pyggml.tensor import RopeType
 
+    import resource
+    # extreme shapes can ask for huge buffers: under this limit they fail (MemoryError) instead of being
+    # overcommitted and filled on a shared machine
+    resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
     backend = Backend.cpu(n_threads=1)
     stats = collections.Counter()
     unexpected = []
@@ -43,6 +48,8 @@ SCRIPT = textwrap.dedent(r'''
             stats["ok"] += 1
         except (ValueError, TypeError) as e:
             stats["refused"] += 1
+        except MemoryError:  # a clean failure to allocate what a valid but huge graph asks for
+            stats["memory"] += 1
         except Exception as e:  # anything else is a bug in the validation, but not a crash
             unexpected.append(f"{label}: {type(e).__name__}: {e}")
 
@@ -159,6 +166,43 @@ SCRIPT = textwrap.dedent(r'''
         "mulmat_id f16 x": lambda c: T(c, 8, 3, 2).mulmat_id(T(c, 8, 1, 2, dtype=DType.F16), I(c, 1, 0).reshape(1, 2)),
         "top_k k": lambda c: T(c, 8, 3).top_k(9),
         "argmax 3d": lambda c: T(c, 8, 3, 2).argmax(),
+        # issue 13: index tensors computed in the graph, parameter extremes, sizes, intermediate types
+        "rows argmax range": lambda c: T(c, 4, 3).rows(T(c, 100, 2).argmax()),
+        "rows argsort range": lambda c: T(c, 4, 3).rows(T(c, 10).argsort()),
+        "rows top_k view": lambda c: T(c, 4, 3).rows(T(c, 10, 2).top_k(4).view(0, (2,))),
+        "rows cast index": lambda c: T(c, 4, 3).rows(T(c, 2).scale(1e6).cast(DType.I32)),
+        "rows persistent index": lambda c: T(c, 4, 3).rows(backend.alloc_persistent(DType.I32, (2,))),
+        "rows of rows of argsort": lambda c: T(c, 4, 3).rows(T(c, 9).argsort().rows(I(c, 0, 1))),
+        "set_rows argsort range": lambda c: backend.alloc_persistent(DType.F32, (8, 3)).set_rows(T(c, 8, 6),
+                                                                                              T(c, 6).argsort()),
+        "copy into index input": lambda c: (lambda idx: (c.forward(T(c, 2).scale(1e6).cast(DType.I32).copy(idx)),
+                                                         T(c, 4, 3).rows(idx))[1])(I(c, 0, 1)),
+        "mulmat_id top_k experts": lambda c: T(c, 8, 3, 2).mulmat_id(T(c, 8, 1, 2), T(c, 5, 2).top_k(1)),
+        "rows q8_1 table": lambda c: backend.alloc_persistent(DType.Q8_1, (32, 4)).rows(I(c, 0, 1)),
+        "rows q8_k table": lambda c: backend.alloc_persistent(DType.Q8_K, (256, 4)).rows(I(c, 0, 1)),
+        "cast from q8_1": lambda c: backend.alloc_persistent(DType.Q8_1, (32, 4)).cast(DType.F32, ctx=c),
+        "cast to q8_k": lambda c: T(c, 256).cast(DType.Q8_K),
+        "rms_norm eps -1": lambda c: T(c, 8, 2).rms_norm(-1.0),
+        "rms_norm eps nan": lambda c: T(c, 8, 2).rms_norm(float("nan")),
+        "norm eps nan": lambda c: T(c, 8, 2).norm(float("nan")),
+        "l2_norm eps -1": lambda c: T(c, 8, 2).l2_norm(-1.0),
+        "norm transposed eps -1": lambda c: T(c, 2, 8).transpose().norm(-1.0),
+        "pool padding nan": lambda c: T(c, 8, 8).avg_pool_2d(2, 2, float("nan")),
+        "pool padding inf": lambda c: T(c, 8, 8).avg_pool_2d(2, 2, float("inf")),
+        "pool stride huge": lambda c: T(c, 8, 8).avg_pool_2d(2, 2**40),
+        "softmax alibi no mask": lambda c: T(c, 8, 3).softmax(None, 1.0, 8.0),
+        "empty count overflow": lambda c: c.empty(DType.F32, 2**32, 2**32, 2**32),
+        "zeros huge": lambda c: c.zeros(DType.F32, 2**62),
+        "mulmat size overflow": lambda c: c.empty(DType.F32, 1, 2**40).mulmat(c.empty(DType.F32, 1, 2**40)),
+        "rows size overflow": lambda c: c.empty(DType.F32, 2**40, 2).rows(c.empty(DType.I32, 2**30)),
+        "repeat overflow": lambda c: T(c, 2).repeat(2**62),
+        "pad overflow": lambda c: T(c, 2).pad(2**40),
+        "concat overflow": lambda c: c.empty(DType.F32, 2**55).concat(c.empty(DType.F32, 2**55), 0),
+        "persistent overflow": lambda c: backend.alloc_persistent(DType.F32, (2**40, 2**40)),
+        "rope n_ctx_orig huge": lambda c: T(c, 8, 2, 3).rope(I(c, 0, 1, 2), 8, 1e4, n_ctx_orig=2**32 - 1),
+        "conv stride huge": lambda c: T(c, 8, 8, 3).conv_2d(T(c, 3, 3, 3, 4), 2**40, 1),
+        "im2col dilation huge": lambda c: T(c, 8, 8, 3).im2col(T(c, 3, 3, 3, 4), 1, 1, 0, 0, 2**33, 1),
+        "threads huge": lambda c: Backend.cpu(n_threads=100_000),
         "cross context": lambda c: T(c, 8) + backend.new_context().from_numpy(np.ones(8, np.float32)),
         "weights without ctx": lambda c: backend.alloc_persistent(DType.F32, (8, 2)).exp(),
     }
@@ -290,6 +334,39 @@ SCRIPT = textwrap.dedent(r'''
     def rand_int(lo=-2, hi=70):
         return int(rng.integers(lo, hi))
 
+    FLOAT_EXTREMES = [float("nan"), float("inf"), float("-inf"), -1.0, -0.0, 0.0, 1e-30, 1e30, 3.4e38, -1e-8]
+    INT_EXTREMES = [-(2**63), -(2**31) - 1, -1, 0, 2**31, 2**32 - 1, 2**40, 2**62, 2**63 - 1]
+
+    def extreme_float():
+        return FLOAT_EXTREMES[int(rng.integers(len(FLOAT_EXTREMES)))] if rng.random() < 0.6 else 1e-5
+
+    def extreme_int():
+        return INT_EXTREMES[int(rng.integers(len(INT_EXTREMES)))] if rng.random() < 0.6 else rand_int()
+
+    def rand_index(ctx):
+        """An I32 tensor computed in the graph (bounded or not), or an input, maybe reshaped."""
+        src = rand_tensor(ctx)
+        kind = int(rng.integers(7))
+        if kind == 0:
+            t = src.argmax()
+        elif kind == 1:
+            t = src.argsort(descending=bool(rng.random() < 0.5))
+        elif kind == 2:
+            t = src.top_k(rand_int(1, 6))
+        elif kind == 3:
+            t = src.cast(DType.I32)
+        elif kind == 4:
+            t = backend.alloc_persistent(DType.I32, rand_shape(64))
+        elif kind == 5:
+            t = ctx.from_numpy(rng.integers(-2, 70, int(rng.integers(1, 8))).astype(np.int32))
+        else:
+            t = src.argsort().rows(ctx.from_numpy(rng.integers(0, 3, 2).astype(np.int32)))
+        if rng.random() < 0.3:
+            t = t.reshape(t.nelements)
+        elif rng.random() < 0.2 and t.ndim >= 2:
+            t = t.view(0, (t.shape[0],))
+        return t
+
     OPS = [
         lambda c, a, b: a + b, lambda c, a, b: a - b, lambda c, a, b: a * b, lambda c, a, b: a / b,
         lambda c, a, b: a + float(rng.standard_normal()), lambda c, a, b: a * 3.0,
@@ -328,6 +405,32 @@ SCRIPT = textwrap.dedent(r'''
         lambda c, a, b: a.im2col(b, *[rand_int(-1, 3) for _ in range(6)], is_2d=bool(rng.random() < 0.7)),
         lambda c, a, b: a.avg_pool_2d(rand_int(-1, 5), rand_int(-1, 3), float(rand_int(-1, 3))),
         lambda c, a, b: c.empty(DTYPES[int(rng.integers(len(DTYPES)))], *[rand_int(-1, 40) for _ in range(3)]),
+        # computed index tensors
+        lambda c, a, b: a.rows(rand_index(c)),
+        lambda c, a, b: backend.alloc_persistent(DType.F32, rand_shape(1024)).set_rows(a, rand_index(c)),
+        lambda c, a, b: a.mulmat_id(b, rand_index(c)),
+        # parameter extremes
+        lambda c, a, b: a.scale(extreme_float()), lambda c, a, b: a.scale_bias(extreme_float(), extreme_float()),
+        lambda c, a, b: a.clamp(extreme_float(), extreme_float()),
+        lambda c, a, b: getattr(a, str(rng.choice(["rms_norm", "norm", "l2_norm"])))(extreme_float()),
+        lambda c, a, b: a.group_norm(rand_int(0, 4), extreme_float()),
+        lambda c, a, b: a.softmax(b if rng.random() < 0.5 else None, extreme_float(), extreme_float()),
+        lambda c, a, b: a.rope(b, rand_int(-2, 20), extreme_float(), extreme_float(), n_ctx_orig=extreme_int(),
+                               ext_factor=extreme_float(), attn_factor=extreme_float(), beta_fast=extreme_float(),
+                               beta_slow=extreme_float()),
+        lambda c, a, b: a.avg_pool_2d(extreme_int(), extreme_int(), extreme_float()),
+        lambda c, a, b: a.top_k(extreme_int()),
+        lambda c, a, b: a.pad(*[extreme_int() for _ in range(int(rng.integers(1, 5)))]),
+        lambda c, a, b: a.repeat(*[extreme_int() for _ in range(int(rng.integers(1, 5)))]),
+        lambda c, a, b: a.view(extreme_int(), rand_shape()),
+        lambda c, a, b: a.reshape(*[extreme_int() for _ in range(int(rng.integers(1, 5)))]),
+        lambda c, a, b: a.conv_2d(b, *[extreme_int() for _ in range(6)]),
+        lambda c, a, b: a.im2col(b, *[extreme_int() for _ in range(6)]),
+        lambda c, a, b: a.scaled_dot_product_attention(b, rand_tensor(c, like=b), None, extreme_float(),
+                                                       flash=bool(rng.random() < 0.5), softcap=extreme_float()),
+        lambda c, a, b: c.empty(DTYPES[int(rng.integers(len(DTYPES)))], *[extreme_int() for _ in range(3)]),
+        lambda c, a, b: c.arange(extreme_float(), extreme_float(), extreme_float()),
+        lambda c, a, b: a.permute(*[extreme_int() for _ in range(4)]),
     ]
 
     def random_case(c):
@@ -365,5 +468,6 @@ def test_bad_calls_never_crash(tmp_path, seed):
     tail = (proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-4000:])
     assert proc.returncode == 0, f"child died with {proc.returncode} (negative: killed by signal)\n{tail}"
     assert "\ndone 0" in proc.stdout, tail
-    refused, ok = (int(x) for x in re.search(r"random \{'refused': (\d+), 'ok': (\d+)\}", proc.stdout).groups())
+    stats = re.search(r"^random (\{.*\})$", proc.stdout, re.M).group(1)
+    refused, ok = (int(re.search(rf"'{key}': (\d+)", stats).group(1)) for key in ("refused", "ok"))
     assert refused > 300 and ok > 20  # both paths exercised: refusals and graphs that compute

@@ -48,6 +48,30 @@ def test_tap_records_only_inside_capture():
     backend.close()
 
 
+def test_every_registered_architecture_taps_its_states(tmp_path):
+    """What `pyggml compare` reads: every block's output, output_norm (generating models) and, where
+    they match Hugging Face's modules, token_embd first and output last; from a tiny synthetic file of
+    each architecture in the registry test."""
+    try:
+        from pyggml.synthetic import write_model
+
+        from .test_architectures import TINY
+    except ImportError:
+        pytest.skip("needs the registry-wide test's tiny configs (tests/test_architectures.py)")
+    from pyggml import models
+    from pyggml.porting import _pyggml_states
+
+    for arch in sorted(models.registry()):
+        path = write_model(tmp_path / f"{arch}.gguf", arch, TINY[arch], "f32", seed=1)
+        ours = _pyggml_states(path, "", [1, 2, 3, 4, 5], n_threads=1)
+        names = [name for name in ours.states if name.count(".") < 2]  # not finer taps inside blocks
+        assert [name for name in names if name.startswith("blk.")] == [f"blk.{i}" for i in range(ours.n_blocks)], arch
+        assert "token_embd" not in names or names[0] == "token_embd", arch  # Gemma 2 scales outside HF's module
+        if models.registry()[arch].generates:
+            assert "output_norm" in names and names[-1] in ("output", "logits"), arch
+        assert all(state.shape[0] == 5 for state in ours.states.values()), arch
+
+
 def test_comparison_names_the_first_state_past_the_tolerance():
     def layer(name: str, error: float, shape=(3, 4), ref_shape=(3, 4)) -> LayerError:
         return LayerError(name, shape, ref_shape, error, error, "m." + name)
@@ -136,11 +160,15 @@ def test_converted_llama_agrees_layer_by_layer(tiny_llama):
     assert result.layers[0].shape == (n, 64) and result.layers[-1].shape[0] == n
 
 
-# Other Hugging Face fixtures (tests/hf_fixtures.py) with the GGUF architecture they convert to: each
-# runs once pyggml registers that architecture.
-FIXTURES = {"mistral": ("llama", dict(arch="mistral")), "qwen2": ("qwen2", dict(arch="qwen2", vocab="qwen")),
-            "qwen3": ("qwen3", dict(arch="qwen3", vocab="qwen")),
-            "qwen3moe": ("qwen3moe", dict(arch="qwen3moe", vocab="qwen"))}
+# Other Hugging Face fixtures (tests/hf_fixtures.py): (GGUF architecture, fixture, its arguments, the
+# largest error expected in F32). Each runs once pyggml registers the architecture. Gemma's floor is
+# ggml's GELU, computed through an F16 table on the CPU (~3e-4 per MLP, measured with finer taps).
+FIXTURES = {"mistral": ("llama", "make_tiny_llama", dict(arch="mistral", n_kv_heads=2), 1e-4),
+            "qwen2": ("qwen2", "make_tiny_llama", dict(arch="qwen2", vocab="qwen", n_kv_heads=2), 1e-4),
+            "qwen3": ("qwen3", "make_tiny_llama", dict(arch="qwen3", vocab="qwen", n_kv_heads=2), 1e-4),
+            "qwen3moe": ("qwen3moe", "make_tiny_llama", dict(arch="qwen3moe", vocab="qwen", n_kv_heads=2), 1e-4),
+            "gemma2": ("gemma2", "make_tiny_gemma", dict(arch="gemma2"), 1e-3),
+            "gemma3": ("gemma3", "make_tiny_gemma", dict(arch="gemma3"), 1e-3)}
 
 
 @needs_reference
@@ -149,15 +177,44 @@ def test_other_converted_fixtures_agree_layer_by_layer(case, tmp_path):
     from pyggml import models, porting
     from pyggml.convert import convert_hf
 
-    from .hf_fixtures import make_tiny_llama
+    from . import hf_fixtures
 
-    arch, kwargs = FIXTURES[case]
-    if arch not in models.registry():
-        pytest.skip(f"pyggml has no {arch} model yet")
-    hf_dir, _ = make_tiny_llama(tmp_path, n_kv_heads=2, **kwargs)
-    result = porting.compare(hf_dir, convert_hf(hf_dir, tmp_path / "f32.gguf", out_type="f32"), PROMPT, n_threads=2)
-    assert [x.name for x in result.layers] == LLAMA_STATES and not result.unmatched
-    assert result.ok and max(x.error for x in result.layers) < 1e-4, result.table()
+    arch, fixture, kwargs, bound = FIXTURES[case]
+    if arch not in models.registry() or not hasattr(hf_fixtures, fixture):
+        pytest.skip(f"pyggml has no {arch} model (or tests/hf_fixtures.py no {fixture}) yet")
+    hf_dir, _ = getattr(hf_fixtures, fixture)(tmp_path, **kwargs)
+    gguf_path = convert_hf(hf_dir, tmp_path / "f32.gguf", out_type="f32")
+    result = porting.compare(hf_dir, gguf_path, PROMPT, n_threads=2)
+    names = [x.name for x in result.layers]
+    blocks = [name for name in names if name.startswith("blk.")]
+    assert len(blocks) >= 2 and blocks == [f"blk.{i}" for i in range(len(blocks))], result.table()
+    assert "output_norm" in names and names[-1] in ("output", "logits"), result.table()
+    assert not result.unmatched and result.ok and max(x.error for x in result.layers) < bound, result.table()
+
+
+@needs_reference
+def test_logits_compared_when_the_model_changes_them_after_its_output_tap(tiny_llama, monkeypatch):
+    """A final soft-cap (Gemma 2) comes after the tapped output projection: the returned logits are then
+    compared as "logits" with the reference model's final logits."""
+    from pyggml import porting
+    from pyggml.models import llama
+
+    forward = llama.Llama.forward
+    monkeypatch.setattr(llama.Llama, "forward", lambda self, ctx, batch: forward(self, ctx, batch).scale(1.0))
+    result = porting.compare(*tiny_llama, PROMPT, n_threads=2)
+    assert [x.name for x in result.layers] == [*LLAMA_STATES, "logits"]
+    assert result.layers[-1].module == "(the model's logits)" and result.ok, result.table()
+
+
+def test_reference_logits_cut_to_the_gguf_vocabulary():
+    from pyggml.porting import _vocab_rows
+
+    notes: list[str] = []
+    ref = np.arange(12.0).reshape(2, 6)
+    assert _vocab_rows("logits", np.zeros((2, 4)), ref, notes).shape == (2, 4)
+    assert notes == ["logits: transformers has 6 vocabulary columns, the GGUF 4; compared the first 4"]
+    assert _vocab_rows("blk.0", np.zeros((2, 4)), ref, notes) is ref  # hidden states: never cut
+    assert _vocab_rows("output", np.zeros((3, 4)), ref, notes) is ref  # not the same tokens: a real mismatch
 
 
 @needs_reference
@@ -171,7 +228,8 @@ def test_reference_modules_from_the_gguf_name_map(tiny_llama):
     assert found["blk.1"] == "model.layers.1" and found["output"] == "lm_head"
     assert found["blk.0.attn_output"] == "model.layers.0.self_attn.o_proj"  # finer taps have references too
     assert found["blk.1.ffn_down"] == "model.layers.1.mlp.down_proj"
-    assert reference_modules(hf, "no-such-arch", 2) == {}
+    # an architecture gguf knows no names for: the embeddings and the output by transformers' accessors
+    assert reference_modules(hf, "no-such-arch", 2) == {"token_embd": "model.embed_tokens", "output": "lm_head"}
 
 
 @needs_reference
@@ -223,6 +281,11 @@ def test_compare_cli(tiny_llama, tmp_path, capsys):
     assert data["first_divergence"] == "output_norm" and data["layers"][3]["module"] == "model.layers.1"
     with pytest.raises(SystemExit):
         main(["compare", str(hf_dir), str(gguf_path), "--module", "output_norm"])
+    assert main(["compare", str(hf_dir), str(gguf_path), "--tokens", "1,17,42,99", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == [1, 17, 42, 99]
+    for bad in (["--tokens", "1,x"], ["--tokens", "1", "--prompt", "hi"]):
+        with pytest.raises(SystemExit):
+            main(["compare", str(hf_dir), str(gguf_path), *bad])
     assert main(["compare", str(hf_dir), str(gguf_path), "--module", "output_norm=no.such.module"]) == 1
     assert "no module 'no.such.module'" in capsys.readouterr().err
 

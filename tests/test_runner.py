@@ -10,6 +10,7 @@ import pytest
 
 from pyggml import BackendParams, models
 from pyggml.backend import Context
+from pyggml.input import Input
 from pyggml.kvcache import Causal
 from pyggml.runner import (
     CompletionRequest,
@@ -378,7 +379,7 @@ def test_close_stops_the_loop_and_refuses_new_requests(stories):
 def test_streamed_text_waits_for_whole_utf8_characters(synthetic_path):
     model = load(synthetic_path)
     tok = model.tokenizer
-    seq = RunningSequence(CompletionRequest("x"), [1], tok, stops=[], num_keep=0)
+    seq = RunningSequence(CompletionRequest("x"), [Input(token=1)], tok, stops=[], num_keep=0)
     euro = [tok.vocab.tokens.index(f"<0x{b:02X}>") for b in "€".encode()]
     for t in euro[:-1]:
         assert seq.accept(t, None) is None and seq.out.empty()

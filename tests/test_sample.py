@@ -66,6 +66,19 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     assert support(s(0.7), big, 100) == {10, 20_000}
 
 
+def test_top_p_nucleus_of_hundreds_of_tokens_is_whole():
+    """A flat-ish 1000-token distribution: the nucleus holds ~800 tokens, every one drawable."""
+    rng = np.random.default_rng(5)
+    logits = rng.permutation(-np.arange(1000) * 0.002).astype(np.float32)
+    probs = np.exp(logits.astype(np.float64) - logits.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs, kind="stable")
+    cum = np.cumsum(probs[order])
+    p = float(cum[799] + cum[800]) / 2  # halfway between two prefix masses: 801 tokens, no rounding doubt
+    hot = Sampler(temperature=1000.0, top_k=0, top_p=p, seed=0)  # flat over what top-p keeps
+    assert support(hot, logits, 20_000) == set(order[:801].tolist())
+
+
 def test_min_p_keeps_tokens_above_a_fraction_of_the_best():
     logits = logits_of([0.4, 0.3, 0.15, 0.1, 0.05])
     s = lambda m: Sampler(temperature=1.0, top_k=0, top_p=1.0, min_p=m, seed=0)  # noqa: E731

@@ -37,15 +37,21 @@ GREEDY = {"temperature": 0}
 
 
 @contextlib.contextmanager
-def running_server(path, parallel: int, queue: int, num_ctx: int = 256):
-    """(base_url, served) of a server on a free 127.0.0.1 port; stopped and unloaded on exit."""
+def running_server(path, parallel: int, queue: int, num_ctx: int = 256, sndbuf: int | None = None,
+                   app_options: dict | None = None, **options):
+    """(base_url, served) of a server on a free 127.0.0.1 port; stopped and unloaded on exit.
+    ``options`` go to ``ServedModel``, ``app_options`` to ``create_app``; ``sndbuf`` sets the send
+    buffer of the connections it accepts (small: a client that stops reading is felt at once)."""
     model = models.load(path, BackendParams(n_threads=1))
     runner = Runner(model, parallel=parallel, num_ctx=num_ctx, batch_size=64)
-    served = ServedModel(runner, path, queue=queue)
+    served = ServedModel(runner, path, queue=queue, **options)
     sock = socket.socket()
+    if sndbuf is not None:  # accepted sockets inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning", timeout_graceful_shutdown=2))
+    app = create_app(served, **(app_options or {}))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -74,7 +80,7 @@ def stories():
 def synthetic(tmp_path_factory):
     """A one-slot server with no queue: the second request is refused."""
     path = write_synthetic(tmp_path_factory.mktemp("server") / "tiny.gguf", "tiny", "f32")
-    with running_server(path, parallel=1, queue=0, num_ctx=128) as server:
+    with running_server(path, parallel=1, queue=0, num_ctx=128, max_predict=1_000_000) as server:
         yield server
 
 
@@ -328,7 +334,7 @@ BAD_REQUESTS = [
     ("/api/generate", {"model": "tiny", "prompt": "a", "options": {"top_p": 5}}, 400, "top_p"),
     ("/api/generate", {"model": "tiny", "prompt": "a", "options": {"num_predict": -7}}, 400, "num_predict"),
     ("/api/generate", {"model": "tiny", "prompt": "a", "options": "fast"}, 400, "options must be a JSON object"),
-    ("/api/generate", {"model": "tiny", "prompt": "a", "format": "json"}, 400, "format"),
+    ("/api/generate", {"model": "tiny", "prompt": "a", "format": "yaml"}, 400, "format"),
     ("/api/generate", {"model": "tiny", "prompt": "a", "promt": "b"}, 400, "did you mean 'prompt'"),
     ("/api/generate", {"model": "tiny", "prompt": "word " * 200}, 400, "does not fit the context of 128"),
     ("/api/chat", {"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role must be"),
@@ -348,7 +354,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                               "stream_options": {"include_usage": True}}, 400, "stream: true"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, 400, "response_format"),
+                              "response_format": {"type": "xml"}}, 400, "response_format"),
     ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404,
      "'gpt-4o' not found"),
     ("/v1/embeddings", {"model": "tiny", "input": 3}, 400, "input must be"),
@@ -465,8 +471,17 @@ def test_a_failure_mid_stream_ends_the_stream_with_an_error(synthetic, monkeypat
         def close(self):
             self.stream.close()
 
+        def cancel(self):
+            self.stream.cancel()
+
         def wait(self, timeout=None):
             return self.stream.wait(timeout)
+
+        def wait_admitted(self, timeout=None):
+            return self.stream.wait_admitted(timeout)
+
+        def set_max_backlog(self, chunks):
+            self.stream.set_max_backlog(chunks)
 
     monkeypatch.setattr(served.runner, "completion", Failing)
     body = {"model": served.name, "prompt": "hello", "max_tokens": 50, "temperature": 0, "stream": True}

@@ -1074,3 +1074,62 @@ def test_cached_shapes_match_ggml(ctx):
     for t in outs:
         assert t._ne == tuple(t._p.ne), t
         assert t.shape == tuple(t._p.ne)[: t.ndim]
+
+
+# ---- gpt-oss ops: clamped SwiGLU, per-expert biases, attention sinks ----------------------------------
+def test_swiglu_oai(cpu):
+    g, u = 4 * randn(3, 64, seed=60), 4 * randn(3, 64, seed=61)  # past the limit both ways
+    out = compute(cpu, lambda a, b: a.swiglu_oai(b, 1.702, 7.0), g, u)
+    gc, uc = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+    np.testing.assert_allclose(out, gc / (1 + np.exp(-1.702 * gc)) * (uc + 1), rtol=1e-5, atol=1e-5)
+    with cpu.new_context() as ctx:
+        a = ctx.from_numpy(g)
+        with raises(ValueError, "swiglu_oai", "same shape"):
+            a.swiglu_oai(ctx.from_numpy(u[:, :32].copy()), 1.702, 7.0)
+        with raises(TypeError, "swiglu_oai"):
+            a.swiglu_oai(ctx.from_numpy(u, DType.F16), 1.702, 7.0)
+
+
+def test_add_id(cpu):
+    m, n_exp, n_used, n_tok = 8, 4, 2, 5
+    x = randn(n_tok, n_used, m, seed=62)  # ggml (M, U, N)
+    bias = randn(n_exp, m, seed=63)  # ggml (M, E)
+    ids = rng(64).integers(0, n_exp, (n_tok, n_used)).astype(np.int32)  # ggml (U, N)
+    out = compute(cpu, lambda a, b, i: a.add_id(b, i), x, bias, ids)
+    np.testing.assert_allclose(out, x + bias[ids], rtol=1e-6, atol=1e-6)
+    with cpu.new_context() as ctx:
+        a, b = ctx.from_numpy(x), ctx.from_numpy(bias)
+        with raises(ValueError, "add_id"):
+            a.add_id(b, ctx.from_numpy(ids[:, :1].copy()))
+        with raises(TypeError, "add_id"):
+            a.add_id(b, ctx.from_numpy(ids.astype(np.float32)))
+        y = a.add_id(b, ctx.from_numpy(np.full((n_tok, n_used), n_exp, np.int32)))
+        with raises(ValueError, "add_id", "out of range"):
+            ctx.compute(y)
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_attention_sinks(cpu, flash):
+    n_heads, n_kv_heads, d, n_tok, n_kv = 4, 2, 32, 5, 9
+    q = randn(n_heads, n_tok, d, seed=65)
+    k, v = randn(n_kv_heads, n_kv, d, seed=66), randn(n_kv_heads, n_kv, d, seed=67)
+    sinks = randn(n_heads, seed=68) + 1.0
+    mask = causal_mask(n_tok, n_kv, rows=8)
+    scale = 1 / math.sqrt(d)
+    with cpu.new_context() as ctx:
+        y = ctx.from_numpy(q).scaled_dot_product_attention(ctx.from_numpy(k), ctx.from_numpy(v), ctx.from_numpy(mask),
+                                                          scale, flash=flash, sinks=ctx.from_numpy(sinks))
+        ctx.compute(y)
+        got = y.numpy()
+    want = np.empty((n_tok, n_heads, d))
+    for h in range(n_heads):  # the sink is one more logit per row, with no value
+        scores = q[h].astype(np.float64) @ k[h // 2].T * scale + mask[:n_tok]
+        top = np.maximum(scores.max(axis=-1, keepdims=True), sinks[h])
+        e = np.exp(scores - top)
+        want[:, h] = e @ v[h // 2] / (e.sum(axis=-1, keepdims=True) + np.exp(sinks[h] - top))
+    tol = 3e-3 if flash else 1e-4
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    with cpu.new_context() as ctx:
+        with raises(ValueError, "scaled_dot_product_attention", "sinks"):
+            ctx.from_numpy(q).scaled_dot_product_attention(ctx.from_numpy(k), ctx.from_numpy(v), None, scale,
+                                                           sinks=ctx.from_numpy(sinks[:2].copy()))

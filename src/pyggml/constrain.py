@@ -1,0 +1,258 @@
+"""Constrained decoding: output that matches a JSON schema, any JSON, a regex or a Lark grammar.
+
+The grammar engine is llguidance (``pip install llguidance``). Its tokenizer is built once per
+``Tokenizer`` from our vocabulary (the bytes of every token, special tokens marked, plus our own
+``encode`` as the tokenize callback), so any GGUF tokenizer serves. Per sequence a ``Constraint``
+holds an ``LLMatcher`` that advances with every accepted token; its next-token mask is a bitmask
+over the vocabulary (``compute_mask``: llguidance's Rust code, which releases the GIL, so the
+runner computes it while the graph computes) and ``apply`` turns the disallowed logits to -inf
+with one vectorised numpy operation.
+
+Grammar sources (``grammar_for``): ``format="json"`` (any JSON value) or a JSON schema dict (Ollama's
+``format``, OpenAI's ``response_format``), and ``grammar`` as a ``Grammar`` or a string: a Lark
+grammar, or a GBNF one (recognised by its ``::=`` rules) converted to Lark. Invalid schemas and
+grammars, and schema keywords llguidance cannot enforce, are a ``ValueError`` with its message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pyggml.tokenizer.vocab import TokenType
+
+try:
+    import llguidance
+except ImportError:  # pragma: no cover - llguidance is a dependency; this keeps the import light
+    llguidance = None
+
+
+# tokens llguidance treats as special (never text): control and unknown ones. User-defined tokens
+# (Qwen's <tool_call>) are text, as our tokenizer matches them in text.
+_MARKED = frozenset({TokenType.CONTROL, TokenType.UNKNOWN})
+_BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # by mask bit
+
+
+class ConstraintError(ValueError):
+    """A grammar or schema that cannot be compiled or enforced."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """A grammar in one of llguidance's source kinds: ``kind`` is "json_schema" (``source`` a schema
+    dict, or None for any JSON value), "regex", "lark" or "gbnf"."""
+
+    kind: str
+    source: Any = None
+
+    @classmethod
+    def json(cls, schema: Mapping[str, Any] | bool | None = None) -> Grammar:
+        return cls("json_schema", schema)
+
+    @classmethod
+    def regex(cls, pattern: str) -> Grammar:
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, text: str) -> Grammar:
+        return cls("lark", text)
+
+    @classmethod
+    def gbnf(cls, text: str) -> Grammar:
+        return cls("gbnf", text)
+
+    def compile(self) -> str:
+        """llguidance's grammar text (raises ``ConstraintError`` for a source it cannot read)."""
+        _need()
+        m = llguidance.LLMatcher
+        kind, source = self.kind, self.source
+        try:
+            if kind == "json_schema":
+                if source is None:
+                    source = {}
+                if not isinstance(source, (dict, bool)):
+                    raise ConstraintError(f"a JSON schema must be an object, got {type(source).__name__}")
+                if isinstance(source, bool):
+                    source = {} if source else {"not": {}}
+                source = _closed_objects(source)
+                return m.grammar_from_json_schema(json.dumps(source), {"whitespace_flexible": False})
+            if not isinstance(source, str) or not source.strip():
+                raise ConstraintError(f"a {kind} grammar must be a non-empty string")
+            if kind == "regex":
+                return m.grammar_from_regex(source)
+            if kind == "lark":
+                return m.grammar_from_lark(source)
+            if kind == "gbnf":
+                from llguidance.gbnf_to_lark import gbnf_to_lark
+                return m.grammar_from_lark(gbnf_to_lark(source))
+        except ConstraintError:
+            raise
+        except Exception as exc:  # llguidance raises ValueError/RuntimeError/its own errors
+            raise ConstraintError(f"invalid {kind} grammar: {exc}") from None
+        raise ConstraintError(f"unknown grammar kind {kind!r} (json_schema, regex, lark, gbnf)")
+
+
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example", "required"})
+
+
+def _closed_objects(schema: Any) -> Any:
+    """The schema with ``additionalProperties: false`` on each object schema that lists
+    ``properties`` and says nothing about extra ones (as llama.cpp and Ollama read schemas: only
+    the named properties), so a model is not invited to ramble on in made-up keys."""
+    if isinstance(schema, list):
+        return [_closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _DATA_KEYWORDS else _closed_objects(v)) for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
+            and "patternProperties" not in schema and "unevaluatedProperties" not in schema:
+        out["additionalProperties"] = False
+    if isinstance(schema.get("properties"), dict):  # property names are not schema keywords
+        out["properties"] = {k: _closed_objects(v) for k, v in schema["properties"].items()}
+    return out
+
+
+def grammar_for(format: Any = None, grammar: Any = None) -> Grammar | None:
+    """The grammar a request asks for: ``format`` "json" or a JSON schema, or ``grammar`` (a
+    ``Grammar``, or a Lark/GBNF string). None when neither is set; both is an error."""
+    if format is not None and grammar is not None:
+        raise ConstraintError("give format or grammar, not both")
+    if format is not None:
+        if format == "json":
+            return Grammar.json()
+        if isinstance(format, Mapping):
+            return Grammar.json(dict(format))
+        if format == "":
+            return None
+        raise ConstraintError(f'format must be "json" or a JSON schema object, got {format!r:.60}')
+    if grammar is None:
+        return None
+    if isinstance(grammar, Grammar):
+        return grammar
+    if isinstance(grammar, str):
+        return Grammar.gbnf(grammar) if re.search(r"^\s*[\w-]+\s*::=", grammar, re.M) else Grammar.lark(grammar)
+    raise ConstraintError(f"grammar must be a Grammar or a Lark/GBNF string, got {type(grammar).__name__}")
+
+
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def ll_tokenizer(tokenizer) -> Any:
+    """llguidance's tokenizer for one of ours (built once per tokenizer: a pass over the vocabulary)."""
+    _need()
+    with _LOCK:
+        found = _TOKENIZERS.get(tokenizer)
+        if found is None:
+            found = _TOKENIZERS[tokenizer] = _build_tokenizer(tokenizer)
+        return found
+
+
+class _Wrapper:
+    """What ``llguidance.TokenizerWrapper`` reads: token bytes (special ones prefixed with 0xff, as
+    llguidance marks them), EOS and BOS, and a tokenize callback on bytes."""
+
+    def __init__(self, tokenizer):
+        types = tokenizer.vocab.types
+        self.tokens = [(b"\xff" if types[i] in _MARKED else b"") + tokenizer.token_to_piece(i)
+                       for i in range(tokenizer.vocab_size)]
+        eog = sorted(tokenizer.vocab.eog)
+        self.eos_token_id = eog[0] if tokenizer.eos is None else tokenizer.eos
+        self.bos_token_id = tokenizer.bos
+        self.special_token_ids = [i for i in range(tokenizer.vocab_size) if types[i] in _MARKED]
+        self._tokenizer = tokenizer
+
+    def __call__(self, text: bytes) -> list[int]:
+        out: list[int] = []  # plain text, no space prefix: the ids whose bytes are exactly ``text``
+        self._tokenizer._encode_text(text.decode("utf-8", errors="replace"), False, out)
+        return out
+
+
+def _build_tokenizer(tokenizer) -> Any:
+    wrapper = _Wrapper(tokenizer)
+    eog = sorted(tokenizer.vocab.eog) or [wrapper.eos_token_id]
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), n_vocab=tokenizer.vocab_size,
+                                  eos_token=eog)
+
+
+def check(grammar: Grammar, tokenizer) -> str:
+    """Compile and validate ``grammar`` for ``tokenizer``: llguidance's grammar text, or a
+    ``ConstraintError`` with its message (invalid, or using features it cannot enforce)."""
+    text = grammar.compile()
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer(tokenizer))
+    if is_error:
+        raise ConstraintError(f"invalid {grammar.kind} grammar: {messages[0] if messages else 'unknown error'}")
+    return text
+
+
+class Constraint:
+    """One sequence's matcher and its next-token mask. Only the runner's threads touch it: the
+    mask is computed (``compute_mask``) while no token is being consumed."""
+
+    def __init__(self, grammar: Grammar, tokenizer):
+        self.tokenizer = tokenizer
+        self.grammar = grammar
+        text = check(grammar, tokenizer)
+        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), text, log_level=0)
+        if self.matcher.is_error():
+            raise ConstraintError(f"invalid {grammar.kind} grammar: {self.matcher.get_error()}")
+        self.vocab_size = tokenizer.vocab_size
+        self.mask = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
+        self.mask_ready = False
+        self.bias: np.ndarray | None = None
+
+    def compute_mask(self) -> None:
+        """Fill the bitmask of tokens allowed next (llguidance releases the GIL meanwhile) and turn
+        it into ``bias`` (vocab,) float32: 0 where allowed, -inf where not; applying it is one add."""
+        self.matcher.unsafe_compute_mask_ptr(self.mask.ctypes.data, self.mask.nbytes)
+        self.bias = np.take(_BIAS, np.unpackbits(self.mask.view(np.uint8), bitorder="little")[:self.vocab_size])
+        self.mask_ready = True
+
+    def allowed(self) -> np.ndarray:
+        """Bool (vocab,) of the tokens allowed next (the mask must be computed)."""
+        return np.unpackbits(self.mask.view(np.uint8), bitorder="little")[:self.vocab_size].view(bool)
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` (a new array) with every token the grammar forbids at -inf (rows past the
+        tokenizer's vocabulary too): one vectorised add of the precomputed bias."""
+        if not self.mask_ready:
+            self.compute_mask()
+        if logits.shape[-1] == self.vocab_size:
+            return logits + self.bias
+        out = np.full(logits.shape, -np.inf, dtype=np.float32)
+        n = min(logits.shape[-1], self.vocab_size)
+        np.add(logits[:n], self.bias[:n], out=out[:n])
+        return out
+
+    def consume(self, token: int) -> None:
+        """Advance past an accepted token (a forbidden one is an internal error)."""
+        self.mask_ready = False
+        self.bias = None
+        if not self.matcher.consume_token(token):
+            raise RuntimeError(f"constrained decoding: token {token} was not allowed by the grammar "
+                               f"({self.matcher.get_error()})")
+
+    def validate(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` (a draft) the grammar accepts from here."""
+        return self.matcher.validate_tokens(tokens)
+
+    @property
+    def stopped(self) -> bool:
+        """The grammar is complete and nothing may follow (generation stops)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def accepting(self) -> bool:
+        return self.matcher.is_accepting()
+
+
+def _need() -> None:
+    if llguidance is None:
+        raise ConstraintError("constrained decoding needs the llguidance package: pip install llguidance")

@@ -1,0 +1,61 @@
+"""BERT sentence encoders (GGUF ``bert``): WordPiece vocabulary, pooling from sentence-transformers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import gguf
+
+from .base import Architecture, register
+from .tensors import Source
+from .vocab import Vocab, wordpiece_vocab
+
+
+@register("BertModel", "BertForMaskedLM", model_types=("bert",))
+class Bert(Architecture):
+    gguf_arch = "bert"
+    skip = (r"^(bert\.)?(pooler\.|cls\.|embeddings\.position_ids)",)  # heads (pooler, MLM) are dropped
+    embedding = True
+    default_context = 512
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        act = self.config.get("hidden_act", "gelu")
+        if act != "gelu":  # the runtime applies exact (erf) GELU, which is what BERT's "gelu" means
+            raise ValueError(f"config.json has hidden_act={act!r}; only 'gelu' BERT models are supported")
+        if self.config.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"config.json has position_embedding_type={self.config['position_embedding_type']!r}; "
+                             "only absolute position embeddings are supported")
+        if self.n_embd % self.n_heads:
+            raise ValueError("config.json: hidden_size is not a multiple of num_attention_heads")
+        self.n_types = self.config.get("type_vocab_size") or 2
+        self.pooling_type = self.sentence_transformers_pooling() or gguf.PoolingType.MEAN
+
+    def metadata(self, w: gguf.GGUFWriter) -> None:
+        super().metadata(w)
+        if "layer_norm_eps" not in self.config:
+            w.add_layer_norm_eps(1e-12)
+        w.add_causal_attention(False)
+        w.add_pooling_type(self.pooling_type)
+        w.add_token_type_count(self.n_types)
+
+    def vocab(self) -> Vocab:
+        return wordpiece_vocab(self.hf_dir, self.n_vocab)
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        # BertForMaskedLM nests the encoder under "bert."; old checkpoints call LayerNorm parameters gamma/beta
+        name = name.removeprefix("bert.").replace("LayerNorm.gamma", "LayerNorm.weight")
+        yield self.map_name(name.replace("LayerNorm.beta", "LayerNorm.bias")), source
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        embd, ff = self.n_embd, self.hparam("intermediate_size")
+        shapes = {"token_embd.weight": (self.n_vocab, embd), "token_types.weight": (self.n_types, embd),
+                  "position_embd.weight": (self.context_length, embd),
+                  "token_embd_norm.weight": (embd,), "token_embd_norm.bias": (embd,)}
+        per_layer = {"attn_q": (embd, embd), "attn_k": (embd, embd), "attn_v": (embd, embd),
+                     "attn_output": (embd, embd), "attn_output_norm": (embd,), "ffn_up": (ff, embd),
+                     "ffn_down": (embd, ff), "layer_output_norm": (embd,)}
+        for kind, shape in per_layer.items():
+            shapes[f"blk.{{bid}}.{kind}.weight"] = shape
+            shapes[f"blk.{{bid}}.{kind}.bias"] = shape[:1]
+        return shapes

@@ -1,0 +1,152 @@
+"""Image decoding and preprocessing for vision models (Pillow): any file Pillow reads, turned upright by
+its EXIF orientation and converted to RGB (palette, alpha, grayscale and CMYK images too), within a pixel
+limit; then resized, rescaled and normalised as Hugging Face's image processors do."""
+
+from __future__ import annotations
+
+import io
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MAX_PIXELS = 50_000_000  # a decoded image larger than this is refused (a small file can decode to gigabytes)
+MIN_SIDE = 2
+
+
+class ImageError(ValueError):
+    """Bytes that are not an image the model can take."""
+
+
+def decode(data: bytes, max_pixels: int = MAX_PIXELS):
+    """The RGB ``PIL.Image`` of an image file's bytes; ImageError for anything else."""
+    try:
+        from PIL import Image, ImageOps
+    except ImportError:  # pragma: no cover - a dependency
+        raise ImageError("images need Pillow: pip install Pillow") from None
+    if not isinstance(data, (bytes, bytearray)) or not data:
+        raise ImageError("an image must be the non-empty bytes of an image file")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ImageError(f"the image is {width}x{height} = {width * height} pixels, over the limit of "
+                                 f"{max_pixels}; send a smaller image")
+            if min(width, height) < MIN_SIDE:
+                raise ImageError(f"the image is {width}x{height}; it needs at least {MIN_SIDE} pixels a side")
+            image.load()
+            image = ImageOps.exif_transpose(image)
+    except ImageError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise ImageError(f"the image is too large: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - Pillow raises many kinds for bad files (OSError, SyntaxError, ...)
+        raise ImageError(f"not an image Pillow can read ({type(exc).__name__}: {exc})") from None
+    return to_rgb(image)
+
+
+def to_rgb(image):
+    """RGB from any mode; transparent pixels become white (as a viewer shows them on a page)."""
+    from PIL import Image
+
+    if image.mode == "RGB":
+        return image
+    if image.mode == "P":
+        image = image.convert("RGBA")
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode in ("L", "RGB") and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def resize_normalize(image, size: tuple[int, int], mean: Sequence[float], std: Sequence[float],
+                     rescale: float = 1 / 255) -> np.ndarray:
+    """``image`` resized to ``size`` (width, height) with bilinear filtering, scaled by ``rescale`` and
+    normalised per channel: float32 (3, height, width), equal to Hugging Face's PIL image processors."""
+    from PIL import Image
+
+    resized = np.asarray(image.resize(size, Image.Resampling.BILINEAR), dtype=np.uint8)
+    pixels = (resized.astype(np.float64) * rescale).astype(np.float32)
+    pixels = (pixels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+
+
+def image_bytes(item: Any, where: str = "image") -> bytes:
+    """An image given as file bytes, base64 text (Ollama), a ``data:`` URL (OpenAI) or a local path
+    (``pathlib.Path`` only); remote URLs are refused: pyggml never fetches them on a caller's behalf."""
+    import base64
+    import binascii
+    import os
+
+    if isinstance(item, (bytes, bytearray)):
+        data = bytes(item)
+    elif isinstance(item, os.PathLike):
+        data = Path(item).read_bytes()
+    elif isinstance(item, str):
+        text = item.strip()
+        if text.lower().startswith(("http://", "https://", "ftp://", "file:")):
+            raise ImageError(f"{where}: remote image URLs are not fetched; send the image itself "
+                             "(base64, or a data: URL)")
+        if text.lower().startswith("data:"):
+            header, _, text = text.partition(",")
+            if ";base64" not in header.lower():
+                raise ImageError(f"{where}: a data: URL must be base64-encoded (data:image/png;base64,...)")
+        try:
+            data = base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise ImageError(f"{where}: not base64 image data") from None
+    else:
+        raise ImageError(f"{where}: an image must be bytes, base64 text or a data: URL, got {type(item).__name__}")
+    if not data:
+        raise ImageError(f"{where}: empty image")
+    return data
+
+
+def split_chat_images(messages: Sequence[Any]) -> tuple[list[Any], list[bytes]]:
+    """Messages with their images replaced by ``[img-N]`` markers in the text, and the images in order.
+    Images come as a message's ``images`` list (Ollama: put before its text) or as content parts
+    ``{"type": "image_url", "image_url": {"url": "data:..."}}`` (OpenAI) or ``{"type": "image", "image": ...}``."""
+    out, images = [], []
+
+    def marker(item: Any, where: str) -> str:
+        images.append(image_bytes(item, where))
+        return f"[img-{len(images) - 1}]"
+
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            out.append(message)
+            continue
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, (list, tuple)):
+            parts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                where = f"messages[{i}].content[{j}]"
+                if kind == "image_url":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, Mapping) else url
+                    if not isinstance(url, str):
+                        raise ImageError(f"{where}: image_url needs a url")
+                    parts.append({"type": "text", "text": marker(url, where)})
+                elif kind == "image":
+                    parts.append({"type": "text", "text": marker(part.get("image"), where)})
+                else:
+                    parts.append(part)
+            message["content"] = parts
+        extra = message.pop("images", None) or []
+        if isinstance(extra, (str, bytes)) or not isinstance(extra, Sequence):
+            raise ImageError(f"messages[{i}].images must be a list")
+        if extra:
+            markers = "".join(marker(x, f"messages[{i}].images[{k}]") for k, x in enumerate(extra))
+            if isinstance(message.get("content"), list):
+                message["content"] = [{"type": "text", "text": markers}, *message["content"]]
+            else:
+                message["content"] = markers + (message.get("content") or "")
+        out.append(message)
+    return out, images

@@ -1,0 +1,186 @@
+"""BERT sentence encoders (GGUF architecture "bert": all-MiniLM, bge, e5 and the like).
+
+Post-norm transformer without a causal mask: token + position + token-type embeddings ->
+LayerNorm; per layer, attention -> residual -> LayerNorm, GELU MLP -> residual -> LayerNorm. The
+token states are pooled into one vector per sequence (mean, first token, last token) in the graph.
+There is no KV cache: a sequence is encoded whole in one pass, and several sequences share a pass
+with a block-diagonal mask so that each token attends only to its own sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyggml import nn
+from pyggml.backend import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Backend, Context
+from pyggml.models import Batch, Model, ModelError, Pooling, register
+from pyggml.tensor import Tensor
+
+
+@dataclass(frozen=True)
+class Options:
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    head_dim: int
+    ffn_size: int
+    vocab_size: int | None  # None: no tokenizer in the file, token_embd's rows
+    n_token_types: int | None  # rows of token_types (None: not in the metadata, the file's)
+    context_length: int  # rows of position_embd: the longest sequence
+    eps: float
+    pooling: Pooling
+
+    @classmethod
+    def from_config(cls, config) -> Options:
+        hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
+        n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
+        if not hidden or not n_heads or hidden % n_heads:
+            raise ModelError(f"bert: embedding_length ({hidden}) must be a non-zero multiple of "
+                             f"attention.head_count ({n_heads})")
+        if config.uint("attention.head_count_kv", n_heads) != n_heads:
+            raise ModelError("bert: attention.head_count_kv differs from attention.head_count; grouped-query "
+                             "attention is not supported for bert")
+        if config.bool("attention.causal", False):
+            raise ModelError("bert: attention.causal is true; only bidirectional BERT encoders are supported")
+        try:
+            pooling = Pooling.parse(config.uint("pooling_type", Pooling.NONE))
+        except ValueError as exc:
+            raise ModelError(f"bert: {exc}") from None
+        if pooling == Pooling.RANK:
+            raise ModelError("bert: rank pooling (rerankers) is not supported")
+        return cls(
+            hidden_size=hidden,
+            n_layers=config.uint("block_count", min=1, max=MAX_LAYERS),
+            n_heads=n_heads,
+            head_dim=hidden // n_heads,
+            ffn_size=config.uint("feed_forward_length", min=1, max=MAX_WIDTH),
+            vocab_size=len(config.get("tokenizer.ggml.tokens", ())) or None,
+            n_token_types=config.uint("tokenizer.ggml.token_type_count", None, max=MAX_VOCAB),
+            context_length=config.uint("context_length", 512, min=1, max=MAX_CONTEXT),
+            eps=config.float("attention.layer_norm_epsilon", 1e-12, min=0.0, max=1.0),
+            pooling=pooling,
+        )
+
+
+class SelfAttention(nn.Module):
+    attn_q: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
+    attn_k: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
+    attn_v: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
+    attn_output: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
+
+    def __call__(self, ctx: Context, x: Tensor, mask: Tensor, opts: Options) -> Tensor:
+        n_tokens = x.shape[1]
+        q = self.attn_q(x).reshape(opts.head_dim, opts.n_heads, n_tokens)
+        k = self.attn_k(x).reshape(opts.head_dim, opts.n_heads, n_tokens)
+        v = self.attn_v(x).reshape(opts.head_dim, opts.n_heads, n_tokens)
+        out = nn.attention(ctx, q, k, v, None, 1.0 / math.sqrt(opts.head_dim), mask=mask)
+        return self.attn_output(out)
+
+
+class MLP(nn.Module):
+    ffn_up: nn.Linear = nn.shape("hidden_size", "ffn_size", bias=True)
+    ffn_down: nn.Linear = nn.shape("ffn_size", "hidden_size", bias=True)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.ffn_down(self.ffn_up(x).gelu_erf())  # BERT's "gelu" is the exact (erf) one
+
+
+class Layer(nn.Module):
+    attention: SelfAttention
+    attn_output_norm: nn.LayerNorm = nn.shape("hidden_size", bias=True)
+    mlp: MLP
+    layer_output_norm: nn.LayerNorm = nn.shape("hidden_size", bias=True)
+
+    def __call__(self, ctx: Context, h: Tensor, mask: Tensor, opts: Options) -> Tensor:
+        h = self.attn_output_norm(h + self.attention(ctx, h, mask, opts), opts.eps)
+        return self.layer_output_norm(h + self.mlp(h), opts.eps)
+
+
+class Weights(nn.Module):
+    token_embd: nn.Embedding = nn.shape("hidden_size", "vocab_size")
+    # segment embeddings (every token is segment 0); required when the file states a token type count
+    token_types: nn.Embedding | None = nn.shape("hidden_size", "n_token_types", when="n_token_types")
+    position_embd: nn.Embedding = nn.shape("hidden_size", "context_length")
+    token_embd_norm: nn.LayerNorm = nn.shape("hidden_size", bias=True)
+    blk: list[Layer]
+
+
+@register("bert")
+class Bert(Model):
+    Options, Weights = Options, Weights
+    generates = False
+
+    def __init__(self, backend: Backend):
+        self.backend = backend
+        self.options = Options.from_config(backend.config)
+        self.pooling = self.options.pooling
+        self.weights: Weights = nn.load(Weights, backend, self.options)
+        self.cache = None
+
+    def forward(self, ctx: Context, batch: Batch) -> Tensor:
+        raise NotImplementedError("bert is an embedding model: it produces embeddings, not next-token logits")
+
+    def embed(self, ctx: Context, batch: Batch, pooling: Pooling | str | None = None) -> Tensor:
+        w, o = self.weights, self.options
+        pooling = self.pooling if pooling is None else Pooling.parse(pooling)
+        if pooling == Pooling.RANK:
+            raise ValueError("bert.embed: rank pooling is not supported")
+        tokens, positions, sequences = check_batch(batch, w.token_embd.weight.shape[1], o.context_length,
+                                                   "bert.embed")
+        h = w.token_embd(nn.int32_input(ctx.input(), tokens))
+        nn.tap("token_embd", h)
+        if w.token_types is not None:
+            h = h + w.token_types(nn.int32_input(ctx.input(), np.zeros_like(tokens)))
+        h = h + w.position_embd(nn.int32_input(ctx.input(), positions))
+        h = nn.tap("token_embd_norm", w.token_embd_norm(h, o.eps))
+        mask = ctx.from_numpy(sequence_mask(sequences))
+        for i, layer in enumerate(w.blk):
+            h = nn.tap(f"blk.{i}", layer(ctx, h, mask, o))
+        return pool(ctx, h, sequences, pooling)
+
+
+def check_batch(batch: Batch, n_vocab: int, n_positions: int | None, name: str) -> tuple[np.ndarray, ...]:
+    """A batch of whole sequences as int arrays (tokens, positions, sequences), after checking what
+    the graph would otherwise read out of bounds: token ids below ``n_vocab``, positions below
+    ``n_positions`` (None: no limit), sequences numbered 0, 1, ... with each one's tokens together."""
+    tokens = np.asarray(batch.tokens, dtype=np.int64)
+    positions = np.asarray(batch.positions, dtype=np.int64)
+    sequences = np.asarray(batch.sequences, dtype=np.int64)
+    if not len(tokens) or tokens.ndim != 1 or positions.shape != tokens.shape or sequences.shape != tokens.shape:
+        raise ValueError(f"{name}: need equally long, non-empty tokens, positions and sequences; got "
+                         f"{tokens.shape}, {positions.shape}, {sequences.shape}")
+    if tokens.min() < 0 or tokens.max() >= n_vocab:
+        raise ValueError(f"{name}: token ids must lie in 0..{n_vocab - 1}")
+    if positions.min() < 0 or (n_positions is not None and positions.max() >= n_positions):
+        raise ValueError(f"{name}: positions must lie in 0..{n_positions - 1} (the model's context length)"
+                         if n_positions is not None else f"{name}: positions must not be negative")
+    steps = np.diff(sequences)
+    if sequences[0] != 0 or ((steps != 0) & (steps != 1)).any():
+        raise ValueError(f"{name}: sequences must be numbered 0, 1, ... with each one's tokens together")
+    return tokens, positions, sequences
+
+
+def sequence_mask(sequences: np.ndarray) -> np.ndarray:
+    """(n_tokens, n_tokens) additive attention mask: 0 within a sequence, -inf across sequences."""
+    same = sequences[:, None] == sequences[None, :]
+    return np.where(same, 0.0, -np.inf).astype(np.float32)
+
+
+def pool(ctx: Context, h: Tensor, sequences: np.ndarray, pooling: Pooling) -> Tensor:
+    """Pool token states ``h`` (hidden, n_tokens) per sequence: (hidden, n_seqs), or ``h`` for NONE."""
+    if pooling == Pooling.NONE:
+        return h
+    n_seqs = int(sequences[-1]) + 1
+    starts = np.searchsorted(sequences, np.arange(n_seqs), side="left")
+    ends = np.searchsorted(sequences, np.arange(n_seqs), side="right")
+    if pooling == Pooling.CLS:
+        return h.rows(nn.int32_input(ctx, starts))
+    if pooling == Pooling.LAST:
+        return h.rows(nn.int32_input(ctx, ends - 1))
+    # mean: h (hidden, n_tokens) times a (n_tokens, n_seqs) matrix of 1/length within each sequence
+    weights = np.zeros((n_seqs, len(sequences)), np.float32)  # numpy order: row s is sequence s
+    weights[sequences, np.arange(len(sequences))] = (1.0 / (ends - starts))[sequences]
+    return h.transpose().contiguous().mulmat(ctx.from_numpy(weights))

@@ -1,0 +1,614 @@
+"""Building blocks for model files: weight-holding modules, the weight loader, rope and attention.
+
+Model files declare weights as annotated fields named exactly like the GGUF tensors, each with its
+shape (ggml order) in the names of the model's hyper-parameters (its Options)::
+
+    class Layer(nn.Module):
+        attn_norm: nn.RMSNorm = nn.shape("hidden_size")                # blk.N.attn_norm.weight
+        attn: SelfAttention                    # a non-leaf module: its fields share the layer's prefix
+        ffn_up: nn.Linear = nn.shape("hidden_size", "ffn_size")        # (in, out); + .bias when present
+        attn_q_norm: nn.RMSNorm | None = nn.shape("head_dim")          # optional: None when absent
+
+    class Weights(nn.Module):
+        token_embd: nn.Embedding = nn.shape("hidden_size", "vocab_size")
+        blk: list[Layer]                       # blk.0., blk.1., ... up to Options.n_layers
+        output: nn.Linear = nn.shape("hidden_size", "vocab_size", alt="token_embd")  # tied when absent
+
+``nn.load(Weights, backend, options)`` fills them in and reports every missing tensor and every
+wrong shape at once; ``nn.declared(Weights, options)`` lists them for ``pyggml.synthetic``.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import types
+import typing
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Union
+
+import numpy as np
+
+from pyggml.backend import MAX_CONTEXT
+from pyggml.tensor import _NO_TO_FLOAT, _NOT_MATMUL, DType, RopeType, Tensor
+
+if typing.TYPE_CHECKING:
+    from pyggml.backend import Backend, Context
+    from pyggml.input import Batch
+    from pyggml.kvcache import Cache
+
+
+class ModelError(ValueError):
+    """A model file that pyggml cannot run: unknown architecture, bad hyper-parameters, wrong shapes."""
+
+
+class MissingWeightsError(ModelError):
+    """Required tensors are absent from the GGUF file."""
+
+
+class Module:
+    """Base of everything that holds weights. Leaf modules read ``<prefix>.weight`` / ``.bias``."""
+
+    leaf: ClassVar[bool] = False
+
+
+class Weight(Module):
+    """A bare tensor (e.g. ``rope_freqs.weight``)."""
+
+    leaf = True
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        self.weight = weight
+
+
+def _check_type(weight: Tensor | None, ok: bool, use: str) -> None:
+    """Refuse at load a weight stored in a type ggml has no kernel for in this use (it would fail, or for
+    some types crash, on the first request)."""
+    if weight is not None and not ok:
+        raise ModelError(f"weight {weight.name!r} is stored as {weight.dtype.name}, which ggml cannot use as {use}")
+
+
+class Linear(Module):
+    leaf = True
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype not in _NOT_MATMUL, "a matrix-product weight")
+        _check_type(bias, bias is None or bias.dtype == DType.F32, "a bias (F32 only)")
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = self.weight.mulmat(x)
+        return y if self.bias is None else y + self.bias
+
+
+class Embedding(Module):
+    leaf = True
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype in (DType.F32, DType.F16, DType.BF16) or (
+            weight.dtype.is_quantized and weight.dtype not in _NO_TO_FLOAT), "an embedding table")
+        self.weight = weight
+
+    def __call__(self, ids: Tensor) -> Tensor:
+        return self.weight.rows(ids)
+
+
+class RMSNorm(Module):
+    leaf = True
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype == DType.F32, "a norm weight (F32 only)")
+        self.weight = weight
+
+    def __call__(self, x: Tensor, eps: float) -> Tensor:
+        return x.rms_norm(eps, self.weight)
+
+
+class LayerNorm(Module):
+    leaf = True
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        _check_type(weight, weight.dtype == DType.F32, "a norm weight (F32 only)")
+        _check_type(bias, bias is None or bias.dtype == DType.F32, "a norm bias (F32 only)")
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: Tensor, eps: float) -> Tensor:
+        return x.norm(eps, self.weight, self.bias)
+
+
+class Experts(Module):
+    """A mixture of experts' stacked matrices, weight (in, out, n_experts) and optional per-expert
+    bias (out, n_experts) (GGUF ``ffn_*_exps``): each token through the experts chosen for it."""
+
+    leaf = True
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None):
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: Tensor, chosen: Tensor) -> Tensor:
+        """``x`` (in, n_tokens), or (in, n_used, n_tokens) per chosen expert; ``chosen`` I32
+        (n_used, n_tokens) expert ids. Returns (out, n_used, n_tokens); unchosen experts cost nothing."""
+        if len(x.shape) == 2:
+            x = x.reshape(x.shape[0], 1, x.shape[1])
+        y = self.weight.mulmat_id(x, chosen)
+        return y if self.bias is None else y.add_id(self.bias, chosen)
+
+
+# ---- shape declarations ----------------------------------------------------------------------
+_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
+           ast.Mod: operator.mod}
+_COMPARE = {ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le,
+            ast.Gt: operator.gt, ast.GtE: operator.ge}
+_NODES = (ast.Name, ast.Attribute, ast.Subscript, ast.Load, ast.BinOp, ast.Compare, ast.BoolOp, ast.And, ast.Or,
+          ast.UnaryOp, ast.Not, *_BINARY, *_COMPARE)
+
+
+@dataclass(frozen=True)
+class Expr:
+    """An expression over hyper-parameter names: a dimension (``"n_heads * head_dim"``,
+    ``"rope.n_dims // 2"``, ``"ffn_size[layer]"``) or a condition (``"layer % 2 == 1"``);
+    ``layer`` is the block index. Integers, names, attributes, indexing, + - * // %, comparisons,
+    and/or/not; nothing else parses."""
+
+    text: str
+    tree: ast.expr
+
+    @classmethod
+    def parse(cls, text: str | int) -> Expr:
+        text = str(text)
+        tree = ast.parse(text, mode="eval").body
+        for node in ast.walk(tree):
+            if not (isinstance(node, _NODES) or (isinstance(node, ast.Constant) and type(node.value) is int)):
+                raise ValueError(f"nn.shape: {text!r} is not an integer expression of hyper-parameter names")
+        return cls(text, tree)
+
+    def evaluate(self, lookup: typing.Callable[[str], Any], layer: int | None) -> Any:
+        """The value, or None when a hyper-parameter it uses is unknown (None)."""
+
+        def value(node: ast.expr) -> Any:
+            if isinstance(node, ast.Constant):
+                return node.value
+            if isinstance(node, ast.Name):
+                return layer if node.id == "layer" else lookup(node.id)
+            if isinstance(node, ast.Attribute):
+                owner = value(node.value)
+                return None if owner is None else getattr(owner, node.attr)
+            if isinstance(node, ast.Subscript):
+                owner, index = value(node.value), value(node.slice)
+                return None if owner is None or index is None else owner[index]
+            if isinstance(node, ast.BoolOp):
+                values = [value(v) for v in node.values]
+                return None if None in values else (all if isinstance(node.op, ast.And) else any)(values)
+            if isinstance(node, ast.UnaryOp):
+                operand = value(node.operand)
+                return None if operand is None else not operand
+            if isinstance(node, ast.Compare):
+                items = [value(node.left), *(value(c) for c in node.comparators)]
+                if None in items:
+                    return None
+                return all(_COMPARE[type(op)](a, b) for op, a, b in zip(node.ops, items, items[1:], strict=False))
+            assert isinstance(node, ast.BinOp)
+            left, right = value(node.left), value(node.right)
+            return None if left is None or right is None else _BINARY[type(node.op)](left, right)
+
+        return value(self.tree)
+
+    def size(self, lookup: typing.Callable[[str], Any], layer: int | None) -> int | None:
+        result = self.evaluate(lookup, layer)
+        if result is not None and (not isinstance(result, int) or isinstance(result, bool)):
+            raise TypeError(f"nn.shape: {self.text!r} is {result!r}, not an integer")
+        return result
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What a field's default declares: the weight's ``shape`` (None: undeclared, not checked),
+    an ``alt`` tensor to load when the field's own is absent, whether a ``bias`` is part of it, and
+    for an optional field ``when`` it is present."""
+
+    shape: tuple[Expr, ...] | None = None
+    alt: str | None = None
+    bias: bool = False
+    when: Expr | None = None
+
+
+def shape(*dims: str | int, alt: str | None = None, bias: bool = False, when: str | None = None) -> Any:
+    """Field default: the shape of the field's ``.weight`` in ggml order (innermost first), each
+    dimension an expression of hyper-parameter names read from the model's Options::
+
+        attn_q: nn.Linear = nn.shape("hidden_size", "n_heads * head_dim")   # Linear: (in, out)
+        token_embd: nn.Embedding = nn.shape("hidden_size", "vocab_size")     # Embedding: (dim, rows)
+        attn_norm: nn.RMSNorm = nn.shape("hidden_size")                      # norms: (dim,)
+
+    ``bias=True``: the architecture has a ``.bias`` too, of the weight's shape without its first
+    (input) dimension: (out,) for a Linear, (dim,) for a norm, (out, n_experts) for stacked experts; required and
+    written by ``pyggml.synthetic``; without it a bias present in the file is still loaded and checked.
+    ``alt``: load that tensor when the field's own is absent (tied output embeddings).
+    ``when`` (optional fields): a condition under which the tensor is required (and written by
+    ``pyggml.synthetic``), e.g. ``"n_token_types"`` or ``"layer % moe_every == 0"``; otherwise, and
+    without ``when``, an optional tensor is loaded when the file has it."""
+    return Spec(tuple(Expr.parse(d) for d in dims), alt, bias, None if when is None else Expr.parse(when))
+
+
+def alt(name: str) -> Any:
+    """Field default: load this other tensor when the field's own is absent (tied weights); the
+    shape is not declared (``nn.shape(..., alt=name)`` declares both)."""
+    return Spec(alt=name)
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """A tensor as the declarations describe it for given hyper-parameters (``pyggml.synthetic``)."""
+
+    name: str  # GGUF name, e.g. "blk.0.attn_q.weight"
+    shape: tuple[int, ...]  # ggml order
+    module: type[Module]  # the leaf type that holds it (Linear, RMSNorm, ...)
+    required: bool  # the file must have it (optional fields: when their ``when`` holds)
+
+
+def declared(cls: type, hparams: Any, n_layers: int | None = None) -> list[TensorDecl]:
+    """Every tensor of ``cls`` (an nn.Module tree) whose shape is declared, sized from
+    ``hparams`` (the model's Options, or a mapping); raises ValueError for a required tensor of
+    unknown size (an optional one is left out)."""
+    n = _layer_count(hparams, n_layers, None)
+    out: list[TensorDecl] = []
+
+    def visit(kind: type, name: str, optional: bool, spec: Spec, layer: int | None) -> None:
+        if spec.shape is None:
+            return
+
+        def lookup(key: str) -> Any:
+            return _hparam(hparams, key, cls)
+
+        required = _required(optional, spec, lookup, layer)
+        sizes = tuple(d.size(lookup, layer) for d in spec.shape)
+        if any(s is None for s in sizes):
+            if not required:
+                return
+            unknown = [d.text for d, s in zip(spec.shape, sizes, strict=True) if s is None]
+            raise ValueError(f"{name}.weight: the size of {', '.join(unknown)} is unknown; set it")
+        out.append(TensorDecl(f"{name}.weight", sizes, kind, required))
+        if spec.bias:
+            out.append(TensorDecl(f"{name}.bias", _bias_dims(sizes), kind, required))
+
+    _walk(cls, "", n, None, visit)
+    return out
+
+
+# ---- the loader ---------------------------------------------------------------------------------
+def load(cls: type, backend: Backend, hparams: Any = None, n_layers: int | None = None) -> Any:
+    """Build ``cls`` with its declared weights taken from ``backend`` by GGUF name, checking each
+    declared shape against ``hparams`` (the model's Options). Raises ``MissingWeightsError`` or
+    ``ModelError`` listing every missing tensor and every wrong shape at once."""
+    layers = _layer_count(hparams, n_layers, backend)
+    check = _Check(hparams, cls)
+    module = _build(cls, backend, layers, check)
+    problems = []
+    if check.missing:
+        problems.append(f"missing tensors: {', '.join(check.missing)}")
+    if check.wrong:
+        problems.append("wrong shapes for the file's hyper-parameters: " + "; ".join(check.wrong))
+    if problems:
+        error = MissingWeightsError if check.missing else ModelError
+        raise error(f"{backend.path}: " + ". ".join(problems))
+    return module
+
+
+def _layer_count(hparams: Any, n_layers: int | None, backend: Backend | None) -> int:
+    if n_layers is not None:
+        return n_layers
+    if isinstance(hparams, Mapping) and "n_layers" in hparams:
+        return int(hparams["n_layers"])
+    if hparams is not None and hasattr(hparams, "n_layers"):
+        return int(hparams.n_layers)
+    return backend.config.uint("block_count", 0) if backend is not None else 0
+
+
+def _hparam(hparams: Any, key: str, cls: type) -> Any:
+    """A hyper-parameter by name; a declaration naming one that does not exist is a bug in the model file."""
+    if isinstance(hparams, Mapping):
+        if key in hparams:
+            return hparams[key]
+    elif hparams is not None and hasattr(hparams, key):
+        return getattr(hparams, key)
+    raise TypeError(f"{cls.__name__}: a declared shape names {key!r}, which "
+                    f"{type(hparams).__name__ if hparams is not None else 'no hyper-parameters'} has")
+
+
+class _Check:
+    """Shape checking state of one load: the problems found, and sizes bound from the file for
+    hyper-parameters that are unknown (None) in the Options, e.g. a vocabulary size not in the metadata."""
+
+    def __init__(self, hparams: Any, cls: type):
+        self.hparams, self.cls = hparams, cls
+        self.bound: dict[str, int] = {}
+        self.missing: list[str] = []
+        self.wrong: list[str] = []
+
+    def lookup(self, key: str) -> Any:
+        return self.bound[key] if key in self.bound else _hparam(self.hparams, key, self.cls)
+
+    def shape(self, name: str, tensor: Tensor, dims: tuple[Expr, ...], layer: int | None) -> None:
+        if self.hparams is None:
+            return
+        actual = tuple(tensor.shape) + (1,) * (len(dims) - len(tensor.shape))
+        expected = []
+        for dim, size in zip(dims, actual, strict=False):
+            value = dim.size(self.lookup, layer)
+            if value is None and isinstance(dim.tree, ast.Name):  # unknown: the file says
+                self.bound[dim.text] = value = size
+            expected.append(size if value is None else value)
+        if actual != tuple(expected):
+            self.wrong.append(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(expected)} = "
+                              f"({', '.join(d.text for d in dims)})")
+
+
+def _bias_dims(dims: tuple) -> tuple:
+    """A bias's dimensions from its weight's: all but the input dimension (a 1-d weight: the same;
+    stacked experts (in, out, n): (out, n); a 2-d convolution kernel (kw, kh, in, out): (out,))."""
+    if len(dims) == 4:
+        return dims[3:]
+    return dims[1:] if len(dims) > 1 else dims
+
+
+def _required(optional: bool, spec: Spec, lookup: typing.Callable[[str], Any], layer: int | None) -> bool:
+    """Whether a field's tensor must be in the file: not optional, or optional ``when`` its condition holds."""
+    return not optional or (spec.when is not None and bool(spec.when.evaluate(lookup, layer)))
+
+
+def _unwrap(hint: Any) -> tuple[Any, bool]:
+    """(type, optional) of an annotation such as ``nn.Linear | None``."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
+          leaf: typing.Callable[[type, str, bool, Spec, int | None], Any]) -> Any:
+    """Build ``cls``: each leaf field's value is ``leaf(kind, gguf_name, optional, spec, layer)``;
+    ``list[X]`` fields repeat X per layer under ``<field>.<i>.``, other modules share the prefix."""
+    obj = cls.__new__(cls)
+    for field, hint in typing.get_type_hints(cls).items():
+        if typing.get_origin(hint) is ClassVar:
+            continue
+        kind, optional = _unwrap(hint)
+        spec = getattr(cls, field, None)  # a subclass inherits its bases' declarations
+        spec = spec if isinstance(spec, Spec) else Spec()
+        if typing.get_origin(kind) is list:
+            (item,) = typing.get_args(kind)
+            value = [_walk(item, f"{prefix}{field}.{i}.", n_layers, i, leaf) for i in range(n_layers)]
+        elif isinstance(kind, type) and issubclass(kind, Module) and kind.leaf:
+            value = leaf(kind, f"{prefix}{field}", optional, spec, layer)
+        elif isinstance(kind, type) and issubclass(kind, Module):
+            value = _walk(kind, prefix, n_layers, layer, leaf)  # inline: same prefix
+        else:
+            continue  # not a weight (hyper-parameters and the like are set by the model)
+        setattr(obj, field, value)
+    return obj
+
+
+def _build(cls: type, backend: Backend, n_layers: int, check: _Check) -> Any:
+    def leaf(kind: type, name: str, optional: bool, spec: Spec, layer: int | None) -> Any:
+        optional = not _required(optional, spec, check.lookup, layer) if check.hparams is not None else optional
+        source = name
+        weight = backend.get(f"{name}.weight")
+        if weight is None and spec.alt is not None:
+            source = spec.alt
+            weight = backend.get(f"{source}.weight")
+        if weight is None:
+            if not optional:
+                check.missing.append(f"{name}.weight")
+            return None
+        bias = backend.get(f"{name}.bias")
+        if bias is None and spec.bias:
+            check.missing.append(f"{name}.bias")
+        if spec.shape is not None:
+            check.shape(f"{source}.weight", weight, spec.shape, layer)
+            if bias is not None:
+                check.shape(f"{name}.bias", bias, _bias_dims(spec.shape), layer)
+        if source != name and kind is Linear:  # e.g. tied output embeddings: a fast mulmat layout
+            weight = backend.matmul_weight(weight)
+        return kind(weight, bias)
+
+    return _walk(cls, "", n_layers, None, leaf)
+
+
+# ---- attention sizes --------------------------------------------------------------------------
+def attention_sizes(config: Any) -> tuple[int, int, int, int, int]:
+    """(hidden, n_layers, n_heads, n_kv_heads, head_dim) from the usual GGUF keys, range-checked, for
+    models whose keys and values have one head size; ModelError naming the key otherwise."""
+    from pyggml.backend import MAX_LAYERS, MAX_WIDTH
+
+    arch = config.architecture
+    hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
+    n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
+    n_layers = config.uint("block_count", min=1, max=MAX_LAYERS)
+    head_dim = config.uint("attention.key_length", 0, max=MAX_WIDTH) or hidden // n_heads
+    if (config.uint("attention.value_length", 0, max=MAX_WIDTH) or head_dim) != head_dim:
+        raise ModelError(f"{arch}: {arch}.attention.value_length must equal {arch}.attention.key_length")
+    n_kv_heads = config.uint("attention.head_count_kv", 0, max=n_heads) or n_heads
+    if not head_dim or n_heads % n_kv_heads:
+        raise ModelError(f"{arch}: {arch}.attention.head_count ({n_heads}) must be a multiple of "
+                         f"{arch}.attention.head_count_kv ({n_kv_heads}), with heads of at least one dimension")
+    return hidden, n_layers, n_heads, n_kv_heads, head_dim
+
+
+# ---- rope -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding settings, usually read from GGUF ``rope.*`` keys by ``Rope.from_config``."""
+
+    n_dims: int
+    base: float = 10000.0
+    freq_scale: float = 1.0
+    mode: RopeType = RopeType.NORMAL
+    n_ctx_orig: int = 0
+    ext_factor: float = 0.0
+    attn_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+    @classmethod
+    def from_config(cls, config: Any, n_dims: int, mode: RopeType = RopeType.NORMAL) -> Rope:
+        kind = config.string("rope.scaling.type", "") or ""
+        factor = config.float("rope.scaling.factor", 0.0, min=0.0, max=1e6) or 0.0
+        if kind not in ("", "none", "linear", "yarn", "llama3"):  # llama3 scales through rope_freqs.weight
+            raise ModelError(f"{config.architecture}.rope.scaling.type: unsupported rope scaling type {kind!r} "
+                             "(supported: none, linear, yarn, llama3)")
+        freq_scale = 1.0 / factor if factor > 0 and kind in ("linear", "yarn") else 1.0
+        if config.float("rope.scale_linear", 0.0, min=0.0, max=1e6):
+            freq_scale = 1.0 / config.float("rope.scale_linear")
+        yarn = kind == "yarn"
+        return cls(
+            n_dims=n_dims,
+            base=config.float("rope.freq_base", 10000.0, min=1.0, max=1e12),
+            freq_scale=freq_scale,
+            mode=mode,
+            n_ctx_orig=(config.uint("rope.scaling.original_context_length", 0, max=MAX_CONTEXT)
+                        or config.uint("context_length", 0, max=MAX_CONTEXT)),
+            ext_factor=config.float("rope.scaling.yarn_ext_factor", 1.0 if yarn else 0.0, min=-1e6, max=1e6),
+            attn_factor=config.float("rope.scaling.yarn_attn_factor", 1.0, min=-1e6, max=1e6) or 1.0,
+            beta_fast=config.float("rope.scaling.yarn_beta_fast", 32.0, min=-1e6, max=1e6) or 32.0,
+            beta_slow=config.float("rope.scaling.yarn_beta_slow", 1.0, min=-1e6, max=1e6) or 1.0,
+        )
+
+    def __call__(self, x: Tensor, positions: Tensor, freq_factors: Tensor | None = None) -> Tensor:
+        """Rotate ``x`` (head_dim, n_heads, n_tokens) by ``positions`` (n_tokens,)."""
+        return x.rope(positions, self.n_dims, self.base, self.freq_scale, mode=self.mode,
+                      freq_factors=freq_factors, n_ctx_orig=self.n_ctx_orig, ext_factor=self.ext_factor,
+                      attn_factor=self.attn_factor, beta_fast=self.beta_fast, beta_slow=self.beta_slow)
+
+
+# ---- taps -------------------------------------------------------------------------------------
+# Named intermediate results ("token_embd", "blk.3", "output_norm") that a layer-by-layer comparison
+# (pyggml.porting) reads back. Outside ``capture_taps`` a tap costs one context-variable lookup.
+@dataclass
+class _Capture:
+    taps: dict[str, Tensor]
+    counts: dict[str, int]  # how often each name with a ``*`` was tapped
+
+
+_capture: ContextVar[_Capture | None] = ContextVar("pyggml_taps", default=None)
+
+
+def tap(name: str, tensor: Tensor) -> Tensor:
+    """Name ``tensor`` as an intermediate result and return it unchanged; it is recorded only while
+    ``capture_taps`` is active in this thread. Name it after the GGUF tensor whose op produced it
+    (``output_norm``; ``blk.N`` for block N's output) so that the comparison finds its reference.
+    A ``*`` in the name is replaced by how many times the name was tapped before in the capture:
+    code that runs once per block without knowing its index taps ``blk.*.attn_q_norm`` and records
+    ``blk.0.attn_q_norm``, ``blk.1.attn_q_norm``, ..."""
+    capture = _capture.get()
+    if capture is not None:
+        if "*" in name:
+            count = capture.counts.get(name, 0)
+            capture.counts[name] = count + 1
+            name = name.replace("*", str(count))
+        if name in capture.taps:
+            raise ValueError(f"tap: {name!r} was tapped twice in one capture")
+        capture.taps[name] = tensor
+    return tensor
+
+
+@contextmanager
+def capture_taps() -> Iterator[dict[str, Tensor]]:
+    """Record the tensors that ``tap`` names while building a graph in this block, in graph order::
+
+        with nn.capture_taps() as taps:
+            logits = model.forward(ctx, batch)
+        ctx.compute(logits, *taps.values())   # computed tensors are kept: taps[name].numpy()
+    """
+    capture = _Capture({}, {})
+    token = _capture.set(capture)
+    try:
+        yield capture.taps
+    finally:
+        _capture.reset(token)
+
+
+# ---- attention --------------------------------------------------------------------------------
+def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Cache | None, scale: float, *,
+              flash: bool | None = None, mask: Tensor | None = None, softcap: float = 0.0,
+              sinks: Tensor | None = None) -> Tensor:
+    """Multi-head attention with GQA. ``query`` is (head_dim, n_heads, n_tokens), ``key`` and
+    ``value`` (head_dim, n_kv_heads, n_tokens). With a cache, the new keys/values are stored and
+    attention runs over the cached history with the cache's mask; without one, every token sees
+    every other (encoders), or those ``mask`` (n_tokens, n_tokens; 0 or -inf) lets it see (several
+    sequences in one encoder batch). ``softcap``: scores become ``softcap * tanh(score / softcap)``
+    before the mask (Gemma 2). ``sinks`` (n_heads,): a learned logit per head joining each softmax
+    (gpt-oss's attention sinks). Returns (head_dim_v * n_heads, n_tokens)."""
+    if cache is not None:
+        if mask is not None:
+            raise ValueError("attention: a mask is only for attention without a cache (the cache has its own)")
+        cache.put(ctx, key, value)
+        key, value, mask = cache.get(ctx)
+    else:
+        key, value = key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
+    if flash is None:
+        flash = ctx.backend.flash_attention
+    q = query.permute(0, 2, 1, 3)  # (head_dim, n_tokens, n_heads)
+    out = q.scaled_dot_product_attention(key, value, mask, scale, flash=flash, softcap=softcap, sinks=sinks)
+    d_v, n_heads, n_tokens = out.shape[0], out.shape[1], out.shape[2]
+    return out.reshape(d_v * n_heads, n_tokens)
+
+
+def int32_input(ctx: Context, values: Any, name: str | None = None) -> Tensor:
+    """A 1-d I32 graph input (``name``: refillable with ``ctx.set_input`` for graph reuse)."""
+    return ctx.from_numpy(np.asarray(values, dtype=np.int32).reshape(-1), DType.I32, name=name)
+
+
+def multimodal_embeddings(ctx: Context, h: Tensor, batch: Batch) -> Tensor:
+    """``h`` (hidden, n_tokens), the token embeddings, with each multimodal item's rows written over
+    its placeholders: the items at batch index i, whose tensors hold n1, n2, ... rows (numpy
+    (n, hidden), as the runner keeps an encoded image), replace rows i, i+1, ... in order."""
+    for index in batch.multimodal:
+        start = index.index
+        for item in index.multimodal:
+            rows = np.asarray(item.tensor, dtype=np.float32)
+            rows = rows.reshape(-1, rows.shape[-1])
+            if rows.shape[1] != h.shape[0] or start + rows.shape[0] > h.shape[1]:
+                raise ValueError(f"multimodal_embeddings: {rows.shape[0]} rows of width {rows.shape[1]} at batch "
+                                 f"index {start} do not fit hidden states {h.shape}")
+            h = h.set_rows(ctx.from_numpy(rows), int32_input(ctx, np.arange(start, start + rows.shape[0])))
+            start += rows.shape[0]
+    return h
+
+
+# ---- the per-batch inputs ----------------------------------------------------------------------
+# The names under which the engine refills a kept graph for the next batch of the same shape; only
+# ``batch_inputs`` and ``refill_batch_inputs`` use them, so a model cannot lose graph reuse by a typo.
+_TOKENS, _POSITIONS, _OUTPUTS = "batch.tokens", "batch.positions", "batch.outputs"
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    """The graph inputs of one batch: ``tokens`` and ``positions`` (n_tokens,) and ``outputs``
+    (the rows whose logits are wanted, see ``Batch.output_rows``), all I32."""
+
+    tokens: Tensor
+    positions: Tensor
+    outputs: Tensor
+
+
+def batch_inputs(ctx: Context, batch: Batch) -> BatchInputs:
+    """Create the batch's token, position and output-row inputs (tokens on the input device).
+    The token array is used in place when it already is int32 (the runner fills in late ids)."""
+    return BatchInputs(tokens=int32_input(ctx.input(), batch.tokens, _TOKENS),
+                       positions=int32_input(ctx, batch.positions, _POSITIONS),
+                       outputs=int32_input(ctx, batch.output_rows, _OUTPUTS))
+
+
+def refill_batch_inputs(ctx: Context, batch: Batch) -> None:
+    """Write ``batch``'s tokens, positions and output rows into a graph built by ``batch_inputs``
+    for a batch of the same shape."""
+    ctx.set_input(_TOKENS, batch.tokens)
+    ctx.set_input(_POSITIONS, batch.positions)
+    ctx.set_input(_OUTPUTS, batch.output_rows)

@@ -1,0 +1,443 @@
+"""``pyggml run MODEL`` with no prompt: an interactive chat in the manner of ``ollama run``.
+
+A model with a chat template gets a conversation: every turn re-sends the whole history, and the
+runner's prompt-prefix reuse evaluates only the new turn (the KV cache still holds the rest). A
+model without one (or ``--raw``) gets plain completions, one per input. Ollama's slash commands
+work (``/?`` lists them), ``\"\"\"`` opens a multi-line input, lines are kept in a readline history.
+Ctrl-C stops the reply being written and returns to the prompt; Ctrl-D (or ``/bye``) leaves.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+PROMPT, CONTINUATION = ">>> ", "... "
+
+HELP = """Available commands:
+  /set parameter NAME VALUE   set a sampling parameter (/set parameter alone lists them)
+  /set system TEXT            set the system message (clears the conversation)
+  /set verbose | quiet        show or hide timings after each reply
+  /show info | template | parameters | system | license
+  /clear                      forget the conversation
+  /load MODEL                 load another model (a file or a model name)
+  /bye                        exit
+  /?, /help                   this help
+
+Use \"\"\" to begin a multi-line message (end it with \"\"\" too).
+Ctrl-C stops a reply; Ctrl-D exits."""
+
+# Ollama's parameter names -> (generate() keyword, parser)
+PARAMETERS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "temperature": ("temperature", float),
+    "top_k": ("top_k", int),
+    "top_p": ("top_p", float),
+    "min_p": ("min_p", float),
+    "typical_p": ("typical_p", float),
+    "repeat_penalty": ("repeat_penalty", float),
+    "repeat_last_n": ("repeat_last_n", int),
+    "presence_penalty": ("presence_penalty", float),
+    "frequency_penalty": ("frequency_penalty", float),
+    "seed": ("seed", int),
+    "num_predict": ("max_tokens", int),
+    "stop": ("stop", str),
+}
+
+
+def params_to_options(params: dict[str, Any]) -> dict[str, Any]:
+    """``generate``/``CompletionRequest`` options from Ollama parameters (a model's params layer:
+    {"stop": [...], "temperature": 0.6, "num_predict": -1, ...}); others (num_ctx, ...) are ignored."""
+    out: dict[str, Any] = {}
+    for name, value in params.items():
+        if name in PARAMETERS and isinstance(value, (int, float, str, list)) and not isinstance(value, bool):
+            key = PARAMETERS[name][0]
+            out[key] = [str(v) for v in value] if name == "stop" and isinstance(value, list) else value
+    if isinstance(out.get("max_tokens"), int) and out["max_tokens"] < 0:
+        del out["max_tokens"]  # Ollama's -1: no limit of its own
+    return out
+
+
+def parse_duration(value: str | float | int | None) -> float | None:
+    """Ollama's ``keep_alive``: seconds as a number, or a duration such as "5m", "30s", "1h", "1h30m";
+    a negative value keeps the model loaded for ever (``None``); 0 unloads at once."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            seconds = _parse_units(text)
+    else:
+        raise ValueError(f"keep_alive must be a number of seconds or a duration such as '5m', got {value!r}")
+    if not math.isfinite(seconds):
+        raise ValueError(f"keep_alive must be finite, got {value!r}")
+    return None if seconds < 0 else seconds
+
+
+def _parse_units(text: str) -> float:
+    import re
+
+    units = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|s|m|h)", body)
+    if not parts or "".join(n + u for n, u in parts) != body:
+        raise ValueError(f"keep_alive must be a number of seconds or a duration such as '5m', '30s', '1h', "
+                         f"got {text!r}")
+    return sign * sum(float(n) * units[u] for n, u in parts)
+
+
+@dataclass
+class Session:
+    """One interactive conversation. ``load(ref)`` returns a loaded ``LLM`` (``/load`` uses it too)."""
+
+    load: Callable[[str], Any]
+    model_ref: str
+    options: dict[str, Any]
+    system: str | None = None
+    raw: bool = False
+    verbose: bool = False
+    keep_alive: float | None = None  # seconds idle before the model is unloaded (None: never)
+    images: list[Any] = field(default_factory=list)  # --image: sent with the first message
+    out: TextIO = field(default=sys.stdout)
+    err: TextIO = field(default=sys.stderr)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    llm: Any = None
+    _interrupted: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _timer: threading.Timer | None = None
+
+    # ---- the model ---------------------------------------------------------------------------
+    def ensure_loaded(self) -> Any:
+        with self._lock:
+            if self.llm is None:
+                self.llm = self.load(self.model_ref)
+            return self.llm
+
+    def unload(self) -> None:
+        with self._lock:
+            if self.llm is not None:
+                self.llm.close()
+                self.llm = None
+
+    def _arm_keep_alive(self) -> None:
+        self._disarm_keep_alive()
+        if self.keep_alive is not None and self.llm is not None:
+            self._timer = threading.Timer(self.keep_alive, self.unload)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _disarm_keep_alive(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @property
+    def chat(self) -> bool:
+        """A conversation (chat template) rather than plain completions."""
+        return not self.raw and bool(self.ensure_loaded().model.config.get("tokenizer.chat_template"))
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self, read: Callable[[str], str] = input) -> int:
+        _setup_readline()
+        self.ensure_loaded()
+        mode = "chat" if self.chat else "completion (no chat template)" if not self.raw else "completion (--raw)"
+        print(f"pyggml: {mode}; /? for help, Ctrl-D or /bye to exit", file=self.err)
+        try:
+            while True:
+                self._arm_keep_alive()
+                try:
+                    text = self._read_message(read)
+                except KeyboardInterrupt:
+                    print("\nUse Ctrl + d or /bye to exit.", file=self.err)
+                    continue
+                except EOFError:
+                    print(file=self.err)
+                    return 0
+                finally:
+                    self._disarm_keep_alive()
+                if text is None or not text.strip():
+                    continue
+                if text.startswith("/"):
+                    if self.command(text.strip()) == "bye":
+                        return 0
+                    continue
+                try:
+                    self.reply(text)
+                except KeyboardInterrupt:  # a second Ctrl-C, outside the reply's own handler
+                    print("\n(stopped)", file=self.err)
+                except (ValueError, TypeError) as exc:  # a bad option, a prompt too long, ...
+                    print(f"error: {exc}", file=self.err)
+        finally:
+            self._disarm_keep_alive()
+            self.unload()
+
+    def _read_message(self, read: Callable[[str], str]) -> str | None:
+        line = read(PROMPT)
+        if not line.lstrip().startswith('"""'):
+            return line
+        first = line.lstrip()[3:]
+        if first.endswith('"""') and first:  # """one line"""
+            return first[:-3]
+        lines = [first] if first else []
+        while True:
+            line = read(CONTINUATION)
+            if line.rstrip().endswith('"""'):
+                lines.append(line.rstrip()[:-3])
+                return "\n".join(lines)
+            lines.append(line)
+
+    # ---- one turn ----------------------------------------------------------------------------
+    def reply(self, text: str) -> str:
+        """Generate the answer to ``text``, streamed to ``out``; Ctrl-C stops it (the turn is then
+        forgotten, as a reply cut short is not part of the conversation)."""
+        llm = self.ensure_loaded()
+        start = time.perf_counter()
+        self._interrupted = False
+        previous = _install_sigint(self._on_sigint)
+        try:
+            images, content = self.images, text
+            if self.chat:
+                content = image_content(text, images) if images else text
+                messages = self._conversation() + [{"role": "user", "content": content}]
+                pieces = llm.chat(messages, stream=True, **self.options)
+            else:
+                messages = None
+                pieces = llm.generate(text, stream=True, images=images, **self.options)
+            answer = self._stream(pieces)
+        finally:
+            _install_sigint(previous)
+        if answer is None:
+            print("\n(stopped)", file=self.err)
+            return ""
+        self.images = []  # sent once; in a chat they stay in the history
+        if messages is not None:
+            self.messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+        if self.verbose:
+            print_stats(llm.stats, time.perf_counter() - start, self.err)
+        return answer
+
+    def _stream(self, pieces: Any) -> str | None:
+        """Write ``pieces``; ``None`` when Ctrl-C stopped them. While a reply is made, SIGINT only
+        sets a flag checked between pieces: the engine is never interrupted in the middle of a step."""
+        text = []
+        try:
+            for piece in pieces:
+                if self._interrupted:
+                    break
+                self.out.write(piece)
+                self.out.flush()
+                text.append(piece)
+        finally:
+            pieces.close()
+        if self._interrupted:
+            return None
+        self.out.write("\n\n" if text and not "".join(text).endswith("\n") else "\n")
+        self.out.flush()
+        return "".join(text)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self._interrupted = True
+
+    def _conversation(self) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + self.messages
+
+    # ---- slash commands ----------------------------------------------------------------------
+    def command(self, line: str) -> str | None:
+        """Run one slash command; returns "bye" to leave."""
+        word, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if word in ("/bye", "/exit"):
+            return "bye"
+        if word in ("/?", "/help"):
+            print(HELP, file=self.out)
+        elif word == "/clear":
+            self.messages.clear()
+            print("Cleared session context", file=self.out)
+        elif word == "/set":
+            self._set(rest)
+        elif word == "/show":
+            self._show(rest)
+        elif word == "/load":
+            self._load(rest)
+        else:
+            print(f"Unknown command '{word}'. Type /? for help", file=self.out)
+        return None
+
+    def _set(self, rest: str) -> None:
+        what, _, value = rest.partition(" ")
+        value = value.strip()
+        if what == "parameter":
+            self._set_parameter(value)
+        elif what == "system":
+            self.system = value.strip('"') or None
+            self.messages.clear()
+            print("Set system message.", file=self.out)
+        elif what == "verbose":
+            self.verbose = True
+            print("Set 'verbose' mode.", file=self.out)
+        elif what == "quiet":
+            self.verbose = False
+            print("Set 'quiet' mode.", file=self.out)
+        else:
+            print("Usage: /set parameter NAME VALUE | /set system TEXT | /set verbose | /set quiet",
+                  file=self.out)
+
+    def _set_parameter(self, text: str) -> None:
+        try:
+            words = shlex.split(text)
+        except ValueError as exc:
+            print(f"Couldn't set parameter: {exc}", file=self.out)
+            return
+        if len(words) < 2 or words[0] not in PARAMETERS:
+            print("Usage: /set parameter NAME VALUE\nParameters: " + ", ".join(PARAMETERS), file=self.out)
+            return
+        name, values = words[0], words[1:]
+        key, parse = PARAMETERS[name]
+        try:
+            value = values if name == "stop" else parse(values[0])
+            if name == "temperature":
+                check_temperature(value)
+            if name == "num_predict" and value < 0:
+                value = 10**9  # Ollama's -1: until the end of generation
+            if name == "seed" and value < 0:
+                value = None
+        except ValueError as exc:
+            print(f"Couldn't set parameter: {name} must be {parse.__name__}: {exc}", file=self.out)
+            return
+        self.options[key] = value
+        print(f"Set parameter '{name}' to '{', '.join(values)}'", file=self.out)
+
+    def _show(self, what: str) -> None:
+        llm = self.ensure_loaded()
+        config = llm.model.config
+        if what == "info":
+            from pyggml.store import describe
+
+            for key, value in describe(llm.model).items():
+                print(f"  {key:<18}{value}", file=self.out)
+            print(f"  {'context':<18}{llm.num_ctx} (trained {llm.model.context_length or '?'})", file=self.out)
+        elif what == "template":
+            print(config.get("tokenizer.chat_template") or "(no chat template: plain completion)", file=self.out)
+        elif what in ("parameters", "params"):
+            inverse = {key: name for name, (key, _) in PARAMETERS.items()}
+            for key, value in sorted(self.options.items()):
+                if key in inverse and value is not None:
+                    print(f"  {inverse[key]:<18}{value}", file=self.out)
+        elif what == "system":
+            print(self.system or "No system message was specified for this model.", file=self.out)
+        elif what == "license":
+            print(config.get("general.license") or "No license was specified for this model.", file=self.out)
+        else:
+            print("Usage: /show info | template | parameters | system | license", file=self.out)
+
+    def _load(self, ref: str) -> None:
+        if not ref:
+            print("Usage: /load MODEL", file=self.out)
+            return
+        try:
+            llm = self.load(ref)
+        except (OSError, ValueError, TypeError, SystemExit) as exc:
+            print(f"Couldn't load model '{ref}': {exc}", file=self.out)
+            return
+        self.unload()
+        with self._lock:
+            self.llm, self.model_ref = llm, ref
+        self.messages.clear()
+        print(f"Loading model '{ref}'", file=self.out)
+
+
+def image_content(prompt: str, images: list[Any]) -> list[dict[str, Any]]:
+    """A user message's content parts: the images where the prompt says ``[img-N]``, else before its text."""
+    import re
+
+    if not re.search(r"\[img-\d+\]", prompt):
+        return [*({"type": "image", "image": p} for p in images), {"type": "text", "text": prompt}]
+    parts: list[dict[str, Any]] = []
+    for i, piece in enumerate(re.split(r"\[img-(\d+)\]", prompt)):
+        if i % 2 == 0:
+            if piece:
+                parts.append({"type": "text", "text": piece})
+        elif int(piece) < len(images):
+            parts.append({"type": "image", "image": images[int(piece)]})
+        else:
+            raise ValueError(f"the prompt names [img-{piece}] but {len(images)} image(s) were given with --image")
+    return parts
+
+
+def check_temperature(value: float) -> float:
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"temperature must be >= 0 (0: greedy), got {value}")
+    return value
+
+
+def print_stats(stats: Any, total_seconds: float, out: TextIO) -> None:
+    """Timings as ``ollama run --verbose`` prints them."""
+    rows = [
+        ("total duration", _duration(total_seconds)),
+        ("load duration", _duration(stats.load_seconds)),
+        ("prompt eval count", f"{stats.prompt_tokens} token(s)"),
+        ("prompt eval duration", _duration(stats.prompt_seconds)),
+        ("prompt eval rate", f"{stats.prompt_tps:.2f} tokens/s"),
+        ("prompt cache", f"{stats.cached_tokens} token(s) reused"),
+        ("eval count", f"{stats.generated_tokens} token(s)"),
+        ("eval duration", _duration(stats.generate_seconds)),
+        ("eval rate", f"{stats.generate_tps:.2f} tokens/s"),
+    ]
+    for name, value in rows:
+        print(f"{name + ':':<22}{value}", file=out)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 1:
+        return f"{seconds:.3f}s"
+    return f"{seconds * 1e3:.3f}ms"
+
+
+def _install_sigint(handler: Any) -> Any:
+    """Install ``handler`` for SIGINT (main thread only); returns the previous one."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    if handler is None:
+        return None
+    return signal.signal(signal.SIGINT, handler)
+
+
+def _setup_readline() -> None:
+    """Line editing and a history file (``<cache dir>/history``) where readline exists."""
+    if not sys.stdin.isatty():
+        return
+    try:
+        import atexit
+        import readline
+    except ImportError:  # Windows without pyreadline
+        return
+    from pyggml.tiny import cache_dir
+
+    path = cache_dir() / "history"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():
+            readline.read_history_file(path)
+    except OSError:
+        return
+    readline.set_history_length(1000)
+
+    def save() -> None:
+        try:
+            readline.write_history_file(path)
+        except OSError:
+            pass
+
+    atexit.register(save)

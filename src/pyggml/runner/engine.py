@@ -1,0 +1,143 @@
+"""The engine: one forward pass per scheduled batch, with graph reuse.
+
+Decode steps repeat the same batch shape (one token per generating sequence, a logits row for
+each), so their graphs are equal but for the inputs. The engine keeps the last few graphs and,
+when the next batch has a kept graph's shape, lets the cache and ``nn.refill_batch_inputs`` write
+the new inputs into it and computes it again instead of rebuilding ~40 nodes per layer in Python.
+The cache declines a refill when the graph no longer fits (the attention width moved); then a new
+graph is built. A graph is kept only if every input it reads is refillable (``Context.reusable``).
+
+The Runner (and through it ``LLM``, the CLI and the server) and ``pyggml bench`` call this; no
+other module builds model graphs for generation.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from pyggml import nn
+from pyggml.input import Batch
+
+
+@dataclass(eq=False)
+class Graph:
+    """A built forward pass: its context and the logits tensor (vocab, rows). ``kept``: it belongs
+    to the engine's pool (computed again later) rather than to the caller."""
+
+    key: tuple
+    ctx: Any
+    logits: Any
+    kept: bool = False
+
+
+def graph_key(batch: Batch) -> tuple:
+    """What a graph's topology depends on besides its inputs' values (the cache checks the rest)."""
+    return len(batch.inputs), tuple(batch.output_rows)
+
+
+class Engine:
+    """Builds, reuses and computes a model's forward passes. ``keep``: how many graphs to keep
+    (two lets one compute while the next is refilled; 0 rebuilds every pass)."""
+
+    def __init__(self, model: Any, keep: int = 2):
+        self.model = model
+        self.keep = keep
+        self._kept: list[Graph] = []
+        self.n_nodes = 0  # nodes of the last graph built
+        self.built = 0  # graphs built
+        self.reused = 0  # graphs refilled and computed again
+
+    def build(self, batch: Batch, busy: Graph | None = None, times: dict[str, float] | None = None) -> Graph:
+        """The graph of ``batch``: a kept one refilled (never ``busy``, the one computing now) or a
+        new one. The batch is placed in the cache either way. ``times`` accumulates seconds of
+        "cache" (bookkeeping and refilling) and "graph" (building)."""
+        t0 = time.perf_counter()
+        key = graph_key(batch)
+        for graph in self._kept if not batch.multimodal else ():  # images build their own graph
+            if graph.key != key or graph is busy:
+                continue
+            try:
+                refilled = self.model.cache.refill(graph.ctx, batch)
+                if refilled:
+                    nn.refill_batch_inputs(graph.ctx, batch)
+            except BaseException:
+                self.drop(busy)
+                raise
+            if refilled:
+                self.reused += 1
+                _add(times, "cache", time.perf_counter() - t0)
+                _add(times, "graph", 0.0)
+                return graph
+            self._kept.remove(graph)  # it no longer fits this cache's state; nor will it later
+            graph.ctx.close()
+            break
+        ctx = self.model.backend.new_context()
+        try:
+            self.model.cache.start_forward(ctx, batch)
+            t1 = time.perf_counter()
+            logits = self.model.forward(ctx, batch)
+            ctx.forward(logits)
+        except BaseException:
+            ctx.close()
+            raise
+        t2 = time.perf_counter()
+        _add(times, "cache", t1 - t0)
+        _add(times, "graph", t2 - t1)
+        self.n_nodes = ctx.n_nodes
+        self.built += 1
+        graph = Graph(key, ctx, logits)
+        if ctx.reusable and self.keep > 0:
+            self._keep(graph, busy)
+        return graph
+
+    def compute(self, graph: Graph, read: bool = True, times: dict[str, float] | None = None) -> np.ndarray | None:
+        """Compute ``graph``; returns its logits (rows, vocab) when ``read``. A graph the engine
+        does not keep is closed afterwards. ``times``: seconds of "compute" and "output"."""
+        t0 = time.perf_counter()
+        try:
+            graph.ctx.compute(graph.logits)
+            t1 = time.perf_counter()
+            out = graph.logits.numpy() if read else None
+        finally:
+            if not graph.kept:
+                graph.ctx.close()
+        if times is not None:
+            _add(times, "compute", t1 - t0)
+            _add(times, "output", time.perf_counter() - t1)
+        return out
+
+    def forward(self, batch: Batch, times: dict[str, float] | None = None) -> np.ndarray:
+        """Build (or refill) and compute ``batch`` now: logits (len(batch.output_rows), vocab)."""
+        return self.compute(self.build(batch, times=times), times=times)
+
+    def drop(self, busy: Graph | None = None) -> None:
+        """Forget the kept graphs (after a failure, or when the cache was reset). ``busy``, one
+        computing now, is handed to its computation, which closes it when done."""
+        for graph in self._kept:
+            graph.kept = False
+            if graph is not busy:
+                graph.ctx.close()
+        self._kept.clear()
+
+    def close(self) -> None:
+        self.drop()
+
+    def _keep(self, graph: Graph, busy: Graph | None) -> None:
+        graph.kept = True
+        self._kept.append(graph)
+        while len(self._kept) > self.keep:
+            old = next((g for g in self._kept if g is not busy and g is not graph), None)
+            if old is None:
+                break
+            self._kept.remove(old)
+            old.kept = False
+            old.ctx.close()
+
+
+def _add(times: dict[str, float] | None, name: str, seconds: float) -> None:
+    if times is not None:
+        times[name] = times.get(name, 0.0) + seconds

@@ -1,0 +1,383 @@
+"""Requests and streamed chunks; one running sequence's sampling, detokenizing and stop logic; the
+consumer's side of a completion (``CompletionStream``)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pyggml.constrain import Constraint
+from pyggml.models import Input
+from pyggml.runner.inputcache import InputCacheSlot
+from pyggml.sample import Sampler, SamplingOptions, logprobs
+
+MAX_LOGPROBS = 20
+# Stop strings are checked on the runner's thread after every token of their sequence, so one
+# request's list must not be able to slow the others: at most MAX_STOPS strings (OpenAI allows 4,
+# Ollama clients send a handful) of at most MAX_STOP_CHARS characters each.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 256
+
+
+@dataclass
+class CompletionRequest(SamplingOptions):
+    """One completion, with the sampling options of ``SamplingOptions`` (keyword-only).
+    ``max_tokens=-1`` generates until an end-of-generation token, a stop string or cancellation
+    (shifting the context as needed); ``0`` only processes (and caches) the prompt. ``logprobs=n``
+    reports each token's log-probability and the ``n`` most likely alternatives. ``num_keep``:
+    prompt tokens kept at the start when the context shifts (-1: the whole prompt).
+    ``images``: image files' bytes for a vision model; a string prompt marks where each goes with
+    ``[img-N]`` (N from 0; without markers the images come first).
+    ``prompt_logits=True`` evaluates the whole prompt (no cached prefix is reused) and returns the
+    logits of every prompt position in the last chunk's ``prompt_logits`` (scoring, perplexity).
+    ``format`` ("json" or a JSON schema dict) or ``grammar`` (a ``pyggml.constrain.Grammar``, or a
+    Lark/GBNF string) constrains the output to match (see ``pyggml.constrain``); generation stops
+    where the grammar ends. ``prompt_lookup=n`` decodes speculatively with drafts of up to ``n`` tokens
+    looked up in the prompt and output so far (n-gram matches; same output, fewer model passes when
+    the output repeats its input: summaries, edits, code).
+    """
+
+    prompt: str | Sequence[int]
+    max_tokens: int = 128
+    stop: str | Sequence[str] = ()
+    logprobs: int = 0
+    cache_prompt: bool = True
+    num_keep: int = 4
+    prompt_logits: bool = False
+    images: Sequence[bytes] = ()
+    format: Any = None
+    grammar: Any = None
+    prompt_lookup: int = 0
+
+    def sampler(self) -> Sampler:
+        return Sampler(**self.sampling_options())
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token, logprob), most likely first
+
+
+@dataclass
+class Timings:
+    queued_seconds: float = 0.0  # waiting for a free sequence
+    prompt_seconds: float = 0.0  # from admission to the first sampled token
+    generate_seconds: float = 0.0  # from the first sampled token to the end
+
+
+@dataclass
+class CompletionChunk:
+    """A piece of streamed output: ``text`` (always whole characters) and the token ids sampled
+    since the previous chunk. The last chunk has ``done=True``, the finish reason and the counts:
+    ``prompt_tokens`` (the whole prompt), ``cached_tokens`` (of which reused from the cache),
+    ``generated_tokens`` (sampled, including an end-of-generation token)."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    done: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    generated_tokens: int = 0
+    timings: Timings | None = None
+    prompt_logits: np.ndarray | None = None  # (prompt tokens, vocab), for a prompt_logits request
+    draft_tokens: int = 0  # speculative decoding: tokens drafted, and of those accepted
+    accepted_tokens: int = 0
+
+
+def check_stops(stop: object) -> list[str]:
+    """The stop strings of a request's ``stop`` (a string or a sequence of strings; empty ones
+    dropped), or ValueError when it is not one or exceeds ``MAX_STOPS``/``MAX_STOP_CHARS``."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r:.80}")
+    if len(stops) > MAX_STOPS:
+        raise ValueError(f"{len(stops)} stop strings given; at most {MAX_STOPS} are allowed")
+    long = next((s for s in stops if len(s) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise ValueError(f"a stop string of {len(long)} characters given; at most {MAX_STOP_CHARS} are allowed")
+    return [s for s in stops if s]
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index of the earliest stop string in ``text``, or None."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(hits) if hits else None
+
+
+def partial_stop(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop string.
+    Only the places where a stop's first character occurs near the end are tried, so the cost is
+    about the number of stops, not the product of their lengths."""
+    best = 0
+    for s in stops:
+        end = len(text) - best  # suffixes longer than best and shorter than s
+        i = text.find(s[0], max(len(text) - len(s) + 1, 0), end)
+        while i >= 0:
+            if s.startswith(text[i:]):
+                best = len(text) - i
+                break
+            i = text.find(s[0], i + 1, end)
+    return best
+
+
+class StopMatcher:
+    """Finds stop strings in text fed a piece at a time (an Aho-Corasick automaton over the
+    stops): each character costs the same however many and however long the stops are. Built
+    once per request, in the caller's thread; ``feed`` runs on the runner's thread."""
+
+    def __init__(self, stops: Sequence[str]):
+        self._goto: list[dict[str, int]] = [{}]
+        self._fail = [0]
+        self._ends: list[tuple[int, ...]] = [()]  # lengths of the stops that end at each state
+        self._depth = [0]
+        for stop in stops:
+            state = 0
+            for ch in stop:
+                nxt = self._goto[state].get(ch)
+                if nxt is None:
+                    nxt = len(self._goto)
+                    self._goto[state][ch] = nxt
+                    self._goto.append({})
+                    self._fail.append(0)
+                    self._ends.append(())
+                    self._depth.append(self._depth[state] + 1)
+                state = nxt
+            self._ends[state] += (len(stop),)
+        todo = deque(self._goto[0].values())
+        while todo:  # breadth first: a state's fallback is shallower, so already linked
+            state = todo.popleft()
+            for ch, child in self._goto[state].items():
+                f = self._fail[state]
+                while f and ch not in self._goto[f]:
+                    f = self._fail[f]
+                back = self._goto[f].get(ch, 0)
+                self._fail[child] = back if back != child else 0
+                self._ends[child] += self._ends[self._fail[child]]
+                todo.append(child)
+        self._state = 0
+
+    @property
+    def partial(self) -> int:
+        """Length of the longest suffix of the text fed so far that begins a stop string."""
+        return self._depth[self._state]
+
+    def feed(self, piece: str, offset: int = 0) -> int | None:
+        """Feed the next ``piece`` of text, which starts at index ``offset`` of the caller's
+        buffer; returns the buffer index where the earliest-starting stop ending in it starts."""
+        goto, fail, ends = self._goto, self._fail, self._ends
+        state, cut = self._state, None
+        for j, ch in enumerate(piece, offset):
+            while state and ch not in goto[state]:
+                state = fail[state]
+            state = goto[state].get(ch, 0)
+            for n in ends[state]:
+                if cut is None or j - n + 1 < cut:
+                    cut = j - n + 1
+        self._state = state
+        return cut
+
+
+class RunningSequence:
+    """A request while the runner works on it. Only the runner's loop thread touches it, except
+    ``cancelled`` and ``max_backlog`` (set by the consumer) and ``out`` (read by the consumer)."""
+
+    def __init__(self, request: CompletionRequest, prompt: list[Input], tokenizer, stops: list[str], num_keep: int,
+                 constraint: Constraint | None = None):
+        self.request = request
+        self.constraint = constraint  # the grammar the output must match
+        self.prompt = prompt
+        self.history = [inp.token for inp in prompt]  # prompt + generated tokens, for the penalties
+        self.sampler = request.sampler()
+        self.tokenizer = tokenizer
+        self.decoder = tokenizer.stream(skip_special=True, continuation=True)
+        self.stops = stops
+        self.matcher = StopMatcher(stops)
+        self.num_keep = num_keep
+        self.admitted = threading.Event()  # set once it has a slot (or is over)
+        self._slot: InputCacheSlot | None = None
+        self.pending: deque[Input] = deque()  # inputs still to put in a batch
+        self.outputs_in_flight = 0  # outputs of this sequence in batches not yet sampled
+        self.placeholder: Input | None = None  # an input in a built batch whose token the next sample gives
+        self.generated = 0
+        self.cached_tokens = 0
+        self.cancelled = False
+        self.done = False
+        self.drafts: list[int] = []  # drafted tokens in the batch in flight (speculative decoding)
+        self.draft_tokens = self.accepted_tokens = 0
+        self.scores: list[np.ndarray] | None = [] if request.prompt_logits else None  # prompt rows' logits
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.max_backlog: int | None = None  # pause while this many chunks wait unread (None: never)
+        self.finished = threading.Event()
+        self._text = ""  # decoded text held back (it may begin a stop string)
+        self._tokens: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+        self.t_queued = time.perf_counter()
+        self.t_start = self.t_first = 0.0
+
+    @property
+    def slot(self) -> InputCacheSlot | None:
+        return self._slot
+
+    @slot.setter
+    def slot(self, slot: InputCacheSlot | None) -> None:
+        """The runner admits the sequence by giving it a slot."""
+        self._slot = slot
+        if slot is not None:
+            self.admitted.set()
+
+    @property
+    def paused(self) -> bool:
+        """Whether its consumer has left ``max_backlog`` chunks unread: the runner generates no
+        more for it until they are taken (back-pressure; a cancelled sequence is never paused)."""
+        return self.max_backlog is not None and not self.cancelled and self.out.qsize() >= self.max_backlog
+
+    @property
+    def wants_logits(self) -> bool:
+        """Whether another token will be sampled after the outputs already in flight."""
+        limit = self.request.max_tokens
+        return limit < 0 or self.generated + self.outputs_in_flight < limit
+
+    def accept(self, token: int, logits: np.ndarray) -> str | None:
+        """Take a sampled token: stream the text it completes; returns a finish reason or None."""
+        if not self.generated:
+            self.t_first = time.perf_counter()
+        self.generated += 1
+        if self.constraint is not None:
+            self.constraint.consume(token)
+        if self.tokenizer.is_eog(token):
+            return "stop"
+        self.history.append(token)
+        self._tokens.append(token)
+        if self.request.logprobs:
+            lp, top = logprobs(logits, token, self.request.logprobs)
+            self._logprobs.append(TokenLogprob(token, lp, top))
+        piece = self.decoder.feed(token)
+        cut = self.matcher.feed(piece, len(self._text))
+        self._text += piece
+        if cut is not None:
+            self._text = self._text[:cut]
+            return "stop"
+        if self.constraint is not None and self.constraint.stopped:  # the grammar is complete
+            piece = self.decoder.flush()
+            cut = self.matcher.feed(piece, len(self._text))
+            self._text += piece
+            if cut is not None:
+                self._text = self._text[:cut]
+            return "stop"
+        emit = len(self._text) - self.matcher.partial
+        if emit:
+            self.out.put(self._chunk(self._text[:emit]))
+            self._text = self._text[emit:]
+        if 0 <= self.request.max_tokens <= self.generated:
+            return "length"
+        return None
+
+    def finish(self, reason: str) -> None:
+        """Send the held-back text and the final counts."""
+        self.done = True
+        if reason == "length":
+            piece = self.decoder.flush()
+            cut = self.matcher.feed(piece, len(self._text))
+            self._text += piece
+            if cut is not None:
+                self._text, reason = self._text[:cut], "stop"
+        now = time.perf_counter()
+        start = self.t_start or now
+        first = self.t_first or now
+        chunk = self._chunk(self._text)
+        chunk.done, chunk.finish_reason = True, reason
+        chunk.prompt_tokens, chunk.cached_tokens = len(self.prompt), self.cached_tokens
+        chunk.generated_tokens = self.generated
+        chunk.draft_tokens, chunk.accepted_tokens = self.draft_tokens, self.accepted_tokens
+        if self.scores is not None and reason != "cancelled":
+            chunk.prompt_logits = np.stack(self.scores) if self.scores else None
+        chunk.timings = Timings(queued_seconds=start - self.t_queued, prompt_seconds=first - start,
+                                generate_seconds=now - first)
+        self._text = ""
+        self.out.put(chunk)
+        self.admitted.set()
+        self.finished.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.done = True
+        self.out.put(error)
+        self.admitted.set()
+        self.finished.set()
+
+    def _chunk(self, text: str) -> CompletionChunk:
+        chunk = CompletionChunk(text=text, tokens=self._tokens,
+                                logprobs=self._logprobs if self.request.logprobs else None)
+        self._tokens, self._logprobs = [], []
+        return chunk
+
+
+class CompletionStream(Iterator[CompletionChunk]):
+    """The chunks of one completion. ``close()``/``cancel()`` stop it and free its slot."""
+
+    def __init__(self, seq: RunningSequence, wake: Callable[[], None], pump: Callable[[], None] | None = None):
+        self._seq, self._wake, self._pump = seq, wake, pump  # pump: a runner without a loop thread
+        self._over = False
+
+    def __next__(self) -> CompletionChunk:
+        if self._over:
+            raise StopIteration
+        if self._pump is not None:
+            while self._seq.out.empty():
+                self._pump()
+        item = self._seq.out.get()
+        limit = self._seq.max_backlog
+        if limit is not None and self._seq.out.qsize() == limit - 1:  # it was paused: resume it
+            self._wake()
+        if isinstance(item, BaseException):
+            self._over = True
+            raise item
+        self._over = item.done
+        return item
+
+    def cancel(self) -> None:
+        """Stop generating; the final chunk (finish_reason "cancelled") is still queued."""
+        if not self._seq.finished.is_set():
+            self._seq.cancelled = True
+            self._wake()
+
+    def close(self) -> None:
+        """Cancel and end the iteration."""
+        self.cancel()
+        self._over = True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the runner is done with this completion (its slot is free)."""
+        return self._seq.finished.wait(timeout)
+
+    def wait_admitted(self, timeout: float | None = None) -> bool:
+        """Block until the completion has a sequence slot (or is over); False after ``timeout``
+        seconds still waiting behind other requests."""
+        return self._seq.admitted.wait(timeout)
+
+    def set_max_backlog(self, chunks: int | None) -> None:
+        """Back-pressure: pause generating while ``chunks`` chunks wait unread (None: never pause,
+        the default). A paused completion keeps its slot but costs no compute."""
+        if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"max_backlog must be an int >= 1 or None, got {chunks!r}")
+        self._seq.max_backlog = chunks
+        self._wake()
+
+    def __enter__(self) -> CompletionStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.cancel()

@@ -1,0 +1,308 @@
+"""OpenAI's API (``/v1/...``): completions, chat completions, embeddings, models.
+
+Streams are server-sent events (``data: {...}`` then ``data: [DONE]``); with
+``stream_options.include_usage`` a last chunk with empty ``choices`` carries the usage, as
+OpenAI sends it. Errors are ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import pyggml
+from pyggml.chat import validate_messages
+from pyggml.image import split_chat_images
+from pyggml.runner import CompletionChunk, CompletionRequest, TokenLogprob
+from pyggml.server.models import served_for
+from pyggml.server.params import (
+    OPENAI_COMMON,
+    APIError,
+    Fields,
+    grammar_extension,
+    openai_max_tokens,
+    openai_response_format,
+    openai_sampling,
+    read_json,
+    runner_logprobs,
+    stream_usage,
+)
+from pyggml.server.service import ServedModel, stream_response
+from pyggml.tools import (
+    ToolOutput,
+    check_tools,
+    detect_format,
+    forced_grammar,
+    normalize_messages,
+    tool_choice_name,
+)
+
+COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "echo", "suffix", "best_of", "grammar"}
+CHAT_FIELDS = OPENAI_COMMON | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+    "response_format", "store", "metadata", "service_tier", "reasoning_effort", "modalities", "grammar",
+}
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+FINGERPRINT = f"pyggml-{pyggml.__version__}"
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _usage(chunk: CompletionChunk) -> dict[str, Any]:
+    return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.generated_tokens,
+            "total_tokens": chunk.prompt_tokens + chunk.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": chunk.cached_tokens}}
+
+
+def _finish(chunk: CompletionChunk) -> str | None:
+    if not chunk.done:
+        return None
+    return "length" if chunk.finish_reason == "length" else "stop"
+
+
+Choice = Callable[[CompletionChunk, str, list[TokenLogprob], bool], dict[str, Any]]
+
+
+async def _complete(request: Request, served: ServedModel, prepare: Callable[[], CompletionRequest], stream: bool,
+                    usage: bool, kind: str, choice: Choice, first: dict[str, Any] | None = None) -> Response:
+    """Run one completion; ``choice(chunk, text, logprobs, streaming)`` shapes the route's choice,
+    ``first`` is a choice streamed before any text (chat's role announcement)."""
+    job = served.start(prepare)
+    await job.started()
+    chat = kind.startswith("chat")
+    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": kind,
+            "created": int(time.time()), "model": served.name, "system_fingerprint": FINGERPRINT}
+    if not stream:
+        chunks = await job.collect(request)
+        lps = [lp for c in chunks for lp in c.logprobs or ()]
+        last = dataclasses.replace(chunks[-1], tokens=[t for c in chunks for t in c.tokens])  # all of them
+        answer = choice(last, "".join(c.text for c in chunks), lps, False)
+        return JSONResponse({**head, "choices": [answer], "usage": _usage(last)})
+
+    if chat:
+        head["object"] = "chat.completion.chunk"
+    extra = {"usage": None} if usage else {}
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            if first is not None:
+                yield _sse({**head, "choices": [first], **extra})
+            async for chunk in job.chunks():
+                if chunk.text or chunk.done or chunk.logprobs:
+                    yield _sse({**head, "choices": [choice(chunk, chunk.text, chunk.logprobs or [], True)],
+                                **extra})
+                if chunk.done and usage:
+                    yield _sse({**head, "choices": [], "usage": _usage(chunk)})
+        except APIError as exc:
+            yield _sse(_error_body(exc))
+        yield "data: [DONE]\n\n"
+
+    return stream_response(job, events(), "text/event-stream")
+
+
+# ---- /v1/completions ----------------------------------------------------------------------------
+async def completions(request: Request) -> Response:
+    body = await read_json(request)
+    f = Fields(body, "the request", COMPLETION_FIELDS)
+    served = await served_for(request, body.get("model"))
+    f.unsupported("suffix", what="(fill-in-the-middle) is not supported by this server")
+    f.unsupported("best_of", (1,), "must be 1")
+    prompt = _completion_prompt(served, body.get("prompt"))
+    echo = f.boolean("echo", False)
+    top = f.integer("logprobs", low=0, high=5)
+    if echo and top is not None:
+        raise APIError(400, "echo with logprobs is not supported (prompt logprobs are not computed)",
+                       param="echo")
+    sampling, max_tokens = openai_sampling(f), openai_max_tokens(f, "max_tokens")
+    sampling.update(grammar_extension(f))
+    stream = f.boolean("stream", False)
+    usage = stream_usage(f)
+
+    def prepare() -> CompletionRequest:
+        ids = served.prompt_ids(prompt, False) if isinstance(prompt, str) else prompt
+        return served.request(ids, max_tokens, logprobs=runner_logprobs(top), **sampling)
+
+    prefix = [prompt if isinstance(prompt, str) else served.tokenizer.decode(prompt)] if echo else []
+    offset = [0]
+
+    def choice(chunk: CompletionChunk, text: str, lps: list[TokenLogprob], streaming: bool) -> dict[str, Any]:
+        if prefix:
+            text = prefix.pop() + text
+        logprobs = None
+        if top is not None:
+            tokens = [served.token_text(lp.token) for lp in lps]
+            offsets = []
+            for t in tokens:
+                offsets.append(offset[0])
+                offset[0] += len(t)
+            logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                        "top_logprobs": [{served.token_text(t): p for t, p in lp.top[:top]} for lp in lps],
+                        "text_offset": offsets}
+        return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": _finish(chunk)}
+
+    return await _complete(request, served, prepare, stream, usage, "text_completion", choice)
+
+
+def _completion_prompt(served: ServedModel, prompt: Any) -> str | list[int]:
+    """A string, a one-string array, token ids, or one array of token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        served.check_prompt_size(prompt)
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise APIError(400, "several prompts in one request are not supported: send one request per prompt",
+                       param="prompt")
+    raise APIError(400, "prompt must be a non-empty string or a non-empty array of token ids", param="prompt")
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------------
+async def chat_completions(request: Request) -> Response:
+    body = await read_json(request)
+    f = Fields(body, "the request", CHAT_FIELDS)
+    served = await served_for(request, body.get("model"))
+    f.unsupported("modalities", (["text"],), 'is not supported beyond ["text"]')
+    f.unsupported("reasoning_effort", what="is not supported: the model does not reason")
+    tool_choice = body.get("tool_choice")
+    try:
+        forced, forced_name = tool_choice_name(tool_choice)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+    try:
+        tools = check_tools(f.array("tools")) if tool_choice != "none" else None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tools") from None
+    try:
+        raw = body.get("messages")
+        messages, images = split_chat_images(raw) if isinstance(raw, list) else (raw, [])
+        messages = normalize_messages(validate_messages(messages))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    fmt = detect_format(served.template.source)
+    want = f.boolean("logprobs", False)
+    top = f.integer("top_logprobs", low=0, high=20)
+    if top is not None and not want:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    top = (top or 0) if want else None
+    sampling = openai_sampling(f)
+    sampling.update(openai_response_format(f))
+    if forced:
+        if "format" in sampling or "grammar" in sampling:
+            raise APIError(400, "a forced tool call (tool_choice) cannot have a response_format or grammar too",
+                           param="tool_choice")
+        try:
+            sampling["grammar"] = forced_grammar(fmt, tools or [], forced_name)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tool_choice") from None
+    max_tokens = openai_max_tokens(f, "max_completion_tokens", "max_tokens")
+    stream = f.boolean("stream", False)
+    usage = stream_usage(f)
+
+    def prepare() -> CompletionRequest:
+        text = served.render(messages, tools=tools or None)
+        if images:
+            return served.image_request(text, True, images, max_tokens, logprobs=runner_logprobs(top), **sampling)
+        return served.request(served.prompt_ids(text, True), max_tokens, logprobs=runner_logprobs(top), **sampling)
+
+    tool_output = ToolOutput(fmt, served.tokenizer) if tools else None
+
+    def choice(chunk: CompletionChunk, text: str, lps: list[TokenLogprob], streaming: bool) -> dict[str, Any]:
+        logprobs = None
+        if top is not None:
+            logprobs = {"content": [_chat_logprob(served, lp, top) for lp in lps]}
+        calls = []
+        if tool_output is not None:
+            text, calls = tool_output.feed(chunk, text)
+        message = {"content": text} if streaming else {"role": "assistant", "content": text}
+        if streaming and chunk.done and not text:
+            message = {}
+        if calls:
+            if not streaming:
+                message["content"] = text or None
+            message["tool_calls"] = [c.openai(i if streaming else None) for i, c in enumerate(calls)]
+        finish = "tool_calls" if calls else _finish(chunk)
+        return {"index": 0, "delta" if streaming else "message": message, "logprobs": logprobs,
+                "finish_reason": finish}
+
+    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    return await _complete(request, served, prepare, stream, usage, "chat.completion", choice, first)
+
+
+def _chat_logprob(served: ServedModel, lp: TokenLogprob, top: int) -> dict[str, Any]:
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = served.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, p) for t, p in lp.top[:top]]}
+
+
+# ---- /v1/embeddings, /v1/models -----------------------------------------------------------------
+async def embeddings(request: Request) -> Response:
+    body = await read_json(request)
+    f = Fields(body, "the request", EMBEDDING_FIELDS)
+    served = await served_for(request, body.get("model"))
+    encoding = f.string("encoding_format", "float")
+    if encoding not in ("float", "base64"):
+        raise APIError(400, 'encoding_format must be "float" or "base64"', param="encoding_format")
+    dimensions = f.integer("dimensions", low=1)
+    value = body.get("input")
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) and t for t in texts):
+        raise APIError(400, "input must be a non-empty string or an array of non-empty strings", param="input")
+    vectors, n = await served.embed(texts, dimensions=dimensions)
+    return JSONResponse({"object": "list", "model": served.name,
+                         "data": [{"object": "embedding", "index": i, "embedding": _encode(v, encoding)}
+                                  for i, v in enumerate(vectors)],
+                         "usage": {"prompt_tokens": n, "total_tokens": n}})
+
+
+def _encode(vector: list[float], encoding: str) -> list[float] | str:
+    """base64 is what OpenAI's own client asks for: little-endian float32."""
+    if encoding == "float":
+        return vector
+    return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode()
+
+
+async def models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": request.app.state.models.openai_models()})
+
+
+async def model(request: Request) -> Response:
+    name = request.path_params["model"]
+    for entry in request.app.state.models.openai_models():
+        if entry["id"] == name:
+            return JSONResponse(entry)
+    served = await served_for(request, name)  # an alias of a served model, or a 404
+    return JSONResponse({"id": served.name, "object": "model", "created": int(served.modified), "owned_by": "pyggml"})
+
+
+def _error_body(exc: APIError) -> dict[str, Any]:
+    kind = "invalid_request_error" if exc.status < 500 else "server_error"
+    return {"error": {"message": exc.message, "type": kind, "param": exc.param, "code": exc.code}}
+
+
+def error_response(exc: APIError) -> Response:
+    return JSONResponse(_error_body(exc), status_code=exc.status, headers=exc.headers)
+
+
+routes = [
+    Route("/v1/completions", completions, methods=["POST"]),
+    Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    Route("/v1/embeddings", embeddings, methods=["POST"]),
+    Route("/v1/models", models, methods=["GET"]),
+    Route("/v1/models/{model:path}", model, methods=["GET"]),
+]

@@ -1,0 +1,292 @@
+"""Random-weight GGUF files for any registered architecture, from a few hyper-parameters.
+
+    write_model("tiny.gguf", "llama", {"block_count": 2, "embedding_length": 64, ...}, "f16")
+    write_synthetic("llama-1b.gguf", "llama-3.2-1b", "q4_0")   # a named shape at real dimensions
+
+Hyper-parameters are GGUF metadata keys as llama.cpp writes them, given without the architecture
+prefix (``attention.head_count`` is written as ``llama.attention.head_count``; ``general.*`` and
+``tokenizer.*`` keys as they are). The architecture's own ``Options.from_config`` reads them back
+and its weight declarations (``nn.shape``) give every tensor's name and shape, so a new model file
+needs nothing here. A vocabulary of the kind ``tokenizer.ggml.model`` names (``llama``:
+SentencePiece, the default; ``bert``: WordPiece; ``gpt2``: byte-level BPE) and of ``vocab_size``
+tokens is generated unless ``tokenizer.ggml.tokens`` is given, so every file runs end to end. Its
+text is meaningless, but every matrix has its real shape and type: speed is what a trained model of
+that size would show.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import string
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from pyggml import nn
+from pyggml.tensor import DType, quantize
+
+# ``write_model(path, arch)`` and ``pyggml make-model ARCH``: a small shape, and the keys llama.cpp
+# requires of most architectures (an architecture ignores the ones it does not read)
+DEFAULTS: dict[str, Any] = {
+    "block_count": 2, "context_length": 256, "embedding_length": 64, "feed_forward_length": 128,
+    "attention.head_count": 4, "vocab_size": 384, "attention.layer_norm_rms_epsilon": 1e-5,
+    "attention.layer_norm_epsilon": 1e-5, "tokenizer.ggml.token_type_count": 2,
+}
+Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A real model's shape (the named shapes below; ``Shape.hparams`` gives its metadata): a decoder
+    of architecture ``arch`` (llama unless said) with these sizes; ``extra`` adds or overrides keys
+    (head sizes other than hidden / heads, experts, ...)."""
+
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    vocab: int
+    context: int
+    rope_base: float
+    tied: bool
+    arch: str = "llama"
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def hparams(self) -> dict[str, Any]:
+        return {"block_count": self.n_layers, "context_length": self.context, "embedding_length": self.hidden,
+                "feed_forward_length": self.ffn, "attention.head_count": self.n_heads,
+                "attention.head_count_kv": self.n_kv_heads, "attention.layer_norm_rms_epsilon": 1e-5,
+                "rope.freq_base": self.rope_base, "rope.dimension_count": self.hidden // self.n_heads,
+                "vocab_size": self.vocab, **self.extra}
+
+
+_QWEN3_HEADS = {"attention.key_length": 128, "attention.value_length": 128, "rope.dimension_count": 128,
+                "attention.layer_norm_rms_epsilon": 1e-6, "tokenizer.ggml.model": "gpt2"}
+SHAPES = {
+    "tinyllama-1.1b": Shape(22, 2048, 5632, 32, 4, 32000, 2048, 10000.0, False),
+    "llama-3.2-1b": Shape(16, 2048, 8192, 32, 8, 128256, 131072, 500000.0, True),
+    "llama-3.1-8b": Shape(32, 4096, 14336, 32, 8, 128256, 131072, 500000.0, False),
+    "tiny": Shape(2, 256, 512, 8, 4, 1024, 1024, 10000.0, False),  # for tests
+    "qwen2.5-0.5b": Shape(24, 896, 4864, 14, 2, 151936, 32768, 1000000.0, True, "qwen2",
+                          {"attention.layer_norm_rms_epsilon": 1e-6}),
+    "qwen3-0.6b": Shape(28, 1024, 3072, 16, 8, 151936, 40960, 1000000.0, True, "qwen3", _QWEN3_HEADS),
+    # Qwen3-30B-A3B's layer (64 of its 128 experts, 8 used) in a 16-layer model of ~1.5B parameters, and the
+    # dense model with the same active parameters (one MLP as wide as the 8 used experts together)
+    "qwen3moe-small": Shape(16, 1024, 3072, 16, 8, 151936, 40960, 1000000.0, True, "qwen3moe",
+                            {**_QWEN3_HEADS, "expert_count": 64, "expert_used_count": 8,
+                             "expert_feed_forward_length": 384}),
+    "qwen3-small-dense": Shape(16, 1024, 3072, 16, 8, 151936, 40960, 1000000.0, True, "qwen3", _QWEN3_HEADS),
+}
+
+
+def write_synthetic(path: str | os.PathLike, shape: str | Shape = "tinyllama-1.1b", dtype: DType | str = "q4_0",
+                    seed: int = 0, progress: Callable[[int, int], None] | None = None,
+                    hparams: Mapping[str, Any] | None = None) -> Path:
+    """Write a named shape (``SHAPES``) or any registered architecture (with ``DEFAULTS``);
+    ``hparams`` override single keys."""
+    from pyggml.models import registry
+
+    named = shape if isinstance(shape, Shape) else SHAPES.get(shape)
+    if named is not None:
+        arch, base, omit = named.arch, named.hparams(), ("output.weight",) if named.tied else ()
+    elif shape in registry():
+        arch, base, omit = shape, DEFAULTS, ()
+    else:
+        raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}, or an architecture: "
+                         f"{', '.join(sorted(registry()))}")
+    return write_model(path, arch, {**base, **(hparams or {})}, dtype, seed=seed, progress=progress, omit=omit)
+
+
+def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] = DEFAULTS,
+                dtype: DType | str = "f32", *, seed: int = 0, progress: Callable[[int, int], None] | None = None,
+                init: Init | None = None, omit: Collection[str] = (),
+                shapes: Mapping[str, tuple[int, ...]] | None = None) -> Path:
+    """Write a GGUF of architecture ``arch`` with random weights (written atomically: temp file + rename).
+
+    Matrices are ``dtype`` (F16 where a quantized type's blocks do not divide a row), norms and
+    biases F32; the same ``seed`` gives the same values whatever the type, so an F32 and an F16 file
+    differ only by rounding. ``init(name, numpy_shape, rng)`` may return a tensor's values (None: the
+    default); ``omit`` leaves tensors out (e.g. ``output.weight``: tied embeddings); ``shapes``
+    overrides declared shapes (ggml order; for tests of malformed files). ``progress(done, total)``
+    counts elements."""
+    from pyggml.backend import Config
+    from pyggml.models import ModelError, registry
+
+    model = registry().get(arch)
+    if model is None:
+        raise ValueError(f"unknown architecture {arch!r}; registered: {', '.join(sorted(registry()))}")
+    if model.Options is None or model.Weights is None:
+        raise ValueError(f"{arch}: the model class declares no Options/Weights to build a file from")
+    dtype = DType.parse(dtype)
+    meta = metadata(arch, hparams, dtype)
+    try:
+        options = model.Options.from_config(Config(meta))
+    except (ModelError, ValueError) as e:
+        raise ValueError(f"these hyper-parameters do not make a valid {arch} model: {e}") from None
+    tensors = []
+    for t in nn.declared(model.Weights, options):
+        if t.required and t.name not in omit:
+            ggml_shape = tuple((shapes or {}).get(t.name, t.shape))
+            matrix = len(ggml_shape) > 1 and t.name.endswith(".weight")
+            kind = dtype if matrix else DType.F32
+            if kind.block_size > 1 and ggml_shape[0] % kind.block_size:
+                kind = DType.F16
+            tensors.append((t, tuple(reversed(ggml_shape)), kind))
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")  # one per writer; mode as open()'s
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        for key, value in meta.items():
+            if key != "general.architecture":
+                _add(writer, key, value)
+        for t, numpy_shape, kind in tensors:
+            nbytes = kind.row_bytes(numpy_shape[-1]) * int(np.prod(numpy_shape[:-1], dtype=np.int64))
+            writer.add_tensor_info(t.name, numpy_shape, np.dtype(np.float32), nbytes,
+                                   raw_dtype=gguf.GGMLQuantizationType(int(kind)))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        rng = np.random.default_rng(seed)
+        total, done = sum(int(np.prod(s)) for _, s, _ in tensors), 0
+        for t, numpy_shape, kind in tensors:
+            data = init(t.name, numpy_shape, rng) if init is not None else None
+            data = _random(t, numpy_shape, rng) if data is None else np.asarray(data, np.float32)
+            writer.write_tensor_data(quantize(data.reshape(numpy_shape), kind))
+            done += data.size
+            if progress:
+                progress(done, total)
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _random(t: nn.TensorDecl, numpy_shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Values that keep activations O(1): norm weights near 1, small biases, matrices scaled 1/sqrt(fan_in)."""
+    data = rng.standard_normal(numpy_shape, dtype=np.float32)
+    if t.name.endswith(".bias"):
+        data *= 0.1
+    elif issubclass(t.module, (nn.RMSNorm, nn.LayerNorm)) or len(numpy_shape) == 1:
+        data *= 0.1
+        data += 1.0
+    elif not issubclass(t.module, nn.Embedding):
+        data *= 1.0 / np.sqrt(numpy_shape[-1])
+    return data
+
+
+# ---- metadata ---------------------------------------------------------------------------------------
+_FILE_TYPES = {DType.F32: 0, DType.F16: 1, DType.Q4_0: 2, DType.Q4_1: 3, DType.Q8_0: 7, DType.Q5_0: 8,
+               DType.Q5_1: 9, DType.Q2_K: 10, DType.Q3_K: 11, DType.Q4_K: 15, DType.Q5_K: 17, DType.Q6_K: 18,
+               DType.BF16: 32}
+
+
+def metadata(arch: str, hparams: Mapping[str, Any], dtype: DType = DType.F32) -> dict[str, Any]:
+    """The GGUF key/values of a synthetic ``arch`` file: ``hparams`` under the architecture's
+    prefix, a name, the file type and a generated vocabulary (unless ``hparams`` has one)."""
+    meta: dict[str, Any] = {"general.architecture": arch,
+                            "general.name": f"synthetic random-weight {arch} ({dtype.name}; not a language model)"}
+    if dtype in _FILE_TYPES:
+        meta["general.file_type"] = _FILE_TYPES[dtype]
+    if dtype.is_quantized:
+        meta["general.quantization_version"] = gguf.GGML_QUANT_VERSION
+    for key, value in hparams.items():
+        meta[key if key.startswith(("general.", "tokenizer.")) else f"{arch}.{key}"] = value
+    if "tokenizer.ggml.tokens" not in meta:
+        model = meta.setdefault("tokenizer.ggml.model", "llama")
+        n_vocab = int(hparams.get("vocab_size", DEFAULTS["vocab_size"]))
+        if model not in _VOCABS:
+            raise ValueError(f"no synthetic vocabulary of kind {model!r}; choose one of {', '.join(_VOCABS)}")
+        meta.update({k: v for k, v in _VOCABS[model](n_vocab).items() if k not in meta})
+    return meta
+
+
+def _add(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
+    """One key with the value type llama.cpp expects: integers uint32, numbers float32."""
+    V = gguf.GGUFValueType
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, (int, np.integer)):
+        (writer.add_uint32 if value >= 0 else writer.add_int32)(key, int(value))
+    elif isinstance(value, (float, np.floating)):
+        writer.add_float32(key, float(value))
+    elif isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, (list, tuple)):
+        if key == "tokenizer.ggml.token_type":  # llama.cpp reads token types as int32
+            writer.add_key_value(key, [int(v) for v in value], V.ARRAY, sub_type=V.INT32)
+        else:
+            writer.add_array(key, list(value))
+    else:
+        raise TypeError(f"metadata {key!r}: cannot write a {type(value).__name__}")
+
+
+_CHARS = list(string.ascii_letters + string.digits + string.punctuation)
+_NORMAL, _UNKNOWN, _CONTROL, _BYTE = (int(t) for t in (gguf.TokenType.NORMAL, gguf.TokenType.UNKNOWN,
+                                                       gguf.TokenType.CONTROL, gguf.TokenType.BYTE))
+
+
+def _spm_vocab(n: int) -> dict[str, Any]:
+    """SentencePiece (``llama``): <unk> <s> </s>, the 256 byte tokens when there is room, characters, filler pieces."""
+    tokens, types = ["<unk>", "<s>", "</s>"], [_UNKNOWN, _CONTROL, _CONTROL]
+    if n >= 3 + 256 + len(_CHARS) + 1:
+        tokens += [f"<0x{b:02X}>" for b in range(256)]
+        types += [_BYTE] * 256
+    pieces = ["\u2581", *_CHARS]
+    tokens += (pieces + [f"\u2581t{i}" for i in range(max(0, n - len(tokens) - len(pieces)))])[:n - len(tokens)]
+    types += [_NORMAL] * (n - len(types))
+    scores = [0.0 if t != _NORMAL else -float(i) for i, t in enumerate(types)]
+    return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.scores": scores, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.unknown_token_id": 0, "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2}
+
+
+def _wpm_vocab(n: int) -> dict[str, Any]:
+    """WordPiece (``bert``) as llama.cpp stores it (word starts marked '▁', continuations bare): [PAD] [UNK]
+    [CLS] [SEP] [MASK], characters starting a word, continuing characters, filler words."""
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    types = [_CONTROL, _UNKNOWN, _CONTROL, _CONTROL, _CONTROL]
+    chars = [c for c in _CHARS if not c.isupper()]
+    pieces = [f"\u2581{c}" for c in chars] + list(string.ascii_lowercase + string.digits)
+    tokens += (pieces + [f"\u2581w{i}" for i in range(max(0, n - len(tokens) - len(pieces)))])[:n - len(tokens)]
+    types += [_NORMAL] * (n - len(types))
+    return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.padding_token_id": 0, "tokenizer.ggml.unknown_token_id": 1,
+            "tokenizer.ggml.cls_token_id": 2, "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.seperator_token_id": 3,
+            "tokenizer.ggml.mask_token_id": 4}
+
+
+def _bpe_vocab(n: int) -> dict[str, Any]:
+    """Byte-level BPE (``gpt2``): the 256 byte symbols, merged pairs of letters (with and without a
+    leading space, 'Ġ'), <|endoftext|> last."""
+    if n < 258:
+        raise ValueError(f"a gpt2 vocabulary needs at least 258 tokens, not {n}")
+    symbols = _byte_symbols()
+    letters = [symbols[ord(c)] for c in string.ascii_lowercase]
+    pairs = [("\u0120", c) for c in letters] + [(a, b) for a in letters for b in letters]
+    merges = pairs[:n - 257]
+    tokens = symbols + [a + b for a, b in merges] + ["<|endoftext|>"]
+    tokens += [f"<|filler{i}|>" for i in range(n - len(tokens))]
+    eot = 256 + len(merges)
+    types = [_NORMAL] * eot + [_CONTROL] * (n - eot)
+    return {"tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
+            "tokenizer.ggml.merges": [f"{a} {b}" for a, b in merges], "tokenizer.ggml.bos_token_id": eot,
+            "tokenizer.ggml.eos_token_id": eot}
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte value (bytes_to_unicode), in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+_VOCABS: dict[str, Callable[[int], dict[str, Any]]] = {"llama": _spm_vocab, "bert": _wpm_vocab, "gpt2": _bpe_vocab}

@@ -1,0 +1,181 @@
+"""Small GGUF files the behaviour tests need and no shared file provides.
+
+- ``letters_llama(path, rope_freqs=...)``: a tiny random one-layer llama whose vocabulary is the 26
+  lowercase letters (plus <unk>, <s>, </s>), so generated text maps back to token ids one character
+  each, with or without Llama 3.1's ``rope_freqs.weight`` (per-frequency divisors). Its query/key
+  weights are large, so attention is sharp and depends on positions: a wrong rotation changes the
+  logits. Greedy decoding never picks <unk>, <s> or </s>: their output rows are zero (logit 0) while
+  the rows of 'b' and 'a' are opposite, so one of those two always scores >= 0 (no end token, by
+  construction rather than by luck).
+- ``with_chat_template(src, dst, template)``: a byte-for-byte copy of a GGUF with one more key,
+  ``tokenizer.chat_template`` (e.g. stories260K, a trained model, with a multi-turn template).
+"""
+
+from __future__ import annotations
+
+import string
+import struct
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from pyggml.models import Input
+from pyggml.runner import InputCache
+
+LETTERS = string.ascii_lowercase
+LETTER_IDS = {c: 3 + i for i, c in enumerate(LETTERS)}  # after <unk>, <s>, </s>
+LETTER_VOCAB = 3 + len(LETTERS)
+# head_dim 16: 8 rotation frequencies, each divided by its factor (1 = unchanged)
+ROPE_FREQS = np.geomspace(1.0, 40.0, 8).astype(np.float32)
+
+
+CONCAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def letters_llama(path: str | Path, *, rope_freqs: np.ndarray | None = None, seed: int = 7,
+                  chat_template: str | None = None) -> Path:
+    """Write the letters llama (1 layer, hidden 32, 2 heads of 16, 1 KV head)."""
+    path = Path(path)
+    hidden, n_heads, n_kv, head_dim, ffn, n_layers = 32, 2, 1, 16, 64, 1
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_name("letters llama (random weights, tests only)")
+    writer.add_context_length(4096)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(n_layers)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(n_heads)
+    writer.add_head_count_kv(n_kv)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_vocab_size(LETTER_VOCAB)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>", *LETTERS])
+    writer.add_token_scores([0.0] * LETTER_VOCAB)
+    writer.add_token_types([2, 3, 3] + [1] * len(LETTERS))
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+    def matrix(rows: int, cols: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(hidden)).astype(np.float32)
+
+    writer.add_tensor("token_embd.weight", matrix(LETTER_VOCAB, hidden, 1.0))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        writer.add_tensor(p + "attn_norm.weight", norm())
+        writer.add_tensor(p + "attn_q.weight", matrix(n_heads * head_dim, hidden, 0.5))
+        writer.add_tensor(p + "attn_k.weight", matrix(n_kv * head_dim, hidden, 0.5))
+        writer.add_tensor(p + "attn_v.weight", matrix(n_kv * head_dim, hidden, hidden ** -0.5))
+        writer.add_tensor(p + "attn_output.weight", matrix(hidden, n_heads * head_dim, (n_heads * head_dim) ** -0.5))
+        writer.add_tensor(p + "ffn_norm.weight", norm())
+        writer.add_tensor(p + "ffn_gate.weight", matrix(ffn, hidden, hidden ** -0.5))
+        writer.add_tensor(p + "ffn_up.weight", matrix(ffn, hidden, hidden ** -0.5))
+        writer.add_tensor(p + "ffn_down.weight", matrix(hidden, ffn, ffn ** -0.5))
+    writer.add_tensor("output_norm.weight", norm())
+    output = matrix(LETTER_VOCAB, hidden, 1.0)
+    output[:3] = 0.0
+    output[LETTER_IDS["b"]] = -output[LETTER_IDS["a"]]
+    writer.add_tensor("output.weight", output)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def letters_to_ids(text: str) -> list[int]:
+    return [LETTER_IDS[c] for c in text]
+
+
+def only_letters_bias() -> dict[int, float]:
+    """A logit_bias that bans <unk>, <s> and </s> (so only letters are generated)."""
+    return {0: -float("inf"), 1: -float("inf"), 2: -float("inf")}
+
+
+# ---- what a shifting cache holds ------------------------------------------------------------------
+
+def cache_states(prompt: list[int], generated: list[int], num_ctx: int, num_keep: int) -> tuple[list, int]:
+    """For each generated token, the tokens in the cache (position order) its logits came from;
+    and how many shifts happened."""
+    planner = InputCache(num_ctx, 1)
+    cache, states, shifts = list(prompt), [list(prompt)], 0
+    for token in generated[:-1]:
+        if len(cache) >= num_ctx:
+            discard = planner.shift_discard([Input(token=t) for t in cache], num_keep)
+            del cache[num_keep:num_keep + discard]
+            shifts += 1
+        cache.append(token)
+        states.append(list(cache))
+    return states, shifts
+
+
+def log_softmax(row: np.ndarray) -> np.ndarray:
+    row = row.astype(np.float64)
+    m = row.max()
+    return row - m - np.log(np.exp(row - m).sum())
+
+
+# ---- a GGUF with one more string key ----------------------------------------------------------------
+
+def _skip_value(data: bytes, pos: int, vtype: int) -> int:
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+    if vtype in sizes:
+        return pos + sizes[vtype]
+    if vtype == 8:  # string
+        (n,) = struct.unpack_from("<Q", data, pos)
+        return pos + 8 + n
+    if vtype == 9:  # array
+        etype, count = struct.unpack_from("<IQ", data, pos)
+        pos += 12
+        if etype in sizes:
+            return pos + sizes[etype] * count
+        for _ in range(count):
+            pos = _skip_value(data, pos, etype)
+        return pos
+    raise ValueError(f"unknown GGUF value type {vtype}")
+
+
+def with_chat_template(src: str | Path, dst: str | Path, template: str) -> Path:
+    """Copy GGUF v3 ``src`` to ``dst`` adding ``tokenizer.chat_template`` (must not be there yet)."""
+    data = Path(src).read_bytes()
+    magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
+    assert magic == b"GGUF" and version == 3, (magic, version)
+    pos = 24
+    alignment = 32
+    for _ in range(n_kv):
+        (n,) = struct.unpack_from("<Q", data, pos)
+        key = data[pos + 8:pos + 8 + n].decode()
+        pos += 8 + n
+        (vtype,) = struct.unpack_from("<I", data, pos)
+        pos += 4
+        if key == "general.alignment":
+            (alignment,) = struct.unpack_from("<I", data, pos)
+        assert key != "tokenizer.chat_template", f"{src} already has a chat template"
+        pos = _skip_value(data, pos, vtype)
+    kv_end = pos
+    for _ in range(n_tensors):
+        (n,) = struct.unpack_from("<Q", data, pos)
+        pos += 8 + n
+        (n_dims,) = struct.unpack_from("<I", data, pos)
+        pos += 4 + 8 * n_dims + 4 + 8
+    infos_end = pos
+    data_start = infos_end + (-infos_end % alignment)
+    key, value = b"tokenizer.chat_template", template.encode()
+    extra = struct.pack("<Q", len(key)) + key + struct.pack("<I", 8) + struct.pack("<Q", len(value)) + value
+    head = struct.pack("<4sIQQ", magic, version, n_tensors, n_kv + 1) + data[24:kv_end] + extra + \
+        data[kv_end:infos_end]
+    head += b"\0" * (-len(head) % alignment)
+    Path(dst).write_bytes(head + data[data_start:])
+    return Path(dst)

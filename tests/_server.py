@@ -1,0 +1,69 @@
+"""A pyggml server in this process on 127.0.0.1 (uvicorn in a thread) for the HTTP tests, and plain
+JSON calls to it (httpx: exactly the bodies the tests mean, no client library defaults)."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+from pyggml import BackendParams, models
+from pyggml.runner import Runner
+
+
+@contextlib.contextmanager
+def running_server(path, *, parallel: int = 2, num_ctx: int = 256, cache_type: str = "f16", queue: int = 16):
+    """(base_url, served) of a server on a free port; stopped and unloaded on exit."""
+    import uvicorn
+
+    from pyggml.server import ServedModel, create_app
+
+    model = models.load(path, BackendParams(n_threads=1))
+    runner = Runner(model, parallel=parallel, num_ctx=num_ctx, batch_size=64, cache_type=cache_type)
+    served = ServedModel(runner, path, queue=queue)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{port}", served
+    finally:
+        server.should_exit = True
+        runner.close()
+        thread.join(15)
+        model.close()
+        sock.close()
+
+
+def post(server: tuple, route: str, body: dict) -> dict:
+    """POST a JSON body (never streamed, naming the served model) to ``server`` (from
+    ``running_server``) and return the JSON answer; fails on a non-200 status."""
+    import httpx
+
+    base, served = server
+    body = {"stream": False, "model": served.name, **body}
+    response = httpx.post(base + route, json=body, timeout=120)
+    assert response.status_code == 200, f"{route}: {response.status_code} {response.text}"
+    return response.json()
+
+
+def text_of(route: str, answer: dict) -> str:
+    """The generated text of a non-streamed answer from any of the four generation routes."""
+    if route == "/v1/completions":
+        return answer["choices"][0]["text"]
+    if route == "/v1/chat/completions":
+        return answer["choices"][0]["message"]["content"]
+    if route == "/api/generate":
+        return answer["response"]
+    return answer["message"]["content"]
+
+
+def finish_of(route: str, answer: dict) -> str:
+    return answer["choices"][0]["finish_reason"] if route.startswith("/v1/") else answer["done_reason"]

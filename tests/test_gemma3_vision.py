@@ -1,0 +1,419 @@
+"""Gemma 3 vision: a tiny random ``Gemma3ForConditionalGeneration`` converted by our converter gives
+transformers' pixels, vision tower states, image embeddings and image+text logits; images go through
+the runner's cache; bad images fail their request with a clear error."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .hf_fixtures import make_spm_tokenizer
+from .test_convert import needs_llama_cpp
+
+torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
+transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (`reference` extra)")
+Image = pytest.importorskip("PIL.Image", reason="images need Pillow")
+
+SYMBOLS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
+SIZE, PATCH, TOKENS = 32, 8, 4  # a 4x4 patch grid pooled to 2x2 image tokens
+PROMPT = "The cafe is [img-0] naive, 42 people said! Then they left"
+SHORT = "a [img-0] cat"  # prompt + output within the sliding window (16): a cached prefix can be resumed
+
+
+def png(seed: int, size: tuple[int, int] = (40, 28), mode: str = "RGB") -> bytes:
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).convert(mode).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from pyggml.convert import convert_hf
+
+    tmp = tmp_path_factory.mktemp("gemma3v")
+    hf_dir = tmp / "hf"
+    hf_dir.mkdir()
+    n_tokens = make_spm_tokenizer(hf_dir, 0, symbols=SYMBOLS)
+    text = dict(vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=96, num_hidden_layers=6,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+                max_position_embeddings=256, sliding_window=16, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0, initializer_range=0.05)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  image_size=SIZE, patch_size=PATCH, layer_norm_eps=1e-6)
+    boi, eoi, soft = 4, 5, 6  # the user-defined symbols follow <unk> <s> </s> <tool>
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS,
+                                       boi_token_index=boi, eoi_token_index=eoi, image_token_index=soft,
+                                       attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "language_model" in name and name.endswith("norm.weight") or "soft_emb_norm" in name:
+                p.copy_(0.2 * torch.randn_like(p))  # Gemma's norms scale by 1 + weight
+            elif "mm_input_projection" in name:  # initialised to zeros
+                p.copy_(0.2 * torch.randn_like(p))
+            elif "vision" in name and name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    processor = transformers.Gemma3ImageProcessorPil(size={"height": SIZE, "width": SIZE})
+    processor.save_pretrained(hf_dir)
+    path = convert_hf(hf_dir, tmp / "model.gguf", "f32")
+    return model, processor, path, (boi, eoi, soft)
+
+
+def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def hf_pixels(processor, data: bytes) -> np.ndarray:
+    return processor(Image.open(io.BytesIO(data)), return_tensors="np")["pixel_values"][0]
+
+
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L", "P", "CMYK"])
+def test_pixels_equal_the_hf_processor(tiny, mode):
+    from pyggml import image
+
+    _, processor, _, _ = tiny
+    data = png(1, mode=mode) if mode != "CMYK" else _jpeg_cmyk()
+    ours = image.resize_normalize(image.decode(data), (SIZE, SIZE), [0.5] * 3, [0.5] * 3)
+    np.testing.assert_array_equal(ours, hf_pixels(processor, data))
+
+
+def _jpeg_cmyk() -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(2).integers(0, 256, (20, 30, 3), dtype=np.uint8)).convert("CMYK").save(
+        out, format="JPEG")
+    return out.getvalue()
+
+
+def test_vision_tower_and_image_embeddings_match_transformers(tiny):
+    from pyggml import BackendParams, models
+
+    model, processor, path, _ = tiny
+    data = png(3)
+    pixels = hf_pixels(processor, data)
+    with torch.no_grad():
+        ref_states = model.model.vision_tower(pixel_values=torch.tensor(pixels[None])).last_hidden_state[0].numpy()
+        ref_embeds = model.model.get_image_features(pixel_values=torch.tensor(pixels[None]))
+        ref_embeds = getattr(ref_embeds, "pooler_output", ref_embeds)
+        ref_embeds = np.asarray(ref_embeds).reshape(-1, 64)
+    ours = models.load(path, BackendParams(n_threads=2))
+    try:
+        v = ours.vision
+        assert ours.takes_images and v.options.tokens_per_image == TOKENS
+        with ours.backend.new_context() as ctx:
+            states = v.tower(ctx, pixels, v.options)
+            embeds = v.projector(ctx, states, v.options)
+            ctx.compute(states, embeds)
+            states, embeds = states.numpy(), embeds.numpy()
+        with ours.backend.new_context() as ctx:
+            (item,) = ours.encode_multimodal(ctx, data)
+            ctx.compute(item.tensor)
+            np.testing.assert_array_equal(item.tensor.numpy(), embeds)  # decode + preprocess + both parts
+    finally:
+        ours.close()
+    # measured: 3.1e-4 (states), 1.7e-4 (embeddings): ggml's GELU looks its values up in an F16 table
+    print(f"vision: states {scaled_error(states, ref_states):.2e}, embeddings {scaled_error(embeds, ref_embeds):.2e}")
+    assert scaled_error(states, ref_states) <= 1e-3, scaled_error(states, ref_states)
+    assert scaled_error(embeds, ref_embeds) <= 1e-3, scaled_error(embeds, ref_embeds)
+
+
+def _hf_ids(llm, boi: int, eoi: int, soft: int) -> tuple[list[int], list[int]]:
+    before, after = PROMPT.split("[img-0]")
+    nn = llm.tokenizer.encode("\n\n", add_special=False)
+    ids = llm.tokenizer.encode(before) + nn + [boi] + [soft] * TOKENS + [eoi] + nn + \
+        llm.tokenizer.encode(after, add_special=False)
+    types = [1 if t == soft else 0 for t in ids]
+    return ids, types
+
+
+def test_image_and_text_logits_match_transformers(tiny):
+    import pyggml
+    from pyggml.runner import CompletionRequest
+
+    model, processor, path, (boi, eoi, soft) = tiny
+    data = png(4)
+    with pyggml.load(path, n_threads=2, num_ctx=128, cache_type="f32") as llm:
+        ids, types = _hf_ids(llm, boi, eoi, soft)
+        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
+                                                           prompt_logits=True))
+        ours = last.prompt_logits
+        n_vocab = llm.tokenizer.vocab_size
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(hf_pixels(processor, data)[None]),
+                    token_type_ids=torch.tensor([types])).logits[0].numpy()[:, :n_vocab]
+        causal = model(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(hf_pixels(processor, data)[None]),
+                       ).logits[0].numpy()[:, :n_vocab]  # no token types: image tokens attend causally
+    assert ours.shape == ref.shape
+    print(f"image+text logits: {scaled_error(ours, ref):.2e} (causal image: {scaled_error(ours, causal):.2e})")
+    assert scaled_error(ours, ref) <= 1e-3, scaled_error(ours, ref)
+    assert scaled_error(ours, causal) > 1e-2  # so the parity above checks the image's both-ways attention
+
+
+def test_same_image_is_served_from_the_cache_and_another_is_not(tiny):
+    import pyggml
+    from pyggml.runner import CompletionRequest
+
+    _, _, path, _ = tiny
+    with pyggml.load(path, n_threads=2, num_ctx=128) as llm:
+        def run(data):
+            chunks = list(llm.runner.completion(CompletionRequest(prompt=SHORT, images=[data], max_tokens=2,
+                                                                  temperature=0, logit_bias={2: float("-inf")})))
+            return [t for c in chunks for t in c.tokens], chunks[-1]
+
+        first, a = run(png(5))
+        again, b = run(png(5))
+        other, c = run(png(6))
+        assert a.cached_tokens == 0 and b.cached_tokens == b.prompt_tokens - 1 and first == again
+        assert c.cached_tokens < c.prompt_tokens - TOKENS  # the prefix stops before the other image
+
+
+def test_bad_images_fail_clearly_and_free_the_slot(tiny):
+    import pyggml
+
+    _, _, path, _ = tiny
+    good = png(7)
+    out = io.BytesIO()
+    Image.new("RGB", (1, 1)).save(out, format="PNG")
+    one_pixel = out.getvalue()
+    out = io.BytesIO()
+    Image.new("L", (9000, 9000)).save(out, format="PNG")  # 81 Mpixel, a small file
+    huge = out.getvalue()
+    cases = [(b"not an image at all", "not an image"), (good[: len(good) // 2], "not an image"),
+             (one_pixel, "at least 2 pixels"), (huge, "over the limit")]
+    with pyggml.load(path, n_threads=2, num_ctx=128) as llm:
+        for data, message in cases:
+            with pytest.raises(ValueError, match=message):
+                llm.generate(PROMPT, images=[data], max_tokens=2)
+        assert llm.generate(PROMPT, images=[good], max_tokens=2, temperature=0) is not None
+
+
+def test_text_only_gemma3_takes_no_images(tmp_path):
+    import pyggml
+    from pyggml.synthetic import write_synthetic
+
+    path = write_synthetic(tmp_path / "g3.gguf", "gemma3", "f32")
+    with pyggml.load(path, n_threads=1, num_ctx=64) as llm:
+        assert not llm.model.takes_images
+        with pytest.raises(ValueError, match="takes no images"):
+            llm.generate("look", images=[png(1)], max_tokens=2)
+
+
+def test_converter_writes_the_vision_part(tiny):
+    import gguf
+
+    _, _, path, _ = tiny
+    reader = gguf.GGUFReader(Path(path))
+    names = {t.name for t in reader.tensors}
+    assert {"v.patch_embd.weight", "v.blk.1.ffn_down.bias", "v.post_ln.weight", "mm.input_projection.weight",
+            "mm.soft_emb_norm.weight"} <= names
+    assert reader.fields["clip.projector_type"].contents() == "gemma3"
+    assert reader.fields["clip.vision.projector.scale_factor"].contents() == 2
+
+
+def test_llm_generate_and_chat_take_images(tiny, tmp_path):
+    import base64
+
+    import pyggml
+
+    _, _, path, _ = tiny
+    data = png(8)
+    file = tmp_path / "cat.png"
+    file.write_bytes(data)
+    greedy = dict(max_tokens=2, temperature=0, logit_bias={2: float("-inf")})
+    with pyggml.load(path, n_threads=2, num_ctx=128) as llm:
+        by_bytes = llm.generate(SHORT, images=[data], **greedy)
+        assert llm.generate(SHORT, images=[file], **greedy) == by_bytes
+        assert llm.stats.cached_tokens > 0  # the same image: the prompt came from the cache
+        b64 = base64.b64encode(data).decode()
+        ollama = llm.chat([{"role": "user", "content": "what is this?", "images": [b64]}], **greedy)
+        openai = llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}},
+            {"type": "text", "text": "what is this?"}]}], **greedy)
+        assert ollama == openai  # the marker goes first either way; the template's newline joins the parts
+        with pytest.raises(ValueError, match="remote image URLs are not fetched"):
+            llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}])
+
+
+def test_server_takes_images_through_both_apis_and_refuses_bad_ones(tiny):
+    import base64
+
+    import httpx
+
+    from ._server import post, running_server
+
+    _, _, path, _ = tiny
+    b64 = base64.b64encode(png(9)).decode()
+    options = {"temperature": 0, "num_predict": 3}
+    with running_server(path, parallel=1, num_ctx=128) as server:
+        base, served = server
+        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
+        assert "vision" in show["capabilities"]
+        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
+        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
+                                          "options": options})
+        assert gen["response"] == chat["message"]["content"]  # the same rendered prompt
+        openai = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}]}],
+            "max_tokens": 3, "temperature": 0})
+        assert openai["choices"][0]["message"]["content"] is not None
+        bad = [("/api/generate", {"prompt": "x", "images": ["not base64!"]}, "base64"),
+               ("/api/generate", {"prompt": "x", "images": [base64.b64encode(b"GIF89a junk").decode()]},
+                "not an image"),
+               ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [b64[: len(b64) // 2]]}]},
+                ""),
+               ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                   {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]}, "not fetched")]
+        for route, body, words in bad:
+            response = httpx.post(base + route, json={"model": served.name, "stream": False, **body}, timeout=60)
+            assert response.status_code == 400, (route, response.status_code, response.text)
+            assert words in response.text
+        again = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
+        assert again["response"] == gen["response"]  # the slot was freed and works
+
+
+def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
+    import pyggml
+    from pyggml.convert.gemma3_vision import split_mmproj
+    from pyggml.runner import CompletionRequest
+
+    _, _, path, _ = tiny
+    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    data = png(10)
+
+    def logits(llm):
+        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
+                                                           prompt_logits=True))
+        return last.prompt_logits
+
+    with pyggml.load(path, n_threads=2, num_ctx=128, cache_type="f32") as llm:
+        single = logits(llm)
+    with pyggml.load(text, n_threads=2, num_ctx=128) as llm:
+        assert not llm.model.takes_images
+    with pyggml.load(text, n_threads=2, num_ctx=128, cache_type="f32", mmproj=mmproj) as llm:
+        assert llm.model.takes_images
+        np.testing.assert_array_equal(logits(llm), single)
+    with pytest.raises(ValueError, match="not an mmproj file"):
+        pyggml.load(text, n_threads=1, num_ctx=64, mmproj=text)
+    with pytest.raises(ValueError, match="has a vision part already"):
+        pyggml.load(path, n_threads=1, num_ctx=64, mmproj=mmproj)
+
+
+_MTMD = """
+import ctypes, json, sys
+import numpy as np
+import llama_cpp
+from llama_cpp import mtmd_cpp as m
+
+text, mmproj, raw, nx, ny = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+llama_cpp.llama_backend_init()
+model = llama_cpp.llama_model_load_from_file(text.encode(), llama_cpp.llama_model_default_params())
+assert model, "text model failed to load"
+params = m.mtmd_context_params_default()
+params.use_gpu, params.n_threads, params.warmup = False, 2, False
+ctx = m.mtmd_init_from_file(mmproj.encode(), model, params)
+assert ctx, "mmproj failed to load"
+data = open(raw, "rb").read()
+bitmap = m.mtmd_bitmap_init(nx, ny, (ctypes.c_uint8 * len(data)).from_buffer_copy(data))
+chunks = m.mtmd_input_chunks_init()
+t = m.mtmd_input_text()
+t.text = b"look " + m.mtmd_default_marker() + b" here"
+t.text_len, t.add_special, t.parse_special = len(t.text), True, True
+assert m.mtmd_tokenize(ctx, chunks, ctypes.byref(t), (m.mtmd_bitmap_p_ctypes * 1)(bitmap), 1) == 0
+n_embd = llama_cpp.llama_model_n_embd(model)
+for i in range(m.mtmd_input_chunks_size(chunks)):
+    chunk = m.mtmd_input_chunks_get(chunks, i)
+    if m.mtmd_input_chunk_get_type(chunk) == 1:  # an image
+        n = m.mtmd_input_chunk_get_n_tokens(chunk)
+        assert m.mtmd_encode_chunk(ctx, chunk) == 0
+        print(json.dumps(np.ctypeslib.as_array(m.mtmd_get_output_embd(ctx), shape=(n * n_embd,)).tolist()))
+"""
+
+
+@needs_llama_cpp
+def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_embeddings(tiny, tmp_path):
+    """llama.cpp's multimodal path (mtmd) on the split files; the image is already SIZE x SIZE, so
+    its own resizing does not enter."""
+    import json
+    import subprocess
+    import sys
+
+    from pyggml import BackendParams, models
+    from pyggml.convert.gemma3_vision import split_mmproj
+
+    _, _, path, _ = tiny
+    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    pixels = np.random.default_rng(3).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+    (tmp_path / "img.rgb").write_bytes(pixels.tobytes())
+    done = subprocess.run([sys.executable, "-c", _MTMD, str(text), str(mmproj), str(tmp_path / "img.rgb"),
+                           str(SIZE), str(SIZE)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = np.array(json.loads(done.stdout.strip().splitlines()[-1]), np.float32).reshape(TOKENS, -1)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    model = models.load(path, BackendParams(n_threads=2))
+    try:
+        with model.backend.new_context() as ctx:
+            (item,) = model.encode_multimodal(ctx, out.getvalue())
+            ctx.compute(item.tensor)
+            ours = item.tensor.numpy()
+    finally:
+        model.close()
+    assert scaled_error(ours, theirs) <= 2e-3  # measured 5.9e-4
+
+
+def test_cli_converts_to_text_plus_mmproj_and_runs_with_an_image(tiny, tmp_path, capsys):
+    from pyggml.cli import main
+
+    model, _, path, _ = tiny
+    hf_dir = Path(path).parent / "hf"
+    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
+    assert main(["convert", str(hf_dir), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    picture = tmp_path / "p.png"
+    picture.write_bytes(png(11))
+    assert main(["run", str(text), "--mmproj", str(mmproj), "--image", str(picture), "what [img-0] is",
+                 "--max-tokens", "3", "--temperature", "0"]) == 0
+    assert main(["show", str(mmproj)]) == 0
+    assert "gemma3 projector, 2 layers" in capsys.readouterr().out
+    assert main(["run", str(text), "--image", str(picture), "what is"]) == 1  # no vision part: a clear error
+    assert "takes no images" in capsys.readouterr().err
+
+
+def test_server_refuses_images_for_a_text_only_model(tmp_path):
+    import base64
+
+    import httpx
+
+    from pyggml.synthetic import write_synthetic
+
+    from ._server import running_server
+
+    path = write_synthetic(tmp_path / "g3.gguf", "gemma3", "f32")
+    b64 = base64.b64encode(png(1)).decode()
+    with running_server(path, parallel=1, num_ctx=64) as (base, served):
+        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
+        assert "vision" not in show["capabilities"]
+        for route, body in (("/api/generate", {"prompt": "x", "images": [b64]}),
+                            ("/api/chat", {"messages": [{"role": "user", "content": "x", "images": [b64]}]})):
+            response = httpx.post(base + route, json={"model": served.name, "stream": False, **body}, timeout=60)
+            assert response.status_code == 400 and "takes no images" in response.text, response.text
+
+
+def test_exif_orientation_is_applied():
+    from pyggml import image
+
+    pixels = np.zeros((20, 40, 3), np.uint8)
+    pixels[:, :20] = 255  # left half white
+    exif = Image.Exif()
+    exif[0x0112] = 6  # the camera was turned: show rotated 90 degrees clockwise
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="JPEG", exif=exif.tobytes(), quality=95)
+    upright = np.asarray(image.decode(out.getvalue()))
+    assert upright.shape == (40, 20, 3)  # width and height swapped
+    assert upright[:20].mean() > 200 and upright[20:].mean() < 50  # the white half is now on top

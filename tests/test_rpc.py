@@ -1,0 +1,507 @@
+"""Layers on remote devices through ggml RPC (`pyggml rpc-server`, `rpc=`), on loopback only.
+
+Two rpc-server processes on free ports serve the module; a model split over the local CPU and both
+remotes must give the same logits and greedy tokens as the all-local run (the remote CPU backends run
+the same kernels, and repacking is off on both sides so the local layers do too). Failures must be
+clean: an unreachable server, a server of another protocol version, and a server killed while
+generating each raise RPCError, within a bounded time, without taking the test process down.
+Every process is started and stopped by PID; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pyggml._ggml import lib
+
+import pyggml
+from pyggml import BackendParams, models
+from pyggml.rpc import RPCError, hello
+from pyggml.runner import CompletionRequest, Runner
+from pyggml.synthetic import write_synthetic
+
+from .conftest import SHARED_MODELS
+
+pytestmark = pytest.mark.skipif(not lib.PYGGML_HAS_RPC, reason="pyggml built without ggml RPC (PYGGML_RPC=OFF)")
+
+STORIES = SHARED_MODELS / "stories260K.gguf"
+ROOT = Path(__file__).resolve().parents[1]
+VERSION = (lib.RPC_PROTO_MAJOR_VERSION, lib.RPC_PROTO_MINOR_VERSION, lib.RPC_PROTO_PATCH_VERSION)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: be killed if the test process dies first (Linux), so no server outlives a crash."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def cli(*args: str, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               GGML_NO_BACKTRACE="1")
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    return subprocess.Popen([sys.executable, "-m", "pyggml.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec, **kwargs)
+
+
+class Server:
+    """A `pyggml rpc-server` subprocess on a free loopback port."""
+
+    def __init__(self):
+        for _ in range(3):  # another process may take the free port first
+            self.port = free_port()
+            self.endpoint = f"127.0.0.1:{self.port}"
+            self.proc = cli("rpc-server", "--port", str(self.port), "--threads", "1")
+            for _ in range(300):  # up to ~60 s on a loaded machine
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    hello(self.endpoint, VERSION, timeout=2.0)
+                    return
+                except RPCError:
+                    time.sleep(0.2)
+            self.stop()
+        raise RuntimeError("could not start a pyggml rpc-server")
+
+    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started = []
+    try:
+        for _ in range(2):
+            started.append(Server())
+        yield [s.endpoint for s in started]
+    finally:
+        for s in started:
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def stories_path():
+    if not STORIES.exists():
+        pytest.skip(f"{STORIES} is absent")
+    return STORIES
+
+
+@pytest.fixture(scope="module", params=["f32", "q8_0"])
+def synthetic_path(request, tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("rpc") / f"tiny-{request.param}.gguf", "tiny", request.param)
+
+
+def load(path, **options):
+    options.setdefault("n_threads", 1)
+    return pyggml.load(path, repack=False, num_ctx=128, **options)
+
+
+def run_twice(path, prompt, servers, tensor_split=None):
+    """(placement, tokens, logits) all-local, then split over the servers."""
+    runs = []
+    for rpc in ((), servers):
+        llm = load(path, rpc=rpc, tensor_split=tensor_split if rpc else None)
+        try:
+            ids = llm.tokenize(prompt)
+            logits = llm.logits(ids)
+            llm.generate(prompt, max_tokens=12, temperature=0)
+            runs.append((llm.model.backend.placement(), llm.stats.tokens, logits))
+        finally:
+            llm.close()
+    return runs
+
+
+def test_stories_split_over_two_servers_matches_local(stories_path, servers):
+    (_, local_tokens, local_logits), (placement, tokens, logits) = run_twice(stories_path, "Once upon a time", servers)
+    devices = list(placement)
+    assert devices[0] == "CPU" and devices[1].endswith(f"({servers[0]})") and devices[2].endswith(f"({servers[1]})")
+    assert all(placement.values())  # every device computes some layers
+    assert tokens == local_tokens and len(tokens) == 12
+    np.testing.assert_array_equal(logits, local_logits)
+
+
+def test_synthetic_split_matches_local(synthetic_path, servers):
+    # the tiny shape has two layers: one on each remote; embeddings and the output layer stay local
+    (_, local_tokens, local_logits), (placement, tokens, logits) = run_twice(
+        synthetic_path, "hello world", servers, tensor_split=[0, 1, 1])
+    assert list(placement.values()) == [[0], [1]]
+    assert tokens == local_tokens
+    np.testing.assert_array_equal(logits, local_logits)
+
+
+def test_devices_lists_remote_devices(stories_path, servers):
+    llm = load(stories_path, rpc=servers)
+    try:
+        remote = [d for d in pyggml.devices() if d.kind == "rpc"]
+        assert {d.description for d in remote} >= {f"RPC server {e}" for e in servers}
+        assert all(d.memory_total > 0 for d in remote if d.description.split()[-1] in servers)
+        memory = llm.model.backend.memory()
+        assert sum(1 for name, m in memory.items() if name.startswith("RPC") and m["weights"] > 0) == 2
+    finally:
+        llm.close()
+
+
+def test_runner_four_sequences_over_rpc(stories_path, servers):
+    requests = [("Once upon a time", 20), ("Lily went to the", 12), ("The cat", 16), ("Tom had a big red", 10)]
+
+    def complete_all(model):
+        results: list = [None] * len(requests)
+
+        def work(i):
+            prompt, n = requests[i]
+            chunks = list(runner.completion(CompletionRequest(prompt, max_tokens=n, temperature=0.0)))
+            results[i] = [t for c in chunks for t in c.tokens]
+
+        with Runner(model, parallel=4, num_ctx=128, batch_size=16) as runner:
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(len(requests))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+        return results
+
+    local = models.load(stories_path, BackendParams(n_threads=1, repack=False))
+    try:
+        expected = complete_all(local)
+    finally:
+        local.close()
+    remote = models.load(stories_path, BackendParams(n_threads=1, repack=False, rpc=servers))
+    try:
+        got = complete_all(remote)
+    finally:
+        remote.close()
+    assert all(expected) and got == expected
+
+
+def test_context_shift_over_rpc_matches_local(stories_path, servers):
+    """Past num_ctx the runner shifts the cache: the keys of the remote layers are re-rotated there."""
+
+    def generate(model):
+        with Runner(model, parallel=1, num_ctx=32, batch_size=16) as runner:
+            chunks = list(runner.completion(CompletionRequest("Once upon a time", max_tokens=60, temperature=0.0,
+                                                              cache_prompt=False)))
+        return [t for c in chunks for t in c.tokens], chunks[-1].generated_tokens
+
+    results = []
+    for rpc in ((), servers):
+        model = models.load(stories_path, BackendParams(n_threads=1, repack=False, rpc=rpc))
+        try:
+            results.append(generate(model))
+        finally:
+            model.close()
+    assert results[0][1] == 60 and results[1] == results[0]
+
+
+def test_a_split_graph_computes_again_after_other_graphs(servers):
+    """ggml's scheduler cannot split one graph twice: a graph over several devices keeps its own."""
+    from pyggml.backend import Backend
+
+    backend = Backend(BackendParams(n_threads=1, rpc=servers[:1], tensor_split=[1, 1]))
+    try:
+        backend.config = type(backend.config)({"general.architecture": "t", "t.block_count": 2})
+        remote = backend.alloc_persistent("f32", (4, 8), layer=1)  # on the server
+        local = backend.alloc_persistent("f32", (4, 8), layer=0)
+        devices = list(backend.placement())
+        assert devices[0] == "CPU" and devices[1].endswith(f"({servers[0]})")
+        remote_name = devices[1].split()[0]  # RPC<n>: numbered in the order servers joined this process
+        rows = np.arange(32, dtype=np.float32).reshape(8, 4)
+        with backend.new_context() as ctx:
+            index = ctx.from_numpy(np.arange(8, dtype=np.int32))
+            ctx.compute(remote.set_rows(ctx.from_numpy(rows), index), local.set_rows(ctx.from_numpy(-rows), index))
+        graph = backend.new_context()
+        i = graph.from_numpy(np.array([7, 0], np.int32), name="i")
+        out = local.rows(i) + remote.rows(i) * 3.0
+        graph.reserve()
+        graph.compute(out)
+        np.testing.assert_array_equal(out.numpy(), 2 * rows[[7, 0]])
+        for picks in ([6, 1], [2, 2], [5, 3]):
+            with backend.new_context() as other:  # another graph in between
+                x = remote.rows(other.from_numpy(np.array([picks[0]], np.int32))) + 1.0
+                other.compute(x)
+                np.testing.assert_array_equal(x.numpy(), rows[[picks[0]]] + 1)
+            graph.set_input("i", np.array(picks, np.int32))
+            graph.compute(out)
+            np.testing.assert_array_equal(out.numpy(), 2 * rows[picks])
+        graph.close()
+        assert len(backend._sched_pool) >= 1  # its scheduler (and compute buffers) serve the next graphs
+        grown = backend.new_context()
+        y = remote.rows(grown.from_numpy(np.array([1], np.int32)))
+        grown.compute(y)
+        with pytest.raises(ValueError, match="cannot grow"):
+            grown.compute(y + 1.0)
+        assert backend.memory()[remote_name]["graph"] > 0
+    finally:
+        backend.close()
+
+
+def test_killed_server_raises_a_clear_error_and_nothing_hangs(stories_path, servers):
+    victim = Server()
+    outcome: dict = {}
+
+    def generate():
+        llm = load(stories_path, rpc=[servers[0], victim.endpoint])
+        try:
+            for i, _ in enumerate(llm.generate("Once upon a time", max_tokens=100, temperature=0, stream=True)):
+                if i == 2:
+                    os.kill(victim.proc.pid, signal.SIGKILL)
+            outcome["result"] = "finished"
+        except Exception as exc:
+            outcome["result"] = exc
+            try:
+                llm.generate("Once", max_tokens=2)
+            except Exception as again:
+                outcome["again"] = again
+        finally:
+            llm.close()
+            outcome["closed"] = True
+
+    worker = threading.Thread(target=generate, daemon=True)
+    worker.start()
+    worker.join(120)  # a guard against a hang, not a timing check
+    victim.stop(signal.SIGKILL)
+    assert not worker.is_alive(), "generation hung after the server died"
+    error = outcome["result"]
+    assert isinstance(error, RPCError), error
+    assert victim.endpoint in str(error) and "load again" in str(error)
+    assert isinstance(outcome["again"], RPCError) and outcome["closed"]
+    # the surviving server serves the next client
+    llm = load(stories_path, rpc=[servers[0]])
+    try:
+        assert llm.generate("Once upon a time", max_tokens=4, temperature=0)
+    finally:
+        llm.close()
+    with pytest.raises(RPCError, match="cannot reach"):
+        load(stories_path, rpc=[victim.endpoint])
+
+
+def test_unreachable_server_is_a_clear_error(stories_path):
+    port = free_port()  # nothing listens there
+    with pytest.raises(RPCError, match=f"cannot reach rpc server 127.0.0.1:{port}"):
+        load(stories_path, rpc=[f"127.0.0.1:{port}"])
+
+
+def fake_server(answer: bytes) -> tuple[str, threading.Thread, socket.socket]:
+    """A one-connection server that answers HELLO with ``answer`` (framed) and closes."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(30)
+
+    def serve():
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(30)
+            try:
+                conn.recv(1 + 8 + 24)
+                conn.sendall(struct.pack("<Q", len(answer)) + answer)
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return f"127.0.0.1:{listener.getsockname()[1]}", thread, listener
+
+
+@pytest.mark.parametrize("answer, message", [
+    (bytes([VERSION[0] - 1, 0, 0, 0]) + bytes(24), "speaks RPC protocol"),
+    (bytes([VERSION[0], VERSION[1] + 1, 0, 0]) + bytes(24), "speaks RPC protocol"),
+    (b"HTTP/1.1 400", "not a ggml RPC server"),
+])
+def test_protocol_mismatch_is_a_clear_error(stories_path, answer, message):
+    endpoint, thread, listener = fake_server(answer)
+    try:
+        with pytest.raises(RPCError, match=message):
+            load(stories_path, rpc=[endpoint])
+    finally:
+        listener.close()
+        thread.join(30)
+
+
+class FakeUpstream:
+    """A scripted stand-in for an RPC server behind a relay: ``script(conn)`` runs on its one connection."""
+
+    def __init__(self, script):
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(1)
+        self.listener.settimeout(30)
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.thread = threading.Thread(target=self._serve, args=(script,), daemon=True)
+        self.thread.start()
+
+    def _serve(self, script):
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return
+        with conn:
+            conn.settimeout(30)
+            try:
+                script(conn)
+            except OSError:
+                pass
+
+    def close(self):
+        self.listener.close()
+        self.thread.join(30)
+
+
+def recv_exact(sock, n):
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        assert chunk, "connection closed"
+        data += chunk
+    return data
+
+
+def command(cmd: int, payload: bytes) -> bytes:
+    return bytes([cmd]) + struct.pack("<Q", len(payload)) + payload
+
+
+def test_relay_forwards_and_counts_then_answers_for_a_silent_server():
+    from pyggml import rpc
+
+    big = bytes(range(256)) * 1024  # 256 KiB: streamed, not buffered
+    got = {}
+
+    def script(conn):
+        got["set"] = recv_exact(conn, 9 + len(big))
+        got["align"] = recv_exact(conn, 9 + 4)
+        conn.sendall(struct.pack("<Q", 8) + struct.pack("<Q", 32))  # GET_ALIGNMENT answered
+        recv_exact(conn, 9 + 4)  # the next GET_ALIGNMENT is never answered
+        time.sleep(3)
+
+    upstream = FakeUpstream(script)
+    relay = rpc.Relay(upstream.endpoint, VERSION, timeout=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", int(relay.address.rsplit(":", 1)[1])), timeout=30) as ggml:
+            ggml.sendall(command(rpc.CMD_SET_TENSOR, big))
+            ggml.sendall(command(rpc.CMD_GET_ALIGNMENT, bytes(4)))
+            assert recv_exact(ggml, 16) == struct.pack("<QQ", 8, 32)
+            ggml.sendall(command(rpc.CMD_GET_ALIGNMENT, bytes(4)))
+            # the server stays silent past the timeout: a well-formed stand-in answer, and the relay says why
+            assert recv_exact(ggml, 16) == struct.pack("<QQ", 8, 64)
+            assert "did not answer within 0.5 s" in relay.error
+            ggml.sendall(command(rpc.CMD_GET_TENSOR, bytes(rpc.RPC_TENSOR_SIZE + 8) + struct.pack("<Q", 12)))
+            assert recv_exact(ggml, 8 + 12) == struct.pack("<Q", 12) + bytes(12)  # zeros from now on
+    finally:
+        upstream.close()
+    assert got["set"] == command(rpc.CMD_SET_TENSOR, big) and got["align"] == command(rpc.CMD_GET_ALIGNMENT, bytes(4))
+    traffic = relay.traffic()
+    assert traffic.commands["SET_TENSOR"] == (1, 9 + len(big)) and traffic.messages == 4
+
+
+def test_relay_pads_a_tensor_cut_off_by_a_dying_server():
+    from pyggml import rpc
+
+    size = 200_000
+    data = bytes(range(256)) * (size // 256 + 1)
+
+    def script(conn):
+        recv_exact(conn, 9 + rpc.RPC_TENSOR_SIZE + 16)
+        conn.sendall(struct.pack("<Q", size) + data[:70_000])  # then the server dies
+
+    upstream = FakeUpstream(script)
+    relay = rpc.Relay(upstream.endpoint, VERSION, timeout=30)
+    try:
+        with socket.create_connection(("127.0.0.1", int(relay.address.rsplit(":", 1)[1])), timeout=30) as ggml:
+            ggml.sendall(command(rpc.CMD_GET_TENSOR, bytes(rpc.RPC_TENSOR_SIZE + 8) + struct.pack("<Q", size)))
+            answer = recv_exact(ggml, 8 + size)
+            assert "connection lost" in relay.error  # while ggml's connection is open
+    finally:
+        upstream.close()
+    assert answer[:8] == struct.pack("<Q", size) and answer[8:8 + 70_000] == data[:70_000]
+    assert answer[8 + 70_000:] == bytes(size - 70_000)
+
+
+def test_options_are_checked(stories_path, servers):
+    for bad in (["localhost"], ["127.0.0.1:0"], ["127.0.0.1:x"], ["::1:50052"], [servers[0], servers[0]]):
+        with pytest.raises(ValueError, match="rpc"):
+            load(stories_path, rpc=bad)
+    with pytest.raises(ValueError, match="one value per device"):
+        load(stories_path, rpc=servers, tensor_split=[1, 1])
+    for bad_split in ([1, -1, 1], [0, 0, 0], ["a", 1, 1]):
+        with pytest.raises(ValueError, match="tensor_split"):
+            load(stories_path, rpc=servers, tensor_split=bad_split)
+
+
+def test_tensor_split_places_layers_in_order(stories_path, servers):
+    llm = load(stories_path, rpc=",".join(servers), tensor_split="3,1,1")  # the CLI's comma-separated forms
+    try:
+        placement = llm.model.backend.placement()
+    finally:
+        llm.close()
+    assert list(placement.values()) == [[0, 1, 2], [3], [4]]
+    assert list(placement)[0] == "CPU" and servers[0] in list(placement)[1] and servers[1] in list(placement)[2]
+
+
+def test_show_reports_the_placement(stories_path, servers):
+    proc = cli("show", str(stories_path), "--rpc", ",".join(servers))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert "layers 0-1  CPU" in out and f"({servers[0]})" in out and f"({servers[1]})" in out
+
+
+def test_run_over_rpc_matches_run_alone(stories_path, servers):
+    outputs = []
+    for extra in ((), ("--rpc", ",".join(servers), "--tensor-split", "1,1,2")):
+        proc = cli("run", str(stories_path), "Once upon a time", "--max-tokens", "8", "--temperature", "0",
+                   "--threads", "1", *extra)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        outputs.append((out, err))
+    assert outputs[1][0] == outputs[0][0] and len(outputs[0][0]) > 10
+    lines = [line for line in outputs[1][1].splitlines() if line.startswith("pyggml: layers")]
+    assert lines[0] == "pyggml: layers 0-1 on CPU"
+    assert lines[1].startswith("pyggml: layers 2 on RPC") and lines[1].endswith(f"({servers[0]})")
+    assert lines[2].startswith("pyggml: layers 3-4 on RPC") and lines[2].endswith(f"({servers[1]})")
+
+
+def test_a_non_loopback_address_needs_allow_remote():
+    proc = cli("rpc-server", "--host", "0.0.0.0", "--port", str(free_port()))
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert "--allow-remote" in err and "no authentication" in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_the_server_stops_cleanly_on_a_signal(sig):
+    server = Server()
+    code, err = server.stop(sig)
+    assert code == 0, err
+    assert "pyggml rpc-server: stopped" in err and "Traceback" not in err

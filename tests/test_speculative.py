@@ -1,0 +1,176 @@
+"""Speculative decoding with prompt lookup: greedy output identical to one-token-at-a-time decoding
+(alone and among other sequences), rejection sampling that leaves the sampled distribution exactly
+the sampler's (chi-square on a small vocabulary), the cache rolled back past rejected drafts,
+max_tokens kept, and grammar constraints checked on drafted tokens."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pyggml import BackendParams, models
+from pyggml.runner import CompletionRequest, Runner
+from pyggml.runner.speculative import lookup_draft, verify_token
+from pyggml.sample import Sampler
+from pyggml.synthetic import write_synthetic
+
+from .conftest import SHARED_MODELS
+
+PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+          "One day, Lily saw a big red ball in the park. Lily said, ")
+
+
+def test_lookup_draft():
+    assert lookup_draft([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]  # "1 2" recurs: what followed it
+    assert lookup_draft([5, 1, 2, 9, 7, 1, 2], 2) == [9, 7]
+    assert lookup_draft([1, 2, 3], 4) == []
+    assert lookup_draft([7, 8, 7, 8, 7], 5) == [8, 7]  # the latest earlier match
+    assert lookup_draft([4, 4], 0) == [] and lookup_draft([4], 3) == []
+
+
+@pytest.fixture(scope="module", params=["stories", "synthetic"])
+def runner(request, tmp_path_factory):
+    if request.param == "synthetic":
+        path = write_synthetic(tmp_path_factory.mktemp("spec") / "tiny.gguf", "tiny", "f32")
+    else:
+        path = SHARED_MODELS / "stories260K.gguf"
+        if not path.exists():
+            pytest.skip(f"{path} is not there")
+    model = models.load(path, BackendParams(n_threads=1))
+    r = Runner(model, parallel=4, num_ctx=512, batch_size=64)
+    yield r
+    r.close()
+    model.close()
+
+
+def tokens(runner, **options):
+    chunks = list(runner.completion(CompletionRequest(prompt=PROMPT, **options)))
+    return [t for c in chunks for t in c.tokens], chunks[-1]
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_output_is_identical(runner, k):
+    eog = {t: float("-inf") for t in runner.tokenizer.vocab.eog}
+    plain, _ = tokens(runner, max_tokens=120, temperature=0, logit_bias=eog, cache_prompt=False)
+    spec, last = tokens(runner, max_tokens=120, temperature=0, logit_bias=eog, cache_prompt=False, prompt_lookup=k)
+    assert spec == plain and last.generated_tokens == 120
+    assert last.draft_tokens > 0 and 0 <= last.accepted_tokens <= last.draft_tokens
+    again, _ = tokens(runner, max_tokens=120, temperature=0, logit_bias=eog, prompt_lookup=k)  # reuses the cache
+    assert again == plain
+
+
+def test_several_speculating_sequences_at_once(runner):
+    eog = {t: float("-inf") for t in runner.tokenizer.vocab.eog}
+    prompts = [PROMPT, PROMPT + "Hello", "Lily and Ben went to the park. Lily and Ben", PROMPT[:40]]
+    alone = []
+    for p in prompts:
+        chunks = list(runner.completion(CompletionRequest(prompt=p, max_tokens=60, temperature=0, logit_bias=eog)))
+        alone.append([t for c in chunks for t in c.tokens])
+    streams = [runner.completion(CompletionRequest(prompt=p, max_tokens=60, temperature=0, logit_bias=eog,
+                                                   prompt_lookup=6 if i % 2 == 0 else 3 * i, cache_prompt=False))
+               for i, p in enumerate(prompts)]
+    together = [[t for c in s for t in c.tokens] for s in streams]
+    assert together == alone
+
+
+def test_sampled_speculation_keeps_max_tokens_and_seeds(runner):
+    a, last = tokens(runner, max_tokens=50, temperature=0.9, seed=3, prompt_lookup=5, cache_prompt=False)
+    b, _ = tokens(runner, max_tokens=50, temperature=0.9, seed=3, prompt_lookup=5, cache_prompt=False)
+    assert a == b and last.generated_tokens <= 50
+
+
+def test_constrained_speculation(runner):
+    pytest.importorskip("llguidance")
+    schema = {"type": "object", "properties": {"a": {"enum": ["Lily", "Ben", "park"]},
+                                               "b": {"type": "array", "items": {"enum": ["Lily", "ball"]},
+                                                     "maxItems": 6}}, "required": ["a", "b"]}
+    plain, _ = tokens(runner, max_tokens=200, temperature=0, format=schema, cache_prompt=False)
+    spec, last = tokens(runner, max_tokens=200, temperature=0, format=schema, cache_prompt=False, prompt_lookup=6)
+    assert spec == plain
+    text = runner.tokenizer.decode(spec)
+    assert set(json.loads(text)) == {"a", "b"}
+    sampled, _ = tokens(runner, max_tokens=200, temperature=1.0, seed=4, format=schema, prompt_lookup=6)
+    assert set(json.loads(runner.tokenizer.decode(sampled))) == {"a", "b"}
+
+
+@pytest.mark.parametrize("options", [dict(temperature=1.0, top_k=0, top_p=1.0),
+                                     dict(temperature=0.7, top_k=5, top_p=0.9)])
+@pytest.mark.parametrize("draft", [2, 7, 11])
+def test_rejection_sampling_keeps_the_distribution(options, draft):
+    """verify_token's output over many draws against the sampler's own distribution (chi-square,
+    fixed seeds: deterministic)."""
+    logits = np.random.default_rng(0).normal(size=12).astype(np.float32) * 1.5
+    sampler = Sampler(seed=1, **options)
+    ids, probs = sampler.distribution(logits)
+    expected = np.zeros(logits.size)
+    expected[ids] = probs
+    n = 20000
+    counts = np.bincount([verify_token(sampler, logits, [], draft) for _ in range(n)], minlength=logits.size)
+    seen = expected > 0
+    assert counts[~seen].sum() == 0  # nothing outside the sampler's support
+    chi2 = float((((counts - n * expected) ** 2)[seen] / (n * expected[seen])).sum())
+    df = int(seen.sum()) - 1
+    assert chi2 < df + 5 * np.sqrt(2 * df) + 10, (chi2, df)  # far beyond the 99.9th percentile otherwise
+    # and the draft is accepted with its own probability (not always, not never)
+    if draft in ids:
+        assert abs(counts[draft] / n - expected[draft]) < 0.02
+
+
+def test_bad_prompt_lookup(runner):
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        runner.completion(CompletionRequest(prompt="a", prompt_lookup=-1))
+
+
+# ---- a draft model ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def target_and_draft(tmp_path_factory):
+    """A random-weight target (F32) and the same weights in Q8_0 as its draft."""
+    folder = tmp_path_factory.mktemp("draft")
+    target = models.load(write_synthetic(folder / "t.gguf", "tiny", "f32", seed=5), BackendParams(n_threads=1))
+    draft = models.load(write_synthetic(folder / "d.gguf", "tiny", "q8_0", seed=5), BackendParams(n_threads=1))
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+def test_draft_model_greedy_equivalence_with_several_sequences(target_and_draft):
+    target, draft = target_and_draft
+    eog = {t: float("-inf") for t in target.tokenizer.vocab.eog}
+    prompts = ["hello world", "one two three four", "a b c"]
+
+    def run(runner, p):
+        return runner.completion(CompletionRequest(prompt=p, max_tokens=40, temperature=0, logit_bias=eog))
+
+    with Runner(target, parallel=3, num_ctx=256, batch_size=64) as plain:
+        alone = [[t for c in run(plain, p) for t in c.tokens] for p in prompts]
+    with Runner(target, parallel=3, num_ctx=256, batch_size=64, draft=draft, draft_max=5) as spec:
+        streams = [run(spec, p) for p in prompts]
+        chunks = [list(s) for s in streams]
+    assert [[t for c in cs for t in c.tokens] for cs in chunks] == alone
+    drafted = sum(cs[-1].draft_tokens for cs in chunks)
+    accepted = sum(cs[-1].accepted_tokens for cs in chunks)
+    assert drafted > 0 and accepted > drafted // 2  # the same weights at 8 bits mostly agree
+
+
+def test_draft_model_must_share_the_vocabulary(target_and_draft):
+    target, _ = target_and_draft
+    path = SHARED_MODELS / "stories260K.gguf"
+    if not path.exists():
+        pytest.skip("no stories260K")
+    other = models.load(path, BackendParams(n_threads=1))
+    try:
+        with pytest.raises(models.ModelError, match="same vocabulary"):
+            Runner(target, parallel=1, num_ctx=64, draft=other)
+    finally:
+        other.close()
+
+
+def test_llm_load_with_a_draft(tmp_path):
+    import pyggml
+    path = write_synthetic(tmp_path / "t.gguf", "tiny", "f32", seed=2)
+    with pyggml.load(path, n_threads=1, num_ctx=128) as plain:
+        want = plain.generate("hello", 20, temperature=0)
+    with pyggml.load(path, n_threads=1, num_ctx=128, draft=path, draft_max=4) as llm:
+        assert llm.generate("hello", 20, temperature=0) == want
