@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def env_for(tmp_path, **extra):
     return {**os.environ, "PYGGML_CACHE_DIR": str(tmp_path / "cache"), "PYGGML_MODELS": str(tmp_path / "none"),
             "OLLAMA_MODELS": str(tmp_path / "none"), "HF_HUB_CACHE": str(tmp_path / "none"),
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p), **extra}
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p), **extra}
 
 
 def cli(tmp_path, *args, **extra):

@@ -21,7 +21,7 @@ GREEDY = ["--temperature", "0", "--threads", "1", "--logit-bias", "2=-inf"]
 
 def spawn(tmp_path, *args: str) -> pexpect.spawn:
     env = {**os.environ, "PYGGML_CACHE_DIR": str(tmp_path),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH")) if p)}
     child = pexpect.spawn(sys.executable, ["-m", "pyggml.cli", "run", *args], env=env, encoding="utf-8",
                           timeout=120, dimensions=(40, 200))
     child.expect_exact(">>> ")
