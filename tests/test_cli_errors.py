@@ -181,3 +181,26 @@ def test_serve_without_a_model_serves_the_store_by_name(tmp_path):
     finally:
         err = _stop(proc)
     assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+def test_serve_one_stored_model_by_name_keeps_its_ollama_layers(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from pyggml.synthetic import write_synthetic
+
+    from .test_store import make_ollama
+
+    store = tmp_path / "ollama"
+    store.mkdir()
+    make_ollama(store, write_synthetic(tmp_path / "tiny.gguf", "tiny", "f32"), params={"num_predict": 2})
+    proc = spawn(tmp_path, "serve", "tiny", "--port", "0", "--threads", "1", OLLAMA_MODELS=str(store))
+    try:
+        url = _serving(proc)
+        for name in ("tiny", "tiny:latest"):  # the store's name and its alias
+            r = httpx.post(f"{url}/api/generate", json={"model": name, "prompt": "hi", "stream": False,
+                                                          "options": {"temperature": 0}}, timeout=120)
+            assert r.status_code == 200, r.text
+            assert r.json()["eval_count"] <= 2  # the params layer's num_predict is the default
+    finally:
+        err = _stop(proc)
+    assert proc.returncode == 0 and "Traceback" not in err, err

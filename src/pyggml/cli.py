@@ -669,7 +669,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_predict=args.max_predict, queue_timeout=args.queue_timeout,
                      allowed_hosts=split_list(allowed) if allowed else None, origins=split_list(origins),
                      draft=draft, draft_max=args.draft_max, mmproj=args.mmproj, max_loaded=args.max_loaded,
-                     keep_alive=keep_alive, **_rpc_options(args))
+                     keep_alive=keep_alive, model_ref=ref, **_rpc_options(args))
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C it caught
         return 0
 

@@ -8,6 +8,7 @@ would hang (see DESIGN.md); a model named on the command line is loaded once, be
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -103,13 +104,14 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
           origins: Iterable[str] = (), rpc: Sequence[str] | str = (),
           tensor_split: Sequence[float] | str | None = None, draft: str | os.PathLike | None = None,
           draft_max: int = 8, mmproj: str | os.PathLike | None = None, max_loaded: int | None = None,
-          keep_alive: float | None = DEFAULT_KEEP_ALIVE) -> int:
+          keep_alive: float | None = DEFAULT_KEEP_ALIVE, model_ref: ModelRef | None = None) -> int:
     """Serve until interrupted (Ctrl-C / SIGTERM): the model at ``path`` (loaded first), or with
     ``path=None`` every model ``pyggml list`` finds, loaded on demand (``ModelManager``). The port
     is bound before anything is loaded or announced: a port in use fails at once. ``rpc``: remote
     devices (``pyggml rpc-server`` endpoints) that compute some of the layers. ``draft``: a smaller
     model with the same vocabulary for speculative decoding; ``mmproj``: a vision model's llama.cpp
-    projector file (``draft`` and ``mmproj`` go with the model at ``path``)."""
+    projector file (``draft`` and ``mmproj`` go with the model at ``path``). ``model_ref``: what
+    ``pyggml.store`` found for ``path`` (an Ollama model's params, system message and aliases)."""
     import uvicorn
 
     if path is None and (draft is not None or mmproj is not None):
@@ -159,7 +161,10 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
         else:
             if name is None and Path(path) == cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf":
                 name = "demo"  # `pyggml serve demo`: clients ask for it by that name
-            served = load(ModelRef(name or Path(path).stem, Path(path), "file"), draft, mmproj)
+            ref = model_ref or ModelRef(name or Path(path).stem, Path(path), "file")
+            if name is not None:
+                ref = dataclasses.replace(ref, name=name)
+            served = load(ref, draft, mmproj)
             what = (f"{served.name} ({served.runner.parallel} sequences of {served.runner.num_ctx} tokens, "
                     f"{served.queue_limit} more may wait up to {served.queue_timeout:g} s, at most "
                     f"{served.max_predict} tokens each)")
