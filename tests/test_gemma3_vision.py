@@ -417,3 +417,24 @@ def test_exif_orientation_is_applied():
     upright = np.asarray(image.decode(out.getvalue()))
     assert upright.shape == (40, 20, 3)  # width and height swapped
     assert upright[:20].mean() > 200 and upright[20:].mean() < 50  # the white half is now on top
+
+
+def test_cli_chat_places_images_where_the_prompt_says(tiny, tmp_path, capsys, monkeypatch):
+    from pyggml import cli
+    from pyggml.repl import image_content
+
+    _, _, path, _ = tiny
+    a, b = tmp_path / "a.png", tmp_path / "b.png"
+    a.write_bytes(png(3))
+    b.write_bytes(png(4))
+    assert image_content("x [img-1] y [img-0]", [a, b]) == [
+        {"type": "text", "text": "x "}, {"type": "image", "image": b}, {"type": "text", "text": " y "},
+        {"type": "image", "image": a}]
+    assert image_content("what is it", [a]) == [{"type": "image", "image": a}, {"type": "text", "text": "what is it"}]
+    with pytest.raises(ValueError, match=r"\[img-2\]"):
+        image_content("[img-2]", [a])
+    monkeypatch.setattr(cli, "_has_template", lambda llm: True)  # the chat path (the tiny model has no template)
+    assert cli.main(["run", str(path), "--image", str(a), "--image", str(b), "compare [img-0] and [img-1]",
+                     "--max-tokens", "3", "--temperature", "0", "--threads", "1"]) == 0
+    assert cli.main(["run", str(path), "--image", str(a), "[img-1]?", "--max-tokens", "3"]) == 1
+    assert "[img-1]" in capsys.readouterr().err
