@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pyggml import nn
 from pyggml.backend import Backend, Context
 from pyggml.kvcache import Causal
-from pyggml.models import Batch, Model, ModelError, register
+from pyggml.models import Batch, Model, ModelError, llama, register
 from pyggml.tensor import RopeType, Tensor
 
 
@@ -100,19 +100,9 @@ class MLP(nn.Module):
         return self.ffn_down(gate.silu(up))
 
 
-class Layer(nn.Module):
-    attn_norm: nn.RMSNorm = nn.shape("hidden_size")
+class Layer(llama.Layer):  # llama's pre-norm block around the fused attention and MLP
     attention: SelfAttention
-    ffn_norm: nn.RMSNorm = nn.shape("hidden_size")
     mlp: MLP
-
-    def __call__(self, ctx: Context, h: Tensor, positions: Tensor, outputs: Tensor | None, cache: Causal,
-                 opts: Options, factors: Tensor | None) -> Tensor:
-        x = self.attention(ctx, self.attn_norm(h, opts.eps), positions, cache, opts, factors)
-        if outputs is not None:  # last layer: only the rows whose logits are wanted go on
-            x, h = x.rows(outputs), h.rows(outputs)
-        h = h + x
-        return h + self.mlp(self.ffn_norm(h, opts.eps), opts)
 
 
 class Weights(nn.Module):
