@@ -438,3 +438,28 @@ def test_cli_chat_places_images_where_the_prompt_says(tiny, tmp_path, capsys, mo
                      "--max-tokens", "3", "--temperature", "0", "--threads", "1"]) == 0
     assert cli.main(["run", str(path), "--image", str(a), "[img-1]?", "--max-tokens", "3"]) == 1
     assert "[img-1]" in capsys.readouterr().err
+
+
+def test_serve_uses_an_ollama_models_projector_layer(tiny, tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from pyggml.cli import main
+
+    from .test_cli_errors import _serving, _stop, spawn
+    from .test_store import make_ollama
+
+    _, _, path, _ = tiny
+    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
+    assert main(["convert", str(Path(path).parent / "hf"), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    store = tmp_path / "ollama"
+    make_ollama(store, text, name="vis", projector=mmproj)
+    make_ollama(store, text, name="bad", projector=text)  # not an mmproj: served as a text model
+    proc = spawn(tmp_path, "serve", "--port", "0", "--threads", "1", "--ctx", "128", OLLAMA_MODELS=str(store))
+    try:
+        url = _serving(proc)
+        caps = {name: httpx.post(f"{url}/api/show", json={"model": name}, timeout=120).json()["capabilities"]
+                for name in ("vis", "bad")}
+    finally:
+        err = _stop(proc)
+    assert "vision" in caps["vis"] and "vision" not in caps["bad"], caps
+    assert "projector cannot be used" in err and "Traceback" not in err, err

@@ -26,8 +26,9 @@ def _blob(root, data: bytes) -> str:
     return f"sha256:{digest}"
 
 
-def make_ollama(root, gguf, name="tiny", tag="latest", namespace="library", params=None, system=None):
-    """An Ollama store with one model: its manifest, the GGUF blob, template/params/system layers."""
+def make_ollama(root, gguf, name="tiny", tag="latest", namespace="library", params=None, system=None,
+                projector=None):
+    """An Ollama store with one model: its manifest, the GGUF blob, template/params/system/projector layers."""
     layers = [{"mediaType": "application/vnd.ollama.image.model", "digest": _blob(root, gguf.read_bytes()),
                "size": gguf.stat().st_size},
               {"mediaType": "application/vnd.ollama.image.template",
@@ -39,6 +40,9 @@ def make_ollama(root, gguf, name="tiny", tag="latest", namespace="library", para
     if system is not None:
         layers.append({"mediaType": "application/vnd.ollama.image.system", "digest": _blob(root, system.encode()),
                        "size": len(system)})
+    if projector is not None:
+        layers.append({"mediaType": "application/vnd.ollama.image.projector",
+                       "digest": _blob(root, projector.read_bytes()), "size": projector.stat().st_size})
     manifest = root / "manifests" / "registry.ollama.ai" / namespace / name / tag
     manifest.parent.mkdir(parents=True, exist_ok=True)
     manifest.write_text(json.dumps({"schemaVersion": 2, "layers": layers}))

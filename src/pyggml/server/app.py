@@ -121,8 +121,15 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
         def load(ref: ModelRef, draft: str | os.PathLike | None = None,
                  mmproj: str | os.PathLike | None = None) -> ServedModel:
             check_has_weights(ref.path)
-            model = models.load(ref.path, BackendParams(n_threads=n_threads, flash_attention=flash_attention,
-                                                        rpc=rpc, tensor_split=tensor_split), mmproj=mmproj)
+            params = BackendParams(n_threads=n_threads, flash_attention=flash_attention, rpc=rpc,
+                                   tensor_split=tensor_split)
+            try:  # an Ollama vision model's projector layer is its mmproj
+                model = models.load(ref.path, params, mmproj=mmproj or ref.projector)
+            except ValueError as exc:
+                if mmproj is not None or ref.projector is None:
+                    raise
+                log.warning("%s: its projector cannot be used (%s); serving it without images", ref.name, exc)
+                model = models.load(ref.path, params)
             draft_model = None
             try:
                 if draft is not None:
