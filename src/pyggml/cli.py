@@ -386,7 +386,8 @@ def _add_run_parser(sub: Any) -> None:
     run.add_argument("--raw", action="store_true", help="plain completion: no chat template, no history")
     run.add_argument("--keep-alive", default=None, metavar="DURATION",
                      help="unload the model after this long idle at the prompt (e.g. 5m, 30s; default: never)")
-    run.add_argument("--gpu-layers", default=None, metavar="N|all", help="layers placed on the GPU (default: 0)")
+    run.add_argument("--gpu-layers", type=_gpu_layers, default=None, metavar="N|all",
+                     help="layers placed on the GPU (default: 0)")
     run.add_argument("--flash-attn", choices=["on", "off", "auto"], default=None,
                      help="ggml's fused flash attention (default auto: on GPUs only)")
     run.add_argument("--cache-type", choices=["f32", "f16", "q8_0", "q4_0"], default=None,
@@ -733,6 +734,12 @@ def _temperature(text: str) -> float:
         return check_temperature(float(text))
     except ValueError:
         raise argparse.ArgumentTypeError(f"--temperature must be a number >= 0 (0: greedy), got {text!r}") from None
+
+
+def _gpu_layers(text: str) -> str | int:
+    if text == "all":
+        return text
+    return _non_negative("--gpu-layers")(text)
 
 
 def _non_negative(flag: str) -> Any:
