@@ -63,6 +63,7 @@ def test_first_use_of_the_demo_model_is_announced_and_show_formats_parameters(tm
     (["run", "demo", "hi", "--temperature", "-1"], 2, ["--temperature must be a number >= 0"]),
     (["run", "demo", "hi", "--ctx", "1"], 2, ["--ctx must be an integer >= 2"]),
     (["run", "demo", "hi", "--gpu-layers", "some"], 2, ["--gpu-layers must be an integer >= 0"]),
+    (["run", "demo", "hi", "--top-p", "5"], 1, ["--top-p must be in (0, 1]"]),
     (["run", "demo", "word " * 40, "--ctx", "16", "--raw"], 1, ["raise --ctx"]),
     (["run", "no/such/model.gguf", "hi"], 1, ["no such model file", "pyggml list"]),
     (["serve", "demo", "--keep-alive", "soon"], 1, ["--keep-alive"]),

@@ -774,6 +774,8 @@ _HINTS: list[tuple[str, str, str]] = [  # (command or "*", API text, CLI text)
     ("*", "(BackendParams(flash_attention=True))", "(--flash-attn on)"),
     ("embed", "(shorten it, or truncate it)", "(shorten it, or pass --truncate)"),
     ("run", "(ask it for embeddings instead)", "(use `pyggml embed` instead)"),
+    *(("run", f"Sampler: {name} must", f"--{name.replace('_', '-')} must")
+      for name in ("top_k", "top_p", "min_p", "repeat_penalty", "temperature")),
     ("embed", "embeddings need an embedding model such as BERT",
      "`pyggml embed` needs an embedding model such as BERT; use `pyggml run` to generate text"),
 ]
