@@ -108,18 +108,51 @@ def test_image_changes_the_output_and_markers_place_images(toy):
             runner.completion(CompletionRequest(prompt="x [img-1]", images=[b"IMG\x10"]))
 
 
+def record_batches(runner):
+    """Wrap the runner's engine.build: the list it returns gets (batch length, image indices) of each batch."""
+    seen, build = [], runner.engine.build
+
+    def recording(batch, *args, **kwargs):
+        seen.append((len(batch.inputs), [m.index for m in batch.multimodal]))
+        return build(batch, *args, **kwargs)
+
+    runner.engine.build = recording
+    return seen
+
+
 def test_an_image_is_never_split_across_batches(toy):
     """Prompt chunks of 4 inputs: the image's 3 inputs start a new batch rather than straddle two, and
     the result equals a run with room for everything in one batch."""
     with Runner(toy, parallel=1, num_ctx=64, batch_size=4) as small:
+        batches = record_batches(small)
         split, lp_split, _ = run_all(small, "one two three [img-0] four", [b"IMG\x20"])
+    ((n, (index,)),) = [(n, index) for n, index in batches if index]
+    assert index + N_IMAGE + 1 <= n <= 4  # the image and the input after it in one batch, which keeps to 4
     with Runner(toy, parallel=1, num_ctx=64, batch_size=32) as big:
         whole, lp_whole, _ = run_all(big, "one two three [img-0] four", [b"IMG\x20"])
     assert split == whole
     np.testing.assert_allclose(lp_split, lp_whole, atol=1e-4)
+
+
+def test_an_image_longer_than_a_batch_grows_that_batch(toy):
+    """batch_size 2, an image needing 4 inputs together (its 3 rows and the token after them, same_batch=3):
+    the runner reserved batches of up to 2 - 1 + 4 at start-up, the batch holding the image grows to take all
+    of it (never split, as Ollama's runner does), the other batches keep to 2, and the output equals the unsplit run."""
+    prompt, images = "one two three [img-0] four five", [b"IMG\x20"]
     with Runner(toy, parallel=1, num_ctx=64, batch_size=2) as tiny:
-        with pytest.raises(ValueError, match="raise batch_size"):
-            tiny.completion(CompletionRequest(prompt="x", images=[b"IMG\x10"]))
+        assert tiny.image_run == N_IMAGE + 1 and tiny.max_batch == 2 - 1 + N_IMAGE + 1
+        batches = record_batches(tiny)
+        split, lp_split, last = run_all(tiny, prompt, images)
+    with_image = [(n, index) for n, index in batches if index]
+    assert len(with_image) == 1
+    (n, (index,)) = with_image[0]
+    assert index + N_IMAGE + 1 <= n <= tiny.max_batch and n > 2  # the whole image, in one grown batch
+    assert all(n <= 2 for n, index in batches if not index)
+    assert sum(n for n, _ in batches) == last.prompt_tokens + len(split) - 1
+    with Runner(toy, parallel=1, num_ctx=64, batch_size=32) as big:
+        whole, lp_whole, _ = run_all(big, prompt, images)
+    assert split == whole
+    np.testing.assert_allclose(lp_split, lp_whole, atol=1e-4)
 
 
 def test_two_sequences_with_different_images_equal_each_alone(toy):
