@@ -157,6 +157,13 @@ class Runner:
         """Allocate the KV cache and the compute memory of the largest batch (and, for a vision model,
         of its largest image graph) now, so running out of memory fails here rather than mid-request.
         Returns whether the model's graph reads the batch's token array in place (what build-ahead needs)."""
+        try:
+            return self._reserve_memory()
+        except BaseException:
+            self.engine.close()  # the image graph it kept
+            raise
+
+    def _reserve_memory(self) -> bool:
         n = self.max_batch
         n_out = min(n, self.parallel)
         embeddings = self._reserve_images()
