@@ -151,7 +151,7 @@ class Engine:
                 parts = model.encode_multimodal(ctx, data)
                 self.vision_built += 1
                 ctx.compute(*[m.tensor for m in parts])
-                return [Multimodal(tensor=m.tensor.numpy(), data=data) for m in parts]
+                return [Multimodal(tensor=m.tensor.numpy(), data=m.data) for m in parts]
         graph = self._vision_graph(inputs)
         graph.ctx.compute(*graph.outputs)
         return [Multimodal(tensor=t.numpy(), data=data) for t in graph.outputs]
