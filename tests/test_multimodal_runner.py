@@ -187,3 +187,54 @@ def test_bad_images_fail_their_request_only(toy, path):
                 runner.completion(CompletionRequest(prompt="look", images=[b"IMG\x33"]))
     finally:
         text_only.close()
+
+
+class ToySplit(ToyVision):
+    """The toy with the optional split of ``encode_multimodal``: its "pixels" come in ``k`` copies (the image's
+    fifth byte), so images have different input shapes, and the graph averages them back: the same embeddings."""
+
+    built = 0
+
+    def preprocess_multimodal(self, data: bytes) -> dict[str, np.ndarray]:
+        if not data.startswith(b"IMG"):
+            raise ValueError("not an image (the toy wants b'IMG...')")
+        pattern = np.sin(np.arange(N_IMAGE * self.options.hidden_size) * (data[3] / 37.0)).astype(np.float32)
+        copies = data[4] if len(data) > 4 else 1
+        return {"pixels": np.repeat(pattern.reshape(N_IMAGE, -1, 1), copies, axis=2)}
+
+    def build_multimodal(self, ctx, inputs: dict[str, np.ndarray]) -> list:
+        type(self).built += 1
+        pixels = ctx.from_numpy(inputs["pixels"], name="pixels")  # (copies, hidden, N_IMAGE)
+        return [pixels.mean().reshape(self.options.hidden_size, N_IMAGE).scale(2.0)]
+
+    def multimodal_worst_case(self) -> dict[str, np.ndarray]:
+        return self.preprocess_multimodal(b"IMG\x00\x04")
+
+    def encode_multimodal(self, ctx, data: bytes) -> list[Multimodal]:
+        return [Multimodal(tensor=t, data=data) for t in self.build_multimodal(ctx, self.preprocess_multimodal(data))]
+
+
+def test_the_vision_graph_is_built_once_per_input_shape(toy, path):
+    """A model with the split: the runner builds its largest image graph at start-up, one more per new input
+    shape, and refills a kept one for each later image of its shape; the results equal a graph per image."""
+    images = [b"IMG\x10\x01", b"IMG\x20\x01", b"IMG\x30\x04", b"IMG\x40\x01", b"IMG\x50\x02"]
+    with Runner(toy, parallel=1, num_ctx=64, batch_size=16) as runner:  # a graph per image (encode_multimodal)
+        expected = [run_all(runner, "a [img-0] b", [data])[:2] for data in images]
+        assert runner.engine.vision_built == len(images) and runner.engine.vision_reused == 0
+    split = models.load(path, BackendParams(n_threads=1))
+    split.__class__ = ToySplit
+    ToySplit.built = 0
+    try:
+        with Runner(split, parallel=1, num_ctx=64, batch_size=16) as runner:
+            engine = runner.engine
+            assert ToySplit.built == engine.vision_built == 1  # the worst case (4 copies), reserved at start-up
+            got = []
+            for data, built, reused in zip(images, (2, 2, 2, 2, 3), (0, 1, 2, 3, 3), strict=True):
+                got.append(run_all(runner, "a [img-0] b", [data])[:2])
+                assert (engine.vision_built, engine.vision_reused) == (built, reused), data
+            assert ToySplit.built == 3
+    finally:
+        split.close()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)
