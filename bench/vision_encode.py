@@ -6,6 +6,8 @@ same mmproj file, and pyggml's time to first token for a one-image prompt (a 1-l
 
 Measured on the shared 2-core machine (2 threads, one 896x896 image, 4096 patches), back to back: pyggml
 60.9 s (with ggml's fused attention in the encoder; 112.6 s without, under more load), llama.cpp 51.5 s.
+The runner builds this graph (831 nodes, ~29 ms of Python) once, when the model loads (it reserves its
+memory then), and refills its pixels for each image; the encode time above is the compute.
 """
 
 from __future__ import annotations

@@ -108,18 +108,51 @@ def test_image_changes_the_output_and_markers_place_images(toy):
             runner.completion(CompletionRequest(prompt="x [img-1]", images=[b"IMG\x10"]))
 
 
+def record_batches(runner):
+    """Wrap the runner's engine.build: the list it returns gets (batch length, image indices) of each batch."""
+    seen, build = [], runner.engine.build
+
+    def recording(batch, *args, **kwargs):
+        seen.append((len(batch.inputs), [m.index for m in batch.multimodal]))
+        return build(batch, *args, **kwargs)
+
+    runner.engine.build = recording
+    return seen
+
+
 def test_an_image_is_never_split_across_batches(toy):
     """Prompt chunks of 4 inputs: the image's 3 inputs start a new batch rather than straddle two, and
     the result equals a run with room for everything in one batch."""
     with Runner(toy, parallel=1, num_ctx=64, batch_size=4) as small:
+        batches = record_batches(small)
         split, lp_split, _ = run_all(small, "one two three [img-0] four", [b"IMG\x20"])
+    ((n, (index,)),) = [(n, index) for n, index in batches if index]
+    assert index + N_IMAGE + 1 <= n <= 4  # the image and the input after it in one batch, which keeps to 4
     with Runner(toy, parallel=1, num_ctx=64, batch_size=32) as big:
         whole, lp_whole, _ = run_all(big, "one two three [img-0] four", [b"IMG\x20"])
     assert split == whole
     np.testing.assert_allclose(lp_split, lp_whole, atol=1e-4)
+
+
+def test_an_image_longer_than_a_batch_grows_that_batch(toy):
+    """batch_size 2, an image needing 4 inputs together (its 3 rows and the token after them, same_batch=3):
+    the runner reserved batches of up to 2 - 1 + 4 at start-up, the batch holding the image grows to take all
+    of it (never split, as Ollama's runner does), the other batches keep to 2, and the output equals the unsplit run."""
+    prompt, images = "one two three [img-0] four five", [b"IMG\x20"]
     with Runner(toy, parallel=1, num_ctx=64, batch_size=2) as tiny:
-        with pytest.raises(ValueError, match="raise batch_size"):
-            tiny.completion(CompletionRequest(prompt="x", images=[b"IMG\x10"]))
+        assert tiny.image_run == N_IMAGE + 1 and tiny.max_batch == 2 - 1 + N_IMAGE + 1
+        batches = record_batches(tiny)
+        split, lp_split, last = run_all(tiny, prompt, images)
+    with_image = [(n, index) for n, index in batches if index]
+    assert len(with_image) == 1
+    (n, (index,)) = with_image[0]
+    assert index + N_IMAGE + 1 <= n <= tiny.max_batch and n > 2  # the whole image, in one grown batch
+    assert all(n <= 2 for n, index in batches if not index)
+    assert sum(n for n, _ in batches) == last.prompt_tokens + len(split) - 1
+    with Runner(toy, parallel=1, num_ctx=64, batch_size=32) as big:
+        whole, lp_whole, _ = run_all(big, prompt, images)
+    assert split == whole
+    np.testing.assert_allclose(lp_split, lp_whole, atol=1e-4)
 
 
 def test_two_sequences_with_different_images_equal_each_alone(toy):
@@ -154,3 +187,54 @@ def test_bad_images_fail_their_request_only(toy, path):
                 runner.completion(CompletionRequest(prompt="look", images=[b"IMG\x33"]))
     finally:
         text_only.close()
+
+
+class ToySplit(ToyVision):
+    """The toy with the optional split of ``encode_multimodal``: its "pixels" come in ``k`` copies (the image's
+    fifth byte), so images have different input shapes, and the graph averages them back: the same embeddings."""
+
+    built = 0
+
+    def preprocess_multimodal(self, data: bytes) -> dict[str, np.ndarray]:
+        if not data.startswith(b"IMG"):
+            raise ValueError("not an image (the toy wants b'IMG...')")
+        pattern = np.sin(np.arange(N_IMAGE * self.options.hidden_size) * (data[3] / 37.0)).astype(np.float32)
+        copies = data[4] if len(data) > 4 else 1
+        return {"pixels": np.repeat(pattern.reshape(N_IMAGE, -1, 1), copies, axis=2)}
+
+    def build_multimodal(self, ctx, inputs: dict[str, np.ndarray]) -> list:
+        type(self).built += 1
+        pixels = ctx.from_numpy(inputs["pixels"], name="pixels")  # (copies, hidden, N_IMAGE)
+        return [pixels.mean().reshape(self.options.hidden_size, N_IMAGE).scale(2.0)]
+
+    def multimodal_worst_case(self) -> dict[str, np.ndarray]:
+        return self.preprocess_multimodal(b"IMG\x00\x04")
+
+    def encode_multimodal(self, ctx, data: bytes) -> list[Multimodal]:
+        return [Multimodal(tensor=t, data=data) for t in self.build_multimodal(ctx, self.preprocess_multimodal(data))]
+
+
+def test_the_vision_graph_is_built_once_per_input_shape(toy, path):
+    """A model with the split: the runner builds its largest image graph at start-up, one more per new input
+    shape, and refills a kept one for each later image of its shape; the results equal a graph per image."""
+    images = [b"IMG\x10\x01", b"IMG\x20\x01", b"IMG\x30\x04", b"IMG\x40\x01", b"IMG\x50\x02"]
+    with Runner(toy, parallel=1, num_ctx=64, batch_size=16) as runner:  # a graph per image (encode_multimodal)
+        expected = [run_all(runner, "a [img-0] b", [data])[:2] for data in images]
+        assert runner.engine.vision_built == len(images) and runner.engine.vision_reused == 0
+    split = models.load(path, BackendParams(n_threads=1))
+    split.__class__ = ToySplit
+    ToySplit.built = 0
+    try:
+        with Runner(split, parallel=1, num_ctx=64, batch_size=16) as runner:
+            engine = runner.engine
+            assert ToySplit.built == engine.vision_built == 1  # the worst case (4 copies), reserved at start-up
+            got = []
+            for data, built, reused in zip(images, (2, 2, 2, 2, 3), (0, 1, 2, 3, 3), strict=True):
+                got.append(run_all(runner, "a [img-0] b", [data])[:2])
+                assert (engine.vision_built, engine.vision_reused) == (built, reused), data
+            assert ToySplit.built == 3
+    finally:
+        split.close()
+    for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
+        assert tokens == want_tokens
+        np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)

@@ -78,6 +78,24 @@ class Model:
         first time their input is batched. ValueError for data the model cannot take."""
         raise ValueError(f"the {self.architecture or 'loaded'} model takes no images (it has no vision part)")
 
+    # optional split of encode_multimodal, so the runner builds a vision graph once per image shape
+    # (and reserves the largest at start-up) instead of once per image
+    def preprocess_multimodal(self, data: bytes) -> dict[str, Any] | None:
+        """Decode and preprocess ``data`` into the named arrays its vision graph reads (ValueError for
+        data the model cannot take); None (the default): the model has only ``encode_multimodal``."""
+        return None
+
+    def build_multimodal(self, ctx: Context, inputs: dict[str, Any]) -> list[Tensor]:
+        """The vision graph of ``preprocess_multimodal``'s arrays: it reads each one through
+        ``ctx.from_numpy(array, name=name)``, so the runner can refill the graph for the next image of
+        the same shapes; any other input it makes may depend on the shapes only."""
+        raise NotImplementedError(f"{type(self).__name__}: build_multimodal is not implemented")
+
+    def multimodal_worst_case(self) -> dict[str, Any] | None:
+        """Inputs of the model's largest vision graph (arrays as ``preprocess_multimodal`` gives them,
+        any values), which the runner reserves memory for at start-up; None when unknown."""
+        return None
+
     def post_tokenize(self, inputs: list[Input]) -> list[Input]:
         """Rewrite the input stream after tokenizing: an image's ``Input`` (its ``multimodal`` items
         and ``multimodal_hash`` set) becomes the model's marker tokens and placeholders, with

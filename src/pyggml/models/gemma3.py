@@ -6,6 +6,8 @@ other both ways), "<end_of_image>\n\n", as Hugging Face's Gemma3Processor writes
 
 from __future__ import annotations
 
+import numpy as np
+
 from pyggml import image, nn
 from pyggml.backend import Backend, Context
 from pyggml.models import Batch, Input, ModelError, Multimodal, gemma2, gemma3_vision, register
@@ -64,9 +66,25 @@ class Gemma3(gemma2.Gemma2):
     def encode_multimodal(self, ctx: Context, data: bytes) -> list[Multimodal]:
         if self.vision is None:
             return super().encode_multimodal(ctx, data)
+        return [Multimodal(tensor=t, data=data) for t in self.build_multimodal(ctx, self.preprocess_multimodal(data))]
+
+    def preprocess_multimodal(self, data: bytes) -> dict[str, np.ndarray] | None:
+        if self.vision is None:
+            return None
         o = self.vision.options
         pixels = image.resize_normalize(image.decode(data), (o.image_size, o.image_size), o.image_mean, o.image_std)
-        return [Multimodal(tensor=self.vision(ctx, pixels), data=data)]
+        return {gemma3_vision.PIXELS: pixels}
+
+    def build_multimodal(self, ctx: Context, inputs: dict[str, np.ndarray]) -> list[Tensor]:
+        if self.vision is None:
+            return super().build_multimodal(ctx, inputs)
+        return [self.vision(ctx, inputs[gemma3_vision.PIXELS])]
+
+    def multimodal_worst_case(self) -> dict[str, np.ndarray] | None:
+        if self.vision is None:
+            return None
+        size = self.vision.options.image_size  # every image is resized to it: one graph shape
+        return {gemma3_vision.PIXELS: np.zeros((3, size, size), np.float32)}
 
     def post_tokenize(self, inputs: list[Input]) -> list[Input]:
         if self.vision is None or not any(x.multimodal for x in inputs):

@@ -17,6 +17,7 @@ from pyggml.models import ModelError
 from pyggml.tensor import DType, Tensor
 
 KEY = "clip.vision."
+PIXELS = "pixels"  # the vision graph's one input: (3, size, size) normalised pixels
 FLASH = True  # the encoder attends over thousands of patches: ggml's fused attention (2x faster on CPU)
 
 
@@ -102,7 +103,8 @@ class VisionTower(nn.Module):
     post_ln: nn.LayerNorm = nn.shape("hidden_size", bias=True)
 
     def __call__(self, ctx: Context, pixels: np.ndarray, o: VisionOptions) -> Tensor:
-        image = ctx.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32)[None])  # (W, H, 3, 1)
+        # named: the runner keeps this graph and refills the pixels for the next image (Engine.encode)
+        image = ctx.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32)[None], name=PIXELS)  # (W, H, 3, 1)
         kernel, p = self.patch_embd.weight, o.patch_size
         cols = image.im2col(kernel, p, p, 0, 0, 1, 1, dtype=DType.F32)  # (p*p*3, W/p, H/p, 1)
         h = kernel.reshape(p * p * 3, o.hidden_size, ctx=ctx).mulmat(cols.reshape(p * p * 3, o.n_patches))

@@ -9,6 +9,12 @@ graph is built. A graph is kept only if every input it reads is refillable (``Co
 
 The Runner (and through it ``LLM``, the CLI and the server) and ``pyggml bench`` call this; no
 other module builds model graphs for generation.
+
+Images: a vision model's encoder graph (``Engine.encode``) is built once per shape of its inputs
+and kept: the next image of that shape refills the named pixel inputs and computes the same graph
+(a model that only implements ``encode_multimodal`` builds one per image). ``reserve_multimodal``
+builds the largest one at start-up and reserves its compute memory, so a runner that starts can
+also encode an image.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import Any
 import numpy as np
 
 from pyggml import nn
-from pyggml.input import Batch
+from pyggml.input import Batch, Multimodal
+
+MAX_VISION_GRAPHS = 4  # vision graphs kept, one per image input shape (most recently used last)
 
 
 @dataclass(eq=False)
@@ -50,6 +58,9 @@ class Engine:
         self.n_nodes = 0  # nodes of the last graph built
         self.built = 0  # graphs built
         self.reused = 0  # graphs refilled and computed again
+        self._vision: dict[tuple, _VisionGraph] = {}  # by input shapes (encode)
+        self.vision_built = 0  # vision graphs built (encode, reserve_multimodal)
+        self.vision_reused = 0  # images encoded by refilling a kept vision graph
 
     def build(self, batch: Batch, busy: Graph | None = None, times: dict[str, float] | None = None) -> Graph:
         """The graph of ``batch``: a kept one refilled (never ``busy``, the one computing now) or a
@@ -125,6 +136,64 @@ class Engine:
 
     def close(self) -> None:
         self.drop()
+        for graph in self._vision.values():
+            graph.ctx.close()
+        self._vision.clear()
+
+    # ---- images --------------------------------------------------------------------------------
+    def encode(self, data: bytes) -> list[Multimodal]:
+        """Decode, preprocess and encode one image (its file's bytes): the model's embeddings, as numpy
+        arrays (n, hidden). ValueError for data the model cannot take."""
+        model = self.model
+        inputs = model.preprocess_multimodal(data)
+        if inputs is None:  # the model has only encode_multimodal: a graph of its own per image
+            with model.backend.new_context() as ctx:
+                parts = model.encode_multimodal(ctx, data)
+                self.vision_built += 1
+                ctx.compute(*[m.tensor for m in parts])
+                return [Multimodal(tensor=m.tensor.numpy(), data=m.data) for m in parts]
+        graph = self._vision_graph(inputs)
+        graph.ctx.compute(*graph.outputs)
+        return [Multimodal(tensor=t.numpy(), data=data) for t in graph.outputs]
+
+    def reserve_multimodal(self) -> list[np.ndarray]:
+        """Build the model's largest vision graph (kept for the first image of that shape) and reserve its
+        compute memory now; MemoryError when it does not fit. Returns zero arrays shaped like its
+        embeddings (for reserving a text batch that holds them), or [] for a model that cannot say."""
+        inputs = self.model.multimodal_worst_case()
+        if inputs is None:
+            return []
+        graph = self._vision_graph(inputs, reuse=False)
+        graph.ctx.forward(*graph.outputs)
+        graph.ctx.reserve()
+        return [np.zeros(tuple(reversed(t.shape)), np.float32) for t in graph.outputs]
+
+    def _vision_graph(self, inputs: dict[str, np.ndarray], reuse: bool = True) -> _VisionGraph:
+        """The kept vision graph for inputs of these shapes, refilled with them, or a new one."""
+        key = tuple(sorted((name, np.shape(a), np.asarray(a).dtype.str) for name, a in inputs.items()))
+        graph = self._vision.pop(key, None)
+        if graph is not None:
+            if reuse:
+                for name, array in inputs.items():
+                    graph.ctx.set_input(name, array)
+                self.vision_reused += 1
+            self._vision[key] = graph  # the most recently used goes last
+            return graph
+        ctx = self.model.backend.new_context()
+        try:
+            outputs = list(self.model.build_multimodal(ctx, inputs))
+            missing = [name for name in inputs if ctx.input_shape(name) is None]
+            if missing:
+                raise ValueError(f"{type(self.model).__name__}.build_multimodal read no input named {missing}")
+        except BaseException:
+            ctx.close()
+            raise
+        self.vision_built += 1
+        graph = self._vision[key] = _VisionGraph(ctx, outputs)
+        while len(self._vision) > MAX_VISION_GRAPHS:
+            oldest = next(iter(self._vision))
+            self._vision.pop(oldest).ctx.close()
+        return graph
 
     def _keep(self, graph: Graph, busy: Graph | None) -> None:
         graph.kept = True
@@ -136,6 +205,15 @@ class Engine:
             self._kept.remove(old)
             old.kept = False
             old.ctx.close()
+
+
+@dataclass(eq=False)
+class _VisionGraph:
+    """A kept vision encoder graph: its context (inputs named as ``preprocess_multimodal`` names them)
+    and its output tensors (one per embedding the model returns for an image)."""
+
+    ctx: Any
+    outputs: list[Any]
 
 
 def _add(times: dict[str, float] | None, name: str, seconds: float) -> None:

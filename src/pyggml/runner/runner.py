@@ -114,9 +114,14 @@ class Runner:
         self.parallel, self.num_ctx = parallel, num_ctx
         self.batch_size = min(batch_size, num_ctx)
         self.embedder = Embedder(model, num_ctx, batch_size) if model.pooling is not None else None
+        self.engine = Engine(model, keep=2)
+        # an image's inputs go in one batch (same_batch): one longer than batch_size gets a batch that
+        # grows to hold it (as Ollama's runner does), up to max_batch, reserved below
+        self.image_run = self._image_run() if model.generates else 0
+        self.max_batch = self.batch_size + (self.image_run - 1 if self.image_run > self.batch_size else 0)
         if model.generates:
             model.cache.init(model.backend, DType.parse(cache_type), max_sequences=parallel, capacity=num_ctx,
-                             max_batch=self.batch_size)
+                             max_batch=self.max_batch)
             self.input_cache = InputCache(parallel * num_ctx, parallel, multi_user_cache, model.cache,
                                           self.batch_size)
             in_place = self._reserve()
@@ -131,7 +136,6 @@ class Runner:
         self._active: list[RunningSequence] = []
         self._closing = False
         self._in_flight: _Step | None = None  # the batch computing in the worker (build-ahead)
-        self.engine = Engine(model, keep=2)
         self.drafter: Runner | None = None  # speculative decoding: the draft model's own runner
         self.draft_max = draft_max
         if draft is not None:
@@ -150,13 +154,23 @@ class Runner:
 
     # ---- start-up -------------------------------------------------------------------------------
     def _reserve(self) -> bool:
-        """Allocate the KV cache and the compute memory of the largest batch now, so running out of
-        memory fails here rather than mid-request. Returns whether the model's graph reads the
-        batch's token array in place (what build-ahead needs)."""
-        n = self.batch_size
+        """Allocate the KV cache and the compute memory of the largest batch (and, for a vision model,
+        of its largest image graph) now, so running out of memory fails here rather than mid-request.
+        Returns whether the model's graph reads the batch's token array in place (what build-ahead needs)."""
+        try:
+            return self._reserve_memory()
+        except BaseException:
+            self.engine.close()  # the image graph it kept
+            raise
+
+    def _reserve_memory(self) -> bool:
+        n = self.max_batch
         n_out = min(n, self.parallel)
+        embeddings = self._reserve_images()
+        multimodal = [MultimodalIndex(0, [Multimodal(tensor=e) for e in embeddings])] \
+            if embeddings and sum(len(e.reshape(-1, e.shape[-1])) for e in embeddings) <= n else []
         batch = _Batch(np.zeros(n, np.int32), outputs=list(range(n - n_out, n)), positions=list(range(n)),
-                       sequences=[0] * n)
+                       sequences=[0] * n, multimodal=multimodal)
         backend = self.model.backend
         try:
             with backend.new_context() as ctx:
@@ -168,6 +182,30 @@ class Runner:
             raise MemoryError(f"not enough memory for {self.parallel} sequences of {self.num_ctx} tokens and "
                               f"batches of {n}: lower parallel, num_ctx or batch_size ({exc})") from exc
         return in_place
+
+    def _reserve_images(self) -> list[np.ndarray]:
+        """A vision model: build its largest image graph (the engine keeps it for the first image) and
+        reserve its compute memory. Returns zero embeddings shaped like an image's, for the text batch."""
+        if not self.model.takes_images:
+            return []
+        try:
+            return self.engine.reserve_multimodal()
+        except MemoryError as exc:
+            raise MemoryError(f"not enough memory to encode an image (the vision graph of the "
+                              f"{self.model.architecture or 'loaded'} model): free memory, or load it without its "
+                              f"vision part ({exc})") from exc
+
+    def _image_run(self) -> int:
+        """The most inputs one image needs in one batch (``same_batch`` + 1), from letting the model's
+        ``post_tokenize`` place an image; 0 for a text model or one whose vocabulary cannot place images."""
+        if not self.model.takes_images:
+            return 0
+        try:
+            inputs = self.model.post_tokenize([Input(multimodal=[Multimodal(data=b"")], multimodal_hash=1)])
+        except Exception as exc:  # e.g. no image marker tokens: requests with images fail with this error
+            log.warning("the model cannot place images in its input: %r", exc)
+            return 0
+        return max((inp.same_batch + 1 for inp in inputs if inp.same_batch), default=0)
 
     # ---- API ------------------------------------------------------------------------------------
     def completion(self, request: CompletionRequest) -> CompletionStream:
@@ -307,19 +345,17 @@ class Runner:
             inputs.append(Input(multimodal=[Multimodal(data=data)], multimodal_hash=int.from_bytes(digest, "little")))
         inputs = self.model.post_tokenize(inputs)
         longest = max((inp.same_batch + 1 for inp in inputs if inp.same_batch), default=0)
-        if longest > self.batch_size:
-            raise ValueError(f"an image takes {longest} inputs in one batch but batch_size is {self.batch_size}; "
-                             "raise batch_size")
+        if longest > max(self.batch_size, self.image_run):
+            raise ValueError(f"an image takes {longest} inputs in one batch but the runner's batches hold "
+                             f"{max(self.batch_size, self.image_run)}; raise batch_size")
         return inputs
 
     def _encode(self, inp: Input) -> None:
-        """Compute an image's vision graph (once; the result stays with its input, in host memory)."""
+        """Compute an image's vision graph (the engine's, built once per image shape; the result stays
+        with its input, in host memory)."""
         if self._in_flight is not None:
             wait([self._in_flight.future])  # one graph computes at a time
-        with self.model.backend.new_context() as ctx:
-            parts = [m for item in inp.multimodal for m in self.model.encode_multimodal(ctx, item.data)]
-            ctx.compute(*[m.tensor for m in parts])
-            inp.multimodal = [Multimodal(tensor=m.tensor.numpy().copy(), data=m.data) for m in parts]
+        inp.multimodal = [m for item in inp.multimodal for m in self.engine.encode(item.data)]
 
     # ---- the loop -------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -423,7 +459,7 @@ class Runner:
                 seq.placeholder = Input(token=_UNSET)
                 seq.pending.append(seq.placeholder)
             room = self.batch_size - len(ids)
-            if not seq.pending or not room:
+            if not seq.pending or room <= 0:  # (< 0 after an image that made the batch grow)
                 continue
             slot, taken, first = seq.slot, 0, len(ids)
             while seq.pending and taken < room:
@@ -433,9 +469,13 @@ class Runner:
                     self._shift(seq)
                     continue
                 inp = seq.pending[0]
-                if inp.same_batch and (inp.same_batch >= room - taken or
-                                       len(slot.inputs) + inp.same_batch >= self.num_ctx):
-                    break  # an image's inputs go in one batch: the next one, or after a shift
+                if inp.same_batch:  # an image's inputs go in one batch: this one, the next one, or after a shift
+                    if len(slot.inputs) + inp.same_batch >= self.num_ctx:
+                        break
+                    if inp.same_batch >= self.batch_size:  # longer than any batch: this one grows to hold it
+                        room = taken + inp.same_batch + 1
+                    elif inp.same_batch >= room - taken:
+                        break
                 seq.pending.popleft()
                 if inp.multimodal:
                     if inp.multimodal[0].tensor is None:
