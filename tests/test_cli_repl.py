@@ -149,3 +149,32 @@ def test_keep_alive_unloads_an_idle_model_and_the_next_turn_reloads_it():
     session._timer.join(10)
     assert session.llm is None and first.closed
     assert session.ensure_loaded() is loaded[1] and len(loaded) == 2
+
+
+def test_each_turn_evaluates_only_the_new_text(tmp_path, monkeypatch):
+    """The conversation's earlier turns, the replies included, are sent as the ids the runner already
+    holds: the KV cache covers all of them and only the new turn is evaluated."""
+    import io
+
+    import pyggml
+    from pyggml.chat import ChatTemplate
+    from pyggml.repl import Session
+    from pyggml.tiny import default_model_path
+
+    monkeypatch.setenv("PYGGML_CACHE_DIR", str(tmp_path))
+    out = io.StringIO()
+    with pyggml.load(default_model_path(), n_threads=1) as llm:
+        session = Session(load=lambda ref: llm, model_ref="demo", out=out, err=out,
+                          options={"max_tokens": 6, "temperature": 0, "logit_bias": {2: float("-inf")}})
+        # a template whose generation prompt is where the reply goes (as real chat templates are)
+        session._template = (llm, ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                                               "{% if add_generation_prompt %}<assistant>{% endif %}"))
+        session.ensure_loaded()
+        session.reply("hello there")
+        held = len(session._history[1])  # the first prompt and the 6 generated tokens
+        session.reply("and again")
+        assert llm.stats.cached_tokens == held - 1  # all but the last reply token, which was never evaluated
+        held = len(session._history[1])
+        session.command("/set system be brief")  # a new conversation: nothing of it is cached
+        session.reply("hi")
+        assert llm.stats.cached_tokens < held - 1

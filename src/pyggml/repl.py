@@ -1,6 +1,7 @@
 """``pyggml run MODEL`` with no prompt: an interactive chat in the manner of ``ollama run``.
 
-A model with a chat template gets a conversation: every turn re-sends the whole history, and the
+A model with a chat template gets a conversation: every turn re-sends the whole history, as the
+token ids the runner already holds (each reply as it was generated, not re-tokenized), so the
 runner's prompt-prefix reuse evaluates only the new turn (the KV cache still holds the rest). A
 model without one (or ``--raw``) gets plain completions, one per input. Ollama's slash commands
 work (``/?`` lists them), ``\"\"\"`` opens a multi-line input, lines are kept in a readline history.
@@ -116,6 +117,10 @@ class Session:
     _interrupted: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _timer: threading.Timer | None = None
+    # the conversation as the runner last saw it: its rendered text, its token ids (prompt and reply),
+    # and the LLM they belong to; the next turn sends these ids and tokenizes only what is new
+    _history: tuple[str, list[int], Any] | None = None
+    _template: tuple[Any, Any] | None = None  # (llm, its ChatTemplate)
 
     # ---- the model ---------------------------------------------------------------------------
     def ensure_loaded(self) -> Any:
@@ -207,10 +212,15 @@ class Session:
         previous = _install_sigint(self._on_sigint)
         try:
             images, content = self.images, text
+            prompt = None
             if self.chat:
                 content = image_content(text, images) if images else text
                 messages = self._conversation() + [{"role": "user", "content": content}]
-                pieces = llm.chat(messages, stream=True, **self.options)
+                if images or any(not isinstance(m["content"], str) for m in messages):
+                    pieces = llm.chat(messages, stream=True, **self.options)  # images: tokenized around them
+                else:
+                    prompt = self._prompt(llm, messages)
+                    pieces = llm.generate(prompt[1], stream=True, **self.options)
             else:
                 messages = None
                 pieces = llm.generate(text, stream=True, images=images, **self.options)
@@ -221,11 +231,38 @@ class Session:
             print("\n(stopped)", file=self.err)
             return ""
         self.images = []  # sent once; in a chat they stay in the history
+        self._remember(llm, prompt, answer)
         if messages is not None:
             self.messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
         if self.verbose:
             print_stats(llm.stats, time.perf_counter() - start, self.err)
         return answer
+
+    def _prompt(self, llm: Any, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        """The chat prompt of ``messages`` as text and token ids. When it extends the conversation
+        the runner last saw, those ids are kept as they were (the reply as generated, not re-tokenized)
+        and only the new text is tokenized: the KV cache then covers every earlier turn."""
+        from pyggml.chat import ChatTemplate, encode_prompt
+
+        if self._template is None or self._template[0] is not llm:
+            self._template = (llm, ChatTemplate.from_model(llm.model))
+        text = self._template[1].render(messages, add_generation_prompt=True)
+        if self._history is not None and self._history[2] is llm and text.startswith(self._history[0]):
+            seen, ids, _ = self._history
+            return text, ids + llm.tokenizer.encode(text[len(seen):], add_special=False)
+        return text, encode_prompt(llm.tokenizer, text)
+
+    def _remember(self, llm: Any, prompt: tuple[str, list[int]] | None, answer: str) -> None:
+        """Keep the ids of this turn for the next when the reply's tokens decode to exactly its text
+        (not when a stop string cut it, say)."""
+        self._history = None
+        if prompt is None:
+            return
+        generated = list(llm.stats.tokens)
+        while generated and llm.tokenizer.is_eog(generated[-1]):  # the template writes the end of the turn
+            generated.pop()
+        if llm.tokenizer.decode(generated) == answer:
+            self._history = (prompt[0] + answer, prompt[1] + generated, llm)
 
     def _stream(self, pieces: Any) -> str | None:
         """Write ``pieces``; ``None`` when Ctrl-C stopped them. While a reply is made, SIGINT only
