@@ -30,6 +30,24 @@ def test_lookup_draft():
     assert lookup_draft([4, 4], 0) == [] and lookup_draft([4], 3) == []
 
 
+def _lookup_reference(history, k, ngram_max=3, ngram_min=1):
+    for n in range(min(ngram_max, len(history) - 1), ngram_min - 1, -1):
+        suffix = history[len(history) - n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start:start + n] == suffix:
+                return history[start + n:start + n + k]
+    return []
+
+
+def test_lookup_draft_matches_a_plain_scan():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        history = rng.integers(0, int(rng.integers(1, 6)), size=int(rng.integers(0, 40))).tolist()
+        k, top = int(rng.integers(0, 6)), int(rng.integers(1, 5))
+        want = _lookup_reference(history, k, top) if k > 0 and len(history) >= 2 else []
+        assert lookup_draft(history, k, top) == want, (history, k, top)
+
+
 @pytest.fixture(scope="module", params=["stories", "synthetic"])
 def runner(request, tmp_path_factory):
     if request.param == "synthetic":
