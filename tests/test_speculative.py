@@ -296,3 +296,29 @@ def test_constrained_speculation_masks_beside_the_graph(stories, monkeypatch, bu
             out = list(runner.completion(CompletionRequest(prompt=PROMPT, max_tokens=200, temperature=1.0, seed=seed,
                                                            format=schema, prompt_lookup=4)))
             assert set(json.loads(stories.tokenizer.decode([t for c in out for t in c.tokens]))) == {"a", "b"}
+
+
+def test_draft_model_constrained_with_build_ahead(target_and_draft):
+    """A random-weight target (gibberish unconstrained) with its Q8_0 draft, build-ahead on, two
+    constrained sequences at once: greedy output equals plain constrained decoding and parses;
+    sampled output parses too."""
+    pytest.importorskip("llguidance")
+    target, draft = target_and_draft
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "bc"]},
+                                                        "maxItems": 4}}, "required": ["n", "tags"]}
+    prompts = ["hello world", "one two three four"]
+
+    def run(runner, p, **options):
+        return runner.completion(CompletionRequest(prompt=p, max_tokens=120, format=schema, **options))
+
+    with Runner(target, parallel=2, num_ctx=256, batch_size=64, build_ahead=False) as plain:
+        alone = [_text_tokens(run(plain, p, temperature=0)) for p in prompts]
+    with Runner(target, parallel=2, num_ctx=256, batch_size=64, draft=draft, draft_max=4, build_ahead=True) as spec:
+        streams = [run(spec, p, temperature=0) for p in prompts]
+        together = [_text_tokens(s) for s in streams]
+        sampled = [_text_tokens(run(spec, p, temperature=1.0, seed=i, top_k=0, top_p=1.0))
+                   for i, p in enumerate(prompts)]
+    assert together == alone
+    for out in together + sampled:
+        assert set(json.loads(target.tokenizer.decode(out))) == {"n", "tags"}
