@@ -173,10 +173,10 @@ OLLAMA_SAMPLING_OPTIONS = frozenset({
     "frequency_penalty", "seed", "num_predict", "stop", "num_keep",
 })
 OLLAMA_IGNORED_OPTIONS = frozenset({"penalize_newline", "tfs_z", "mirostat_tau", "mirostat_eta"})
-# pyggml's own options: ``prompt_lookup`` (speculative decoding with n-gram drafts of up to that many tokens)
-OLLAMA_EXTENSIONS = frozenset({"prompt_lookup"})
-OLLAMA_OPTIONS = OLLAMA_LOAD_OPTIONS | OLLAMA_SAMPLING_OPTIONS | OLLAMA_IGNORED_OPTIONS | OLLAMA_EXTENSIONS | \
-    {"mirostat"}
+# pyggml's own options (Ollama ``options``, OpenAI top level): ``prompt_lookup`` (speculative decoding
+# with n-gram drafts of up to that many tokens)
+PYGGML_OPTIONS = frozenset({"prompt_lookup"})
+OLLAMA_OPTIONS = OLLAMA_LOAD_OPTIONS | OLLAMA_SAMPLING_OPTIONS | OLLAMA_IGNORED_OPTIONS | PYGGML_OPTIONS | {"mirostat"}
 
 
 def ollama_options(options: Any) -> dict[str, Any]:
@@ -233,11 +233,11 @@ def runner_logprobs(top: int | None) -> int:
 # ---- OpenAI ---------------------------------------------------------------------------------------
 
 # sampling fields some OpenAI-compatible servers (llama.cpp, vLLM) accept beyond OpenAI's own
-OPENAI_EXTENSIONS = frozenset({"top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "prompt_lookup"})
+OPENAI_EXTENSIONS = frozenset({"top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n"})
 OPENAI_COMMON = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "user", "logprobs",
-}) | OPENAI_EXTENSIONS
+}) | OPENAI_EXTENSIONS | PYGGML_OPTIONS
 # OpenAI's defaults differ from the engine's: temperature 1 and no nucleus cut (as Ollama's OpenAI layer)
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
