@@ -322,3 +322,15 @@ def test_draft_model_constrained_with_build_ahead(target_and_draft):
     assert together == alone
     for out in together + sampled:
         assert set(json.loads(target.tokenizer.decode(out))) == {"n", "tags"}
+
+
+def test_sampled_speculation_is_the_same_with_build_ahead(stories):
+    """Seeded sampling with prompt lookup: the same tokens whether the runner builds ahead or not
+    (each speculating step sees the same history, drafts and random draws)."""
+    outs = []
+    for build_ahead in (False, True):
+        with Runner(stories, parallel=2, num_ctx=512, batch_size=64, build_ahead=build_ahead) as runner:
+            streams = [runner.completion(CompletionRequest(prompt=PROMPT, max_tokens=50, temperature=0.8, seed=s,
+                                                           prompt_lookup=5, cache_prompt=False)) for s in (1, 2)]
+            outs.append([_text_tokens(s) for s in streams])
+    assert outs[0] == outs[1] and all(outs[0])
