@@ -64,6 +64,9 @@ TINY: dict[str, dict] = {
     "bert": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
              "context_length": 64, "attention.layer_norm_epsilon": 1e-12, "pooling_type": 1, "vocab_size": 160,
              "tokenizer.ggml.model": "bert", "tokenizer.ggml.token_type_count": 2},
+    "nomic-bert": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                   "context_length": 64, "attention.layer_norm_epsilon": 1e-12, "pooling_type": 1, "vocab_size": 160,
+                   "rope.freq_base": 1000.0, "tokenizer.ggml.model": "bert", "tokenizer.ggml.token_type_count": 2},
 }
 
 GENERATING = sorted(a for a, cls in models.registry().items() if cls.generates)
