@@ -40,8 +40,8 @@ class NomicBert(Architecture):
                     raise ValueError(f"config.json has {key}={config[key]!r}; only {value!r} converts to nomic-bert")
             config = {**config, **{new: config[old] for old, new in _ALIASES.items() if old in config}}
             # v1/v1.5 set n_positions 8192 but were trained on max_trained_positions (2048): llama.cpp's choice
-            trained = config.get("max_trained_positions") or config.get("n_positions")
-            config["max_position_embeddings"] = min(config.get("n_positions") or trained, trained or 2048)
+            sizes = [n for n in (config.get("n_positions"), config.get("max_trained_positions")) if n]
+            config["max_position_embeddings"] = min(sizes, default=2048)
         elif config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config.json has hidden_act={config['hidden_act']!r}; only 'silu' (SwiGLU) "
                              "converts to nomic-bert")
