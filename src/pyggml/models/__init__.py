@@ -158,7 +158,7 @@ def registry() -> dict[str, type[Model]]:
 
 
 def _import_builtin() -> None:
-    from pyggml.models import bert, gemma2, gemma3, gptoss, llama, phi3, qwen2, qwen3, qwen3moe  # noqa: F401  (register themselves)
+    from pyggml.models import bert, gemma2, gemma3, gptoss, llama, nomic_bert, phi3, qwen2, qwen3, qwen3moe  # noqa: F401  (register themselves)
 
 
 def load(path: str | os.PathLike, params: BackendParams | None = None, progress: ProgressFn | None = None,
