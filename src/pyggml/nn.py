@@ -53,6 +53,7 @@ class Module:
     """Base of everything that holds weights. Leaf modules read ``<prefix>.weight`` / ``.bias``."""
 
     leaf: ClassVar[bool] = False
+    suffix: ClassVar[str] = ".weight"  # a leaf's tensor is named ``<prefix><suffix>``
 
 
 class Weight(Module):
@@ -62,6 +63,12 @@ class Weight(Module):
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
         self.weight = weight
+
+
+class Parameter(Weight):
+    """A tensor named without the ``.weight`` suffix (Ollama's ``v.class_embd``, ``blk.N.cross_attn_attn_gate``)."""
+
+    suffix = ""
 
 
 def _check_type(weight: Tensor | None, ok: bool, use: str) -> None:
@@ -273,7 +280,7 @@ def declared(cls: type, hparams: Any, n_layers: int | None = None) -> list[Tenso
                 return
             unknown = [d.text for d, s in zip(spec.shape, sizes, strict=True) if s is None]
             raise ValueError(f"{name}.weight: the size of {', '.join(unknown)} is unknown; set it")
-        out.append(TensorDecl(f"{name}.weight", sizes, kind, required))
+        out.append(TensorDecl(f"{name}{kind.suffix}", sizes, kind, required))
         if spec.bias:
             out.append(TensorDecl(f"{name}.bias", _bias_dims(sizes), kind, required))
 
@@ -398,20 +405,20 @@ def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
 def _build(cls: type, backend: Backend, n_layers: int, check: _Check) -> Any:
     def leaf(kind: type, name: str, optional: bool, spec: Spec, layer: int | None) -> Any:
         optional = not _required(optional, spec, check.lookup, layer) if check.hparams is not None else optional
-        source = name
-        weight = backend.get(f"{name}.weight")
+        source, suffix = name, kind.suffix
+        weight = backend.get(f"{name}{suffix}")
         if weight is None and spec.alt is not None:
             source = spec.alt
-            weight = backend.get(f"{source}.weight")
+            weight = backend.get(f"{source}{suffix}")
         if weight is None:
             if not optional:
-                check.missing.append(f"{name}.weight")
+                check.missing.append(f"{name}{suffix}")
             return None
         bias = backend.get(f"{name}.bias")
         if bias is None and spec.bias:
             check.missing.append(f"{name}.bias")
         if spec.shape is not None:
-            check.shape(f"{source}.weight", weight, spec.shape, layer)
+            check.shape(f"{source}{suffix}", weight, spec.shape, layer)
             if bias is not None:
                 check.shape(f"{name}.bias", bias, _bias_dims(spec.shape), layer)
         if source != name and kind is Linear:  # e.g. tied output embeddings: a fast mulmat layout
