@@ -54,6 +54,7 @@ class Module:
 
     leaf: ClassVar[bool] = False
     suffix: ClassVar[str] = ".weight"  # a leaf's tensor is named ``<prefix><suffix>``
+    nested: ClassVar[bool] = False  # a non-leaf's fields are named under ``<prefix><field>.`` (else inlined)
 
 
 class Weight(Module):
@@ -381,7 +382,8 @@ def _unwrap(hint: Any) -> tuple[Any, bool]:
 def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
           leaf: typing.Callable[[type, str, bool, Spec, int | None], Any]) -> Any:
     """Build ``cls``: each leaf field's value is ``leaf(kind, gguf_name, optional, spec, layer)``;
-    ``list[X]`` fields repeat X per layer under ``<field>.<i>.``, other modules share the prefix."""
+    ``list[X]`` fields repeat X per layer under ``<field>.<i>.``, other modules share the prefix (``nested``
+    ones: under ``<field>.``)."""
     obj = cls.__new__(cls)
     for field, hint in typing.get_type_hints(cls).items():
         if typing.get_origin(hint) is ClassVar:
@@ -395,7 +397,7 @@ def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
         elif isinstance(kind, type) and issubclass(kind, Module) and kind.leaf:
             value = leaf(kind, f"{prefix}{field}", optional, spec, layer)
         elif isinstance(kind, type) and issubclass(kind, Module):
-            value = _walk(kind, prefix, n_layers, layer, leaf)  # inline: same prefix
+            value = _walk(kind, f"{prefix}{field}." if kind.nested else prefix, n_layers, layer, leaf)
         else:
             continue  # not a weight (hyper-parameters and the like are set by the model)
         setattr(obj, field, value)
