@@ -54,7 +54,8 @@ class Module:
 
     leaf: ClassVar[bool] = False
     suffix: ClassVar[str] = ".weight"  # a leaf's tensor is named ``<prefix><suffix>``
-    nested: ClassVar[bool] = False  # a non-leaf's fields are named under ``<prefix><field>.`` (else inlined)
+    # a non-leaf's fields are named under ``<prefix><field>.`` (True) or ``<prefix><nested>.`` (a name); else inlined
+    nested: ClassVar[bool | str] = False
 
 
 class Weight(Module):
@@ -383,7 +384,7 @@ def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
           leaf: typing.Callable[[type, str, bool, Spec, int | None], Any]) -> Any:
     """Build ``cls``: each leaf field's value is ``leaf(kind, gguf_name, optional, spec, layer)``;
     ``list[X]`` fields repeat X per layer under ``<field>.<i>.``, other modules share the prefix (``nested``
-    ones: under ``<field>.``)."""
+    ones: under ``<field>.`` or their ``nested`` name)."""
     obj = cls.__new__(cls)
     for field, hint in typing.get_type_hints(cls).items():
         if typing.get_origin(hint) is ClassVar:
@@ -397,7 +398,8 @@ def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
         elif isinstance(kind, type) and issubclass(kind, Module) and kind.leaf:
             value = leaf(kind, f"{prefix}{field}", optional, spec, layer)
         elif isinstance(kind, type) and issubclass(kind, Module):
-            value = _walk(kind, f"{prefix}{field}." if kind.nested else prefix, n_layers, layer, leaf)
+            name = kind.nested if isinstance(kind.nested, str) else field
+            value = _walk(kind, f"{prefix}{name}." if kind.nested else prefix, n_layers, layer, leaf)
         else:
             continue  # not a weight (hyper-parameters and the like are set by the model)
         setattr(obj, field, value)

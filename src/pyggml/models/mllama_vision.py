@@ -18,7 +18,6 @@ import numpy as np
 from pyggml import image, nn
 from pyggml.backend import Context
 from pyggml.models import ModelError
-from pyggml.models.gemma3_vision import _Prefixed
 from pyggml.tensor import DType, Tensor
 
 KEY = "vision."
@@ -155,6 +154,7 @@ class TileEmbedding(Gated):
 class Tower(nn.Module):
     """The ``v.*`` tensors but the layers."""
 
+    nested = "v"
     patch_embd: nn.Weight = nn.shape("patch_size", "patch_size", 3, "hidden_size")
     class_embd: nn.Parameter = nn.shape("hidden_size")
     position_embd: PositionEmbedding
@@ -166,11 +166,14 @@ class Tower(nn.Module):
 
 
 class Local(nn.Module):
+    nested = "v"
     blk: list[EncoderLayer]
 
 
 class Global(nn.Module):
+    nested = "v.global"
     blk: list[GatedLayer]
+
 
 
 @dataclass(frozen=True)
@@ -245,6 +248,19 @@ def load(backend, text_hidden: int) -> Vision | None:
     if tuple(weight.shape) != (o.out_dim, text_hidden) or tuple(bias.shape) != (text_hidden,):
         raise ModelError(f"{backend.path}: mm.0.weight/bias have shapes {tuple(weight.shape)}/{tuple(bias.shape)}, "
                          f"expected ({o.out_dim}, {text_hidden})/({text_hidden},) = (out_dim, text hidden)")
-    return Vision(o, nn.load(Tower, _Prefixed(backend, "v."), o),
-                  nn.load(Local, _Prefixed(backend, "v."), o, n_layers=o.n_layers),
-                  nn.load(Global, _Prefixed(backend, "v.global."), o, n_layers=o.n_global), nn.Linear(weight, bias))
+    # three loads: the two stacks have their own layer counts
+    return Vision(o, nn.load(_TowerFile, backend, o, n_layers=0).tower,
+                  nn.load(_LocalFile, backend, o, n_layers=o.n_layers).local,
+                  nn.load(_GlobalFile, backend, o, n_layers=o.n_global).global_, nn.Linear(weight, bias))
+
+
+class _TowerFile(nn.Module):
+    tower: Tower
+
+
+class _LocalFile(nn.Module):
+    local: Local
+
+
+class _GlobalFile(nn.Module):
+    global_: Global
