@@ -326,3 +326,45 @@ def test_the_vision_encoder_refuses_wrong_tiles(tiny):
                     ours.vision.encoder(ctx, *bad)
     finally:
         ours.close()
+
+
+def test_the_runner_serves_one_sequence_at_a_time(tiny):
+    """The encoder cache holds one image for all sequences, so mllama runs alone (as in Ollama): concurrent
+    requests, one with an image and one without, queue and give what each gives alone."""
+    import threading
+
+    from pyggml import BackendParams, models
+    from pyggml.runner import CompletionRequest, Runner
+
+    _, _, path, _ = tiny
+    model = models.load(path, BackendParams(n_threads=2))
+    runner = Runner(model, parallel=4, num_ctx=128, batch_size=64)
+    try:
+        assert runner.parallel == 1
+        requests = {"image": dict(prompt="what is this?", images=[png(10)]), "text": dict(prompt="hello there")}
+        greedy = dict(max_tokens=4, temperature=0, logit_bias={1: float("-inf")})
+
+        def run(name, out):
+            chunks = runner.completion(CompletionRequest(**requests[name], **greedy))
+            out[name] = [t for c in chunks for t in c.tokens]
+
+        alone, together = {}, {}
+        for name in requests:
+            run(name, alone)
+        threads = [threading.Thread(target=run, args=(name, together)) for name in requests]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert together == alone and len(alone["image"]) == 4
+    finally:
+        runner.close()
+        model.close()
+
+
+def test_mllama_has_no_mmproj_layout(tiny, tmp_path):
+    from pyggml.convert.gemma3_vision import split_mmproj
+
+    _, _, path, _ = tiny
+    with pytest.raises(ValueError, match="no llama.cpp mmproj layout"):
+        split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")

@@ -119,6 +119,7 @@ class _Image:
 class Mllama(llama.Llama):
     Options, Weights = Options, Weights
     vision: mllama_vision.Vision | None = None
+    max_parallel = 1  # the encoder cache holds one image for all sequences (as in Ollama, which runs mllama alone)
 
     def __init__(self, backend: Backend):
         self.backend = backend
