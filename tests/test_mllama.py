@@ -261,6 +261,7 @@ def test_llm_generate_takes_an_image_and_text(tiny):
     greedy = dict(max_tokens=3, temperature=0, logit_bias={1: float("-inf")})
     with pyggml.load(path, n_threads=2, num_ctx=128) as llm:
         assert llm.model.takes_images
+        assert sorted(llm.model.cache.caches[0].keys) == [1, 3]  # image keys/values allocated at start-up
         with_image = llm.generate("what is this?", images=[png(7)], **greedy)
         again = llm.generate("what is this?", images=[png(7)], **greedy)
         assert with_image == again and llm.stats.cached_tokens > 0  # the same image: the prompt from the cache

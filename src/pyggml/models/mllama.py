@@ -181,10 +181,11 @@ class Mllama(llama.Llama):
         encoder: Encoder = self.cache.caches[0]
         n_tokens = len(batch.inputs)
         if not batch.multimodal:
-            if not encoder.encoder_cached or self._key_bias is None:
+            if self._key_bias is None or not (encoder.encoder_cached or encoder.reserving):
                 return None
             n_enc = self._key_bias.shape[0]
-            return _Image(None, self._key_bias.reshape(n_enc, 1, ctx=ctx).repeat(n_enc, n_tokens), None)
+            states = ctx.zeros(DType.F32, self.options.hidden_size, n_enc) if encoder.reserving else None
+            return _Image(states, self._key_bias.reshape(n_enc, 1, ctx=ctx).repeat(n_enc, n_tokens), None)
         if self.vision is None:
             raise ValueError("mllama: this model has no vision part; the batch carries an image")
         if len(batch.multimodal) > 1:

@@ -21,6 +21,7 @@ from pyggml.models import ModelError
 from pyggml.tensor import DType, Tensor
 
 KEY = "vision."
+FLASH = True  # ggml's fused attention: no (heads, L, L) score matrix (16 x 6432^2 floats at 560 px)
 LN_EPS = 1e-5  # the pre/post LayerNorms (torch's default; the layers' own use the file's epsilon)
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 
@@ -111,7 +112,7 @@ class EncoderLayer(nn.Module):
         x, n, head_dim = self.ln1(h, o.eps), h.shape[1], o.hidden_size // o.n_heads
         q, k, v = (lin(x).reshape(head_dim, o.n_heads, n) for lin in (self.attn_q, self.attn_k, self.attn_v))
         h = h + self.gated(ctx, "attn_gate", self.attn_out(nn.attention(ctx, q, k, v, None, 1 / math.sqrt(head_dim),
-                                                                        mask=mask)))
+                                                                        mask=mask, flash=FLASH)))
         return h + self.gated(ctx, "ffn_gate", self.ffn_up(self.ffn_down(self.ln2(h, o.eps)).gelu_erf()))
 
     def gated(self, ctx: Context, gate: str, x: Tensor) -> Tensor:
