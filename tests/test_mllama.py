@@ -369,3 +369,26 @@ def test_mllama_has_no_mmproj_layout(tiny, tmp_path):
     _, _, path, _ = tiny
     with pytest.raises(ValueError, match="no llama.cpp mmproj layout"):
         split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+
+
+def test_server_reports_vision_and_takes_an_image(tiny):
+    import base64
+
+    import httpx
+
+    from ._server import post, running_server
+
+    _, _, path, _ = tiny
+    b64 = base64.b64encode(png(11)).decode()
+    with running_server(path, parallel=2, num_ctx=128) as server:
+        base, served = server
+        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
+        assert "vision" in show["capabilities"]
+        options = {"temperature": 0, "num_predict": 3}
+        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
+        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
+                                          "options": options})
+        assert gen["done"] and chat["done"]
+        two = httpx.post(base + "/api/generate", json={"model": served.name, "prompt": "[img-0] [img-1]",
+                                                        "images": [b64, b64], "stream": False}, timeout=60)
+        assert two.status_code == 400 and "one image at a time" in two.text
