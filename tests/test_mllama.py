@@ -392,3 +392,26 @@ def test_server_reports_vision_and_takes_an_image(tiny):
         two = httpx.post(base + "/api/generate", json={"model": served.name, "prompt": "[img-0] [img-1]",
                                                         "images": [b64, b64], "stream": False}, timeout=60)
         assert two.status_code == 400 and "one image at a time" in two.text
+
+
+def test_transformers_4_checkpoint_names_convert_alike(tiny, tmp_path):
+    """Checkpoints saved before transformers 5 (language_model.model.*, vision_model.*) give the same file."""
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    from pyggml.convert import convert_hf
+
+    _, _, path, _ = tiny
+    hf_dir, old = Path(path).parent / "hf", tmp_path / "old"
+    old.mkdir()
+    renamed = {}
+    for name, value in load_file(hf_dir / "model.safetensors").items():
+        if name.startswith("model.language_model."):
+            name = "language_model.model." + name.removeprefix("model.language_model.")
+        renamed["language_model.lm_head.weight" if name == "lm_head.weight" else name.removeprefix("model.")] = value
+    save_file(renamed, old / "model.safetensors", metadata={"format": "pt"})
+    for f in hf_dir.glob("*.json"):
+        (old / f.name).write_bytes(f.read_bytes())
+    ours = {t.name: t.data for t in gguf.GGUFReader(convert_hf(old, tmp_path / "old.gguf", "f32")).tensors}
+    ref = {t.name: t.data for t in gguf.GGUFReader(Path(path)).tensors}
+    assert ours.keys() == ref.keys() and all(np.array_equal(ours[n], ref[n]) for n in ref)

@@ -8,8 +8,8 @@ gate) -> residual. The image's keys and values are computed once, in the batch t
 batches of the sequence; sequences that see no image skip these layers, as Hugging Face does without
 pixels. As in Hugging Face's processor, tokens from the image token on attend to the image's tiles
 (not the padding tiles), and text before it in the image's batch attends to every tile with its
-cross-attention MLP masked out. One image per prompt; a later image (a later turn) replaces the
-earlier one."""
+cross-attention MLP masked out (text before it in an earlier batch skips these layers, as in Ollama).
+One image per prompt; a later image (a later turn) replaces the earlier one."""
 
 from __future__ import annotations
 
