@@ -111,11 +111,11 @@ class EncoderLayer(nn.Module):
     def __call__(self, ctx: Context, h: Tensor, mask: Tensor, o: VisionOptions) -> Tensor:
         x, n, head_dim = self.ln1(h, o.eps), h.shape[1], o.hidden_size // o.n_heads
         q, k, v = (lin(x).reshape(head_dim, o.n_heads, n) for lin in (self.attn_q, self.attn_k, self.attn_v))
-        h = h + self.gated(ctx, "attn_gate", self.attn_out(nn.attention(ctx, q, k, v, None, 1 / math.sqrt(head_dim),
-                                                                        mask=mask, flash=FLASH)))
-        return h + self.gated(ctx, "ffn_gate", self.ffn_up(self.ffn_down(self.ln2(h, o.eps)).gelu_erf()))
+        out = self.attn_out(nn.attention(ctx, q, k, v, None, 1 / math.sqrt(head_dim), mask=mask, flash=FLASH))
+        h = h + self.gated("attn_gate", out)
+        return h + self.gated("ffn_gate", self.ffn_up(self.ffn_down(self.ln2(h, o.eps)).gelu_erf()))
 
-    def gated(self, ctx: Context, gate: str, x: Tensor) -> Tensor:
+    def gated(self, gate: str, x: Tensor) -> Tensor:
         return x
 
 
@@ -125,7 +125,7 @@ class GatedLayer(EncoderLayer):
     attn_gate: nn.Parameter = nn.shape(1)
     ffn_gate: nn.Parameter = nn.shape(1)
 
-    def gated(self, ctx: Context, gate: str, x: Tensor) -> Tensor:
+    def gated(self, gate: str, x: Tensor) -> Tensor:
         return x * getattr(self, gate).weight
 
 
@@ -174,7 +174,6 @@ class Local(nn.Module):
 class Global(nn.Module):
     nested = "v.global"
     blk: list[GatedLayer]
-
 
 
 @dataclass(frozen=True)
