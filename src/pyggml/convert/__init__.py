@@ -11,7 +11,20 @@ Only numpy and the ``gguf`` package (writer, quantisers) are needed: no torch, s
 sentencepiece at conversion time (torch only to read a pytorch_model.bin).
 """
 
-from . import bert, gemma2, gemma3, gemma3_vision, gpt_oss, llama, nomic_bert, phi3, qwen2, qwen3, qwen3moe  # noqa: F401
+from . import (  # noqa: F401
+    bert,
+    gemma2,
+    gemma3,
+    gemma3_vision,
+    gpt_oss,
+    llama,
+    mllama,
+    nomic_bert,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3moe,
+)
 from .base import Architecture, architecture_for, register, supported
 from .llama import from_interleaved_rope, llama3_rope_factors, to_interleaved_rope
 from .tensors import OUT_TYPES, Source

@@ -112,6 +112,10 @@ class Runner:
         for name, value, low in (("parallel", parallel, 1), ("num_ctx", num_ctx, 2), ("batch_size", batch_size, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"Runner: {name} must be an int >= {low}, got {value!r}")
+        if model.max_parallel is not None and parallel > model.max_parallel:
+            log.info("the %s model serves %d sequence(s) at once; parallel %d lowered", model.architecture,
+                     model.max_parallel, parallel)
+            parallel = model.max_parallel
         self.model, self.tokenizer = model, model.tokenizer
         self.parallel, self.num_ctx = parallel, num_ctx
         self.batch_size = min(batch_size, num_ctx)
