@@ -3,10 +3,14 @@ and without a grammar (alternating runs, medians), the mask computation time (in
 the graph), the time the loop waited for masks after the graph finished, and the time applying them.
 
     PYTHONPATH=src python bench/constrained_overhead.py ../shared/models/llama-2-tiny-random.gguf
+
+``PYGGML_BENCH_LOOKUP=N`` decodes speculatively (prompt lookup, drafts of N) in both kinds of runs: the
+masks of every verified row are then computed in the worker too (``Constraint.compute_draft_masks``).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -44,9 +48,9 @@ def main(path: str, n_tokens: int = 200, rounds: int = 5, threads: int = 2) -> N
         if step.masks is not None:
             step.masks = _TimedFuture(step.masks, wait_s)
 
-    def timed_apply(self, logits):
+    def timed_apply(self, logits, bias=None):
         t0 = time.perf_counter()
-        out = apply(self, logits)
+        out = apply(self, logits, bias)
         apply_s.append(time.perf_counter() - t0)
         return out
 
@@ -58,6 +62,7 @@ def main(path: str, n_tokens: int = 200, rounds: int = 5, threads: int = 2) -> N
     for r in range(rounds * 2 + 1):
         kind = "plain" if r % 2 else "grammar"
         options = {"grammar": grammar} if kind == "grammar" else {}
+        options["prompt_lookup"] = int(os.environ.get("PYGGML_BENCH_LOOKUP", "0"))
         t0 = time.perf_counter()
         *_, last = runner.completion(CompletionRequest(prompt="Once upon a time", max_tokens=n_tokens,
                                                        temperature=0.8, seed=r, logit_bias=eog, cache_prompt=False,

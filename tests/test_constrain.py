@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 pytest.importorskip("llguidance", reason="constrained decoding needs llguidance")
@@ -173,3 +174,37 @@ def test_cli_run_format_and_regex(tmp_path, capsys):
     check_schema(capsys.readouterr().out.strip())
     assert cli.main(["run", str(path), "Once", "--regex", "[0-9]{4}-[ab]{2}", "--max-tokens", "50"]) == 0
     assert re.fullmatch(r"[0-9]{4}-[ab]{2}", capsys.readouterr().out.strip())
+
+
+def test_draft_masks_match_stepwise_masks():
+    """``compute_draft_masks``: row i's mask is the one after consuming the draft's first i tokens,
+    the matcher ends where it started, and a draft leaving the grammar stops the precomputation."""
+    path = SHARED_MODELS / "stories260K.gguf"
+    if not path.exists():
+        pytest.skip(f"{path} is not there")
+    model = models.load(path, BackendParams(n_threads=1))
+    try:
+        tok = model.tokenizer
+        c = Constraint(Grammar.json({"type": "object", "properties": {"a": {"type": "integer"}}}), tok)
+        walker, draft = Constraint(c.grammar, tok), []
+        for _ in range(6):  # a valid draft: the last allowed token at each step
+            walker.compute_mask()
+            draft.append(int(np.flatnonzero(walker.allowed())[-1]))
+            walker.consume(draft[-1])
+        biases = c.compute_draft_masks(draft)
+        assert len(biases) == len(draft) + 1
+        step = Constraint(c.grammar, tok)
+        for i, bias in enumerate(biases):
+            step.compute_mask()
+            assert np.array_equal(bias, step.bias), i
+            if i < len(draft):
+                step.consume(draft[i])
+        c.compute_mask()  # rolled back: the first row's mask again, and the draft still consumable
+        assert np.array_equal(c.bias, biases[0])
+        for t in draft:
+            c.consume(t)
+        bad = Constraint(c.grammar, tok)
+        bad_token = next(t for t in range(tok.vocab_size) if bad.validate(draft[:2] + [t]) == 2)
+        assert len(bad.compute_draft_masks(draft[:2] + [bad_token] + draft[2:])) == 3
+    finally:
+        model.close()

@@ -215,8 +215,8 @@ def test_quantized_cache_keeps_values_to_block_precision(flash):
 
 
 def test_sliding_window_drops_old_positions_and_can_resume(cpu):
-    cache = make(cpu, swa_window=2, capacity=100, max_batch=2)
-    assert cache.cells.capacity == 4  # window + max_batch per sequence, whatever the context
+    cache = make(cpu, swa_window=2, swa_memory=2, capacity=100, max_batch=2)
+    assert cache.cells.capacity == 4  # memory + max_batch per sequence, whatever the context
     mask, _, _ = step(cache, cpu, (0, 0), (0, 1))
     assert table(mask) == ["x.", "xx"]
     mask, _, _ = step(cache, cpu, (0, 2), (0, 3))
@@ -238,6 +238,21 @@ def test_sliding_window_memory_keeps_more_than_the_window(cpu):
     assert cache.cells.seq_positions(0).tolist() == [1, 2, 3, 4]
     assert contents(cache) == ["0:4", "0:1", "0:2", "0:3"] and table(mask) == ["x..x"]
     assert cache.can_resume(0, 3)  # the window of 3 is [1, 3): stored
+
+
+def test_sliding_window_memory_defaults_to_the_window_plus_a_batch(cpu):
+    """So that a sequence can resume (a cached prompt be reused) up to a batch before its newest position."""
+    cache = make(cpu, swa_window=2, capacity=100, max_batch=3)
+    assert cache.cells.capacity == 2 + 3 + 3 and cache.cells.swa_memory == 5
+    for p in range(10):
+        step(cache, cpu, (0, p))
+    assert cache.cells.seq_positions(0).tolist() == [4, 5, 6, 7, 8, 9]  # 9 - 5 and later
+    assert cache.can_resume(0, 10) and cache.can_resume(0, 7) and cache.can_resume(0, 6)
+    assert not cache.can_resume(0, 5)  # its window [3, 5) is gone
+    cache.remove(0, 7)  # a request sharing the first 7 positions goes on from there
+    mask, _, _ = step(cache, cpu, (0, 7), (0, 8))
+    assert cache.cells.seq_positions(0).tolist() == [4, 5, 6, 7, 8]
+    assert [row.count("x") for row in table(mask)] == [2, 2]  # each row: itself and one back
 
 
 def test_chunk_boundaries(cpu):
@@ -383,7 +398,7 @@ def test_copy_prefix_then_diverging_sequences(cpu):
 def test_cache_full_leaves_the_cache_unchanged(cpu):
     # every sequence has room for its own context, so only a sliding-window cache (cells for the
     # window + a batch) rewound without remove can run out
-    cache = make(cpu, swa_window=1, capacity=100, max_batch=1)
+    cache = make(cpu, swa_window=1, swa_memory=1, capacity=100, max_batch=1)
     step(cache, cpu, (0, 5))
     step(cache, cpu, (0, 6))
     assert contents(cache) == ["0:5", "0:6"]
@@ -455,7 +470,7 @@ class CausalMachine(RuleBasedStateMachine):
 
     backend = None
 
-    @initialize(options=st.sampled_from([{}, {"swa_window": 3}, {"chunk_size": 3}]))
+    @initialize(options=st.sampled_from([{}, {"swa_window": 3, "swa_memory": 3}, {"chunk_size": 3}]))
     def setup(self, options):
         if CausalMachine.backend is None:
             CausalMachine.backend = Backend.cpu(1)

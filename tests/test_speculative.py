@@ -30,6 +30,24 @@ def test_lookup_draft():
     assert lookup_draft([4, 4], 0) == [] and lookup_draft([4], 3) == []
 
 
+def _lookup_reference(history, k, ngram_max=3, ngram_min=1):
+    for n in range(min(ngram_max, len(history) - 1), ngram_min - 1, -1):
+        suffix = history[len(history) - n:]
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start:start + n] == suffix:
+                return history[start + n:start + n + k]
+    return []
+
+
+def test_lookup_draft_matches_a_plain_scan():
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        history = rng.integers(0, int(rng.integers(1, 6)), size=int(rng.integers(0, 40))).tolist()
+        k, top = int(rng.integers(0, 6)), int(rng.integers(1, 5))
+        want = _lookup_reference(history, k, top) if k > 0 and len(history) >= 2 else []
+        assert lookup_draft(history, k, top) == want, (history, k, top)
+
+
 @pytest.fixture(scope="module", params=["stories", "synthetic"])
 def runner(request, tmp_path_factory):
     if request.param == "synthetic":
@@ -174,3 +192,145 @@ def test_llm_load_with_a_draft(tmp_path):
         want = plain.generate("hello", 20, temperature=0)
     with pyggml.load(path, n_threads=1, num_ctx=128, draft=path, draft_max=4) as llm:
         assert llm.generate("hello", 20, temperature=0) == want
+
+
+# ---- build-ahead (a GPU's default loop) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def stories():
+    path = SHARED_MODELS / "stories260K.gguf"
+    if not path.exists():
+        pytest.skip(f"{path} is not there")
+    model = models.load(path, BackendParams(n_threads=1))
+    yield model
+    model.close()
+
+
+def _text_tokens(stream):
+    return [t for c in stream for t in c.tokens]
+
+
+def test_speculation_with_build_ahead_chooses_per_step(stories, monkeypatch):
+    """Build-ahead forced on: speculating and plain sequences together give the greedy output of
+    each alone; a batch is built while another computes only when no sequence sampled in the one
+    computing speculates (its draft needs the sampled token)."""
+    eog = {t: float("-inf") for t in stories.tokenizer.vocab.eog}
+    prompts = [PROMPT, "Lily and Ben went to the park. Lily and Ben", PROMPT[:60], "Once upon a time"]
+    with Runner(stories, parallel=1, num_ctx=512, batch_size=64, build_ahead=False) as solo:
+        alone = [_text_tokens(solo.completion(CompletionRequest(prompt=p, max_tokens=60, temperature=0,
+                                                                logit_bias=eog, cache_prompt=False)))
+                 for p in prompts]
+    builds = []
+    original = Runner._build
+
+    def build(self):
+        in_flight = self._in_flight
+        builds.append(None if in_flight is None else self._drafts_after(in_flight))
+        return original(self)
+
+    monkeypatch.setattr(Runner, "_build", build)
+    with Runner(stories, parallel=4, num_ctx=512, batch_size=64, build_ahead=True) as runner:
+        assert runner.build_ahead
+        plain = _text_tokens(runner.completion(CompletionRequest(prompt=prompts[3], max_tokens=30, temperature=0,
+                                                                 logit_bias=eog, cache_prompt=False)))
+        assert plain == alone[3][:30] and builds.count(False) > 10  # alone and plain: it builds ahead
+        builds.clear()
+        streams = [runner.completion(CompletionRequest(prompt=p, max_tokens=60, temperature=0, logit_bias=eog,
+                                                       cache_prompt=False, prompt_lookup=(5, 0, 3, 0)[i]))
+                   for i, p in enumerate(prompts)]
+        chunks = [list(s) for s in streams]
+    assert [[t for c in cs for t in c.tokens] for cs in chunks] == alone
+    assert chunks[0][-1].draft_tokens > 0 and chunks[2][-1].draft_tokens > 0
+    assert True not in builds  # never built beside a batch whose sampled sequences draft next
+
+
+def test_draft_model_with_build_ahead(target_and_draft):
+    target, draft = target_and_draft
+    eog = {t: float("-inf") for t in target.tokenizer.vocab.eog}
+    prompts = ["hello world", "one two three four"]
+
+    def run(runner, p):
+        return runner.completion(CompletionRequest(prompt=p, max_tokens=30, temperature=0, logit_bias=eog))
+
+    with Runner(target, parallel=2, num_ctx=256, batch_size=64, build_ahead=False) as plain:
+        alone = [_text_tokens(run(plain, p)) for p in prompts]
+    with Runner(target, parallel=2, num_ctx=256, batch_size=64, draft=draft, draft_max=4, build_ahead=True) as spec:
+        assert spec.build_ahead
+        streams = [run(spec, p) for p in prompts]
+        chunks = [list(s) for s in streams]
+    assert [[t for c in cs for t in c.tokens] for cs in chunks] == alone
+    assert sum(cs[-1].accepted_tokens for cs in chunks) > 0
+
+
+@pytest.mark.parametrize("build_ahead", [False, True])
+def test_constrained_speculation_masks_beside_the_graph(stories, monkeypatch, build_ahead):
+    """Constrained + speculative: greedy output equal to plain constrained decoding, always parsing,
+    and the masks of the drafted rows computed in the grammar worker (while the graph computes),
+    not on the loop thread after it."""
+    pytest.importorskip("llguidance")
+    import threading
+
+    from pyggml.constrain import Constraint
+
+    schema = {"type": "object", "properties": {"a": {"enum": ["Lily", "Ben", "park"]},
+                                               "b": {"type": "array", "items": {"enum": ["Lily", "ball"]},
+                                                     "maxItems": 6}}, "required": ["a", "b"]}
+    threads = []
+    original = Constraint.compute_mask
+
+    def compute_mask(self):
+        threads.append(threading.current_thread().name)
+        return original(self)
+
+    monkeypatch.setattr(Constraint, "compute_mask", compute_mask)
+    with Runner(stories, parallel=2, num_ctx=512, batch_size=64, build_ahead=build_ahead) as runner:
+        plain = _text_tokens(runner.completion(CompletionRequest(prompt=PROMPT, max_tokens=200, temperature=0,
+                                                                 format=schema, cache_prompt=False)))
+        threads.clear()
+        chunks = list(runner.completion(CompletionRequest(prompt=PROMPT, max_tokens=200, temperature=0, format=schema,
+                                                          cache_prompt=False, prompt_lookup=6)))
+        spec = [t for c in chunks for t in c.tokens]
+        assert spec == plain and chunks[-1].accepted_tokens > 0
+        assert set(json.loads(stories.tokenizer.decode(spec))) == {"a", "b"}
+        assert threads and all(name.startswith("pyggml-grammar") for name in threads)
+        for seed in range(3):  # sampled, speculative and constrained: still parses
+            out = list(runner.completion(CompletionRequest(prompt=PROMPT, max_tokens=200, temperature=1.0, seed=seed,
+                                                           format=schema, prompt_lookup=4)))
+            assert set(json.loads(stories.tokenizer.decode([t for c in out for t in c.tokens]))) == {"a", "b"}
+
+
+def test_draft_model_constrained_with_build_ahead(target_and_draft):
+    """A random-weight target (gibberish unconstrained) with its Q8_0 draft, build-ahead on, two
+    constrained sequences at once: greedy output equals plain constrained decoding and parses;
+    sampled output parses too."""
+    pytest.importorskip("llguidance")
+    target, draft = target_and_draft
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "bc"]},
+                                                        "maxItems": 4}}, "required": ["n", "tags"]}
+    prompts = ["hello world", "one two three four"]
+
+    def run(runner, p, **options):
+        return runner.completion(CompletionRequest(prompt=p, max_tokens=120, format=schema, **options))
+
+    with Runner(target, parallel=2, num_ctx=256, batch_size=64, build_ahead=False) as plain:
+        alone = [_text_tokens(run(plain, p, temperature=0)) for p in prompts]
+    with Runner(target, parallel=2, num_ctx=256, batch_size=64, draft=draft, draft_max=4, build_ahead=True) as spec:
+        streams = [run(spec, p, temperature=0) for p in prompts]
+        together = [_text_tokens(s) for s in streams]
+        sampled = [_text_tokens(run(spec, p, temperature=1.0, seed=i, top_k=0, top_p=1.0))
+                   for i, p in enumerate(prompts)]
+    assert together == alone
+    for out in together + sampled:
+        assert set(json.loads(target.tokenizer.decode(out))) == {"n", "tags"}
+
+
+def test_sampled_speculation_is_the_same_with_build_ahead(stories):
+    """Seeded sampling with prompt lookup: the same tokens whether the runner builds ahead or not
+    (each speculating step sees the same history, drafts and random draws)."""
+    outs = []
+    for build_ahead in (False, True):
+        with Runner(stories, parallel=2, num_ctx=512, batch_size=64, build_ahead=build_ahead) as runner:
+            streams = [runner.completion(CompletionRequest(prompt=PROMPT, max_tokens=50, temperature=0.8, seed=s,
+                                                           prompt_lookup=5, cache_prompt=False)) for s in (1, 2)]
+            outs.append([_text_tokens(s) for s in streams])
+    assert outs[0] == outs[1] and all(outs[0])

@@ -478,9 +478,11 @@ def add_parsers(sub: Any) -> None:
     bench.add_argument("model", nargs="?", help="GGUF file (or use --synthetic)")
     bench.add_argument("--synthetic", metavar="SHAPE",
                        help="a random-weight model of this shape (tiny, tinyllama-1.1b, llama-3.2-1b, llama-3.1-8b, "
-                            "qwen2.5-0.5b, qwen3-0.6b, qwen3moe-small, qwen3-small-dense; pyggml.synthetic.SHAPES),"
-                            " written once into the pyggml cache directory")
-    bench.add_argument("--type", default="q4_0", help="weight type of the --synthetic model (default: q4_0)")
+                            "qwen2.5-0.5b, qwen3-0.6b, qwen3moe-small, qwen3-small-dense, gemma3-1b, phi3-mini, "
+                            "phi3-mini-8l, gpt-oss-small; pyggml.synthetic.SHAPES), written once into the pyggml "
+                            "cache directory")
+    bench.add_argument("--type", default="q4_0", help="weight type of the --synthetic model (default: q4_0; "
+                       "mxfp4: MXFP4 experts, Q8_0 elsewhere)")
     bench.add_argument("-p", "--n-prompt", type=_int_list, default=[512], help="prompt lengths (default: 512)")
     bench.add_argument("-n", "--n-gen", type=_int_list, default=[128], help="generation lengths (default: 128)")
     bench.add_argument("-r", "--repetitions", type=int, default=5, help="timed runs per test (default: 5)")

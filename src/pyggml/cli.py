@@ -274,11 +274,12 @@ def cmd_show(args: argparse.Namespace) -> int:
             ("embedding length", c.uint("embedding_length", 0) or "-"),
             ("layers", c.uint("block_count", 0) or "-"),
             ("heads / kv heads", f"{c.uint('attention.head_count', 0)} / {c.uint('attention.head_count_kv', 0)}"),
-            *([("vision", f"{c.string('clip.projector_type', '') or '-'} projector, "
-                          f"{c.uint('clip.vision.block_count', 0)} layers, {c.uint('clip.vision.embedding_length', 0)}"
-                          f" wide, {c.uint('clip.vision.image_size', 0)} px images in "
-                          f"{c.uint('clip.vision.patch_size', 0)} px patches")] if "v.patch_embd.weight" in tensors
-              else []),
+            *([("vision", f"{c.string('clip.projector_type', '') or c.architecture} projector, "
+                          f"{c.uint('clip.vision.block_count', 0) or c.uint('vision.block_count', 0)} layers, "
+                          f"{c.uint('clip.vision.embedding_length', 0) or c.uint('vision.embedding_length', 0)}"
+                          f" wide, {c.uint('clip.vision.image_size', 0) or c.uint('vision.image_size', 0)} px images "
+                          f"in {c.uint('clip.vision.patch_size', 0) or c.uint('vision.patch_size', 0)} px patches")]
+              if "v.patch_embd.weight" in tensors else []),
             ("tokenizer", f"{c.string('tokenizer.ggml.model', '') or '-'} "
                           f"({len(c.get('tokenizer.ggml.tokens', ()))} tokens)"),
             ("file", f"{backend.path} ({os.path.getsize(backend.path) / 2**20:,.1f} MiB)"),

@@ -207,6 +207,7 @@ class Constraint:
         self.mask = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
         self.mask_ready = False
         self.bias: np.ndarray | None = None
+        self.draft_biases: list[np.ndarray] = []  # precomputed rows of a speculative step
 
     def compute_mask(self) -> None:
         """Fill the bitmask of tokens allowed next (llguidance releases the GIL meanwhile) and turn
@@ -219,16 +220,44 @@ class Constraint:
         """Bool (vocab,) of the tokens allowed next (the mask must be computed)."""
         return np.unpackbits(self.mask.view(np.uint8), bitorder="little")[:self.vocab_size].view(bool)
 
-    def apply(self, logits: np.ndarray) -> np.ndarray:
+    def compute_draft_masks(self, drafts: list[int]) -> list[np.ndarray]:
+        """The biases of a speculative step's rows, computed ahead (in the runner's worker, while the
+        graph computes): row ``i`` follows ``drafts[:i]``, so the matcher steps through the draft
+        (validated when it was queued), computing each mask, and is rolled back to where it was.
+        Stops early where the draft leaves the grammar or ends it; the rows past that compute their
+        mask when sampled. Returns them and keeps them in ``draft_biases``."""
+        biases: list[np.ndarray] = []
+        consumed = 0
+        try:
+            for i in range(len(drafts) + 1):
+                if self.matcher.is_stopped() or self.matcher.is_error():
+                    break
+                self.compute_mask()
+                biases.append(self.bias)
+                if i == len(drafts) or not self.matcher.try_consume_tokens([drafts[i]]):
+                    break
+                consumed += 1
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+            self.mask_ready = bool(biases) and not consumed  # the shared mask is the first row's only then
+            self.bias = biases[0] if biases else None
+            self.draft_biases = biases
+        return biases
+
+    def apply(self, logits: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
         """``logits`` (a new array) with every token the grammar forbids at -inf (rows past the
-        tokenizer's vocabulary too): one vectorised add of the precomputed bias."""
-        if not self.mask_ready:
-            self.compute_mask()
+        tokenizer's vocabulary too): one vectorised add of the precomputed bias (``bias``: one
+        from ``compute_draft_masks`` instead of the current state's)."""
+        if bias is None:
+            if not self.mask_ready:
+                self.compute_mask()
+            bias = self.bias
         if logits.shape[-1] == self.vocab_size:
-            return logits + self.bias
+            return logits + bias
         out = np.full(logits.shape, -np.inf, dtype=np.float32)
         n = min(logits.shape[-1], self.vocab_size)
-        np.add(logits[:n], self.bias[:n], out=out[:n])
+        np.add(logits[:n], bias[:n], out=out[:n])
         return out
 
     def consume(self, token: int) -> None:

@@ -5,6 +5,7 @@ limit; then resized, rescaled and normalised as Hugging Face's image processors 
 from __future__ import annotations
 
 import io
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -150,3 +151,52 @@ def split_chat_images(messages: Sequence[Any]) -> tuple[list[Any], list[bytes]]:
                 message["content"] = markers + (message.get("content") or "")
         out.append(message)
     return out, images
+
+
+def tile_ratios(max_tiles: int) -> list[tuple[int, int]]:
+    """The tile grids (rows, columns) an image may be cut into, in the order whose 1-based index is
+    Llama 3.2 Vision's aspect-ratio id."""
+    return [(a, b) for a in range(1, max_tiles + 1) for b in range(1, max_tiles + 1) if a * b <= max_tiles]
+
+
+def _canvas(height: int, width: int, max_tiles: int, tile: int) -> tuple[int, int]:
+    """The tile grid (rows, columns) whose canvas needs the least upscaling (else the least
+    downscaling) to hold the image, the smaller canvas on a tie (Hugging Face's
+    ``get_optimal_tiled_canvas``)."""
+    grids = np.array(tile_ratios(max_tiles))
+    canvases = grids * tile
+    scales = np.minimum(canvases[:, 0] / height, canvases[:, 1] / width)
+    up = scales[scales >= 1]
+    chosen = np.min(up) if len(up) else np.max(scales[scales < 1])
+    candidates = np.flatnonzero(scales == chosen)
+    best = candidates[np.argmin(canvases[candidates, 0] * canvases[candidates, 1])]
+    return int(grids[best][0]), int(grids[best][1])
+
+
+def tiles(image, tile: int, max_tiles: int, mean: Sequence[float], std: Sequence[float],
+          rescale: float = 1 / 255) -> tuple[np.ndarray, int, int]:
+    """Llama 3.2 Vision's preprocessing (Hugging Face's MllamaImageProcessor): the image resized with
+    its aspect ratio kept to fit the best grid of ``tile``-pixel tiles (at most ``max_tiles``), padded
+    with black at the right and bottom, rescaled, normalised and cut into tiles. Returns float32
+    pixels (max_tiles, 3, tile, tile) (unused tiles zero), the aspect-ratio id (1-based index into
+    ``tile_ratios``) and the number of tiles used."""
+    from PIL import Image
+
+    width, height = image.size
+    rows, cols = _canvas(height, width, max_tiles, tile)
+    canvas_h, canvas_w = rows * tile, cols * tile
+    target_w, target_h = min(max(width, tile), canvas_w), min(max(height, tile), canvas_h)
+    scale_h, scale_w = target_h / height, target_w / width
+    if scale_w < scale_h:
+        new_w, new_h = target_w, min(math.floor(height * scale_w) or 1, target_h)
+    else:
+        new_h, new_w = target_h, min(math.floor(width * scale_h) or 1, target_w)
+    resized = np.asarray(image.resize((new_w, new_h), Image.Resampling.BILINEAR), dtype=np.uint8)
+    canvas = np.zeros((canvas_h, canvas_w, 3), np.uint8)
+    canvas[:new_h, :new_w] = resized
+    pixels = (canvas.astype(np.float64) * rescale).astype(np.float32)
+    pixels = ((pixels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)).transpose(2, 0, 1)
+    grid = pixels.reshape(3, rows, tile, cols, tile).transpose(1, 3, 0, 2, 4).reshape(rows * cols, 3, tile, tile)
+    out = np.zeros((max_tiles, 3, tile, tile), np.float32)
+    out[:rows * cols] = grid
+    return out, tile_ratios(max_tiles).index((rows, cols)) + 1, rows * cols

@@ -53,6 +53,9 @@ class Module:
     """Base of everything that holds weights. Leaf modules read ``<prefix>.weight`` / ``.bias``."""
 
     leaf: ClassVar[bool] = False
+    suffix: ClassVar[str] = ".weight"  # a leaf's tensor is named ``<prefix><suffix>``
+    # a non-leaf's fields are named under ``<prefix><field>.`` (True) or ``<prefix><nested>.`` (a name); else inlined
+    nested: ClassVar[bool | str] = False
 
 
 class Weight(Module):
@@ -62,6 +65,12 @@ class Weight(Module):
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None):
         self.weight = weight
+
+
+class Parameter(Weight):
+    """A tensor named without the ``.weight`` suffix (Ollama's ``v.class_embd``, ``blk.N.cross_attn_attn_gate``)."""
+
+    suffix = ""
 
 
 def _check_type(weight: Tensor | None, ok: bool, use: str) -> None:
@@ -273,7 +282,7 @@ def declared(cls: type, hparams: Any, n_layers: int | None = None) -> list[Tenso
                 return
             unknown = [d.text for d, s in zip(spec.shape, sizes, strict=True) if s is None]
             raise ValueError(f"{name}.weight: the size of {', '.join(unknown)} is unknown; set it")
-        out.append(TensorDecl(f"{name}.weight", sizes, kind, required))
+        out.append(TensorDecl(f"{name}{kind.suffix}", sizes, kind, required))
         if spec.bias:
             out.append(TensorDecl(f"{name}.bias", _bias_dims(sizes), kind, required))
 
@@ -374,7 +383,8 @@ def _unwrap(hint: Any) -> tuple[Any, bool]:
 def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
           leaf: typing.Callable[[type, str, bool, Spec, int | None], Any]) -> Any:
     """Build ``cls``: each leaf field's value is ``leaf(kind, gguf_name, optional, spec, layer)``;
-    ``list[X]`` fields repeat X per layer under ``<field>.<i>.``, other modules share the prefix."""
+    ``list[X]`` fields repeat X per layer under ``<field>.<i>.``, other modules share the prefix (``nested``
+    ones: under ``<field>.`` or their ``nested`` name)."""
     obj = cls.__new__(cls)
     for field, hint in typing.get_type_hints(cls).items():
         if typing.get_origin(hint) is ClassVar:
@@ -388,7 +398,8 @@ def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
         elif isinstance(kind, type) and issubclass(kind, Module) and kind.leaf:
             value = leaf(kind, f"{prefix}{field}", optional, spec, layer)
         elif isinstance(kind, type) and issubclass(kind, Module):
-            value = _walk(kind, prefix, n_layers, layer, leaf)  # inline: same prefix
+            name = kind.nested if isinstance(kind.nested, str) else field
+            value = _walk(kind, f"{prefix}{name}." if kind.nested else prefix, n_layers, layer, leaf)
         else:
             continue  # not a weight (hyper-parameters and the like are set by the model)
         setattr(obj, field, value)
@@ -398,20 +409,20 @@ def _walk(cls: type, prefix: str, n_layers: int, layer: int | None,
 def _build(cls: type, backend: Backend, n_layers: int, check: _Check) -> Any:
     def leaf(kind: type, name: str, optional: bool, spec: Spec, layer: int | None) -> Any:
         optional = not _required(optional, spec, check.lookup, layer) if check.hparams is not None else optional
-        source = name
-        weight = backend.get(f"{name}.weight")
+        source, suffix = name, kind.suffix
+        weight = backend.get(f"{name}{suffix}")
         if weight is None and spec.alt is not None:
             source = spec.alt
-            weight = backend.get(f"{source}.weight")
+            weight = backend.get(f"{source}{suffix}")
         if weight is None:
             if not optional:
-                check.missing.append(f"{name}.weight")
+                check.missing.append(f"{name}{suffix}")
             return None
         bias = backend.get(f"{name}.bias")
         if bias is None and spec.bias:
             check.missing.append(f"{name}.bias")
         if spec.shape is not None:
-            check.shape(f"{source}.weight", weight, spec.shape, layer)
+            check.shape(f"{source}{suffix}", weight, spec.shape, layer)
             if bias is not None:
                 check.shape(f"{name}.bias", bias, _bias_dims(spec.shape), layer)
         if source != name and kind is Linear:  # e.g. tied output embeddings: a fast mulmat layout

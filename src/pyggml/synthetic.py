@@ -68,6 +68,10 @@ class Shape:
 
 _QWEN3_HEADS = {"attention.key_length": 128, "attention.value_length": 128, "rope.dimension_count": 128,
                 "attention.layer_norm_rms_epsilon": 1e-6, "tokenizer.ggml.model": "gpt2"}
+# a general.name with "phi3" or "phi-3" in it makes llama.cpp want Phi-3's <|endoftext|> token, which a
+# synthetic vocabulary lacks
+_PHI3 = {"attention.sliding_window": 2047, "rope.scaling.original_context_length": 4096,
+         "general.name": "synthetic random-weight model (Phi 3 mini shape)"}
 SHAPES = {
     "tinyllama-1.1b": Shape(22, 2048, 5632, 32, 4, 32000, 2048, 10000.0, False),
     "llama-3.2-1b": Shape(16, 2048, 8192, 32, 8, 128256, 131072, 500000.0, True),
@@ -82,6 +86,22 @@ SHAPES = {
                             {**_QWEN3_HEADS, "expert_count": 64, "expert_used_count": 8,
                              "expert_feed_forward_length": 384}),
     "qwen3-small-dense": Shape(16, 1024, 3072, 16, 8, 151936, 40960, 1000000.0, True, "qwen3", _QWEN3_HEADS),
+    # Gemma 3 1B: 5 sliding-window (512) layers to 1 global, one 256-wide KV head, a 262k vocabulary
+    "gemma3-1b": Shape(26, 1152, 6912, 4, 1, 262144, 32768, 1000000.0, True, "gemma3",
+                       {"attention.key_length": 256, "attention.value_length": 256, "rope.dimension_count": 256,
+                        "attention.sliding_window": 512, "attention.sliding_window_pattern": 6,
+                        "attention.layer_norm_rms_epsilon": 1e-6}),
+    # Phi-3-mini-4k (3.8B), and its first 8 layers (~1.1B: the same matrices per token, quick on 2 cores)
+    "phi3-mini": Shape(32, 3072, 8192, 32, 32, 32064, 4096, 10000.0, False, "phi3", _PHI3),
+    "phi3-mini-8l": Shape(8, 3072, 8192, 32, 32, 32064, 4096, 10000.0, False, "phi3", _PHI3),
+    # gpt-oss-20b's layer layout (64-wide heads, 8 query heads per KV head, 32 experts of which 4 are used,
+    # alternating 128-token sliding window, YaRN) narrowed to 1024 and 8 layers (~1.2B, ~0.3B active);
+    # ``write_synthetic(..., "mxfp4")`` stores its experts as MXFP4 and the other matrices as Q8_0
+    "gpt-oss-small": Shape(8, 1024, 1024, 16, 2, 201088, 131072, 150000.0, False, "gpt-oss",
+                           {"attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 64,
+                            "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 1024,
+                            "attention.sliding_window": 128, "rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
+                            "rope.scaling.original_context_length": 4096, "tokenizer.ggml.model": "gpt2"}),
 }
 
 
@@ -109,9 +129,10 @@ def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] =
                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> Path:
     """Write a GGUF of architecture ``arch`` with random weights (written atomically: temp file + rename).
 
-    Matrices are ``dtype`` (F16 where a quantized type's blocks do not divide a row), norms and
-    biases F32; the same ``seed`` gives the same values whatever the type, so an F32 and an F16 file
-    differ only by rounding. ``init(name, numpy_shape, rng)`` may return a tensor's values (None: the
+    Matrices are ``dtype`` (F16 where a quantized type's blocks do not divide a row; for MXFP4 only
+    the stacked experts, the other matrices Q8_0, as llama.cpp's MXFP4_MOE files), norms and biases
+    F32; the same ``seed`` gives the same values whatever the type, so an F32 and an F16 file differ
+    only by rounding. ``init(name, numpy_shape, rng)`` may return a tensor's values (None: the
     default); ``omit`` leaves tensors out (e.g. ``output.weight``: tied embeddings); ``shapes``
     overrides declared shapes (ggml order; for tests of malformed files). ``progress(done, total)``
     counts elements."""
@@ -135,6 +156,8 @@ def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] =
             ggml_shape = tuple((shapes or {}).get(t.name, t.shape))
             matrix = len(ggml_shape) > 1 and t.name.endswith(".weight")
             kind = dtype if matrix else DType.F32
+            if kind == DType.MXFP4 and "_exps." not in t.name:  # llama.cpp's MXFP4_MOE: experts only
+                kind = DType.Q8_0
             if kind.block_size > 1 and ggml_shape[0] % kind.block_size:
                 kind = DType.F16
             tensors.append((t, tuple(reversed(ggml_shape)), kind))
@@ -186,7 +209,7 @@ def _random(t: nn.TensorDecl, numpy_shape: tuple[int, ...], rng: np.random.Gener
 # ---- metadata ---------------------------------------------------------------------------------------
 _FILE_TYPES = {DType.F32: 0, DType.F16: 1, DType.Q4_0: 2, DType.Q4_1: 3, DType.Q8_0: 7, DType.Q5_0: 8,
                DType.Q5_1: 9, DType.Q2_K: 10, DType.Q3_K: 11, DType.Q4_K: 15, DType.Q5_K: 17, DType.Q6_K: 18,
-               DType.BF16: 32}
+               DType.BF16: 32, DType.MXFP4: 38}
 
 
 def metadata(arch: str, hparams: Mapping[str, Any], dtype: DType = DType.F32) -> dict[str, Any]:

@@ -3,15 +3,28 @@
 Shared code reads the checkpoint (safetensors, memory-mapped, or torch .bin), the tokenizer
 (SentencePiece, BPE, WordPiece) and writes the file tensor by tensor (peak memory about one tensor);
 each architecture is one small file registered by its Hugging Face ``architectures`` name (llama,
-bert, qwen2, qwen3, qwen3moe, gemma2, gemma3 (with vision), phi3, gpt_oss; the hooks are described in
-``base.py``). Tensor names and metadata keys are llama.cpp's (names through ``gguf``'s tensor-name
-map), so the files also load there.
+bert, nomic_bert, qwen2, qwen3, qwen3moe, gemma2, gemma3 (with vision), phi3, gpt_oss; the hooks
+are described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
+``gguf``'s tensor-name map), so the files also load there.
 
 Only numpy and the ``gguf`` package (writer, quantisers) are needed: no torch, safetensors or
 sentencepiece at conversion time (torch only to read a pytorch_model.bin).
 """
 
-from . import bert, gemma2, gemma3, gemma3_vision, gpt_oss, llama, phi3, qwen2, qwen3, qwen3moe  # noqa: F401
+from . import (  # noqa: F401
+    bert,
+    gemma2,
+    gemma3,
+    gemma3_vision,
+    gpt_oss,
+    llama,
+    mllama,
+    nomic_bert,
+    phi3,
+    qwen2,
+    qwen3,
+    qwen3moe,
+)
 from .base import Architecture, architecture_for, register, supported
 from .llama import from_interleaved_rope, llama3_rope_factors, to_interleaved_rope
 from .tensors import OUT_TYPES, Source

@@ -49,8 +49,9 @@ def register(*hf_names: str, model_types: Iterable[str] = ()) -> Callable[[type[
     """Class decorator: convert checkpoints whose config.json ``architectures[0]`` is one of ``hf_names``
     (or, when a config has no ``architectures``, whose ``model_type`` is one of ``model_types``)."""
     def add(cls: type[Architecture]) -> type[Architecture]:
-        if cls.gguf_arch not in _ARCHS:
-            raise ValueError(f"{cls.__name__}.gguf_arch {cls.gguf_arch!r} is not a gguf.MODEL_ARCH name")
+        if (cls.tensor_names or cls.gguf_arch) not in _ARCHS:
+            raise ValueError(f"{cls.__name__}.gguf_arch {cls.gguf_arch!r} is not a gguf.MODEL_ARCH name (set "
+                             "tensor_names to the one whose tensor-name map applies)")
         for name in hf_names:
             _REGISTRY[name] = cls
         for name in model_types:
@@ -82,6 +83,9 @@ class Architecture:
     """One Hugging Face architecture's conversion to GGUF (see the module docstring for the hooks)."""
 
     gguf_arch: ClassVar[str]
+    # the gguf.MODEL_ARCH whose Hugging Face -> GGUF tensor-name map applies, for architectures the gguf
+    # package does not know (Ollama's ``mllama``); None: gguf_arch's
+    tensor_names: ClassVar[str | None] = None
     skip: ClassVar[tuple[str, ...]] = (r"rotary_emb\.inv_freq$",)
     keep_f32: ClassVar[tuple[str, ...]] = ("ffn_gate_inp", "position_embd", "token_types")
     rope_types: ClassVar[tuple[str, ...]] = ("default", "linear", "yarn")  # rope scaling this arch can take
@@ -105,7 +109,7 @@ class Architecture:
         self.context_length: int = config.get("max_position_embeddings") or self.default_context
         self.tied: bool = bool(config.get("tie_word_embeddings", False))
         self.rope = self._rope_parameters()
-        self.name_map = gguf.get_tensor_name_map(_ARCHS[self.gguf_arch], self.n_layers)
+        self.name_map = gguf.get_tensor_name_map(_ARCHS[self.tensor_names or self.gguf_arch], self.n_layers)
         self._gathered: dict[str, dict[int, Source]] = {}
 
     def hparam(self, *keys: str) -> Any:

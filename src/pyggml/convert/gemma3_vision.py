@@ -112,6 +112,8 @@ def split_mmproj(src: str | Path, text_out: str | Path, mmproj_out: str | Path) 
     """llama.cpp's layout from a single file: the text model (without ``v.*``, ``mm.*`` and ``clip.*``)
     and an mmproj file (``general.architecture = clip``: the vision tensors and ``clip.*`` keys)."""
     reader = gguf.GGUFReader(Path(src))
+    if not any(key.startswith("clip.") for key in reader.fields):
+        raise ValueError(f"{src}: its vision part has no llama.cpp mmproj layout (clip.* keys); keep it in one file")
     outputs = []
     for path, vision in ((Path(text_out), False), (Path(mmproj_out), True)):
         arch = "clip" if vision else str(reader.fields["general.architecture"].contents())

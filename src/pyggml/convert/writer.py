@@ -139,7 +139,8 @@ def _expand(templates: dict[str, tuple[int, ...]], n_layers: int) -> dict[str, t
     names = [n for n in list(templates)[:first] if "{bid}" not in n]
     names += [n.format(bid=b) for b in range(n_layers) for n in per_block]
     names += [n for n in list(templates)[first:] if "{bid}" not in n]
-    return {n: tuple(templates[re.sub(r"^blk\.\d+\.", "blk.{bid}.", n)]) for n in names}
+    return {n: tuple(templates[n] if n in templates else templates[re.sub(r"^blk\.\d+\.", "blk.{bid}.", n)])
+            for n in names}
 
 
 def _likely_origin(arch: Architecture, gguf_name: str, produced: dict[str, tuple[str, Source]],

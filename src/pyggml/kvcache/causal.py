@@ -61,8 +61,11 @@ class Causal(Cache):
     in ``config.mask_dtype``, 0 where a token may attend and -inf where not.
 
     ``swa_window``/``swa_memory``: sliding-window attention; a sequence keeps ``swa_memory``
-    (default: the window) positions before its batch, so its storage is ``swa_memory + max_batch``
-    cells. ``chunk_size``: chunked attention (a token sees only its chunk; nothing is freed early).
+    positions before its batch, so its storage is ``swa_memory + max_batch`` cells. The default
+    memory is the window plus ``max_batch``: a sequence can then be resumed (a cached prompt reused,
+    see ``can_resume``) from any position up to a batch before its newest, as a new request sharing
+    a long prompt, or a regenerated reply, needs; ``swa_memory=swa_window`` is the least memory.
+    ``chunk_size``: chunked attention (a token sees only its chunk; nothing is freed early).
     """
 
     def __init__(self, shift_fn: ShiftFn | None = None, *, swa_window: int | None = None,
@@ -99,11 +102,12 @@ class Causal(Cache):
             raise ValueError("Causal.init: permuted_v is not supported (attention lays V out itself)")
         if config.padding < 1 or config.mask_dtype not in (DType.F32, DType.F16):
             raise ValueError(f"Causal.init: bad config {config} (padding >= 1, mask F32 or F16)")
-        per_seq = capacity
+        per_seq, memory = capacity, None
         if self.swa_window is not None:
-            per_seq = min(capacity, (self.swa_memory or self.swa_window) + max_batch)
+            memory = self.swa_memory or self.swa_window + max_batch
+            per_seq = min(capacity, memory + max_batch)
         n_cells = -(-per_seq * max_sequences // config.padding) * config.padding
-        cells = Cells(n_cells, max_sequences, swa_window=self.swa_window, swa_memory=self.swa_memory,
+        cells = Cells(n_cells, max_sequences, swa_window=self.swa_window, swa_memory=memory,
                       chunk_size=self.chunk_size)
         self.config, self.backend, self.dtype, self.cells = config, backend, dtype, cells
         self.max_sequences, self.capacity, self.max_batch = max_sequences, capacity, max_batch

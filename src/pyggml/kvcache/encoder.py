@@ -74,6 +74,12 @@ class Encoder(Cache):
         """Whether the current batch's sequences see a stored encoder output (true after ``put``)."""
         return self._sees
 
+    @property
+    def reserving(self) -> bool:
+        """Whether the pass in progress is a reserve pass (a model may ``put`` a worst-case output then,
+        so the storage and the cross-attention graph are allocated at start-up)."""
+        return self._started and self._reserve
+
     def position(self, seq: int) -> int | None:
         """Position of the multimodal input whose output ``seq`` sees, or None."""
         return self._seen.get(seq)

@@ -60,6 +60,9 @@ class Model:
     Options: ClassVar[Any] = None
     Weights: ClassVar[Any] = None
     pooling: Pooling | None = None  # embedding models: the file's pooling; None: no embed()
+    # the most sequences the model can serve at once (its cache's limit: mllama's encoder cache holds one
+    # image); None: no limit. The runner serves at most this many.
+    max_parallel: ClassVar[int | None] = None
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         """Logits (vocab, len(batch.outputs)) for the batch."""
@@ -158,7 +161,8 @@ def registry() -> dict[str, type[Model]]:
 
 
 def _import_builtin() -> None:
-    from pyggml.models import bert, gemma2, gemma3, gptoss, llama, phi3, qwen2, qwen3, qwen3moe  # noqa: F401  (register themselves)
+    import pyggml.models.mllama  # noqa: F401  (registers itself)
+    from pyggml.models import bert, gemma2, gemma3, gptoss, llama, nomic_bert, phi3, qwen2, qwen3, qwen3moe  # noqa: F401  (register themselves)
 
 
 def load(path: str | os.PathLike, params: BackendParams | None = None, progress: ProgressFn | None = None,

@@ -22,7 +22,9 @@ Speculative decoding (``speculative.py``): a sequence with ``prompt_lookup`` (n-
 every sequence of a runner given a ``draft`` model (greedy drafts of up to ``draft_max`` tokens from
 its own runner, batched over the sequences), puts its drafted tokens behind its decode input with a
 logits row at each; ``_verify`` keeps the accepted prefix and the token after it and removes the
-rest from the cache. Drafting needs the sampled token, so it is off with build-ahead.
+rest from the cache. Drafting needs the sampled token (and after a verified draft, the accepted
+length fixes the next positions), so with build-ahead on the runner chooses per step: a batch with a
+speculating sequence's row completes before the next batch is built; otherwise it builds ahead.
 
 ``LLM`` is this runner with one sequence; ``pyggml bench`` times the same ``Engine``.
 """
@@ -110,6 +112,10 @@ class Runner:
         for name, value, low in (("parallel", parallel, 1), ("num_ctx", num_ctx, 2), ("batch_size", batch_size, 1)):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"Runner: {name} must be an int >= {low}, got {value!r}")
+        if model.max_parallel is not None and parallel > model.max_parallel:
+            log.info("the %s model serves %d sequence(s) at once; parallel %d lowered", model.architecture,
+                     model.max_parallel, parallel)
+            parallel = model.max_parallel
         self.model, self.tokenizer = model, model.tokenizer
         self.parallel, self.num_ctx = parallel, num_ctx
         self.batch_size = min(batch_size, num_ctx)
@@ -400,6 +406,9 @@ class Runner:
             return False
         for seq in admitted:
             self._admit(seq)
+        if self._in_flight is not None and self._drafts_after(self._in_flight):
+            self._complete(self._in_flight)  # speculation: the next batch's drafts follow its sampled tokens
+            self._in_flight = None
         step = self._build()
         if self._in_flight is not None:
             self._complete(self._in_flight)
@@ -532,10 +541,8 @@ class Runner:
         """Queue drafted tokens behind each speculating sequence's decode input: from prompt lookup,
         or from the draft model (all sequences' drafts in one batched run of it). Each draft gets
         as many tokens as the batch (shared), the slot, ``max_tokens`` and the grammar leave room for."""
-        if self.build_ahead:  # drafts need the sampled token; build-ahead builds before it is known
-            return
-        seqs = [s for s in self._active if not s.done and not s.cancelled and len(s.pending) == 1 and s.generated
-                and s.scores is None and (s.request.prompt_lookup or self.drafter is not None)]
+        seqs = [s for s in self._active if self._speculates(s) and len(s.pending) == 1 and s.generated
+                and not s.outputs_in_flight]
         if not seqs:
             return
         share = self.batch_size // len(seqs) - 1
@@ -565,6 +572,18 @@ class Runner:
             except Exception as exc:
                 log.warning("draft model failed: %r", exc)
 
+    def _speculates(self, seq: RunningSequence) -> bool:
+        """Whether ``seq`` drafts its next tokens (prompt lookup, or the runner's draft model)."""
+        return not seq.done and not seq.cancelled and seq.scores is None and \
+            bool(seq.request.prompt_lookup or self.drafter is not None)
+
+    def _drafts_after(self, step: _Step) -> bool:
+        """Whether a sequence sampled in ``step`` (in flight) drafts next. Its draft continues the
+        token ``step`` samples, and after a verified draft even its positions depend on how much was
+        accepted, so the next batch is built once ``step`` is done: the runner builds ahead only
+        while no sampled sequence speculates (per step)."""
+        return any(self._speculates(seq) for _, seq in (*step.rows, *step.spec))
+
     def _queue_draft(self, seq: RunningSequence, drafts: list[int]) -> None:
         if drafts and seq.constraint is not None:  # the matcher is past the decode input: check the draft
             drafts = drafts[:seq.constraint.validate(drafts)]
@@ -582,10 +601,16 @@ class Runner:
         base = len(slot.inputs) - len(drafts)  # position of the first drafted token
         seq.draft_tokens += len(drafts)
         accepted, reason, token = 0, None, None
+        biases = []  # the rows' grammar masks, computed beside the graph (``_start_masks``)
+        if seq.constraint is not None:
+            biases, seq.constraint.draft_biases = seq.constraint.draft_biases, []
         try:
             for i in range(len(drafts) + 1):
                 row = logits[first + i]
-                scores = row if seq.constraint is None else seq.constraint.apply(row)
+                if seq.constraint is None:
+                    scores = row
+                else:
+                    scores = seq.constraint.apply(row, biases[i] if i < len(biases) else None)
                 if i < len(drafts):
                     token = verify_token(seq.sampler, scores, seq.history, drafts[i])
                 else:
@@ -631,12 +656,13 @@ class Runner:
     def _start_masks(self, step: _Step) -> None:
         """Compute the grammar masks of the batch's constrained rows in a worker while the graph
         computes (llguidance releases the GIL); every token they follow is consumed by now."""
-        constraints = [seq.constraint for _, seq in step.rows if seq.constraint is not None]
-        if not constraints:
+        jobs = [(seq.constraint, None) for _, seq in step.rows if seq.constraint is not None]
+        jobs += [(seq.constraint, list(seq.drafts)) for _, seq in step.spec if seq.constraint is not None]
+        if not jobs:
             return
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-grammar")
-        step.masks = self._mask_pool.submit(_compute_masks, constraints)
+        step.masks = self._mask_pool.submit(_compute_masks, jobs)
 
     def _compute(self, step: _Step) -> np.ndarray | None:
         return self.engine.compute(step.graph, read=bool(step.rows or step.scored or step.spec))
@@ -718,9 +744,14 @@ class Runner:
             seq.finish(reason)
 
 
-def _compute_masks(constraints: list[Constraint]) -> None:
-    for constraint in constraints:
-        constraint.compute_mask()
+def _compute_masks(jobs: list[tuple[Constraint, list[int] | None]]) -> None:
+    """The next-token masks of a batch's constrained rows: one per sampled row, and for a
+    speculating sequence one per verified row (its drafts stepped through and rolled back)."""
+    for constraint, drafts in jobs:
+        if drafts is None:
+            constraint.compute_mask()
+        else:
+            constraint.compute_draft_masks(drafts)
 
 
 def _reads_in_place(ctx, ids: np.ndarray) -> bool:

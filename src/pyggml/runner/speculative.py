@@ -30,11 +30,13 @@ def lookup_draft(history: Sequence[int], k: int, ngram_max: int = 3, ngram_min: 
         return []
     h = np.asarray(history, dtype=np.int64)
     n_all = h.size
+    ends = np.flatnonzero(h[:-1] == h[-1])  # where an earlier match would end: the last token's earlier places
     for n in range(min(ngram_max, n_all - 1), ngram_min - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(h[:n_all - 1], n)  # starts 0 .. n_all-1-n
-        hits = np.flatnonzero((windows == h[n_all - n:]).all(axis=1))
+        hits = ends[ends >= n - 1]
+        for j in range(1, n):  # the match's other tokens, checked on the few candidates left
+            hits = hits[h[hits - j] == h[n_all - 1 - j]]
         if hits.size:
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1
             return h[start:start + k].tolist()
     return []
 

@@ -61,9 +61,13 @@ def _sse(obj: Any) -> str:
 
 
 def _usage(chunk: CompletionChunk) -> dict[str, Any]:
-    return {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.generated_tokens,
-            "total_tokens": chunk.prompt_tokens + chunk.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": chunk.cached_tokens}}
+    usage = {"prompt_tokens": chunk.prompt_tokens, "completion_tokens": chunk.generated_tokens,
+             "total_tokens": chunk.prompt_tokens + chunk.generated_tokens,
+             "prompt_tokens_details": {"cached_tokens": chunk.cached_tokens}}
+    if chunk.draft_tokens:  # speculative decoding: OpenAI's counts for predicted tokens kept and dropped
+        usage["completion_tokens_details"] = {"accepted_prediction_tokens": chunk.accepted_tokens,
+                                              "rejected_prediction_tokens": chunk.draft_tokens - chunk.accepted_tokens}
+    return usage
 
 
 def _finish(chunk: CompletionChunk) -> str | None:

@@ -173,7 +173,10 @@ OLLAMA_SAMPLING_OPTIONS = frozenset({
     "frequency_penalty", "seed", "num_predict", "stop", "num_keep",
 })
 OLLAMA_IGNORED_OPTIONS = frozenset({"penalize_newline", "tfs_z", "mirostat_tau", "mirostat_eta"})
-OLLAMA_OPTIONS = OLLAMA_LOAD_OPTIONS | OLLAMA_SAMPLING_OPTIONS | OLLAMA_IGNORED_OPTIONS | {"mirostat"}
+# pyggml's own options (Ollama ``options``, OpenAI top level): ``prompt_lookup`` (speculative decoding
+# with n-gram drafts of up to that many tokens)
+PYGGML_OPTIONS = frozenset({"prompt_lookup"})
+OLLAMA_OPTIONS = OLLAMA_LOAD_OPTIONS | OLLAMA_SAMPLING_OPTIONS | OLLAMA_IGNORED_OPTIONS | PYGGML_OPTIONS | {"mirostat"}
 
 
 def ollama_options(options: Any) -> dict[str, Any]:
@@ -202,7 +205,17 @@ def ollama_options(options: Any) -> dict[str, Any]:
         out["num_keep"] = f.integer("num_keep", low=-1)
     if f.has("stop"):
         out["stop"] = f.stops("stop")
+    out.update(prompt_lookup(f))
     return out
+
+
+def prompt_lookup(f: Fields) -> dict[str, Any]:
+    """pyggml's ``prompt_lookup`` (Ollama ``options``, OpenAI top level): speculative decoding with
+    drafts of up to that many tokens from the prompt and output so far; 0 (the default) is off."""
+    from pyggml.runner.runner import MAX_DRAFT
+
+    n = f.integer("prompt_lookup", low=0, high=MAX_DRAFT)
+    return {"prompt_lookup": n} if n else {}
 
 
 def ollama_logprobs(f: Fields) -> int | None:
@@ -224,7 +237,7 @@ OPENAI_EXTENSIONS = frozenset({"top_k", "min_p", "typical_p", "repeat_penalty", 
 OPENAI_COMMON = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "user", "logprobs",
-}) | OPENAI_EXTENSIONS
+}) | OPENAI_EXTENSIONS | PYGGML_OPTIONS
 # OpenAI's defaults differ from the engine's: temperature 1 and no nucleus cut (as Ollama's OpenAI layer)
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
@@ -249,6 +262,7 @@ def openai_sampling(f: Fields) -> dict[str, Any]:
     bias = f.mapping("logit_bias")
     if bias:
         out["logit_bias"] = _logit_bias(bias)
+    out.update(prompt_lookup(f))
     return out
 
 
