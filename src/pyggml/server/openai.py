@@ -29,6 +29,7 @@ from pyggml.server.params import (
     APIError,
     Fields,
     grammar_extension,
+    ignore_eos,
     openai_max_tokens,
     openai_response_format,
     openai_sampling,
@@ -131,6 +132,7 @@ async def completions(request: Request) -> Response:
                        param="echo")
     sampling, max_tokens = openai_sampling(f), openai_max_tokens(f, "max_tokens")
     sampling.update(grammar_extension(f))
+    ignore_eos(f, served.tokenizer, sampling)
     stream = f.boolean("stream", False)
     usage = stream_usage(f)
 
@@ -205,6 +207,7 @@ async def chat_completions(request: Request) -> Response:
     top = (top or 0) if want else None
     sampling = openai_sampling(f)
     sampling.update(openai_response_format(f))
+    ignore_eos(f, served.tokenizer, sampling)
     if forced:
         if "format" in sampling or "grammar" in sampling:
             raise APIError(400, "a forced tool call (tool_choice) cannot have a response_format or grammar too",
