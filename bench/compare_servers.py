@@ -190,14 +190,17 @@ def make_prompts(count: int, salt: int) -> list[str]:
     return [" ".join([f"{WORDS[(salt + i) % len(WORDS)]}{salt}x{i}", *rng.choices(WORDS, k=11)]) for i in range(count)]
 
 
-async def drive(port: int, parallel: int, requests: int, n_gen: int, prompts: list[str], model: str) -> dict[str, Any]:
-    """P clients, each sending ``requests`` streamed completions one after another."""
+async def drive(port: int, parallel: int, requests: int, n_gen: int, prompts: list[str], model: str,
+                no_eos: dict[str, Any] | None = None) -> dict[str, Any]:
+    """P clients, each sending ``requests`` streamed completions one after another. ``no_eos``: the
+    body fields that keep a completion from ending early (default ``ignore_eos: true``)."""
+    no_eos = {"ignore_eos": True} if no_eos is None else no_eos
     results: list[dict[str, Any]] = []
 
     async def client(c: int) -> None:
         for r in range(requests):
             body = {"model": model, "prompt": prompts[c * requests + r], "max_tokens": n_gen, "temperature": 0,
-                    "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+                    "stream": True, "stream_options": {"include_usage": True}, **no_eos}
             results.append(await stream_completion(port, body))
 
     t0 = time.perf_counter()

@@ -35,7 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(os.environ.get("PYGGML_SRC") or Path(__file__).resolve().parent.parent / "src")  # another tree's src/
 sys.path.insert(0, str(SRC))
 
 CLK = os.sysconf("SC_CLK_TCK")
@@ -84,39 +84,45 @@ def kind_of(name: str, main_tid: int, tid: int, loop_tid: int) -> str:
 
 
 class RunnerTimers:
-    """Wraps the Runner's per-step methods with wall-clock timers (the runner thread only)."""
+    """Wraps the runner's per-step work with CPU-time timers (``time.thread_time``: what the runner
+    thread itself spends, unaffected by other processes taking the cores) and counts the calls."""
 
     def __init__(self, runner):
-        self.runner = runner
+        from pyggml.runner.sequence import RunningSequence
+        from pyggml.sample import Sampler
+
         self.times: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
-        self.engine_times: dict[str, float] = {}
-        engine = runner.engine
-        build, compute = engine.build, engine.compute
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._wrap(runner.engine, "build", "engine.build (graph refill or build)")
+        self._wrap(runner.engine, "compute", "engine.compute (ggml + logits read)")
+        for name in ("_iterate", "_build", "_complete", "_notify"):
+            if hasattr(runner, name):
+                self._wrap(runner, name, name)
+        self._wrap(Sampler, "sample", "Sampler.sample")
+        self._wrap(RunningSequence, "accept", "RunningSequence.accept (detokenize, stops, chunk)")
 
-        def timed_build(batch, busy=None, times=None):
-            self.counts["graphs"] += 1
-            return build(batch, busy, self.engine_times)
-
-        def timed_compute(graph, read=True, times=None):
-            return compute(graph, read, self.engine_times)
-
-        engine.build, engine.compute = timed_build, timed_compute
-        for name in ("_build", "_complete", "_iterate"):
-            self._wrap(name)
-
-    def _wrap(self, name: str) -> None:
-        inner = getattr(self.runner, name)
+    def _wrap(self, owner: Any, attr: str, label: str) -> None:
+        inner = getattr(owner, attr)
+        clock = time.thread_time
 
         def timed(*a, **k):
-            t0 = time.perf_counter()
+            t0 = clock()
             try:
                 return inner(*a, **k)
             finally:
-                self.times[name] += time.perf_counter() - t0
-                self.counts[name] += 1
+                self.times[label] += clock() - t0
+                self.counts[label] += 1
 
-        setattr(self.runner, name, timed)
+        self._undo.append((owner, attr, owner.__dict__.get(attr)))
+        setattr(owner, attr, timed)
+
+    def restore(self) -> None:
+        for owner, attr, old in reversed(self._undo):
+            if old is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, old)
 
 
 def profile(args: argparse.Namespace, parallel: int, bench) -> dict[str, Any]:
@@ -146,6 +152,8 @@ def profile(args: argparse.Namespace, parallel: int, bench) -> dict[str, Any]:
         while not server.started:
             time.sleep(0.05)
         model_name = Path(args.model).stem
+        # a logit bias rather than ignore_eos: a tree from before ignore_eos (PYGGML_SRC) takes it too
+        no_eos = {"logit_bias": {str(t): -100 for t in model.tokenizer.vocab.eog}}
 
         def load(p: int, requests: int, n: int, salt: int) -> dict[str, Any]:
             # the client runs in its own process: its CPU is not counted here
@@ -153,7 +161,8 @@ def profile(args: argparse.Namespace, parallel: int, bench) -> dict[str, Any]:
 
             ctx = mp.get_context("spawn")
             with ctx.Pool(1) as pool:
-                return pool.apply(_drive, (port, p, requests, n, bench.make_prompts(p * requests, salt), model_name))
+                return pool.apply(_drive, (port, p, requests, n, bench.make_prompts(p * requests, salt), model_name,
+                                           no_eos))
 
         load(1, 1, 4, 5000 + parallel)  # warm-up
         timers = RunnerTimers(runner)
@@ -189,8 +198,8 @@ def profile(args: argparse.Namespace, parallel: int, bench) -> dict[str, Any]:
         report = {"parallel": parallel, "result": result, "tokens": tokens,
                   "threads": {k: {key: v / tokens for key, v in d.items()} for k, d in kinds.items()},
                   "runner": {k: v / tokens for k, v in timers.times.items()},
-                  "engine": {k: v / tokens for k, v in timers.engine_times.items()},
                   "counts": {k: v / tokens for k, v in timers.counts.items()}}
+        timers.restore()
         if args.yappi:
             stats = yappi.get_func_stats()
             stats.sort("tsub")
@@ -206,8 +215,8 @@ def profile(args: argparse.Namespace, parallel: int, bench) -> dict[str, Any]:
         sock.close()
 
 
-def _drive(port, p, requests, n, prompts, model_name):
-    return asyncio.run(_bench().drive(port, p, requests, n, prompts, model_name))
+def _drive(port, p, requests, n, prompts, model_name, no_eos):
+    return asyncio.run(_bench().drive(port, p, requests, n, prompts, model_name, no_eos))
 
 
 def show(report: dict[str, Any]) -> None:
@@ -219,21 +228,29 @@ def show(report: dict[str, Any]) -> None:
     print("|---|---|---|---|---|")
     for kind, d in sorted(report["threads"].items(), key=lambda kv: -kv[1]["cpu"]):
         print(f"| {kind} | {1e3 * d['cpu']:.2f} | {d['cpu'] / total:.1%} | {d['vol']:.2f} | {d['invol']:.2f} |")
-    eng, run = report["engine"], report["runner"]
-    step = run.get("_iterate", 0.0)
-    print("\n| runner thread, per token | share of the loop's wall time |")
-    print("|---|---|")
-    parts = {"compute (ggml)": eng.get("compute", 0.0), "read logits": eng.get("output", 0.0),
-             "graph refill (cache + inputs)": eng.get("cache", 0.0), "graph build": eng.get("graph", 0.0)}
-    parts["batch packing (_build minus engine.build)"] = run.get("_build", 0.0) - eng.get("cache", 0.0) - \
-        eng.get("graph", 0.0)
-    parts["sample + accept (detokenize, stops, hand-off)"] = run.get("_complete", 0.0) - eng.get("compute", 0.0) - \
-        eng.get("output", 0.0)
-    parts["rest of the loop (admission, lock, fill)"] = step - run.get("_build", 0.0) - run.get("_complete", 0.0)
+    run = report["runner"]
+    loop = run.get("_iterate", 0.0)
+    print("\n| runner thread, per token | CPU us/token | share of the runner loop's CPU |")
+    print("|---|---|---|")
+    parts = {
+        "ggml compute + logits read": run.get("engine.compute (ggml + logits read)", 0.0),
+        "graph refill/build (engine.build)": run.get("engine.build (graph refill or build)", 0.0),
+        "batch packing (_build minus engine.build)": run.get("_build", 0.0)
+        - run.get("engine.build (graph refill or build)", 0.0),
+        "sampling (Sampler.sample)": run.get("Sampler.sample", 0.0),
+        "accept: detokenize, stop match, chunk": run.get("RunningSequence.accept (detokenize, stops, chunk)", 0.0),
+        "notify consumers (_notify)": run.get("_notify", 0.0),
+    }
+    parts["rest of _complete (row loop, placeholders)"] = run.get("_complete", 0.0) - parts[
+        "ggml compute + logits read"] - parts["sampling (Sampler.sample)"] - parts[
+        "accept: detokenize, stop match, chunk"]
+    parts["rest of the loop (lock, admission, fill)"] = loop - run.get("_build", 0.0) - run.get(
+        "_complete", 0.0) - parts["notify consumers (_notify)"]
     for name, v in parts.items():
-        print(f"| {name} | {v / step:.1%} |")
-    print(f"\nloop turns/token {report['counts'].get('_iterate', 0):.2f}, "
-          f"graphs built or refilled/token {report['counts'].get('graphs', 0):.2f}")
+        print(f"| {name} | {1e6 * v:.0f} | {v / loop:.1%} |")
+    counts = report["counts"]
+    print(f"\nper token: loop turns {counts.get('_iterate', 0):.2f}, graphs built or refilled "
+          f"{counts.get('engine.build (graph refill or build)', 0):.2f}, notify rounds {counts.get('_notify', 0):.2f}")
     if "yappi" in report:
         print("\n| function (yappi CPU) | calls/token | own CPU us/token | total CPU us/token |")
         print("|---|---|---|---|")
