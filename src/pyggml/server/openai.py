@@ -98,6 +98,9 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
     if chat:
         head["object"] = "chat.completion.chunk"
     extra = {"usage": None} if usage else {}
+    # every event is ``{**head, "choices": [choice], **extra}``: its constant parts encoded once
+    before = f"data: {json.dumps(head)[:-1]}, \"choices\": ["
+    after = "]" + (', "usage": null' if usage else "") + "}\n\n"
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -105,8 +108,7 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
                 yield _sse({**head, "choices": [first], **extra})
             async for chunk in job.chunks():
                 if chunk.text or chunk.done or chunk.logprobs:
-                    yield _sse({**head, "choices": [choice(chunk, chunk.text, chunk.logprobs or [], True)],
-                                **extra})
+                    yield before + json.dumps(choice(chunk, chunk.text, chunk.logprobs or [], True)) + after
                 if chunk.done and usage:
                     yield _sse({**head, "choices": [], "usage": _usage(chunk)})
         except APIError as exc:
