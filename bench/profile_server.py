@@ -166,6 +166,7 @@ def profile(args: argparse.Namespace, parallel: int, bench) -> dict[str, Any]:
 
         load(1, 1, 4, 5000 + parallel)  # warm-up
         timers = RunnerTimers(runner)
+        built, reused = runner.engine.built, runner.engine.reused
         if args.yappi:
             import yappi
 
@@ -198,7 +199,8 @@ def profile(args: argparse.Namespace, parallel: int, bench) -> dict[str, Any]:
         report = {"parallel": parallel, "result": result, "tokens": tokens,
                   "threads": {k: {key: v / tokens for key, v in d.items()} for k, d in kinds.items()},
                   "runner": {k: v / tokens for k, v in timers.times.items()},
-                  "counts": {k: v / tokens for k, v in timers.counts.items()}}
+                  "counts": {k: v / tokens for k, v in timers.counts.items()},
+                  "graphs": {"built": runner.engine.built - built, "reused": runner.engine.reused - reused}}
         timers.restore()
         if args.yappi:
             stats = yappi.get_func_stats()
@@ -250,7 +252,8 @@ def show(report: dict[str, Any]) -> None:
         print(f"| {name} | {1e6 * v:.0f} | {v / loop:.1%} |")
     counts = report["counts"]
     print(f"\nper token: loop turns {counts.get('_iterate', 0):.2f}, graphs built or refilled "
-          f"{counts.get('engine.build (graph refill or build)', 0):.2f}, notify rounds {counts.get('_notify', 0):.2f}")
+          f"{counts.get('engine.build (graph refill or build)', 0):.2f}, notify rounds {counts.get('_notify', 0):.2f}; "
+          f"graphs built {report['graphs']['built']}, refilled {report['graphs']['reused']} in all")
     if "yappi" in report:
         print("\n| function (yappi CPU) | calls/token | own CPU us/token | total CPU us/token |")
         print("|---|---|---|---|")
