@@ -387,6 +387,8 @@ class Runner:
         else:
             self._notify()  # the consumers' threads run while this batch computes
             self._complete(step)
+            if any(seq.done or seq.generated == 1 for seq in self._due):
+                self._notify()  # a first token (time to first token) or an end (a free slot): now
         return True
 
     def _notify(self) -> None:
