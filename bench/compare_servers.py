@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -53,6 +54,7 @@ WORDS = ("apple river stone cloud music paper garden window silver orange forest
          "wizard anchor basket circle desert feather harbor island jacket kettle ladder meadow needle "
          "ocean pepper quartz ribbon saddle tiger umbrella velvet wagon zebra").split()
 SRC = Path(__file__).resolve().parent.parent / "src"
+BASELINE_SRC: list[str] = []  # --pyggml-baseline
 
 
 # ---- servers -------------------------------------------------------------------------------------
@@ -60,6 +62,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def eog_bias(model: Path) -> dict[str, float]:
+    """A logit bias banning the model's end-of-generation tokens: for a pyggml tree from before
+    ``ignore_eos`` (``--pyggml-baseline``)."""
+    sys.path.insert(0, str(SRC))
+    from pyggml.backend import Backend, BackendParams
+    from pyggml.tokenizer import from_metadata
+
+    backend = Backend.load(model, BackendParams(n_threads=1, repack=False))
+    try:
+        return {str(t): -100 for t in from_metadata(backend.config).vocab.eog}
+    finally:
+        backend.close()
 
 
 def pyggml_command(args: argparse.Namespace, parallel: int, port: int) -> list[str]:
@@ -94,8 +110,9 @@ class Server:
         self.name, self.cmd, self.port = name, cmd, port
         self.log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         env = dict(os.environ)
-        if name == "pyggml":
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC), env.get("PYTHONPATH")) if p)
+        if name.startswith("pyggml"):
+            src = str(SRC) if name == "pyggml" else BASELINE_SRC[0]
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def ready(self, timeout: float) -> None:
@@ -239,14 +256,16 @@ def run_parallel(args: argparse.Namespace, parallel: int, help_text: str, logs: 
     try:
         for name in args.servers:
             port = free_port()
-            cmd = (pyggml_command(args, parallel, port) if name == "pyggml"
+            cmd = (pyggml_command(args, parallel, port) if name.startswith("pyggml")
                    else llama_server_command(args, parallel, port, help_text))
             servers[name] = Server(name, cmd, port, logs / f"{name}-P{parallel}.log")
             out.setdefault("commands", {})[name] = cmd
         for name, server in servers.items():
             try:
                 server.ready(args.start_timeout)
-                asyncio.run(drive(server.port, 1, 1, 4, make_prompts(1, 10_000 + parallel), args.model_name))  # warm-up
+                no_eos = {"logit_bias": args.eog_bias} if name == "pyggml-baseline" else None
+                asyncio.run(drive(server.port, 1, 1, 4, make_prompts(1, 10_000 + parallel), args.model_name,
+                                  no_eos))  # warm-up
             except Exception as exc:
                 out["errors"][name] = repr(exc)
         for r in range(args.rounds):
@@ -255,9 +274,10 @@ def run_parallel(args: argparse.Namespace, parallel: int, help_text: str, logs: 
                 if name in out["errors"]:
                     continue
                 prompts = make_prompts(parallel * args.requests, 1 + 97 * r + parallel)
+                no_eos = {"logit_bias": args.eog_bias} if name == "pyggml-baseline" else None
                 try:
                     result = asyncio.run(drive(servers[name].port, parallel, args.requests, args.n_gen, prompts,
-                                               args.model_name))
+                                               args.model_name, no_eos))
                 except Exception as exc:
                     out["errors"][name] = repr(exc)
                     continue
@@ -285,6 +305,10 @@ def table(results: list[dict[str, Any]]) -> str:
         for name, med in res["median"].items():
             lines.append(f"| {res['parallel']} | {name} | {med['tok_s']:.2f} | {med['ttft_p50_ms']:.0f} | "
                          f"{med['ttft_p95_ms']:.0f} | {med['itl_p50_ms']:.1f} | {med['itl_p95_ms']:.1f} |")
+        if "pyggml-baseline" in res["median"] and "pyggml" in res["median"]:
+            new, old = res["median"]["pyggml"], res["median"]["pyggml-baseline"]
+            lines.append(f"| {res['parallel']} | pyggml/pyggml-baseline | {new['tok_s'] / old['tok_s']:.2f}x | "
+                         + " | ".join(f"{new[m] / old[m]:.2f}x" for m in METRICS[1:]) + " |")
         if "ratio" in res:
             ratio = res["ratio"]
             lines.append(f"| {res['parallel']} | pyggml/llama-server | {ratio['tok_s']:.2f}x | "
@@ -304,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or DEFAULT_LLAMA_SERVER,
                         help="llama.cpp's llama-server binary (default: $LLAMA_SERVER or %(default)s)")
     parser.add_argument("--servers", default=",".join(SERVERS), help="which to run (default: both)")
+    parser.add_argument("--pyggml-baseline", metavar="SRC", default=None,
+                        help="also race `pyggml serve` from another checkout's src/ folder (server "
+                             "'pyggml-baseline'; EOG banned by logit_bias, for trees without ignore_eos)")
     parser.add_argument("-P", "--parallel", default="1,4,8", help="parallel clients/slots (default: 1,4,8)")
     parser.add_argument("-n", "--n-gen", type=int, default=64, help="tokens per request (default: 64)")
     parser.add_argument("--requests", type=int, default=4, help="requests per client (default: 4: 4*P in all)")
@@ -327,7 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     args.model = Path(args.model).resolve()
     args.model_name = args.model.stem
     args.servers = [s for s in args.servers.split(",") if s]
-    if unknown := set(args.servers) - set(SERVERS):
+    if args.pyggml_baseline:
+        BASELINE_SRC[:] = [str(Path(args.pyggml_baseline).resolve())]
+        args.servers.append("pyggml-baseline")
+        args.eog_bias = eog_bias(args.model)
+    if unknown := set(args.servers) - set(SERVERS) - {"pyggml-baseline"}:
         parser.error(f"unknown servers {sorted(unknown)}; choose from {SERVERS}")
     help_text = ""
     if "llama-server" in args.servers:
@@ -339,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.logs = Path(tempfile.mkdtemp(prefix="compare_servers-"))
     args.logs.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     results = [run_parallel(args, int(p), help_text, args.logs) for p in args.parallel.split(",")]
