@@ -384,12 +384,11 @@ class Job:
         if item is not _STARTED:
             raise _as_api_error(item)
 
-    async def chunks(self) -> AsyncIterator[CompletionChunk]:
+    def chunks(self) -> AsyncIterator[CompletionChunk]:
         """The completion's chunks (after ``started()``), ending with the ``done`` one."""
-        if self._direct:
-            async for item in self._direct_chunks():
-                yield item
-            return
+        return self._direct_chunks() if self._direct else self._queued_chunks()
+
+    async def _queued_chunks(self) -> AsyncIterator[CompletionChunk]:
         while True:
             item = await self._queue.get()
             if isinstance(item, BaseException):
