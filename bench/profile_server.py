@@ -164,8 +164,10 @@ def profile(args: argparse.Namespace, parallel: int, bench) -> dict[str, Any]:
                 return pool.apply(_drive, (port, p, requests, n, bench.make_prompts(p * requests, salt), model_name,
                                            no_eos))
 
+        timers = RunnerTimers(runner)  # before the warm-up: the loop then waits inside a timed turn
         load(1, 1, 4, 5000 + parallel)  # warm-up
-        timers = RunnerTimers(runner)
+        timers.times.clear()
+        timers.counts.clear()
         built, reused = runner.engine.built, runner.engine.reused
         if args.yappi:
             import yappi
