@@ -374,12 +374,17 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     results = [run_parallel(args, int(p), help_text, args.logs) for p in args.parallel.split(",")]
+    import importlib.util
+
+    fast = [m for m in ("httptools", "uvloop") if importlib.util.find_spec(m) is not None]  # uvicorn's choice
     print(f"\n{args.model.name}, {args.threads} threads, {args.n_gen} tokens x {args.requests} requests per client, "
-          f"medians of {args.rounds} rounds; started {started}, load average {load}")
+          f"medians of {args.rounds} rounds; started {started}, load average {load}; pyggml serve with "
+          f"{' + '.join(fast) or 'h11 + asyncio (no httptools/uvloop installed)'}")
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps({"model": str(args.model), "threads": args.threads, "n_gen": args.n_gen,
                                          "requests": args.requests, "rounds": args.rounds, "started": started,
+                                         "pyggml_http": fast,
                                          "loadavg": load, "results": results}, indent=1))
     return 1 if any(res["errors"] for res in results) else 0
 
