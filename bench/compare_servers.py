@@ -129,6 +129,14 @@ class Server:
             time.sleep(0.2)
         raise RuntimeError(f"{self.name} did not become ready in {timeout:g} s (log: {self.log.name})")
 
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the server process has used so far (Linux; 0 elsewhere)."""
+        try:
+            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
@@ -247,7 +255,7 @@ def summarize(results: list[dict[str, Any]], wall: float, n_gen: int) -> dict[st
 
 
 # ---- the race ------------------------------------------------------------------------------------------
-METRICS = ("tok_s", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms")
+METRICS = ("tok_s", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms", "cpu_ms_per_token")
 
 
 def run_parallel(args: argparse.Namespace, parallel: int, help_text: str, logs: Path) -> dict[str, Any]:
@@ -275,12 +283,16 @@ def run_parallel(args: argparse.Namespace, parallel: int, help_text: str, logs: 
                     continue
                 prompts = make_prompts(parallel * args.requests, 1 + 97 * r + parallel)
                 no_eos = {"logit_bias": args.eog_bias} if name == "pyggml-baseline" else None
+                cpu = servers[name].cpu_seconds()
                 try:
                     result = asyncio.run(drive(servers[name].port, parallel, args.requests, args.n_gen, prompts,
                                                args.model_name, no_eos))
                 except Exception as exc:
                     out["errors"][name] = repr(exc)
                     continue
+                # CPU the server spent per token: what another process's load changes least (with -t 1;
+                # at more threads ggml's workers also spin while waiting for each other)
+                result["cpu_ms_per_token"] = 1e3 * (servers[name].cpu_seconds() - cpu) / max(result["tokens"], 1)
                 out["rounds"][name].append(result)
                 if not args.quiet:
                     print(f"  P={parallel} round {r + 1} {name}: {result['tok_s']:.2f} tok/s, TTFT p50 "
@@ -294,28 +306,32 @@ def run_parallel(args: argparse.Namespace, parallel: int, help_text: str, logs: 
                      for name, rounds in out["rounds"].items() if rounds}
     med = out["median"]
     if "pyggml" in med and "llama-server" in med:
-        out["ratio"] = {m: med["pyggml"][m] / med["llama-server"][m] for m in METRICS}
+        out["ratio"] = {m: _ratio(med["pyggml"][m], med["llama-server"][m]) for m in METRICS}
     return out
 
 
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| P | server | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| P | server | tok/s | TTFT p50 ms | TTFT p95 ms | ITL p50 ms | ITL p95 ms | server CPU ms/token |",
+             "|---|---|---|---|---|---|---|---|"]
     for res in results:
         for name, med in res["median"].items():
             lines.append(f"| {res['parallel']} | {name} | {med['tok_s']:.2f} | {med['ttft_p50_ms']:.0f} | "
-                         f"{med['ttft_p95_ms']:.0f} | {med['itl_p50_ms']:.1f} | {med['itl_p95_ms']:.1f} |")
+                         f"{med['ttft_p95_ms']:.0f} | {med['itl_p50_ms']:.1f} | {med['itl_p95_ms']:.1f} | "
+                         f"{med['cpu_ms_per_token']:.2f} |")
         if "pyggml-baseline" in res["median"] and "pyggml" in res["median"]:
             new, old = res["median"]["pyggml"], res["median"]["pyggml-baseline"]
-            lines.append(f"| {res['parallel']} | pyggml/pyggml-baseline | {new['tok_s'] / old['tok_s']:.2f}x | "
-                         + " | ".join(f"{new[m] / old[m]:.2f}x" for m in METRICS[1:]) + " |")
+            lines.append(f"| {res['parallel']} | pyggml/pyggml-baseline | "
+                         + " | ".join(f"{_ratio(new[m], old[m]):.2f}x" for m in METRICS) + " |")
         if "ratio" in res:
             ratio = res["ratio"]
-            lines.append(f"| {res['parallel']} | pyggml/llama-server | {ratio['tok_s']:.2f}x | "
-                         f"{ratio['ttft_p50_ms']:.2f}x | {ratio['ttft_p95_ms']:.2f}x | {ratio['itl_p50_ms']:.2f}x | "
-                         f"{ratio['itl_p95_ms']:.2f}x |")
+            lines.append(f"| {res['parallel']} | pyggml/llama-server | "
+                         + " | ".join(f"{ratio[m]:.2f}x" for m in METRICS) + " |")
         for name, err in res["errors"].items():
-            lines.append(f"| {res['parallel']} | {name} | failed: {err[:150]} | | | | |")
+            lines.append(f"| {res['parallel']} | {name} | failed: {err[:150]} | | | | | |")
     return "\n".join(lines)
 
 
