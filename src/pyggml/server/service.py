@@ -238,7 +238,7 @@ class _LoopWaker:
     for all the jobs the runner notifies in one step, however many sequences it serves."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop = loop
+        self._loop = weakref.ref(loop)  # not a strong one: the loop is this waker's key in ``_wakers``
         self._ready: collections.deque[Job] = collections.deque()
         self._scheduled = False
 
@@ -247,9 +247,11 @@ class _LoopWaker:
         self._ready.append(job)
         if not self._scheduled:
             self._scheduled = True  # cleared before the loop drains ``_ready``: no wake-up is lost
+            loop = self._loop()
             try:
-                self._loop.call_soon_threadsafe(self._run)
-            except RuntimeError:  # the event loop is gone (the server stopped)
+                if loop is not None:
+                    loop.call_soon_threadsafe(self._run)
+            except RuntimeError:  # the event loop is closed (the server stopped)
                 pass
 
     def _run(self) -> None:
