@@ -2,16 +2,18 @@
 the runner's blocking ``CompletionStream`` to the event loop.
 
 The event loop never waits on the model. Each completion gets a thread that renders and
-tokenizes its prompt, submits it to the ``Runner`` (whose own thread computes) and forwards every
-chunk into an ``asyncio.Queue``. Threads are bounded by admission: at most ``parallel`` running
-plus ``queue`` waiting completions; one more is answered 503 with ``Retry-After``.
+tokenizes its prompt, submits it to the ``Runner`` (whose own thread computes) and waits for its
+admission; from then on the runner announces new chunks to the event loop itself (one wake-up per
+forward pass for all streams, sent just before the next pass computes) and the loop reads them
+without blocking. Threads are bounded by admission: at most ``parallel`` running plus ``queue``
+waiting completions; one more is answered 503 with ``Retry-After``.
 
 Limits that keep one client from starving or exhausting the others:
 - ``max_predict`` caps every completion's tokens (default ``10 * num_ctx``, Ollama's cap);
 - a request that finds no free sequence within ``queue_timeout`` seconds gets a 503;
-- a stream's chunks are buffered at most ``MAX_BACKLOG`` deep in the runner and again in the
-  event loop; beyond that its sequence pauses, and after ``stall_timeout`` seconds unread it is
-  cancelled (its client stopped reading);
+- a stream's chunks are buffered at most ``MAX_BACKLOG`` deep (in the runner, and for a stream
+  forwarded by its thread again in the event loop); beyond that its sequence pauses, and after
+  ``stall_timeout`` seconds unread it is cancelled (its client stopped reading);
 - a prompt longer in bytes than ``num_ctx`` tokens can cover is refused before it is tokenized,
   and a chat template renders within operation, size and time limits (``pyggml.chat``).
 """
