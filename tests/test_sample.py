@@ -187,3 +187,23 @@ def test_invalid_inputs_raise():
         s.sample(np.array([0.0, np.nan], dtype=np.float32))
     with pytest.raises(ValueError, match="history"):
         s.sample(np.zeros(4, dtype=np.float32), history=[7])
+
+
+def test_the_one_pass_greedy_picks_what_the_full_chain_picks():
+    """``Sampler._greedy`` (greedy, no penalty, only lowering biases) against ``_candidates``: ties,
+    a banned argmax, lowered runners-up, every token banned, NaN."""
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        logits = rng.integers(-3, 4, size=50).astype(np.float32)  # many ties
+        banned = rng.choice(50, size=int(rng.integers(0, 5)), replace=False)
+        bias = {int(t): (-math.inf if k % 2 else -float(rng.integers(0, 3))) for k, t in enumerate(banned)}
+        sampler = Sampler(temperature=0, logit_bias=bias)
+        assert sampler._plain_greedy
+        assert sampler.sample(logits) == int(sampler._candidates(logits, [])[0]), (trial, bias)
+    everything = Sampler(temperature=0, logit_bias={t: -math.inf for t in range(4)})
+    with pytest.raises(ValueError, match="-inf"):
+        everything.sample(np.zeros(4, np.float32))
+    with pytest.raises(ValueError, match="NaN"):
+        Sampler(temperature=0).sample(np.array([0.0, np.nan, 1.0], np.float32))
+    assert not Sampler(temperature=0, logit_bias={1: 2.0})._plain_greedy  # a raised logit takes the full chain
+    assert not Sampler(temperature=0, repeat_penalty=1.1)._plain_greedy

@@ -70,9 +70,19 @@ class Sampler(SamplingOptions):
         _check(not np.any(self._bias_ids < 0), "logit_bias token ids must be >= 0", bias)
         _check(not np.any(np.isnan(self._bias_values)), "logit_bias values must not be NaN", bias)
         self._rng = np.random.default_rng(self.seed)
+        # greedy without penalties, and a bias that only lowers logits: one argmax pass (``_greedy``)
+        neutral = self.repeat_penalty == 1.0 and not self.presence_penalty and not self.frequency_penalty
+        self._plain_greedy = self.temperature <= 0 and (neutral or self.repeat_last_n == 0) and \
+            not np.any(self._bias_values > 0)
+        self._bias_set = frozenset(self._bias_ids.tolist())
+        self._bias_top = int(self._bias_ids.max()) if self._bias_ids.size else -1
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Pick one token id from ``logits`` (shape ``(vocab,)``); ``history`` feeds the penalties."""
+        if self._plain_greedy:
+            token = self._greedy(logits)
+            if token is not None:
+                return token
         ids, vals = self._candidates(logits, history)
         if vals is None:
             return int(ids)
@@ -99,6 +109,27 @@ class Sampler(SamplingOptions):
         if i == cdf.size:  # u * total rounded up to total: take the last token with weight
             i = int(np.searchsorted(cdf, cdf[-1]))
         return i
+
+    def _greedy(self, logits: np.ndarray) -> int | None:
+        """The argmax in one pass, exactly what ``_candidates`` picks when no penalty applies and no
+        bias raises a logit (a lowered token other than the argmax cannot overtake it; argmax finds
+        a NaN, which ``_as_logits`` refuses, as the maximum); None when the argmax is biased."""
+        arr = np.asarray(logits)
+        if arr.ndim != 1 or arr.size == 0 or (arr.dtype != np.float32 and arr.dtype != np.float64):
+            return None  # the general path reports or converts it
+        token = int(np.argmax(arr))
+        top = arr[token]
+        if np.isnan(top):
+            raise ValueError("sample: logits contain NaN")
+        if self._bias_top >= 0:
+            _check(self._bias_top < arr.size, "logit_bias token id out of range for vocab", arr.size)
+            if token in self._bias_set:
+                return None
+        if top == -math.inf:
+            raise ValueError("sample: every token has logit -inf (all banned by logit_bias?)")
+        if top == math.inf:
+            raise ValueError("sample: logits contain +inf")
+        return token
 
     def _candidates(self, logits: np.ndarray, history: Sequence[int]) -> tuple[Any, np.ndarray | None]:
         """The surviving (ids, logits) after penalties, bias and truncation; (argmax, None) when greedy."""

@@ -49,7 +49,8 @@ def graph_key(batch: Batch) -> tuple:
 
 class Engine:
     """Builds, reuses and computes a model's forward passes. ``keep``: how many graphs to keep
-    (two lets one compute while the next is refilled; 0 rebuilds every pass)."""
+    (two lets one compute while the next is refilled; 0 rebuilds every pass), the least recently
+    used evicted first."""
 
     def __init__(self, model: Any, keep: int = 2):
         self.model = model
@@ -80,6 +81,8 @@ class Engine:
                 raise
             if refilled:
                 self.reused += 1
+                self._kept.remove(graph)  # most recently used last: a one-off shape (a prompt's batch)
+                self._kept.append(graph)  # is evicted before the decode step's graph
                 _add(times, "cache", time.perf_counter() - t0)
                 _add(times, "graph", 0.0)
                 return graph
@@ -196,6 +199,7 @@ class Engine:
         return graph
 
     def _keep(self, graph: Graph, busy: Graph | None) -> None:
+        """Keep ``graph``, evicting the least recently used (never ``busy``, nor ``graph``)."""
         graph.kept = True
         self._kept.append(graph)
         while len(self._kept) > self.keep:

@@ -142,6 +142,7 @@ class Runner:
         self._active: list[RunningSequence] = []
         self._closing = False
         self._in_flight: _Step | None = None  # the batch computing in the worker (build-ahead)
+        self._due: list[RunningSequence] = []  # sequences whose consumer waits for a notify (``_notify``)
         self.drafter: Runner | None = None  # speculative decoding: the draft model's own runner
         self.draft_max = draft_max
         if draft is not None:
@@ -318,10 +319,12 @@ class Runner:
         grammar = grammar_for(request.format, request.grammar)  # ConstraintError is a ValueError
         constraint = Constraint(grammar, self.tokenizer) if grammar is not None else None
         try:  # the Sampler checks the sampling options
-            return RunningSequence(request, inputs, self.tokenizer, [s for s in stops if s],
-                                   min(num_keep, self.num_ctx - 1), constraint)
+            seq = RunningSequence(request, inputs, self.tokenizer, [s for s in stops if s],
+                                  min(num_keep, self.num_ctx - 1), constraint)
         except TypeError as exc:
             raise ValueError(f"bad sampling option: {exc}") from exc
+        seq.due = self._due
+        return seq
 
     def _with_images(self, prompt: str | Sequence[int], images: Sequence[bytes]) -> list[Input]:
         """The input stream of a prompt with images: text tokens around one Input per image (its
@@ -392,6 +395,9 @@ class Runner:
             while not (self._closing or self._waiting or self._in_flight or any(not s.paused for s in self._active)):
                 if not block:
                     raise RuntimeError("internal error: a completion waits but the runner has nothing to do")
+                if self._due:  # nothing more to compute: tell the consumers now
+                    self._notify()
+                    continue
                 self._cond.wait()
             closing = self._closing
             dropped = [s for s in self._waiting if s.cancelled]
@@ -403,6 +409,7 @@ class Runner:
         for seq in dropped:
             seq.finish("cancelled")
         if closing:
+            self._notify()
             return False
         for seq in admitted:
             self._admit(seq)
@@ -414,15 +421,36 @@ class Runner:
             self._complete(self._in_flight)
             self._in_flight = None
         if step is None:
+            self._notify()
             return True
         self._fill(step)
         self._start_masks(step)
         if self.build_ahead:
             step.future = self._pool.submit(self._compute, step)
             self._in_flight = step
+            self._notify()
         else:
+            self._notify()  # the consumers' threads run while this batch computes
             self._complete(step)
+            if any(seq.done or seq.generated == 1 for seq in self._due):
+                self._notify()  # a first token (time to first token) or an end (a free slot): now
         return True
+
+    def _notify(self) -> None:
+        """Tell the consumers waiting for a notify (``CompletionStream.set_notify``) that chunks
+        were queued: one call per sequence per step, made just before a batch computes (the
+        compute releases the GIL, so the consumers' Python runs beside it rather than competing
+        with the runner for the GIL while it builds the batch) or when the runner runs out of work."""
+        due = self._due
+        for seq in due:
+            seq._notify_due = False
+            notify = seq.notify
+            if notify is not None:
+                try:
+                    notify()
+                except Exception:  # a consumer's bug must not stop the runner
+                    log.exception("a completion's notify failed")
+        due.clear()
 
     def _shut_down(self) -> None:
         """Stop: wait for the batch in flight, drop the kept graphs, end every sequence."""
@@ -439,6 +467,7 @@ class Runner:
                 self._release(seq, "cancelled")
             else:
                 self._release(seq, error=RunnerClosedError(f"the runner stopped: {self._error!r}"))
+        self._notify()
 
     def _admit(self, seq: RunningSequence) -> None:
         seq.t_start = time.perf_counter()

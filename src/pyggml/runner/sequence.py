@@ -218,7 +218,13 @@ class RunningSequence:
         self.scores: list[np.ndarray] | None = [] if request.prompt_logits else None  # prompt rows' logits
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.max_backlog: int | None = None  # pause while this many chunks wait unread (None: never)
+        # a consumer that does not block on ``out`` (the server's event loop) is told of new chunks by
+        # ``notify()``; the runner calls it for the sequences in ``due``, once per step, just before it
+        # starts computing the next batch (see ``Runner._notify``)
+        self.notify: Callable[[], None] | None = None
+        self.due: list[RunningSequence] | None = None  # the runner's list of sequences to notify
         self.finished = threading.Event()
+        self._notify_due = False
         self._text = ""  # decoded text held back (it may begin a stop string)
         self._tokens: list[int] = []
         self._logprobs: list[TokenLogprob] = []
@@ -277,7 +283,7 @@ class RunningSequence:
             return "stop"
         emit = len(self._text) - self.matcher.partial
         if emit:
-            self.out.put(self._chunk(self._text[:emit]))
+            self._put(self._chunk(self._text[:emit]))
             self._text = self._text[emit:]
         if 0 <= self.request.max_tokens <= self.generated:
             return "length"
@@ -308,12 +314,24 @@ class RunningSequence:
         self.out.put(chunk)
         self.admitted.set()
         self.finished.set()
+        self._due()
 
     def fail(self, error: BaseException) -> None:
         self.done = True
         self.out.put(error)
         self.admitted.set()
         self.finished.set()
+        self._due()
+
+    def _put(self, item: CompletionChunk) -> None:
+        self.out.put(item)
+        self._due()
+
+    def _due(self) -> None:
+        """Queue a ``notify`` for the runner to send (a consumer set one and none is queued yet)."""
+        if self.notify is not None and self.due is not None and not self._notify_due:
+            self._notify_due = True
+            self.due.append(self)
 
     def _chunk(self, text: str) -> CompletionChunk:
         chunk = CompletionChunk(text=text, tokens=self._tokens,
@@ -344,6 +362,42 @@ class CompletionStream(Iterator[CompletionChunk]):
             raise item
         self._over = item.done
         return item
+
+    def poll(self) -> CompletionChunk | None:
+        """The next chunk if one is there, else None (never blocks; raises the completion's error).
+        For a consumer told of new chunks by ``set_notify`` rather than waiting in ``__next__``."""
+        if self._over:
+            raise StopIteration
+        try:
+            item = self._seq.out.get_nowait()
+        except queue.Empty:
+            return None
+        limit = self._seq.max_backlog
+        if limit is not None and self._seq.out.qsize() == limit - 1:  # it was paused: resume it
+            self._wake()
+        if isinstance(item, BaseException):
+            self._over = True
+            raise item
+        self._over = item.done
+        return item
+
+    @property
+    def backlog(self) -> int:
+        """Chunks waiting unread (at ``max_backlog`` the sequence is paused)."""
+        return self._seq.out.qsize()
+
+    def set_notify(self, notify: Callable[[], None] | None) -> None:
+        """Have ``notify()`` called (on the runner's thread) after new chunks were queued: at most
+        once per forward pass, just before the runner starts computing the next one (so the consumer
+        works while the model computes, not while the runner builds the next batch), and when it
+        runs out of work. It must be quick and must not call into the runner. Chunks already queued
+        are not announced: call ``poll`` after setting it."""
+        self._seq.notify = notify
+
+    @property
+    def finished(self) -> bool:
+        """Whether the runner is done with this completion (its final chunk or error is queued)."""
+        return self._seq.finished.is_set()
 
     def cancel(self) -> None:
         """Stop generating; the final chunk (finish_reason "cancelled") is still queued."""

@@ -30,6 +30,7 @@ from pyggml.server.params import (
     APIError,
     Fields,
     grammar_extension,
+    ignore_eos,
     openai_max_tokens,
     openai_response_format,
     openai_sampling,
@@ -98,6 +99,9 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
     if chat:
         head["object"] = "chat.completion.chunk"
     extra = {"usage": None} if usage else {}
+    # every event is ``{**head, "choices": [choice], **extra}``: its constant parts encoded once
+    before = f"data: {json.dumps(head)[:-1]}, \"choices\": ["
+    after = "]" + (', "usage": null' if usage else "") + "}\n\n"
 
     async def events() -> AsyncIterator[str]:
         try:
@@ -105,8 +109,7 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
                 yield _sse({**head, "choices": [first], **extra})
             async for chunk in job.chunks():
                 if chunk.text or chunk.done or chunk.logprobs:
-                    yield _sse({**head, "choices": [choice(chunk, chunk.text, chunk.logprobs or [], True)],
-                                **extra})
+                    yield before + json.dumps(choice(chunk, chunk.text, chunk.logprobs or [], True)) + after
                 if chunk.done and usage:
                     yield _sse({**head, "choices": [], "usage": _usage(chunk)})
         except APIError as exc:
@@ -131,6 +134,7 @@ async def completions(request: Request) -> Response:
                        param="echo")
     sampling, max_tokens = openai_sampling(f), openai_max_tokens(f, "max_tokens")
     sampling.update(grammar_extension(f))
+    ignore_eos(f, served.tokenizer, sampling)
     stream = f.boolean("stream", False)
     usage = stream_usage(f)
 
@@ -204,6 +208,7 @@ async def chat_completions(request: Request) -> Response:
     top = (top or 0) if want else None
     sampling = openai_sampling(f)
     sampling.update(openai_response_format(f))
+    ignore_eos(f, served.tokenizer, sampling)
     if forced:
         if "format" in sampling or "grammar" in sampling:
             raise APIError(400, "a forced tool call (tool_choice) cannot have a response_format or grammar too",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -233,7 +234,7 @@ def runner_logprobs(top: int | None) -> int:
 # ---- OpenAI ---------------------------------------------------------------------------------------
 
 # sampling fields some OpenAI-compatible servers (llama.cpp, vLLM) accept beyond OpenAI's own
-OPENAI_EXTENSIONS = frozenset({"top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n"})
+OPENAI_EXTENSIONS = frozenset({"top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "ignore_eos"})
 OPENAI_COMMON = frozenset({
     "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "user", "logprobs",
@@ -264,6 +265,13 @@ def openai_sampling(f: Fields) -> dict[str, Any]:
         out["logit_bias"] = _logit_bias(bias)
     out.update(prompt_lookup(f))
     return out
+
+
+def ignore_eos(f: Fields, tokenizer: Any, sampling: dict[str, Any]) -> None:
+    """llama.cpp's ``ignore_eos: true``: ban the end-of-generation tokens (a logit bias of -inf,
+    as llama-server does it), so a completion runs to ``max_tokens`` (benchmarks)."""
+    if f.boolean("ignore_eos", False):
+        sampling["logit_bias"] = {**(sampling.get("logit_bias") or {}), **dict.fromkeys(tokenizer.vocab.eog, -math.inf)}
 
 
 def openai_max_tokens(f: Fields, *keys: str) -> int | None:

@@ -2,16 +2,18 @@
 the runner's blocking ``CompletionStream`` to the event loop.
 
 The event loop never waits on the model. Each completion gets a thread that renders and
-tokenizes its prompt, submits it to the ``Runner`` (whose own thread computes) and forwards every
-chunk into an ``asyncio.Queue``. Threads are bounded by admission: at most ``parallel`` running
-plus ``queue`` waiting completions; one more is answered 503 with ``Retry-After``.
+tokenizes its prompt, submits it to the ``Runner`` (whose own thread computes) and waits for its
+admission; from then on the runner announces new chunks to the event loop itself (one wake-up per
+forward pass for all streams, sent just before the next pass computes) and the loop reads them
+without blocking. Threads are bounded by admission: at most ``parallel`` running plus ``queue``
+waiting completions; one more is answered 503 with ``Retry-After``.
 
 Limits that keep one client from starving or exhausting the others:
 - ``max_predict`` caps every completion's tokens (default ``10 * num_ctx``, Ollama's cap);
 - a request that finds no free sequence within ``queue_timeout`` seconds gets a 503;
-- a stream's chunks are buffered at most ``MAX_BACKLOG`` deep in the runner and again in the
-  event loop; beyond that its sequence pauses, and after ``stall_timeout`` seconds unread it is
-  cancelled (its client stopped reading);
+- a stream's chunks are buffered at most ``MAX_BACKLOG`` deep (in the runner, and for a stream
+  forwarded by its thread again in the event loop); beyond that its sequence pauses, and after
+  ``stall_timeout`` seconds unread it is cancelled (its client stopped reading);
 - a prompt longer in bytes than ``num_ctx`` tokens can cover is refused before it is tokenized,
   and a chat template renders within operation, size and time limits (``pyggml.chat``).
 """
@@ -19,10 +21,12 @@ Limits that keep one client from starving or exhausting the others:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import os
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -255,10 +259,45 @@ class ServedModel:
 _STARTED = object()
 
 
+class _LoopWaker:
+    """Wakes the event loop for the jobs whose streams have new chunks: one ``call_soon_threadsafe``
+    for all the jobs the runner notifies in one step, however many sequences it serves."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = weakref.ref(loop)  # not a strong one: the loop is this waker's key in ``_wakers``
+        self._ready: collections.deque[Job] = collections.deque()
+        self._scheduled = False
+
+    def wake(self, job: Job) -> None:
+        """Any thread: have ``job._on_ready()`` run on the loop soon."""
+        self._ready.append(job)
+        if not self._scheduled:
+            self._scheduled = True  # cleared before the loop drains ``_ready``: no wake-up is lost
+            loop = self._loop()
+            try:
+                if loop is not None:
+                    loop.call_soon_threadsafe(self._run)
+            except RuntimeError:  # the event loop is closed (the server stopped)
+                pass
+
+    def _run(self) -> None:
+        self._scheduled = False
+        while self._ready:
+            self._ready.popleft()._on_ready()
+
+
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopWaker] = weakref.WeakKeyDictionary()
+
+
 class Job:
     """One completion in flight. Iterate ``chunks()`` on the event loop; ``close()`` (from the
     loop, any time) cancels it. The admission is returned once the runner has let go of the
-    sequence, so the 503 limit counts what really occupies the runner."""
+    sequence, so the 503 limit counts what really occupies the runner.
+
+    The job's thread prepares the request and waits for its admission. Then, with a stream that
+    can notify (``CompletionStream.set_notify``), the runner tells the event loop of new chunks
+    itself, once per step for all streams, and the loop reads them without blocking (no thread
+    hand-off per token); otherwise the thread forwards each chunk through an ``asyncio.Queue``."""
 
     def __init__(self, served: ServedModel, prepare: Callable[[], CompletionRequest]):
         self._served, self._prepare = served, prepare
@@ -267,6 +306,14 @@ class Job:
         self._room = threading.Semaphore(MAX_BACKLOG)  # chunks the event loop may hold unread
         self._stream = None
         self._closed = self._released = False
+        self._release_lock = threading.Lock()
+        self._direct = False  # chunks come from the stream itself, announced by the runner's notify
+        self._ready = asyncio.Event()
+        self._waker = _wakers.get(self._loop)
+        if self._waker is None:
+            self._waker = _wakers[self._loop] = _LoopWaker(self._loop)
+        self._stall: asyncio.TimerHandle | None = None
+        self._read = 0  # chunks read by chunks(), for the stall check
         self.request: CompletionRequest | None = None
         self.tokens: list[int] = []  # generated so far (as seen by chunks())
         threading.Thread(target=self._run, name="pyggml-server-job", daemon=True).start()
@@ -297,6 +344,12 @@ class Job:
                                    "running); retry later", code="server_busy",
                                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)}))
                 return
+            if hasattr(stream, "set_notify") and hasattr(stream, "poll"):
+                self._direct = True
+                stream.set_notify(self._notify)
+                self._put(_STARTED)
+                self._notify()  # chunks (or the end) may have come before the notify was set
+                return
             self._put(_STARTED)
             try:
                 stalled = False
@@ -312,14 +365,41 @@ class Job:
                 self._put(exc)
             stream.wait()
         finally:
+            if not self._direct:
+                self._release()
+
+    def _notify(self) -> None:
+        """The runner's thread (or the job's): new chunks are queued. The admission is returned
+        as soon as the completion is over, before the event loop can send its end."""
+        if self._stream.finished:
             self._release()
+        self._waker.wake(self)
+
+    def _on_ready(self) -> None:
+        """On the loop: wake ``chunks()``; watch a stream whose client stopped reading."""
+        self._ready.set()
+        if self._stall is None and not self._closed and self._stream.backlog >= MAX_BACKLOG:
+            self._stall = self._loop.call_later(self._served.stall_timeout, self._check_stall, self._read)
+
+    def _check_stall(self, read: int) -> None:
+        """``stall_timeout`` after the stream filled its backlog: cancel it if nothing was read since
+        (the final chunk still comes); otherwise look again later."""
+        self._stall = None
+        if self._closed or self._stream.finished:
+            return
+        if self._read == read:
+            self._stream.cancel()
+        elif self._stream.backlog >= MAX_BACKLOG:
+            self._stall = self._loop.call_later(self._served.stall_timeout, self._check_stall, self._read)
 
     def _release(self) -> None:
         """Return the admission before the client can see the answer, so a client that sends its
         requests one after another is never refused; once only."""
-        if not self._released:
+        with self._release_lock:  # the runner's thread and the job's may both get here
+            if self._released:
+                return
             self._released = True
-            self._served.release()
+        self._served.release()
 
     async def started(self) -> None:
         """Wait until the runner has given the request a sequence; raises ``APIError`` for a bad
@@ -332,13 +412,36 @@ class Job:
         if item is not _STARTED:
             raise _as_api_error(item)
 
-    async def chunks(self) -> AsyncIterator[CompletionChunk]:
+    def chunks(self) -> AsyncIterator[CompletionChunk]:
         """The completion's chunks (after ``started()``), ending with the ``done`` one."""
+        return self._direct_chunks() if self._direct else self._queued_chunks()
+
+    async def _queued_chunks(self) -> AsyncIterator[CompletionChunk]:
         while True:
             item = await self._queue.get()
             if isinstance(item, BaseException):
                 raise _as_api_error(item)
             self._room.release()
+            self.tokens += item.tokens
+            yield item
+            if item.done:
+                return
+
+    async def _direct_chunks(self) -> AsyncIterator[CompletionChunk]:
+        while True:
+            try:
+                item = self._stream.poll()
+            except StopIteration:  # closed (cancelled) meanwhile
+                return
+            except Exception as exc:
+                raise _as_api_error(exc) from None
+            if item is None:
+                self._ready.clear()
+                if self._stream.backlog:  # queued after the poll, announced before the clear
+                    continue
+                await self._ready.wait()
+                continue
+            self._read += 1
             self.tokens += item.tokens
             yield item
             if item.done:
@@ -371,6 +474,9 @@ class Job:
     def close(self) -> None:
         """Cancel the completion (a no-op once it is done); its slot frees in the runner's loop."""
         self._closed = True
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
         if self._stream is not None:
             self._stream.close()
         self._room.release()  # a job thread waiting for the client to read goes on, and ends
