@@ -25,7 +25,7 @@ The HTTP client is a few lines of asyncio over raw sockets (one connection per r
 transfer decoding, SSE lines), so the client itself costs little CPU beside the servers: on a
 2-core machine every cycle it takes is taken from the compute threads of whichever server runs.
 
-``--llama-server`` (default ``$LLAMA_SERVER`` or /work/llama-server-build/bin/llama-server): the
+``--llama-server`` (default ``$LLAMA_SERVER`` or build/llama-server/bin/llama-server): the
 binary built from the pinned llama-cpp-python sdist (docs/bench.md). A dev/bench tool only.
 Exit status 1 when any run failed.
 """
@@ -47,13 +47,14 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-DEFAULT_LLAMA_SERVER = "/work/llama-server-build/bin/llama-server"
 SERVERS = ("pyggml", "llama-server")
 WORDS = ("apple river stone cloud music paper garden window silver orange forest candle bridge winter "
          "planet engine yellow castle dragon letter market pencil rocket summer thunder valley violin "
          "wizard anchor basket circle desert feather harbor island jacket kettle ladder meadow needle "
          "ocean pepper quartz ribbon saddle tiger umbrella velvet wagon zebra").split()
 SRC = Path(__file__).resolve().parent.parent / "src"
+# where docs/bench.md builds it (build/ is ignored by git)
+DEFAULT_LLAMA_SERVER = str(SRC.parent / "build" / "llama-server" / "bin" / "llama-server")
 BASELINE_SRC: list[str] = []  # --pyggml-baseline
 
 
