@@ -110,26 +110,33 @@ class Weights(nn.Module):
 
 @register("bert")
 class Bert(Model):
+    """Sentence encoders: ``embed`` checks the batch, runs ``encode`` and pools per sequence. An
+    encoder of another architecture subclasses this with its own Options, Weights and ``encode``."""
     Options, Weights = Options, Weights
     generates = False
 
     def __init__(self, backend: Backend):
         self.backend = backend
-        self.options = Options.from_config(backend.config)
+        self.options = self.Options.from_config(backend.config)
         self.pooling = self.options.pooling
-        self.weights: Weights = nn.load(Weights, backend, self.options)
+        self.weights = nn.load(self.Weights, backend, self.options)
         self.cache = None
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
-        raise NotImplementedError("bert is an embedding model: it produces embeddings, not next-token logits")
+        raise NotImplementedError(f"{self.architecture} is an embedding model: it produces embeddings, "
+                                  "not next-token logits")
 
     def embed(self, ctx: Context, batch: Batch, pooling: Pooling | str | None = None) -> Tensor:
-        w, o = self.weights, self.options
         pooling = self.pooling if pooling is None else Pooling.parse(pooling)
         if pooling == Pooling.RANK:
-            raise ValueError("bert.embed: rank pooling is not supported")
-        tokens, positions, sequences = check_batch(batch, w.token_embd.weight.shape[1], o.context_length,
-                                                   "bert.embed")
+            raise ValueError(f"{self.architecture}.embed: rank pooling is not supported")
+        tokens, positions, sequences = check_batch(batch, self.weights.token_embd.weight.shape[1],
+                                                   self.options.context_length, f"{self.architecture}.embed")
+        return pool(ctx, self.encode(ctx, tokens, positions, sequences), sequences, pooling)
+
+    def encode(self, ctx: Context, tokens: np.ndarray, positions: np.ndarray, sequences: np.ndarray) -> Tensor:
+        """Token states (hidden, n_tokens) of a checked batch of whole sequences."""
+        w, o = self.weights, self.options
         h = w.token_embd(nn.int32_input(ctx.input(), tokens))
         nn.tap("token_embd", h)
         if w.token_types is not None:
@@ -139,7 +146,7 @@ class Bert(Model):
         mask = ctx.from_numpy(sequence_mask(sequences))
         for i, layer in enumerate(w.blk):
             h = nn.tap(f"blk.{i}", layer(ctx, h, mask, o))
-        return pool(ctx, h, sequences, pooling)
+        return h
 
 
 def check_batch(batch: Batch, n_vocab: int, n_positions: int | None, name: str) -> tuple[np.ndarray, ...]:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyggml import nn
-from pyggml.backend import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Backend, Context
-from pyggml.models import Batch, Model, ModelError, Pooling, register
-from pyggml.models.bert import check_batch, pool, sequence_mask
+from pyggml.backend import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Context
+from pyggml.models import ModelError, Pooling, register
+from pyggml.models.bert import Bert, sequence_mask
 from pyggml.tensor import RopeType, Tensor
 
 
@@ -124,27 +124,11 @@ class Weights(nn.Module):
 
 
 @register("nomic-bert")
-class NomicBert(Model):
+class NomicBert(Bert):
     Options, Weights = Options, Weights
-    generates = False
 
-    def __init__(self, backend: Backend):
-        self.backend = backend
-        self.options = Options.from_config(backend.config)
-        self.pooling = self.options.pooling
-        self.weights: Weights = nn.load(Weights, backend, self.options)
-        self.cache = None
-
-    def forward(self, ctx: Context, batch: Batch) -> Tensor:
-        raise NotImplementedError("nomic-bert is an embedding model: it produces embeddings, not next-token logits")
-
-    def embed(self, ctx: Context, batch: Batch, pooling: Pooling | str | None = None) -> Tensor:
+    def encode(self, ctx: Context, tokens: np.ndarray, positions: np.ndarray, sequences: np.ndarray) -> Tensor:
         w, o = self.weights, self.options
-        pooling = self.pooling if pooling is None else Pooling.parse(pooling)
-        if pooling == Pooling.RANK:
-            raise ValueError("nomic-bert.embed: rank pooling is not supported")
-        tokens, positions, sequences = check_batch(batch, w.token_embd.weight.shape[1], o.context_length,
-                                                   "nomic-bert.embed")
         h = nn.tap("token_embd", w.token_embd(nn.int32_input(ctx.input(), tokens)))
         if w.token_types is not None:
             h = h + w.token_types(nn.int32_input(ctx.input(), np.zeros_like(tokens)))
@@ -153,4 +137,4 @@ class NomicBert(Model):
         mask = ctx.from_numpy(sequence_mask(sequences))
         for i, layer in enumerate(w.blk):
             h = nn.tap(f"blk.{i}", layer(ctx, h, pos, mask, o))
-        return pool(ctx, h, sequences, pooling)
+        return h
