@@ -200,6 +200,9 @@ def bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        # listening now: a client that connects as soon as the URL is announced waits in the backlog until
+        # uvicorn accepts, instead of being refused (seen as a flaky 'connection refused' in the tests)
+        sock.listen(2048)
     except OSError as exc:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
