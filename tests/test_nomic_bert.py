@@ -31,6 +31,7 @@ from pyggml.models import Batch, Pooling  # noqa: E402
 
 from ._gguf_meta import read_metadata  # noqa: E402
 from .hf_fixtures import make_wordpiece_vocab  # noqa: E402
+from .test_bert import hf_pooled, hf_states, run_embed  # noqa: E402  (the same helpers serve both encoders)
 
 TEXTS = [
     "Hello world, the café is naïve!",
@@ -99,26 +100,6 @@ def model(tiny):
     m = models.load(tiny[2]("f32"), pyggml.BackendParams(n_threads=2))
     yield m
     m.close()
-
-
-def hf_states(hf_model, ids: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return hf_model(torch.tensor([ids])).last_hidden_state[0].numpy()
-
-
-def hf_pooled(hf_model, ids_list: list[list[int]], pooling: str) -> np.ndarray:
-    pick = {"mean": lambda s: s.mean(0), "cls": lambda s: s[0], "last": lambda s: s[-1]}[pooling]
-    return np.stack([pick(hf_states(hf_model, ids)) for ids in ids_list])
-
-
-def run_embed(model, ids_list: list[list[int]], pooling: Pooling) -> np.ndarray:
-    batch = Batch(inputs=[t for ids in ids_list for t in ids],
-                  positions=[p for ids in ids_list for p in range(len(ids))],
-                  sequences=[s for s, ids in enumerate(ids_list) for _ in ids])
-    with model.backend.new_context() as ctx:
-        out = model.embed(ctx, batch, pooling)
-        ctx.compute(out)
-        return out.numpy()
 
 
 # ---- parity with transformers ---------------------------------------------------------------------
