@@ -465,7 +465,11 @@ struct ggml_tensor * pyg_attention(struct pyg_graph * g, struct ggml_tensor * q,
     }
     struct ggml_tensor * probs = counted(g, ggml_soft_max_ext(g->ctx, counted(g, ggml_mul_mat(g->ctx, k, q)), mask,
                                                               scale, 0.0f));
-    struct ggml_tensor * v_t = counted(g, ggml_cont(g->ctx, counted(g, ggml_permute(g->ctx, v, 1, 0, 2, 3))));
+    /* V^T: a copy, unless the cache stores V transposed (then the permuted view has packed rows) */
+    struct ggml_tensor * v_t = counted(g, ggml_permute(g->ctx, v, 1, 0, 2, 3));
+    if (!rows_packed(v_t)) {
+        v_t = counted(g, ggml_cont(g->ctx, v_t));
+    }
     struct ggml_tensor * out = counted(g, ggml_mul_mat(g->ctx, v_t, probs)); /* (Dv, T, H) */
     return counted(g, ggml_cont(g->ctx, counted(g, ggml_permute(g->ctx, out, 0, 2, 1, 3))));
 }

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import pyggml
 from pyggml import Backend, BackendParams, DType
-from pyggml.kvcache import CacheConfig, CacheFullError, Causal, Encoder, NotSupportedError, Wrapper
+from pyggml.kvcache import CacheConfig, CacheFullError, Causal, Cells, Encoder, NotSupportedError, Wrapper
 from pyggml.models import Batch, Multimodal, MultimodalIndex
 from pyggml.synthetic import write_model
 
@@ -49,8 +49,9 @@ def table(mask: np.ndarray) -> list[str]:
 
 
 def make(backend, dtype=DType.F32, *, shift_fn=rope_shift, max_sequences=1, capacity=8, max_batch=8, padding=1,
-         **options) -> Causal:
-    cache = Causal(shift_fn, **options)
+         unified=True, **options) -> Causal:
+    """A cache whose cells all sequences share (``unified``), so that tables show them side by side."""
+    cache = Causal(shift_fn, unified=unified, **options)
     cache.set_config(CacheConfig(padding=padding))
     cache.init(backend, dtype, max_sequences=max_sequences, capacity=capacity, max_batch=max_batch)
     return cache
@@ -151,7 +152,7 @@ def test_overwriting_a_position_reuses_its_cell(cpu):
 
 
 def test_default_config_pads_the_mask_and_stores_f16(cpu, flash):
-    cache = Causal(rope_shift)
+    cache = Causal(rope_shift, unified=True)
     cache.init(cpu, max_sequences=2, capacity=40, max_batch=8)  # F16 by default; CPU: padding 32, F32 mask
     assert cache.dtype == DType.F16 and cache.cells.capacity == 96
     mask, key, _ = step(cache, cpu, (0, 0), (1, 0), (0, 1))
@@ -191,7 +192,7 @@ def test_cache_types(cpu, flash):
     bad = Causal()
     bad.set_config(CacheConfig(permuted_v=True))
     with pytest.raises(ValueError, match="permuted_v"):
-        bad.init(cpu)
+        bad.init(flash)
 
 
 def test_quantized_cache_keeps_values_to_block_precision(flash):
@@ -459,6 +460,135 @@ def test_churn_with_many_sequences(cpu):
         for row, (s, p) in zip(mask, pairs, strict=True):
             assert sorted(cells[c] for c in np.flatnonzero(row == 0)) == sorted(f"{s}:{q}" for q in range(p + 1))
         assert sorted(c for c in cells if c != "-") == sorted(f"{s}:{q}" for s in model for q in model[s])
+
+
+# ---- Causal: one stream of cells per sequence -------------------------------------------------
+
+
+def test_streams_keep_each_sequence_in_its_own_cells(cpu):
+    cache = make(cpu, max_sequences=3, capacity=4, unified=False)
+    step(cache, cpu, (0, 0), (1, 0), (0, 1), (1, 1), (2, 0))
+    assert contents(cache) == ["0:0", "0:1", "-", "-", "1:0", "1:1", "-", "-", "2:0", "-", "-", "-"]
+    cells = Cells(8, 2, per_sequence=True)  # a full stream is full, whatever the other streams hold
+    cells.place([0, 1, 2], [0, 0, 0])
+    with pytest.raises(CacheFullError, match="sequence 0 need a free cell, only 1 of its 4"):
+        cells.place([3, 4], [0, 0])
+    cache.copy_prefix(0, 2, 1)  # copied into sequence 2's stream, not shared
+    assert contents(cache) == ["0:0", "0:1", "-", "-", "1:0", "1:1", "-", "-", "0:0", "-", "-", "-"]
+    assert cache.cells.seq_positions(2).tolist() == [0]
+
+
+def attention_outputs(cache, backend, steps, flash=False):
+    """nn.attention through ``cache`` for each batch of (sequence, position) pairs in ``steps`` (or a
+    ("copy", src, dst, length) instruction), with queries, keys and values drawn from the pairs:
+    the outputs (n_tokens, heads * DV) per batch."""
+    from pyggml import nn
+
+    outs = []
+    for pairs in steps:
+        if pairs[0] == "copy":
+            cache.copy_prefix(*pairs[1:])
+            continue
+        rng = np.random.default_rng([s * 1000 + p for s, p in pairs])
+        q = rng.standard_normal((len(pairs), 2 * HEADS, DK), dtype=np.float32)
+        k = coded_keys(pairs) / 50000.0 + rng.standard_normal((len(pairs), HEADS, DK), dtype=np.float32)
+        v = rng.standard_normal((len(pairs), HEADS, DV), dtype=np.float32)
+        with backend.new_context() as ctx:
+            cache.start_forward(ctx, batch_of(pairs))
+            cache.set_layer(0)
+            out = nn.attention(ctx, ctx.from_numpy(q), ctx.from_numpy(k), ctx.from_numpy(v), cache, QK_SCALE,
+                               flash=flash)
+            ctx.compute(out)
+            outs.append(out.numpy())
+    return outs
+
+
+STREAM_STEPS = [
+    [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)],  # two groups: 4 tokens of 0, then 2 of 1
+    [(2, 0), (2, 1), (0, 4)],  # sequence 2 before 0: two groups
+    [(0, 5), (1, 2), (2, 2)],  # a decode step: one group of three streams
+    [(1, 3), (0, 6)],  # 1 before 0: two groups
+    [(0, 7), (1, 4), (0, 8)],  # sequence 0's tokens apart: no groups (attention over every cell)
+    ("copy", 0, 2, 5),  # sequence 2 becomes 0's first five positions: copied across streams
+    [(0, 9), (1, 5), (2, 5)],
+]
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_streams_attend_like_one_pool_of_cells(flash):
+    backend = Backend(BackendParams(n_threads=2, flash_attention=flash))
+    try:
+        streams = Causal(rope_shift)
+        streams.init(backend, DType.F32, max_sequences=3, capacity=16, max_batch=8)
+        pooled = Causal(rope_shift, unified=True)
+        pooled.init(backend, DType.F32, max_sequences=3, capacity=16, max_batch=8)
+        assert streams.cells.per_sequence and not pooled.cells.per_sequence
+        assert streams.config.permuted_v == (not flash)  # plain attention reads V^T from the cache itself
+        got, want = attention_outputs(streams, backend, STREAM_STEPS), attention_outputs(pooled, backend, STREAM_STEPS)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    finally:
+        backend.close()
+
+
+def test_groups_cut_the_batch_by_consecutive_sequences(cpu):
+    cache = Causal(rope_shift)
+    cache.init(cpu, DType.F32, max_sequences=4, capacity=8, max_batch=8)
+
+    def groups(*pairs):
+        with cpu.new_context() as ctx:
+            cache.start_forward(ctx, batch_of(pairs))
+            cache.put(ctx, ctx.from_numpy(coded_keys(pairs)), ctx.from_numpy(coded_values(pairs)))
+            got = cache.get_groups(ctx)
+            return None if got is None else [(g.start, g.n_tokens, g.n_seqs, g.key.shape, g.mask.shape) for g in got]
+
+    assert groups((0, 0), (0, 1), (1, 0), (1, 1), (3, 0)) == [
+        (0, 2, 2, (DK, 32, HEADS, 2), (32, 2, 1, 2)), (4, 1, 1, (DK, 32, HEADS, 1), (32, 1, 1, 1))]
+    assert groups((0, 2), (1, 2), (2, 0), (3, 1)) == [(0, 1, 4, (DK, 32, HEADS, 4), (32, 1, 1, 4))]
+    assert groups((1, 3), (0, 3)) == [(0, 1, 1, (DK, 32, HEADS, 1), (32, 1, 1, 1)),
+                                      (1, 1, 1, (DK, 32, HEADS, 1), (32, 1, 1, 1))]
+    assert groups((0, 4), (1, 4), (0, 5)) is None  # a sequence's tokens apart: get serves the batch
+
+
+def test_streams_refill_a_decode_graph(cpu):
+    """A kept decode graph is refilled while the streams' width stays within the padding, and gives
+    what new graphs give."""
+    from pyggml import nn
+
+    prompts = [[(0, 0), (0, 1), (0, 2)], [(1, 0)]]
+    decodes = [[(0, 3), (1, 1)], [(0, 4), (1, 2)], [(0, 5), (1, 3)]]
+    rng = np.random.default_rng(0)
+    data = [(rng.standard_normal((2, 2 * HEADS, DK), dtype=np.float32),
+             rng.standard_normal((2, HEADS, DK), dtype=np.float32),
+             rng.standard_normal((2, HEADS, DV), dtype=np.float32)) for _ in decodes]
+
+    def run(reuse: bool) -> list[np.ndarray]:
+        cache = Causal(rope_shift)
+        cache.init(cpu, DType.F32, max_sequences=2, capacity=40, max_batch=8)
+        attention_outputs(cache, cpu, prompts)
+        outs, ctx = [], None
+        for pairs, arrays in zip(decodes, data, strict=True):
+            if reuse and ctx is not None:
+                assert cache.refill(ctx, batch_of(pairs))
+                for array, name in zip(arrays, "qkv", strict=True):
+                    ctx.set_input(name, array)
+            else:
+                if ctx is not None:
+                    ctx.close()
+                ctx = cpu.new_context()
+                cache.start_forward(ctx, batch_of(pairs))
+                cache.set_layer(0)
+                out = nn.attention(ctx, *[ctx.from_numpy(a, name=n) for a, n in zip(arrays, "qkv", strict=True)],
+                                   cache, QK_SCALE)
+                assert ctx.reusable
+            ctx.compute(out)
+            outs.append(out.numpy())
+        assert cache.refill(ctx, batch_of([(1, 4)])) is False  # another shape: a new graph
+        ctx.close()
+        return outs
+
+    for a, b in zip(run(True), run(False), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 # ---- Causal: property test against a model of visible positions ------------------------------

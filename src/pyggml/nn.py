@@ -38,7 +38,7 @@ from pyggml.tensor import _NO_TO_FLOAT, _NOT_MATMUL, DType, RopeType, Tensor
 if typing.TYPE_CHECKING:
     from pyggml.backend import Backend, Context
     from pyggml.input import Batch
-    from pyggml.kvcache import Cache
+    from pyggml.kvcache import Cache, KVGroup
 
 
 class ModelError(ValueError):
@@ -556,19 +556,41 @@ def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Ca
     sequences in one encoder batch). ``softcap``: scores become ``softcap * tanh(score / softcap)``
     before the mask (Gemma 2). ``sinks`` (n_heads,): a learned logit per head joining each softmax
     (gpt-oss's attention sinks). Returns (head_dim_v * n_heads, n_tokens)."""
+    if flash is None:
+        flash = ctx.backend.flash_attention
     if cache is not None:
         if mask is not None:
             raise ValueError("attention: a mask is only for attention without a cache (the cache has its own)")
         cache.put(ctx, key, value)
+        groups = cache.get_groups(ctx)
+        if groups is not None:
+            return _grouped_attention(query, groups, scale, flash, softcap, sinks)
         key, value, mask = cache.get(ctx)
     else:
         key, value = key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
-    if flash is None:
-        flash = ctx.backend.flash_attention
     q = query.permute(0, 2, 1, 3)  # (head_dim, n_tokens, n_heads)
     out = q.scaled_dot_product_attention(key, value, mask, scale, flash=flash, softcap=softcap, sinks=sinks)
     d_v, n_heads, n_tokens = out.shape[0], out.shape[1], out.shape[2]
     return out.reshape(d_v * n_heads, n_tokens)
+
+
+def _grouped_attention(query: Tensor, groups: list[KVGroup], scale: float, flash: bool, softcap: float,
+                       sinks: Tensor | None) -> Tensor:
+    """Attention of each group's rows over its sequences' own cells (see ``KVGroup``), one 4-d
+    attention per group, the outputs joined in batch order: (head_dim_v * n_heads, n_tokens)."""
+    d, n_heads, n_tokens = query.shape[0], query.shape[1], query.shape[2]
+    if not query.is_contiguous():
+        query = query.contiguous()
+    out = None
+    for g in groups:
+        rows = g.n_tokens * g.n_seqs
+        q = query if rows == n_tokens else query.view(g.start * query.strides[2], (d, n_heads, rows),
+                                                      (query.strides[1], query.strides[2]))
+        q = q.reshape(d, n_heads, g.n_tokens, g.n_seqs).permute(0, 2, 1, 3)  # (head_dim, tokens, heads, seqs)
+        o = q.scaled_dot_product_attention(g.key, g.value, g.mask, scale, flash=flash, softcap=softcap, sinks=sinks)
+        o = o.reshape(o.shape[0] * n_heads, rows)
+        out = o if out is None else out.concat(o, 1)
+    return out
 
 
 def int32_input(ctx: Context, values: Any, name: str | None = None) -> Tensor:

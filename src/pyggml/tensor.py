@@ -1166,7 +1166,9 @@ class Tensor:
             lib.ggml_soft_max_add_sinks(probs._p, sinks._p)
         if value.dtype.is_quantized:  # a quantized V cannot be transposed block-wise: dequantize it
             value = value.cast(DType.F32, ctx=ctx)
-        v_t = value.permute(1, 0, 2, 3).contiguous()  # (KV, Dv, Hkv)
+        v_t = value.permute(1, 0, 2, 3)  # (KV, Dv, Hkv): a copy unless the cache stores V transposed
+        if not _rows_packed(v_t._p):
+            v_t = v_t.contiguous()
         out = v_t.mulmat(probs)  # (Dv, T, H)
         return out.permute(0, 2, 1, 3).contiguous()  # (Dv, H, T)
 

@@ -5,11 +5,11 @@
 routes each layer to one of several caches. ``Cells`` is Causal's tensor-free bookkeeping.
 """
 
-from pyggml.kvcache.base import Cache, CacheConfig, CacheFullError, NotSupportedError, ShiftFn
+from pyggml.kvcache.base import Cache, CacheConfig, CacheFullError, KVGroup, NotSupportedError, ShiftFn
 from pyggml.kvcache.causal import Causal
 from pyggml.kvcache.cells import Cells
 from pyggml.kvcache.encoder import Encoder
 from pyggml.kvcache.wrapper import Wrapper
 
-__all__ = ["Cache", "CacheConfig", "CacheFullError", "Causal", "Cells", "Encoder", "NotSupportedError", "ShiftFn",
-           "Wrapper"]
+__all__ = ["Cache", "CacheConfig", "CacheFullError", "Causal", "Cells", "Encoder", "KVGroup", "NotSupportedError",
+           "ShiftFn", "Wrapper"]

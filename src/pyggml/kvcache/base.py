@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from pyggml.backend import Backend, Context
     from pyggml.input import Batch
 
-__all__ = ["Cache", "CacheConfig", "CacheFullError", "NotSupportedError", "ShiftFn"]
+__all__ = ["Cache", "CacheConfig", "CacheFullError", "KVGroup", "NotSupportedError", "ShiftFn"]
 
 # shift_fn(ctx, layer, key, shift) -> key re-rotated by ``shift`` positions (I32, one per key row)
 ShiftFn = Callable[["Context", int, Tensor, Tensor], Tensor]
@@ -32,6 +32,22 @@ class CacheConfig:
     padding: int = 1
     permuted_v: bool = False
     mask_dtype: DType = DType.F32
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Batch rows ``[start, start + n_seqs * n_tokens)``: ``n_tokens`` rows of each of ``n_seqs``
+    sequences in turn, attending only over their own cells: ``key`` (head_dim_k, n_kv,
+    n_kv_heads, n_seqs), ``value`` (head_dim_v, n_kv, n_kv_heads, n_seqs) and ``mask`` (n_kv,
+    n_tokens, 1, n_seqs). Attention over a group costs what each sequence's own history costs,
+    not what every sequence's does (llama.cpp's non-unified KV cache)."""
+
+    start: int
+    n_tokens: int
+    n_seqs: int
+    key: Tensor
+    value: Tensor
+    mask: Tensor
 
 
 class Cache(abc.ABC):
@@ -73,9 +89,14 @@ class Cache(abc.ABC):
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor | None]:
         """Keys, values and mask of the current layer's history (see class docstring)."""
 
+    def get_groups(self, ctx: Context) -> list[KVGroup] | None:
+        """The current layer's history split by sequence (see ``KVGroup``), covering the batch in
+        order; None when this cache cannot (then ``get`` serves the whole batch)."""
+        return None
+
     @abc.abstractmethod
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
-        """Make positions [0, length) of ``src_seq`` visible to ``dst_seq`` (no data copied)."""
+        """Make ``dst_seq`` hold exactly positions [0, length) of ``src_seq`` (sharing or copying them)."""
 
     @abc.abstractmethod
     def can_resume(self, seq: int, pos: int) -> bool:

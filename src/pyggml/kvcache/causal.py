@@ -6,6 +6,12 @@ forward pass writes the batch's rows with ``set_rows`` at the cells ``Cells.plac
 cells, so no fragmentation) and attends over a view of the first ``n_kv`` cells, ``n_kv`` rounded
 up to ``config.padding`` so the graph's shape changes rarely. Per step the graph gets exactly two
 new inputs: the cell index of each token and the mask.
+
+Several sequences: each has a stream of its own cells (llama.cpp's non-unified cache), and
+``get_groups`` lets attention read only a sequence's own stream. The batch is cut into groups of
+consecutive sequences with equally many tokens each (a decode step of sequences 0..7 is one
+group); a group attends over a 4-d view (head_dim, n_kv, heads, n_seqs) of its streams with
+``n_kv`` the longest of them, so a decode step over P sequences costs P histories, not P x P.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pyggml.kvcache.base import Cache, CacheConfig, ShiftFn
+from pyggml.kvcache.base import Cache, CacheConfig, KVGroup, ShiftFn
 from pyggml.kvcache.cells import Cells, Shift
 from pyggml.tensor import DType, Tensor
 
@@ -43,13 +49,63 @@ def check_cache_type(op: str, backend: Backend, dtype: DType | str) -> DType:
 class _Pass:
     """What one forward pass placed: the batch, its cells, the mask and the ranges that bend it."""
 
-    __slots__ = ("positions", "sequences", "cells", "mask", "n_kv", "reserve", "noncausal")
+    __slots__ = ("positions", "sequences", "cells", "mask", "n_kv", "reserve", "noncausal", "groups",
+                 "group_masks", "index", "element_index")
 
     def __init__(self, positions: np.ndarray, sequences: np.ndarray, cells: Tensor, mask: Tensor | None,
-                 n_kv: int, reserve: bool):
+                 n_kv: int, reserve: bool, groups: list[_Group] | None = None,
+                 group_masks: list[Tensor] | None = None):
         self.positions, self.sequences, self.cells = positions, sequences, cells
         self.mask, self.n_kv, self.reserve = mask, n_kv, reserve
         self.noncausal: list[tuple[int, int]] = []
+        self.groups, self.group_masks = groups, group_masks
+        self.index: np.ndarray | None = None  # the cells, as numpy
+        self.element_index: dict[int, Tensor] = {}  # permuted_v: set_rows index by values per cell
+
+
+def _elements(cells: np.ndarray, width: int, capacity: int) -> np.ndarray:
+    """Flat indices into a transposed V (width rows of ``capacity`` cells) of each token's values,
+    token-major: token t's value e is element e * capacity + cells[t]."""
+    return (np.arange(width, dtype=np.int32)[None, :] * capacity + cells[:, None]).reshape(-1)
+
+
+class _Group:
+    """Batch rows [start, start + n_seqs * n_tokens) of streams [stream, stream + n_seqs), attending
+    over ``n_kv`` cells of each stream."""
+
+    __slots__ = ("start", "stream", "n_seqs", "n_tokens", "n_kv")
+
+    def __init__(self, start: int, stream: int, n_seqs: int, n_tokens: int, n_kv: int = 0):
+        self.start, self.stream, self.n_seqs, self.n_tokens, self.n_kv = start, stream, n_seqs, n_tokens, n_kv
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.start, self.start + self.n_seqs * self.n_tokens)
+
+    def mask_name(self, prefix: str) -> str:
+        """The mask input's name: it says which rows and streams the graph's views read."""
+        return f"{prefix}@{self.start}:{self.stream}+{self.n_seqs}x{self.n_tokens}"
+
+
+def _plan_groups(sequences: np.ndarray) -> list[_Group] | None:
+    """Cut a batch into groups: runs of consecutive sequences (0, 1, 2, ...) whose tokens are
+    contiguous in the batch and equally many. None when a sequence's tokens are not contiguous."""
+    n = sequences.size
+    if n == 1:
+        return [_Group(0, int(sequences[0]), 1, 1)]
+    starts = np.flatnonzero(np.r_[True, sequences[1:] != sequences[:-1]])
+    seqs = sequences[starts]
+    if np.unique(seqs).size != seqs.size:
+        return None
+    lengths = np.diff(np.r_[starts, n])
+    groups: list[_Group] = []
+    for start, seq, length in zip(starts.tolist(), seqs.tolist(), lengths.tolist(), strict=True):
+        last = groups[-1] if groups else None
+        if last is not None and last.n_tokens == length and last.stream + last.n_seqs == seq:
+            last.n_seqs += 1
+        else:
+            groups.append(_Group(start, seq, 1, length))
+    return groups
 
 
 class Causal(Cache):
@@ -66,11 +122,16 @@ class Causal(Cache):
     see ``can_resume``) from any position up to a batch before its newest, as a new request sharing
     a long prompt, or a regenerated reply, needs; ``swa_memory=swa_window`` is the least memory.
     ``chunk_size``: chunked attention (a token sees only its chunk; nothing is freed early).
+
+    Several sequences get a stream of cells each (see the module docstring); ``unified=True``
+    pools the cells instead (llama.cpp's ``kv_unified``): ``copy_prefix`` then shares cells rather
+    than copying them, but every token's attention reads every sequence's cells.
     """
 
     def __init__(self, shift_fn: ShiftFn | None = None, *, swa_window: int | None = None,
-                 swa_memory: int | None = None, chunk_size: int | None = None):
+                 swa_memory: int | None = None, chunk_size: int | None = None, unified: bool = False):
         self.shift_fn = shift_fn
+        self.unified = unified
         self.swa_window = swa_window
         self.swa_memory = swa_memory
         self.chunk_size = chunk_size
@@ -96,19 +157,26 @@ class Causal(Cache):
         if max_sequences < 1 or capacity < 1 or max_batch < 1:
             raise ValueError("Causal.init: max_sequences, capacity and max_batch must be positive")
         dtype = check_cache_type("Causal.init", backend, dtype)
-        config = self._config_override or CacheConfig(padding=256 if backend.flash_attention else 32,
-                                                      mask_dtype=DType.F16 if backend.flash_attention else DType.F32)
-        if config.permuted_v:
-            raise ValueError("Causal.init: permuted_v is not supported (attention lays V out itself)")
+        flash = backend.flash_attention
+        config = self._config_override or CacheConfig(padding=256 if flash else 32, permuted_v=not flash,
+                                                      mask_dtype=DType.F16 if flash else DType.F32)
+        if config.permuted_v and (flash or dtype.is_quantized):
+            raise ValueError("Causal.init: permuted_v is for the plain attention path (no flash attention) with an "
+                             "F16 or F32 cache")
         if config.padding < 1 or config.mask_dtype not in (DType.F32, DType.F16):
             raise ValueError(f"Causal.init: bad config {config} (padding >= 1, mask F32 or F16)")
         per_seq, memory = capacity, None
         if self.swa_window is not None:
             memory = self.swa_memory or self.swa_window + max_batch
             per_seq = min(capacity, memory + max_batch)
-        n_cells = -(-per_seq * max_sequences // config.padding) * config.padding
+        # one stream of cells per sequence (several sequences): attention reads only a sequence's own
+        streams = max_sequences > 1 and not self.unified
+        if streams:
+            n_cells = -(-per_seq // config.padding) * config.padding * max_sequences
+        else:
+            n_cells = -(-per_seq * max_sequences // config.padding) * config.padding
         cells = Cells(n_cells, max_sequences, swa_window=self.swa_window, swa_memory=memory,
-                      chunk_size=self.chunk_size)
+                      chunk_size=self.chunk_size, per_sequence=streams)
         self.config, self.backend, self.dtype, self.cells = config, backend, dtype, cells
         self.max_sequences, self.capacity, self.max_batch = max_sequences, capacity, max_batch
         self._mask_dtype = np.dtype(config.mask_dtype.numpy_dtype)
@@ -136,10 +204,14 @@ class Causal(Cache):
             raise ValueError(f"Causal.put: head dims ({dims[0]}, {dims[2]}) are not multiples of the {self.dtype.name} "
                              f"block of {block}")
         n = self.cells.capacity
+        if self.config.permuted_v and n * dims[2] * dims[1] >= 2**31:
+            raise ValueError(f"Causal.put: a transposed V of {n} cells x {dims[2] * dims[1]} values has more "
+                             "elements than int32 indexes (use flash attention, or a smaller num_ctx or parallel)")
         self.keys[layer] = self.backend.alloc_persistent(self.dtype, (dims[0] * dims[1], n), layer=layer,
                                                          name=f"cache_k_l{layer}")
-        self.values[layer] = self.backend.alloc_persistent(self.dtype, (dims[2] * dims[1], n), layer=layer,
-                                                           name=f"cache_v_l{layer}")
+        # permuted_v: V stored transposed, a row of cells per (dim, head), so attention's V^T is a view
+        v_shape = (n, dims[2] * dims[1]) if self.config.permuted_v else (dims[2] * dims[1], n)
+        self.values[layer] = self.backend.alloc_persistent(self.dtype, v_shape, layer=layer, name=f"cache_v_l{layer}")
         self._dims[layer] = dims
         return self.keys[layer], self.values[layer]
 
@@ -161,40 +233,99 @@ class Causal(Cache):
         if n > self.max_batch:
             raise ValueError(f"Causal.start_forward: batch of {n} tokens exceeds the cache's max_batch "
                              f"{self.max_batch}")
+        groups = None
         if reserve:
             n_kv = cells.capacity
             index = np.arange(n, dtype=np.int32) % n_kv
             mask = np.zeros((n, n_kv), self._mask_dtype)
+            if cells.per_sequence and n:  # the worst case: the whole batch in one full stream
+                groups = [_Group(0, 0, 1, n, cells.stream_size)]
+                mask = None
         else:
             self._check_positions(positions, "start_forward")
             index = cells.place(positions, sequences)
-            mask = cells.mask(positions, sequences, padding=self.config.padding, dtype=self._mask_dtype)
-            n_kv = mask.shape[1]  # the used cells rounded up to the padding
+            if cells.per_sequence and n:
+                groups = self._plan(positions, sequences)
+            if groups is None:
+                mask = cells.mask(positions, sequences, padding=self.config.padding, dtype=self._mask_dtype)
+                n_kv = mask.shape[1]  # the used cells rounded up to the padding
+            else:
+                mask, n_kv = None, cells.used_extent(self.config.padding)
         if not n:  # nothing to attend with; put/get refuse such a pass
             self._pass = _Pass(positions, sequences, None, None, n_kv, reserve)
             return
         inputs = ctx.input()
+        group_masks = None
+        if groups is not None:
+            arrays = self._group_masks(positions, sequences, groups, reserve)
+            group_masks = [inputs.from_numpy(a, self.config.mask_dtype, name=g.mask_name(self._mask_name))
+                           for g, a in zip(groups, arrays, strict=True)]
         self._pass = _Pass(positions, sequences, inputs.from_numpy(index, DType.I32, name=self._cells_name),
-                           inputs.from_numpy(mask, self.config.mask_dtype, name=self._mask_name), n_kv, reserve)
+                           None if mask is None else inputs.from_numpy(mask, self.config.mask_dtype,
+                                                                       name=self._mask_name),
+                           n_kv, reserve, groups, group_masks)
+        self._pass.index = index
+
+    def _plan(self, positions: np.ndarray, sequences: np.ndarray) -> list[_Group] | None:
+        """The groups of a placed batch, each with the attention width of its longest stream."""
+        groups = _plan_groups(sequences)
+        if groups is not None:
+            extents = self.cells.stream_extents(self.config.padding)
+            for g in groups:
+                g.n_kv = max(int(extents[g.stream:g.stream + g.n_seqs].max()), 1)
+        return groups
+
+    def _group_masks(self, positions: np.ndarray, sequences: np.ndarray, groups: list[_Group], reserve: bool = False,
+                     noncausal: list[tuple[int, int]] | None = None) -> list[np.ndarray]:
+        """Each group's mask as numpy (n_seqs, 1, n_tokens, n_kv) (ggml: (n_kv, n_tokens, 1, n_seqs))."""
+        if reserve:
+            return [np.zeros((g.n_seqs, 1, g.n_tokens, g.n_kv), self._mask_dtype) for g in groups]
+        full = self.cells.stream_mask(positions, sequences, max(g.n_kv for g in groups), noncausal=noncausal or (),
+                                      dtype=self._mask_dtype)
+        return [full[g.rows, :g.n_kv].reshape(g.n_seqs, 1, g.n_tokens, g.n_kv) for g in groups]
 
     def refill(self, ctx: Context, batch: Batch) -> bool:
         """Place ``batch`` and write its cells and mask into the graph (see ``Cache.refill``).
         False when the attention width (``n_kv``) moved past the graph's; ``start_forward`` then
         finds the batch already placed (placing a stored (sequence, position) again is a no-op)."""
-        shape = ctx.input_shape(self._mask_name)
         positions = np.asarray(batch.positions, dtype=np.int32)
-        if shape is None or self.cells is None or positions.size != shape[1]:
+        if self.cells is None or not positions.size:
             return False
         sequences = np.asarray(batch.sequences, dtype=np.int32)
+        shape = ctx.input_shape(self._mask_name)
+        if shape is None:  # a graph of groups (streams): the new batch must cut into the same groups
+            if not self.cells.per_sequence:
+                return False
+            self._check_positions(positions, "refill")
+            index = self.cells.place(positions, sequences)
+            groups = self._plan(positions, sequences)
+            if groups is None or any(ctx.input_shape(g.mask_name(self._mask_name)) != (g.n_kv, g.n_tokens, 1, g.n_seqs)
+                                     for g in groups):
+                return False
+            self._set_index(ctx, index)
+            for g, mask in zip(groups, self._group_masks(positions, sequences, groups), strict=True):
+                ctx.set_input(g.mask_name(self._mask_name), mask)
+            self._pass = None
+            return True
+        if positions.size != shape[1]:
+            return False
         self._check_positions(positions, "refill")
         index = self.cells.place(positions, sequences)
-        if self.cells.used_extent(self.config.padding) != shape[0]:
+        if self.cells.used_extent(self.config.padding) != shape[0] or \
+                (self.cells.per_sequence and _plan_groups(sequences) is not None):
             return False
         mask = self.cells.mask(positions, sequences, n_kv=shape[0], dtype=self._mask_dtype)
-        ctx.set_input(self._cells_name, index)
+        self._set_index(ctx, index)
         ctx.set_input(self._mask_name, mask)
         self._pass = None
         return True
+
+    def _set_index(self, ctx: Context, index: np.ndarray) -> None:
+        ctx.set_input(self._cells_name, index)
+        for width in {dims[2] * dims[1] for dims in self._dims.values()} if self.config.permuted_v else ():
+            name = f"{self._cells_name}x{width}"
+            if ctx.input_shape(name) is not None:
+                ctx.set_input(name, _elements(index, width, self.cells.capacity))
 
     def _check_positions(self, positions: np.ndarray, op: str) -> None:
         if self.swa_window is None and positions.size and int(positions.max()) >= self.capacity:
@@ -215,6 +346,7 @@ class Causal(Cache):
         if not p.reserve and end > start:
             p.noncausal.append((start, end))
             p.mask = None  # rebuilt by the next get
+            p.group_masks = None  # and by the next get_groups
 
     def set_layer(self, layer: int) -> None:
         self._layer = layer
@@ -228,8 +360,24 @@ class Causal(Cache):
             raise ValueError(f"Causal.put: key {key.shape} / value {value.shape} must be (head_dim, heads, {n}) "
                              f"for the batch of {n} tokens")
         k_store, v_store = self._storage(self._layer, key, value)
-        ctx.forward(k_store.set_rows(key.reshape(k_store.shape[0], n), p.cells),
-                    v_store.set_rows(value.reshape(v_store.shape[0], n), p.cells))
+        if self.config.permuted_v:  # each value element is a row of its own (llama.cpp's v_trans)
+            width = v_store.shape[1]
+            if not value.is_contiguous():
+                value = value.contiguous()
+            flat = v_store.reshape(1, v_store.shape[0] * width, ctx=ctx)
+            v_write = flat.set_rows(value.reshape(1, width * n), self._element_index(ctx, p, width))
+        else:
+            v_write = v_store.set_rows(value.reshape(v_store.shape[0], n), p.cells)
+        ctx.forward(k_store.set_rows(key.reshape(k_store.shape[0], n), p.cells), v_write)
+
+    def _element_index(self, ctx: Context, p: _Pass, width: int) -> Tensor:
+        """The set_rows index of a transposed V of ``width`` values per cell (one input per width)."""
+        name = f"{self._cells_name}x{width}"
+        tensor = p.element_index.get(width)
+        if tensor is None:
+            tensor = p.element_index[width] = ctx.input().from_numpy(
+                _elements(p.index, width, self.cells.capacity), DType.I32, name=name)
+        return tensor
 
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor | None]:
         p = self._pass
@@ -248,13 +396,48 @@ class Causal(Cache):
         dk, heads, dv = self._dims[layer]
         # a cell's row holds (head_dim, heads): view it as (head_dim, cells, heads) directly
         key = k_store.view(0, (dk, p.n_kv, heads), (k_store.strides[1], self.dtype.row_bytes(dk)), ctx=ctx)
-        value = v_store.view(0, (dv, p.n_kv, heads), (v_store.strides[1], self.dtype.row_bytes(dv)), ctx=ctx)
+        if self.config.permuted_v:  # (cells, dim, head) transposed back: a view whose dim 1 is contiguous
+            row = v_store.strides[1]
+            value = v_store.view(0, (p.n_kv, dv, heads), (row, dv * row), ctx=ctx).permute(1, 0, 2, 3)
+        else:
+            value = v_store.view(0, (dv, p.n_kv, heads), (v_store.strides[1], self.dtype.row_bytes(dv)), ctx=ctx)
         return key, value, p.mask
+
+    def get_groups(self, ctx: Context) -> list[KVGroup] | None:
+        p = self._pass
+        if p is None or p.groups is None:
+            return None
+        layer = self._layer
+        if layer not in self.keys:
+            raise ValueError(f"Causal.get_groups: layer {layer} has nothing stored (put comes first)")
+        if p.group_masks is None:
+            arrays = self._group_masks(p.positions, p.sequences, p.groups, p.reserve, p.noncausal)
+            p.group_masks = [ctx.input().from_numpy(a, self.config.mask_dtype) for a in arrays]
+        k_store, v_store = self.keys[layer], self.values[layer]
+        dk, heads, dv = self._dims[layer]
+        k_row, v_row, size = k_store.strides[1], v_store.strides[1], self.cells.stream_size
+        out = []
+        for g, mask in zip(p.groups, p.group_masks, strict=True):
+            # streams [stream, stream + n_seqs) as (head_dim, cells, heads, streams), no copy
+            key = k_store.view(g.stream * size * k_row, (dk, g.n_kv, heads, g.n_seqs),
+                               (k_row, self.dtype.row_bytes(dk), size * k_row), ctx=ctx)
+            if self.config.permuted_v:
+                cell = self.dtype.row_bytes(1)
+                value = v_store.view(g.stream * size * cell, (g.n_kv, dv, heads, g.n_seqs),
+                                     (v_row, dv * v_row, size * cell), ctx=ctx).permute(1, 0, 2, 3)
+            else:
+                value = v_store.view(g.stream * size * v_row, (dv, g.n_kv, heads, g.n_seqs),
+                                     (v_row, self.dtype.row_bytes(dv), size * v_row), ctx=ctx)
+            out.append(KVGroup(g.start, g.n_tokens, g.n_seqs, key, value, mask))
+        return out
 
     # ---- sequence management ------------------------------------------------------------------
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
+        """Streams (several sequences): the prefix's keys and values are copied into ``dst_seq``'s."""
         self._check_init("copy_prefix")
-        self.cells.copy_prefix(src_seq, dst_seq, length)
+        copies = self.cells.copy_prefix(src_seq, dst_seq, length)
+        if copies.size and self.keys:
+            self._copy_cells(copies)
 
     def can_resume(self, seq: int, pos: int) -> bool:
         self._check_init("can_resume")
@@ -287,11 +470,7 @@ class Causal(Cache):
     def _apply_shift(self, shift: Shift) -> None:
         """Copy the split cells, then re-rotate the moved keys by ``shift.delta`` (graphs of their own)."""
         if shift.copies.size:
-            with self.backend.new_context() as ctx:
-                src = ctx.from_numpy(shift.copies[:, 0], DType.I32)
-                dst = ctx.from_numpy(shift.copies[:, 1], DType.I32)
-                ctx.compute(*[store.set_rows(store.rows(src), dst)
-                              for stores in (self.keys, self.values) for store in stores.values()])
+            self._copy_cells(shift.copies)
         n = shift.cells.size
         with self.backend.new_context() as ctx:
             moved = ctx.from_numpy(shift.cells, DType.I32)
@@ -301,6 +480,23 @@ class Causal(Cache):
                 dk, heads, _ = self._dims[layer]
                 rotated = self.shift_fn(ctx, layer, store.rows(moved).reshape(dk, heads, n), delta)
                 outputs.append(store.set_rows(rotated.reshape(dk * heads, n), moved))
+            ctx.compute(*outputs)
+
+    def _copy_cells(self, copies: np.ndarray) -> None:
+        """Copy the keys and values of cells ``copies[:, 0]`` to cells ``copies[:, 1]`` in every layer."""
+        with self.backend.new_context() as ctx:
+            src = ctx.from_numpy(copies[:, 0], DType.I32)
+            dst = ctx.from_numpy(copies[:, 1], DType.I32)
+            stores = list(self.keys.values()) + ([] if self.config.permuted_v else list(self.values.values()))
+            outputs = [store.set_rows(store.rows(src), dst) for store in stores]
+            if self.config.permuted_v:  # a transposed V copies element by element
+                n = self.cells.capacity
+                for store in self.values.values():
+                    width = store.shape[1]
+                    flat = store.reshape(1, n * width, ctx=ctx)
+                    src_e = ctx.from_numpy(_elements(copies[:, 0], width, n), DType.I32)
+                    dst_e = ctx.from_numpy(_elements(copies[:, 1], width, n), DType.I32)
+                    outputs.append(flat.set_rows(flat.rows(src_e), dst_e))
             ctx.compute(*outputs)
 
     def _check_init(self, op: str) -> None:

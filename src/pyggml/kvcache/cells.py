@@ -9,6 +9,11 @@ State, per cell ``c``: ``pos[c]`` (the token position stored there, -1 when free
 ``member[s, c]`` (whether sequence ``s`` sees it; cells are shared after
 `Cells.copy_prefix`) and ``count[c]`` (how many sequences see it; free iff 0).
 Each (sequence, position) pair is stored in at most one cell.
+
+With ``per_sequence=True`` the cells are split into one stream per sequence (cells
+``[s * stream_size, (s + 1) * stream_size)`` belong to sequence ``s``), as llama.cpp's
+non-unified cache: attention can then read each sequence's own cells instead of every
+sequence's, and ``copy_prefix`` copies cells into the destination's stream.
 """
 
 from __future__ import annotations
@@ -84,9 +89,13 @@ class Cells:
         swa_window: int | None = None,
         swa_memory: int | None = None,
         chunk_size: int | None = None,
+        per_sequence: bool = False,
     ) -> None:
         if capacity < 1 or max_sequences < 1:
             raise ValueError(f"Cells: capacity ({capacity}) and max_sequences ({max_sequences}) must be >= 1")
+        if per_sequence and capacity % max_sequences:
+            raise ValueError(f"Cells: per_sequence needs capacity ({capacity}) to be a multiple of max_sequences "
+                             f"({max_sequences})")
         if swa_window is not None and swa_window < 1:
             raise ValueError(f"Cells: swa_window must be >= 1, got {swa_window}")
         if swa_memory is not None and (swa_window is None or swa_memory < swa_window):
@@ -98,6 +107,8 @@ class Cells:
         self.swa_window = swa_window
         self.swa_memory = swa_window if swa_memory is None else swa_memory
         self.chunk_size = chunk_size
+        self.per_sequence = per_sequence
+        self.stream_size = capacity // max_sequences if per_sequence else capacity
         self._pos = np.full(capacity, -1, np.int32)
         self._member = np.zeros((max_sequences, capacity), bool)
         self._count = np.zeros(capacity, np.int32)
@@ -141,6 +152,16 @@ class Cells:
             used = np.flatnonzero(self._count)
             top = self._extent = int(used[-1]) + 1 if used.size else 0
         return min(_round_up(top, padding), self.capacity)
+
+    def stream_extents(self, padding: int = 1) -> np.ndarray:
+        """Per stream (``per_sequence``), the cells attention must read in it: its highest used
+        cell (counted from the stream's start) + 1, rounded up to ``padding``, capped at the
+        stream's size. Without streams, ``[used_extent(padding)]``."""
+        if not self.per_sequence:
+            return np.array([self.used_extent(padding)])
+        used = self._count.reshape(self.max_sequences, self.stream_size) != 0
+        top = np.where(used.any(axis=1), self.stream_size - np.argmax(used[:, ::-1], axis=1), 0)
+        return np.minimum(-(-top // padding) * padding, self.stream_size)
 
     def can_resume(self, seq: int, pos: int) -> bool:
         """Whether generation of ``seq`` can restart at ``pos`` from what is stored.
@@ -187,11 +208,7 @@ class Cells:
             gone_seq = np.concatenate([gone_seq, seq[tok[detach]]])
             gone_cell = np.concatenate([gone_cell, old[detach]])
         fresh = np.flatnonzero(cells < 0)
-        new = np.flatnonzero(count == 0)[: fresh.size]
-        if new.size < fresh.size:
-            raise CacheFullError(
-                f"place: {fresh.size} tokens need a free cell, only {new.size} of {self.capacity} are free"
-            )
+        new = self._free_cells(count, seq[fresh])
 
         if gone_cell.size:
             self._member[gone_seq, gone_cell] = False
@@ -205,12 +222,39 @@ class Cells:
         np.maximum.at(self._top, seq, pos)
         return cells
 
+    def _free_cells(self, count: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        """One free cell (by ``count``) for each token of sequences ``seqs``, lowest first (in each
+        sequence's own stream with ``per_sequence``); CacheFullError when too few are free."""
+        if not self.per_sequence:
+            new = np.flatnonzero(count == 0)[: seqs.size]
+            if new.size < seqs.size:
+                raise CacheFullError(
+                    f"place: {seqs.size} tokens need a free cell, only {new.size} of {self.capacity} are free")
+            return new
+        new = np.empty(seqs.size, np.int64)
+        size = self.stream_size
+        for s in np.unique(seqs):
+            tokens = np.flatnonzero(seqs == s)
+            free = np.flatnonzero(count[s * size:(s + 1) * size] == 0)[: tokens.size]
+            if free.size < tokens.size:
+                raise CacheFullError(f"place: {tokens.size} tokens of sequence {s} need a free cell, only "
+                                     f"{free.size} of its {size} are free")
+            new[tokens] = free + s * size
+        return new
+
     def _append_one(self, pos: int, seq: int) -> np.ndarray:
         """``place`` of the usual decode step without numpy's per-call overhead on 1-element arrays:
         one token after every position its sequence stores (nothing to overwrite or drop)."""
-        cell = int(np.argmin(self._count))  # the lowest free cell, when there is one
-        if self._count[cell]:
-            raise CacheFullError(f"place: 1 tokens need a free cell, only 0 of {self.capacity} are free")
+        if self.per_sequence:
+            base = seq * self.stream_size
+            cell = base + int(np.argmin(self._count[base:base + self.stream_size]))
+            if self._count[cell]:
+                raise CacheFullError(f"place: 1 tokens of sequence {seq} need a free cell, only 0 of its "
+                                     f"{self.stream_size} are free")
+        else:
+            cell = int(np.argmin(self._count))  # the lowest free cell, when there is one
+            if self._count[cell]:
+                raise CacheFullError(f"place: 1 tokens need a free cell, only 0 of {self.capacity} are free")
         self._pos[cell] = pos
         self._member[seq, cell] = True
         self._count[cell] = 1
@@ -262,6 +306,21 @@ class Cells:
         visible = self._visible(pos, seq, n_kv, noncausal)
         out = np.full((_round_up(pos.size, row_padding), n_kv), -np.inf, dtype)
         np.copyto(out[: pos.size], 0, where=visible)
+        return out
+
+    def stream_mask(self, positions: ArrayLike, sequences: ArrayLike, n_kv: int, *,
+                    noncausal: Sequence[tuple[int, int]] = (), dtype: DTypeLike = np.float32) -> np.ndarray:
+        """Attention mask of a placed batch over each token's own stream (``per_sequence``):
+        (rows, n_kv), column j of row i being cell j of the stream of token i's sequence; 0
+        visible, -inf hidden, by the rules of ``mask``."""
+        pos, seq = self._batch("stream_mask", positions, sequences)
+        if not self.per_sequence:
+            raise ValueError("stream_mask: the cells are not split per sequence (per_sequence=False)")
+        if not 0 < n_kv <= self.stream_size:
+            raise ValueError(f"stream_mask: n_kv {n_kv} must lie in [1, {self.stream_size}] (the stream size)")
+        visible = self._visible(pos, seq, n_kv, noncausal, base=seq.astype(np.int64) * self.stream_size)
+        out = np.full((pos.size, n_kv), -np.inf, dtype)
+        np.copyto(out, 0, where=visible)
         return out
 
     # ---- sequence edits ------------------------------------------------------------
@@ -320,22 +379,33 @@ class Cells:
         copies = np.stack([shared, split], axis=1).astype(np.int32)
         return Shift(copies=copies, cells=moved, delta=delta)
 
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Make ``dst`` exactly ``src``'s positions ``< length``, sharing its cells (no data copy).
-
-        Whatever ``dst`` held before is forgotten, as in Ollama.
+    def copy_prefix(self, src: int, dst: int, length: int) -> np.ndarray:
+        """Make ``dst`` exactly ``src``'s positions ``< length``. Whatever ``dst`` held before is
+        forgotten, as in Ollama. Without streams ``dst`` shares ``src``'s cells (no data copied) and
+        the result is empty; with ``per_sequence`` the cells are copied into ``dst``'s stream: the
+        result (n, 2) lists the (source, destination) cells whose keys and values must be copied.
         """
         self._check_seq(src)
         self._check_seq(dst)
         if length < 0:
             raise ValueError(f"copy_prefix: length must be >= 0, got {length}")
         prefix = self._member[src] & (self._pos < length)
+        if self.per_sequence and src != dst:
+            self._unlink(dst, np.flatnonzero(self._member[dst]))
+            source = np.flatnonzero(prefix)
+            target = source + (dst - src) * self.stream_size  # the same place in dst's (now empty) stream
+            self._pos[target] = self._pos[source]
+            self._member[dst, target] = True
+            self._count[target] = 1
+            self._refresh_top(dst)
+            return np.stack([source, target], axis=1).astype(np.int32)
         self._unlink(dst, np.flatnonzero(self._member[dst] & ~prefix))
         added = np.flatnonzero(prefix & ~self._member[dst])
         self._member[dst, added] = True
         self._count[added] += 1
         self._extent = None
         self._refresh_top(dst)
+        return np.zeros((0, 2), np.int32)
 
     def clear(self) -> None:
         """Forget everything."""
@@ -404,18 +474,28 @@ class Cells:
     def _refresh_top(self, seq: int) -> None:
         self._top[seq] = int(self._pos[self._member[seq]].max(initial=-1))
 
-    def _visible(self, pos: np.ndarray, seq: np.ndarray, n_kv: int, noncausal: Sequence[tuple[int, int]]) -> np.ndarray:
-        """Bool (n_tokens, n_kv): which cells each batch token attends to."""
-        cell_pos = self._pos[:n_kv]
+    def _visible(self, pos: np.ndarray, seq: np.ndarray, n_kv: int, noncausal: Sequence[tuple[int, int]],
+                 base: np.ndarray | None = None) -> np.ndarray:
+        """Bool (n_tokens, n_kv): which cells each batch token attends to. Column j is cell j, or
+        with ``base`` (one per token) cell ``base[i] + j`` for row i (a token's own stream)."""
         tok_pos = pos[:, None]
-        visible = self._member[seq, :n_kv] & (cell_pos <= tok_pos)
+        if base is None:
+            cols = slice(0, n_kv)
+            cell_pos = self._pos[:n_kv]
+            visible = self._member[seq, :n_kv] & (cell_pos <= tok_pos)
+        else:
+            cols = base[:, None] + np.arange(n_kv)
+            cell_pos = self._pos[cols]
+            visible = self._member[seq[:, None], cols] & (cell_pos <= tok_pos)
         for start, end in noncausal:
             if not 0 <= start <= end <= pos.size:
                 raise ValueError(f"mask: noncausal range ({start}, {end}) outside the batch of {pos.size}")
             for s in np.unique(seq[start:end]):
                 rows = start + np.flatnonzero(seq[start:end] == s)
                 lo, hi = pos[rows].min(), pos[rows].max()
-                visible[rows] |= self._member[s, :n_kv] & (cell_pos >= lo) & (cell_pos <= hi)
+                member, at = (self._member[s, :n_kv], cell_pos) if base is None else \
+                    (self._member[s, cols[rows]], cell_pos[rows])
+                visible[rows] |= member & (at >= lo) & (at <= hi)
         if self.swa_window is not None:
             visible &= tok_pos - cell_pos < self.swa_window
         if self.chunk_size is not None:

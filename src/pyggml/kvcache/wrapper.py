@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from pyggml.kvcache.base import Cache, CacheConfig
+from pyggml.kvcache.base import Cache, CacheConfig, KVGroup
 from pyggml.tensor import DType, Tensor
 
 if TYPE_CHECKING:
@@ -61,6 +61,9 @@ class Wrapper(Cache):
 
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor | None]:
         return self.current.get(ctx)
+
+    def get_groups(self, ctx: Context) -> list[KVGroup] | None:
+        return self.current.get_groups(ctx)
 
     def set_noncausal(self, start: int, end: int) -> None:
         for cache in self.caches:

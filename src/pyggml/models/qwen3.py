@@ -53,6 +53,9 @@ class WithinSequences:
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor]:
         return self.key, self.value, self.mask
 
+    def get_groups(self, ctx: Context) -> None:
+        return None  # one attention over the batch, by ``mask``
+
 
 @register("qwen3")
 class Qwen3(qwen2.Qwen2):
