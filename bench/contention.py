@@ -10,8 +10,8 @@ of them see the same background), loads the model, generates once to warm up, th
 ``--busy 0`` measures the machine as it is. Prints one JSON line per configuration and round, and
 a table of the median and worst request time per configuration at the end.
 
-pyggml configurations: ``t=N`` threads; ``poll=P`` replaces the CPU backend's threadpool by one
-with ggml's ``poll`` level P (0: workers sleep between graphs; ggml's default is 50).
+pyggml configurations: ``t=N`` threads; ``poll=P`` the CPU threadpool's poll level
+(``BackendParams.poll``: 0, pyggml's default, lets workers sleep between graphs; ggml's default is 50).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import time
 
 PYGGML = [("pyggml t=2 poll=50", ["--engine", "pyggml", "--threads", "2", "--poll", "50"]),
           ("pyggml t=2 poll=0", ["--engine", "pyggml", "--threads", "2", "--poll", "0"]),
-          ("pyggml t=1", ["--engine", "pyggml", "--threads", "1", "--poll", "50"])]
+          ("pyggml t=1", ["--engine", "pyggml", "--threads", "1", "--poll", "0"])]
 LLAMA = [("llama.cpp t=2", ["--engine", "llama.cpp", "--threads", "2"]),
          ("llama.cpp t=1", ["--engine", "llama.cpp", "--threads", "1"])]
 
@@ -38,17 +38,7 @@ def child(args: argparse.Namespace) -> None:
         from pyggml import BackendParams, models
         from pyggml.runner import CompletionRequest, Runner
 
-        model = models.load(args.model, BackendParams(n_threads=args.threads))
-        if args.poll != 50:
-            from pyggml._ggml import ffi, lib
-
-            backend = model.backend
-            params = lib.ggml_threadpool_params_default(args.threads)
-            params.poll = args.poll
-            pool = lib.ggml_threadpool_new(ffi.new("struct ggml_threadpool_params *", params))
-            lib.ggml_backend_cpu_set_threadpool(backend._cpu, pool)
-            lib.ggml_threadpool_free(backend._threadpool)
-            backend._threadpool = pool
+        model = models.load(args.model, BackendParams(n_threads=args.threads, poll=args.poll))
         ban = {t: -100.0 for t in model.tokenizer.vocab.eog}
         with Runner(model, parallel=1, num_ctx=256) as runner:
             for i in range(args.requests + 1):

@@ -389,6 +389,30 @@ def test_streamed_text_waits_for_whole_utf8_characters(synthetic_path):
     model.close()
 
 
+def test_decode_tokens_are_packed_by_slot(stories, monkeypatch):
+    """Decode tokens lead each batch in slot order whatever order the requests came in, so that
+    their sequences attend as one group over their own KV streams (kvcache.Causal)."""
+    with Runner(stories, parallel=3, num_ctx=128, batch_size=32) as runner:
+        batches = []
+        build = runner.engine.build
+        monkeypatch.setattr(runner.engine, "build", lambda batch, *a, **k: batches.append(list(batch.sequences))
+                            or build(batch, *a, **k))
+        results = run_concurrently(runner, [dict(prompt=f"Once upon a time {i}", max_tokens=n)
+                                            for i, n in enumerate((2, 9, 4, 12, 3, 8, 5, 10))])
+    assert [r[1][-1].generated_tokens for r in results] == [2, 9, 4, 12, 3, 8, 5, 10]
+    several = 0
+    for seqs in batches:
+        counts = {s: seqs.count(s) for s in seqs}
+        lead = []
+        for s in seqs:
+            if counts[s] > 1:
+                break
+            lead.append(s)
+        assert lead == sorted(lead), seqs
+        several += len(lead) > 1
+    assert several > 5  # many steps decoded several sequences at once
+
+
 @pytest.mark.parametrize("build_ahead", [True, False])
 def test_decode_steps_recompute_kept_graphs(stories, monkeypatch, build_ahead):
     """Decode steps of the same shape refill a kept graph instead of building one (two graphs

@@ -344,6 +344,11 @@ class BackendParams:
     # ``tensor_split`` (one non-negative number per device, in that order)
     rpc: Sequence[str] | str = ()
     tensor_split: Sequence[float] | None = None
+    # how long the CPU threadpool's idle workers spin waiting for the next graph before they sleep:
+    # 0 (sleep at once) to 100; ggml's own default is 50. 0 costs a wake-up per graph (a few us) and
+    # spares the cores between graphs, so that a machine with other busy processes degrades as
+    # llama.cpp does (docs/server.md, "Threads under contention")
+    poll: int = 0
 
     def validate(self) -> None:
         self.rpc = _rpc.normalize_endpoints(self.rpc)
@@ -358,6 +363,8 @@ class BackendParams:
             if not split or any(not x >= 0 or x == float("inf") for x in split) or sum(split) <= 0:
                 raise ValueError(f"tensor_split must be non-negative numbers with a positive sum, got {split}")
             self.tensor_split = split
+        if not isinstance(self.poll, int) or isinstance(self.poll, bool) or not 0 <= self.poll <= 100:
+            raise ValueError(f"poll must be an integer from 0 to 100, got {self.poll!r}")
         if self.n_threads is not None and (not isinstance(self.n_threads, int) or self.n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {self.n_threads!r}")
         if self.n_threads is not None and self.n_threads > max_threads():
@@ -488,6 +495,7 @@ class Backend:
             raise GGMLError(_with_log("could not start the CPU backend"))
         self._backends = [self._cpu]
         tp_params = lib.ggml_threadpool_params_default(self.n_threads)
+        tp_params.poll = self.params.poll
         self._threadpool = lib.ggml_threadpool_new(ffi.new("struct ggml_threadpool_params *", tp_params))
         lib.ggml_backend_cpu_set_n_threads(self._cpu, self.n_threads)
         if self._threadpool != NULL:

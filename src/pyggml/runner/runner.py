@@ -64,6 +64,11 @@ class RunnerClosedError(RuntimeError):
     """The runner was closed (or stopped on an internal error)."""
 
 
+def _packing_order(seq: RunningSequence) -> tuple[bool, int]:
+    prompt = len(seq.pending) - len(seq.drafts) > 1
+    return prompt, 0 if prompt else seq.slot.id
+
+
 class _Batch(Batch):
     """A batch whose token ids are one int32 array that the graph reads when it computes, so ids
     sampled from the previous batch can still be written after the graph is built."""
@@ -479,11 +484,12 @@ class Runner:
         self._active.append(seq)
 
     def _build(self) -> _Step | None:
-        """Pack the next batch: decode tokens first, then prompt tokens in arrival order."""
+        """Pack the next batch: decode tokens first, by slot (consecutive sequences attend as one
+        group, see kvcache.Causal), then prompt tokens in arrival order."""
         ids, positions, sequences, outputs, multimodal = [], [], [], [], []
         step = _Step()
         self._draft_all()
-        for seq in sorted(self._active, key=lambda s: len(s.pending) - len(s.drafts) > 1):
+        for seq in sorted(self._active, key=_packing_order):
             if seq.done:
                 continue
             if seq.cancelled:
