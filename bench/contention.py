@@ -11,7 +11,8 @@ of them see the same background), loads the model, generates once to warm up, th
 a table of the median and worst request time per configuration at the end.
 
 pyggml configurations: ``t=N`` threads; ``poll=P`` the CPU threadpool's poll level
-(``BackendParams.poll``: 0, pyggml's default, lets workers sleep between graphs; ggml's default is 50).
+(``BackendParams.poll``: how long idle workers spin for the next graph before sleeping; 0 sleeps at
+once, 1 is pyggml's default, 50 ggml's).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import sys
 import time
 
 PYGGML = [("pyggml t=2 poll=50", ["--engine", "pyggml", "--threads", "2", "--poll", "50"]),
+          ("pyggml t=2 poll=1", ["--engine", "pyggml", "--threads", "2", "--poll", "1"]),
           ("pyggml t=2 poll=0", ["--engine", "pyggml", "--threads", "2", "--poll", "0"]),
-          ("pyggml t=1", ["--engine", "pyggml", "--threads", "1", "--poll", "0"])]
+          ("pyggml t=1", ["--engine", "pyggml", "--threads", "1", "--poll", "1"])]
 LLAMA = [("llama.cpp t=2", ["--engine", "llama.cpp", "--threads", "2"]),
          ("llama.cpp t=1", ["--engine", "llama.cpp", "--threads", "1"])]
 

@@ -60,6 +60,8 @@ def test_first_use_of_the_demo_model_is_announced_and_show_formats_parameters(tm
     (["run", "demo", "hi", "--threads", "0"], 2, ["--threads must be an integer >= 1"]),
     (["embed", "demo", "hi", "--threads", "-2"], 2, ["--threads must be an integer >= 1"]),
     (["serve", "demo", "--threads", "0"], 2, ["--threads must be an integer >= 1"]),
+    (["serve", "demo", "--poll", "101"], 2, ["--poll must be an integer from 0 to 100"]),
+    (["serve", "demo", "--poll", "x"], 2, ["--poll must be an integer from 0 to 100"]),
     (["run", "demo", "hi", "--temperature", "-1"], 2, ["--temperature must be a number >= 0"]),
     (["run", "demo", "hi", "--ctx", "1"], 2, ["--ctx must be an integer >= 2"]),
     (["run", "demo", "hi", "--gpu-layers", "some"], 2, ["--gpu-layers must be an integer >= 0"]),

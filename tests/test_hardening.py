@@ -315,7 +315,7 @@ def test_poll_level_checked_and_any_level_computes():
     for bad in (-1, 101, 1.5, True, "50"):
         with pytest.raises(ValueError, match="poll must be an integer from 0 to 100"):
             Backend(BackendParams(n_threads=1, poll=bad))
-    assert BackendParams().poll == 0  # idle workers sleep: docs/server.md, "Threads under contention"
+    assert BackendParams().poll == 1  # idle workers soon sleep: docs/server.md, "Threads under contention"
     for level in (0, 50, 100):
         with Backend(BackendParams(n_threads=2, poll=level)) as b, b.new_context() as ctx:
             x = ctx.from_numpy(np.arange(6, dtype=np.float32).reshape(2, 3))

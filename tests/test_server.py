@@ -524,3 +524,25 @@ def test_cli_registers_serve():
 
     args = build_parser().parse_args(["serve", "m.gguf", "--port", "8080", "--parallel", "2", "--queue", "0"])
     assert args.func is cmd_serve and (args.host, args.port, args.parallel, args.queue) == ("127.0.0.1", 8080, 2, 0)
+
+
+def test_serve_loads_models_with_its_poll_level(monkeypatch, tmp_path):
+    """A server's CPU workers spin ~2 ms for the next step by default (poll 1: docs/server.md, "Threads
+    under contention"); --poll / serve(poll=...) picks another level."""
+    from pyggml.server import app
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+
+    def fake_load(path, params, **options):
+        seen.append(params.poll)
+        raise Stop
+
+    monkeypatch.setattr(app, "check_has_weights", lambda path: None)
+    monkeypatch.setattr(app.models, "load", fake_load)
+    for options in ({}, {"poll": 0}):
+        with pytest.raises(Stop):
+            app.serve(tmp_path / "m.gguf", port=0, **options)
+    assert seen == [1, 0]

@@ -345,10 +345,11 @@ class BackendParams:
     rpc: Sequence[str] | str = ()
     tensor_split: Sequence[float] | None = None
     # how long the CPU threadpool's idle workers spin waiting for the next graph before they sleep:
-    # 0 (sleep at once) to 100; ggml's own default is 50. 0 costs a wake-up per graph (a few us) and
-    # spares the cores between graphs, so that a machine with other busy processes degrades as
-    # llama.cpp does (docs/server.md, "Threads under contention")
-    poll: int = 0
+    # 0 (sleep at once) to 100 (ggml's own default is 50, ~100 ms of spinning). 1 (~2 ms) bridges the
+    # gap between two decode steps, as fast as 50 on a quiet machine, and gives a core back soon
+    # enough that a machine with other busy processes degrades no worse than llama.cpp (docs/server.md,
+    # "Threads under contention")
+    poll: int = 1
 
     def validate(self) -> None:
         self.rpc = _rpc.normalize_endpoints(self.rpc)

@@ -542,6 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=_positive("--threads"), default=None,
                        help="CPU threads (default: physical cores; on a machine other work keeps busy, use fewer "
                             "than the free cores, e.g. 1: see docs/server.md)")
+    serve.add_argument("--poll", type=_poll_level, default=None,
+                       help="how long idle CPU workers spin for the next step before sleeping, 0-100 (default 1, "
+                            "~2 ms; 0: at once, kindest to other busy processes; 50: ggml's default; see "
+                            "docs/server.md)")
     serve.add_argument("--batch-size", type=_positive("--batch-size"), default=512,
                        help="most tokens per forward pass (default: 512)")
     serve.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto",
@@ -671,7 +675,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      max_predict=args.max_predict, queue_timeout=args.queue_timeout,
                      allowed_hosts=split_list(allowed) if allowed else None, origins=split_list(origins),
                      draft=draft, draft_max=args.draft_max, mmproj=args.mmproj, max_loaded=args.max_loaded,
-                     keep_alive=keep_alive, model_ref=ref, **_rpc_options(args))
+                     keep_alive=keep_alive, model_ref=ref, **({} if args.poll is None else {"poll": args.poll}),
+                     **_rpc_options(args))
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C it caught
         return 0
 
@@ -711,6 +716,16 @@ def _positive(flag: str, low: int = 1) -> Any:
         return value
 
     return parse
+
+
+def _poll_level(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"--poll must be an integer from 0 to 100, got {text!r}")
+    return value
 
 
 def _seconds(flag: str) -> Any:
