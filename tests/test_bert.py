@@ -47,14 +47,20 @@ def tiny(tmp_path_factory):
     """(hf_dir, hf_model, {out_type: gguf path}) of one tiny random BERT, converted lazily."""
     root = tmp_path_factory.mktemp("bert")
     hf_dir, hf_model = make_tiny_bert(root)
+    return hf_dir, hf_model, converted_lazily(hf_dir, root, "tiny-bert")
+
+
+def converted_lazily(hf_dir, root, stem: str):
+    """gguf(out_type="f32") -> the path of ``hf_dir`` converted to that type (root/stem-type.gguf),
+    converted on first use."""
     files = {}
 
     def gguf(out_type: str = "f32"):
         if out_type not in files:
-            files[out_type] = convert_hf(hf_dir, root / f"tiny-bert-{out_type}.gguf", out_type=out_type)
+            files[out_type] = convert_hf(hf_dir, root / f"{stem}-{out_type}.gguf", out_type=out_type)
         return files[out_type]
 
-    return hf_dir, hf_model, gguf
+    return gguf
 
 
 @pytest.fixture(scope="module")

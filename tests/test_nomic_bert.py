@@ -31,7 +31,7 @@ from pyggml.models import Batch, Pooling  # noqa: E402
 
 from ._gguf_meta import read_metadata  # noqa: E402
 from .hf_fixtures import make_wordpiece_vocab  # noqa: E402
-from .test_bert import hf_pooled, hf_states, run_embed  # noqa: E402  (the same helpers serve both encoders)
+from .test_bert import converted_lazily, hf_pooled, hf_states, run_embed  # noqa: E402  (the same helpers serve both encoders)
 
 TEXTS = [
     "Hello world, the café is naïve!",
@@ -85,14 +85,7 @@ def tiny(tmp_path_factory):
     """(hf_dir, hf_model, gguf(out_type) -> path) of one tiny random Nomic BERT, converted lazily."""
     root = tmp_path_factory.mktemp("nomic")
     hf_dir, hf_model = make_tiny_nomic(root)
-    files = {}
-
-    def gguf(out_type: str = "f32"):
-        if out_type not in files:
-            files[out_type] = convert_hf(hf_dir, root / f"tiny-nomic-{out_type}.gguf", out_type=out_type)
-        return files[out_type]
-
-    return hf_dir, hf_model, gguf
+    return hf_dir, hf_model, converted_lazily(hf_dir, root, "tiny-nomic")
 
 
 @pytest.fixture(scope="module")

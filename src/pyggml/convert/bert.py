@@ -33,11 +33,7 @@ class Bert(Architecture):
 
     def metadata(self, w: gguf.GGUFWriter) -> None:
         super().metadata(w)
-        if "layer_norm_eps" not in self.config:
-            w.add_layer_norm_eps(1e-12)
-        w.add_causal_attention(False)
-        w.add_pooling_type(self.pooling_type)
-        w.add_token_type_count(self.n_types)
+        encoder_metadata(self, w)
 
     def vocab(self) -> Vocab:
         return wordpiece_vocab(self.hf_dir, self.n_vocab)
@@ -59,3 +55,14 @@ class Bert(Architecture):
             shapes[f"blk.{{bid}}.{kind}.weight"] = shape
             shapes[f"blk.{{bid}}.{kind}.bias"] = shape[:1]
         return shapes
+
+
+def encoder_metadata(arch: Architecture, w: gguf.GGUFWriter) -> None:
+    """The keys every BERT-like encoder adds to the common ones: BERT's LayerNorm epsilon when the
+    config has none, bidirectional attention, the pooling and the token-type count (``arch``'s
+    ``pooling_type`` and ``n_types``)."""
+    if "layer_norm_eps" not in arch.config:
+        w.add_layer_norm_eps(1e-12)
+    w.add_causal_attention(False)
+    w.add_pooling_type(arch.pooling_type)
+    w.add_token_type_count(arch.n_types)

@@ -13,6 +13,7 @@ from typing import Any
 import gguf
 
 from .base import Architecture, register
+from .bert import encoder_metadata
 from .tensors import Source
 from .vocab import Vocab, wordpiece_vocab
 
@@ -55,13 +56,9 @@ class NomicBert(Architecture):
 
     def metadata(self, w: gguf.GGUFWriter) -> None:
         super().metadata(w)
-        if "layer_norm_eps" not in self.config:
-            w.add_layer_norm_eps(1e-12)
+        encoder_metadata(self, w)
         if "rope_theta" not in self.rope:
             w.add_rope_freq_base(1000.0)  # nomic-bert's default base
-        w.add_causal_attention(False)
-        w.add_pooling_type(self.pooling_type)
-        w.add_token_type_count(self.n_types)
 
     def vocab(self) -> Vocab:
         return wordpiece_vocab(self.hf_dir, self.n_vocab)

@@ -35,34 +35,41 @@ class Options:
 
     @classmethod
     def from_config(cls, config) -> Options:
-        hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
-        n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
-        if not hidden or not n_heads or hidden % n_heads:
-            raise ModelError(f"bert: embedding_length ({hidden}) must be a non-zero multiple of "
-                             f"attention.head_count ({n_heads})")
-        if config.uint("attention.head_count_kv", n_heads) != n_heads:
-            raise ModelError("bert: attention.head_count_kv differs from attention.head_count; grouped-query "
-                             "attention is not supported for bert")
-        if config.bool("attention.causal", False):
-            raise ModelError("bert: attention.causal is true; only bidirectional BERT encoders are supported")
-        try:
-            pooling = Pooling.parse(config.uint("pooling_type", Pooling.NONE))
-        except ValueError as exc:
-            raise ModelError(f"bert: {exc}") from None
-        if pooling == Pooling.RANK:
-            raise ModelError("bert: rank pooling (rerankers) is not supported")
-        return cls(
-            hidden_size=hidden,
-            n_layers=config.uint("block_count", min=1, max=MAX_LAYERS),
-            n_heads=n_heads,
-            head_dim=hidden // n_heads,
-            ffn_size=config.uint("feed_forward_length", min=1, max=MAX_WIDTH),
-            vocab_size=len(config.get("tokenizer.ggml.tokens", ())) or None,
-            n_token_types=config.uint("tokenizer.ggml.token_type_count", None, max=MAX_VOCAB),
-            context_length=config.uint("context_length", 512, min=1, max=MAX_CONTEXT),
-            eps=config.float("attention.layer_norm_epsilon", 1e-12, min=0.0, max=1.0),
-            pooling=pooling,
-        )
+        return cls(**encoder_options(config, "bert", default_context=512))
+
+
+def encoder_options(config, arch: str, default_context: int) -> dict:
+    """The hyper-parameters every BERT-like encoder reads (the fields of ``Options``), checked, with
+    errors that name ``arch``'s key: one head size, no grouped-query or causal attention, no rank
+    pooling. ``default_context``: the context when the file does not say."""
+    hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
+    n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
+    if not hidden or not n_heads or hidden % n_heads:
+        raise ModelError(f"{arch}: embedding_length ({hidden}) must be a non-zero multiple of "
+                         f"attention.head_count ({n_heads})")
+    if config.uint("attention.head_count_kv", n_heads) != n_heads:
+        raise ModelError(f"{arch}: attention.head_count_kv differs from attention.head_count; grouped-query "
+                         f"attention is not supported for {arch}")
+    if config.bool("attention.causal", False):
+        raise ModelError(f"{arch}: attention.causal is true; only bidirectional encoders are supported")
+    try:
+        pooling = Pooling.parse(config.uint("pooling_type", Pooling.NONE))
+    except ValueError as exc:
+        raise ModelError(f"{arch}: {exc}") from None
+    if pooling == Pooling.RANK:
+        raise ModelError(f"{arch}: rank pooling (rerankers) is not supported")
+    return dict(
+        hidden_size=hidden,
+        n_layers=config.uint("block_count", min=1, max=MAX_LAYERS),
+        n_heads=n_heads,
+        head_dim=hidden // n_heads,
+        ffn_size=config.uint("feed_forward_length", min=1, max=MAX_WIDTH),
+        vocab_size=len(config.get("tokenizer.ggml.tokens", ())) or None,
+        n_token_types=config.uint("tokenizer.ggml.token_type_count", None, max=MAX_VOCAB),
+        context_length=config.uint("context_length", default_context, min=1, max=MAX_CONTEXT),
+        eps=config.float("attention.layer_norm_epsilon", 1e-12, min=0.0, max=1.0),
+        pooling=pooling,
+    )
 
 
 class SelfAttention(nn.Module):

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyggml import nn
-from pyggml.backend import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Context
+from pyggml.backend import MAX_WIDTH, Context
 from pyggml.models import ModelError, Pooling, register
-from pyggml.models.bert import Bert, sequence_mask
+from pyggml.models.bert import Bert, encoder_options, sequence_mask
 from pyggml.tensor import RopeType, Tensor
 
 
@@ -39,43 +39,16 @@ class Options:
 
     @classmethod
     def from_config(cls, config) -> Options:
-        hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
-        n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
-        if not hidden or not n_heads or hidden % n_heads:
-            raise ModelError(f"nomic-bert: embedding_length ({hidden}) must be a non-zero multiple of "
-                             f"attention.head_count ({n_heads})")
-        if config.uint("attention.head_count_kv", n_heads) != n_heads:
-            raise ModelError("nomic-bert: attention.head_count_kv differs from attention.head_count; grouped-query "
-                             "attention is not supported for nomic-bert")
-        if config.bool("attention.causal", False):
-            raise ModelError("nomic-bert: attention.causal is true; only bidirectional encoders are supported")
         if config.uint("moe_every_n_layers", 0):
             raise ModelError("nomic-bert: moe_every_n_layers is set (nomic-bert-moe); mixture-of-experts layers "
                              "are not supported")
-        try:
-            pooling = Pooling.parse(config.uint("pooling_type", Pooling.NONE))
-        except ValueError as exc:
-            raise ModelError(f"nomic-bert: {exc}") from None
-        if pooling == Pooling.RANK:
-            raise ModelError("nomic-bert: rank pooling (rerankers) is not supported")
-        head_dim = hidden // n_heads
+        fields = encoder_options(config, "nomic-bert", default_context=2048)
+        head_dim = fields["head_dim"]
         n_rot = config.uint("rope.dimension_count", head_dim, max=MAX_WIDTH)
         if n_rot != head_dim:
             raise ModelError(f"nomic-bert: rope.dimension_count {n_rot} differs from the head size {head_dim}; "
                              "partial rotary is not supported")
-        return cls(
-            hidden_size=hidden,
-            n_layers=config.uint("block_count", min=1, max=MAX_LAYERS),
-            n_heads=n_heads,
-            head_dim=head_dim,
-            ffn_size=config.uint("feed_forward_length", min=1, max=MAX_WIDTH),
-            vocab_size=len(config.get("tokenizer.ggml.tokens", ())) or None,
-            n_token_types=config.uint("tokenizer.ggml.token_type_count", None, max=MAX_VOCAB),
-            context_length=config.uint("context_length", 2048, min=1, max=MAX_CONTEXT),
-            eps=config.float("attention.layer_norm_epsilon", 1e-12, min=0.0, max=1.0),
-            pooling=pooling,
-            rope=nn.Rope.from_config(config, head_dim, RopeType.NEOX),
-        )
+        return cls(**fields, rope=nn.Rope.from_config(config, head_dim, RopeType.NEOX))
 
 
 class SelfAttention(nn.Module):
