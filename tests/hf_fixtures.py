@@ -15,6 +15,8 @@ import random
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -243,6 +245,16 @@ def make_tiny_gemma(tmp_path: Path, *, arch: str = "gemma3", n_layers: int = 6, 
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
+
+
+def png(seed: int, size: tuple[int, int] = (40, 28), mode: str = "RGB") -> bytes:
+    """A PNG of random pixels (``size`` = (width, height)), converted to ``mode``; needs Pillow."""
+    from PIL import Image
+
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).convert(mode).save(out, format="PNG")
+    return out.getvalue()
 
 
 def make_wordpiece_vocab(out_dir: Path, seed: int = 0) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .hf_fixtures import make_spm_tokenizer
+from .hf_fixtures import make_spm_tokenizer, png
 from .test_convert import needs_llama_cpp
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
@@ -21,14 +21,6 @@ SYMBOLS = ("<start_of_image>", "<end_of_image>", "<image_soft_token>")
 SIZE, PATCH, TOKENS = 32, 8, 4  # a 4x4 patch grid pooled to 2x2 image tokens
 PROMPT = "The cafe is [img-0] naive, 42 people said! Then they left"
 SHORT = "a [img-0] cat"  # prompt + output within the sliding window (16): a cached prefix can be resumed
-
-
-def png(seed: int, size: tuple[int, int] = (40, 28), mode: str = "RGB") -> bytes:
-    rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).convert(mode).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from .hf_fixtures import make_bpe_tokenizer
+from .hf_fixtures import make_bpe_tokenizer, png
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (`reference` extra)")
@@ -24,13 +24,6 @@ MIDDLE = "Look at this: [img-0] The cafe is naive, 42 people said"
 # Tolerances, max |a - b| / max |b|: measured 4.6e-7 .. 6.3e-7 (encoder states), 2.4e-7 (image embeddings),
 # 6e-7 .. 1e-6 (logits) on these F32 models (2 threads, x86-64); the margin is for other CPUs' kernels
 TOLERANCE = 1e-4
-
-
-def png(seed: int, size: tuple[int, int] = (40, 28), mode: str = "RGB") -> bytes:
-    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).convert(mode).save(out, format="PNG")
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

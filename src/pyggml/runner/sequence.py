@@ -353,15 +353,7 @@ class CompletionStream(Iterator[CompletionChunk]):
         if self._pump is not None:
             while self._seq.out.empty():
                 self._pump()
-        item = self._seq.out.get()
-        limit = self._seq.max_backlog
-        if limit is not None and self._seq.out.qsize() == limit - 1:  # it was paused: resume it
-            self._wake()
-        if isinstance(item, BaseException):
-            self._over = True
-            raise item
-        self._over = item.done
-        return item
+        return self._took(self._seq.out.get())
 
     def poll(self) -> CompletionChunk | None:
         """The next chunk if one is there, else None (never blocks; raises the completion's error).
@@ -372,6 +364,10 @@ class CompletionStream(Iterator[CompletionChunk]):
             item = self._seq.out.get_nowait()
         except queue.Empty:
             return None
+        return self._took(item)
+
+    def _took(self, item: CompletionChunk | BaseException) -> CompletionChunk:
+        """A chunk just taken from the queue: resume a sequence paused on a full backlog, raise an error."""
         limit = self._seq.max_backlog
         if limit is not None and self._seq.out.qsize() == limit - 1:  # it was paused: resume it
             self._wake()
