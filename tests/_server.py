@@ -13,19 +13,17 @@ from pyggml.runner import Runner
 
 
 @contextlib.contextmanager
-def running_server(path, *, parallel: int = 2, num_ctx: int = 256, cache_type: str = "f16", queue: int = 16):
-    """(base_url, served) of a server on a free port; stopped and unloaded on exit."""
+def serving(app, *, sndbuf: int | None = None, on_exit=None):
+    """The base URL of ``app`` served by uvicorn in a thread on a free 127.0.0.1 port, until exit.
+    ``sndbuf``: the send buffer of the connections it accepts; ``on_exit()`` runs before the server
+    thread is joined (closing a runner ends whatever still streams, so the shutdown does not wait)."""
     import uvicorn
 
-    from pyggml.server import ServedModel, create_app
-
-    model = models.load(path, BackendParams(n_threads=1))
-    runner = Runner(model, parallel=parallel, num_ctx=num_ctx, batch_size=64, cache_type=cache_type)
-    served = ServedModel(runner, path, queue=queue)
     sock = socket.socket()
+    if sndbuf is not None:  # accepted sockets inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(served), log_level="warning", timeout_graceful_shutdown=2))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -33,13 +31,29 @@ def running_server(path, *, parallel: int = 2, num_ctx: int = 256, cache_type: s
         while not server.started:
             assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}", served
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
-        runner.close()
-        thread.join(15)
-        model.close()
+        if on_exit is not None:
+            on_exit()
+        thread.join(20)
         sock.close()
+
+
+@contextlib.contextmanager
+def running_server(path, *, parallel: int = 2, num_ctx: int = 256, cache_type: str = "f16", queue: int = 16):
+    """(base_url, served) of a server on a free port; stopped and unloaded on exit."""
+    from pyggml.server import ServedModel, create_app
+
+    model = models.load(path, BackendParams(n_threads=1))
+    runner = Runner(model, parallel=parallel, num_ctx=num_ctx, batch_size=64, cache_type=cache_type)
+    served = ServedModel(runner, path, queue=queue)
+    try:
+        with serving(create_app(served), on_exit=runner.close) as base:
+            yield base, served
+    finally:
+        runner.close()
+        model.close()
 
 
 def post(server: tuple, route: str, body: dict) -> dict:

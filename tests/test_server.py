@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,6 +19,7 @@ from pyggml import BackendParams, models
 from pyggml.runner import Runner
 from pyggml.synthetic import write_synthetic
 
+from ._server import serving
 from .conftest import SHARED_MODELS
 
 _NEEDS = "the server tests need: pip install starlette uvicorn httpx openai ollama"
@@ -45,27 +44,12 @@ def running_server(path, parallel: int, queue: int, num_ctx: int = 256, sndbuf: 
     model = models.load(path, BackendParams(n_threads=1))
     runner = Runner(model, parallel=parallel, num_ctx=num_ctx, batch_size=64)
     served = ServedModel(runner, path, queue=queue, **options)
-    sock = socket.socket()
-    if sndbuf is not None:  # accepted sockets inherit it
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    app = create_app(served, **(app_options or {}))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{port}", served
+        with serving(create_app(served, **(app_options or {})), sndbuf=sndbuf, on_exit=runner.close) as base:
+            yield base, served
     finally:
-        server.should_exit = True
-        runner.close()  # ends whatever still streams, so uvicorn's shutdown does not wait on it
-        thread.join(15)
+        runner.close()
         model.close()
-        sock.close()
 
 
 @pytest.fixture(scope="module")

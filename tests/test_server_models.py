@@ -6,9 +6,7 @@ use announced as an error before anything is served)."""
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +25,8 @@ uvicorn = pytest.importorskip("uvicorn", reason=_NEEDS)
 
 from pyggml.server import ServedModel, create_app  # noqa: E402
 from pyggml.server.models import FOREVER, ModelManager  # noqa: E402
+
+from ._server import serving  # noqa: E402
 
 NO_END = {"temperature": 0}
 
@@ -58,23 +58,8 @@ class Loads:
         return served
 
 
-@contextlib.contextmanager
 def running(manager: ModelManager):
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(manager), log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        sock.close()
+    return serving(create_app(manager))
 
 
 def generate(base, model, **body):
