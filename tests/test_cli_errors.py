@@ -163,16 +163,22 @@ def test_serve_ctrl_c_and_a_port_in_use(tmp_path):
     assert proc.returncode == 0 and "Traceback" not in err, err
 
 
-def test_serve_without_a_model_serves_the_store_by_name(tmp_path):
-    httpx = pytest.importorskip("httpx")
-    pytest.importorskip("uvicorn")
+def _ollama_store(tmp_path, **layers):
+    """An Ollama model store under tmp_path holding a tiny random model as "tiny:latest"."""
     from pyggml.synthetic import write_synthetic
 
     from .test_store import make_ollama
 
     store = tmp_path / "ollama"
     store.mkdir()
-    make_ollama(store, write_synthetic(tmp_path / "tiny.gguf", "tiny", "f32"))
+    make_ollama(store, write_synthetic(tmp_path / "tiny.gguf", "tiny", "f32"), **layers)
+    return store
+
+
+def test_serve_without_a_model_serves_the_store_by_name(tmp_path):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    store = _ollama_store(tmp_path)
     proc = spawn(tmp_path, "serve", "--port", "0", "--threads", "1", "--keep-alive", "-1", OLLAMA_MODELS=str(store))
     try:
         url = _serving(proc)
@@ -190,13 +196,7 @@ def test_serve_without_a_model_serves_the_store_by_name(tmp_path):
 def test_serve_one_stored_model_by_name_keeps_its_ollama_layers(tmp_path):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from pyggml.synthetic import write_synthetic
-
-    from .test_store import make_ollama
-
-    store = tmp_path / "ollama"
-    store.mkdir()
-    make_ollama(store, write_synthetic(tmp_path / "tiny.gguf", "tiny", "f32"), params={"num_predict": 2})
+    store = _ollama_store(tmp_path, params={"num_predict": 2})
     proc = spawn(tmp_path, "serve", "tiny", "--port", "0", "--threads", "1", OLLAMA_MODELS=str(store))
     try:
         url = _serving(proc)
