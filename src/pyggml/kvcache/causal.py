@@ -53,7 +53,7 @@ class _Pass:
                  "group_masks", "index", "element_index")
 
     def __init__(self, positions: np.ndarray, sequences: np.ndarray, cells: Tensor, mask: Tensor | None,
-                 n_kv: int, reserve: bool, groups: list[_Group] | None = None,
+                 n_kv: int | None, reserve: bool, groups: list[_Group] | None = None,
                  group_masks: list[Tensor] | None = None):
         self.positions, self.sequences, self.cells = positions, sequences, cells
         self.mask, self.n_kv, self.reserve = mask, n_kv, reserve
@@ -250,7 +250,7 @@ class Causal(Cache):
                 mask = cells.mask(positions, sequences, padding=self.config.padding, dtype=self._mask_dtype)
                 n_kv = mask.shape[1]  # the used cells rounded up to the padding
             else:
-                mask, n_kv = None, cells.used_extent(self.config.padding)
+                mask, n_kv = None, None  # get_groups serves it; get (if a model calls it) counts the cells
         if not n:  # nothing to attend with; put/get refuse such a pass
             self._pass = _Pass(positions, sequences, None, None, n_kv, reserve)
             return
@@ -388,6 +388,8 @@ class Causal(Cache):
         layer = self._layer
         if layer not in self.keys:
             raise ValueError(f"Causal.get: layer {layer} has nothing stored (put comes first)")
+        if p.n_kv is None:
+            p.n_kv = self.cells.used_extent(self.config.padding)
         if p.mask is None:
             mask = self.cells.mask(p.positions, p.sequences, n_kv=p.n_kv, noncausal=p.noncausal,
                                    dtype=self._mask_dtype)
