@@ -279,3 +279,14 @@ def test_poll_levels_script_times_each_level(tmp_path):
     lines = {line.split(":")[0]: line for line in proc.stdout.splitlines() if line.startswith("poll")}
     assert set(lines) == {"poll   0", "poll   1"}
     assert all(len(re.findall(r"\d+\.\d+", line)) == 3 for line in lines.values())  # median + 2 rounds
+
+
+def test_attention_streams_script_compares_the_two_graphs(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    code, _, err = run_cli(["make-model", "tiny", str(model), "--type", "f32"])
+    assert code == 0, err
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "attention_streams.py"), str(model), "--history", "5,9",
+                           "-P", "3", "--repeats", "2", "--threads", "1"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("history")]
+    assert [row.split(":")[0].split()[-1] for row in rows] == ["5", "9"] and all("ratio" in row for row in rows)
