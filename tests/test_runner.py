@@ -5,6 +5,7 @@ synthetic random-weight model (always)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -19,6 +20,7 @@ from pyggml.runner import (
     RunnerClosedError,
     count_common_prefix,
 )
+from pyggml.runner import runner as runner_module
 from pyggml.runner.sequence import RunningSequence
 from pyggml.synthetic import write_synthetic
 
@@ -411,6 +413,36 @@ def test_decode_tokens_are_packed_by_slot(stories, monkeypatch):
         assert lead == sorted(lead), seqs
         several += len(lead) > 1
     assert several > 5  # many steps decoded several sequences at once
+
+
+def test_a_burst_of_requests_starts_its_prompts_in_one_step(stories, monkeypatch):
+    """While a request is on its way (``Runner.arriving``: a server rendering its template), the
+    loop holds a batch that would start new prompts with slots free, so the requests of a burst
+    share one prompt step instead of the later ones waiting through the first one's."""
+    monkeypatch.setattr(runner_module, "ARRIVAL_WAIT_S", 30.0)  # the test's pause, not the bound, decides
+    with Runner(stories, parallel=4, num_ctx=128, batch_size=64) as runner:
+        batches = []
+        build = runner.engine.build
+        monkeypatch.setattr(runner.engine, "build", lambda batch, *a, **k: batches.append(list(batch.sequences))
+                            or build(batch, *a, **k))
+        with runner.arriving():
+            first = runner.completion(CompletionRequest("Once upon a time", max_tokens=3, temperature=0.0))
+            time.sleep(0.3)  # the first request waits in the queue; the loop must not start it alone
+            second = runner.completion(CompletionRequest("The little dog", max_tokens=3, temperature=0.0))
+        assert [c.generated_tokens for c in first][-1] == 3 and [c.generated_tokens for c in second][-1] == 3
+    assert len(set(batches[0])) == 2, batches[:3]
+
+
+def test_a_request_that_never_arrives_holds_the_loop_only_briefly(stories, monkeypatch):
+    """An ``arriving`` mark that is never followed by a request (a template rendering for
+    seconds) delays batches by at most ARRIVAL_WAIT_S after it was made, not every step."""
+    monkeypatch.setattr(runner_module, "ARRIVAL_WAIT_S", 1.0)
+    with Runner(stories, parallel=4, num_ctx=128, batch_size=64) as runner, runner.arriving():
+        start = time.monotonic()
+        _, chunks = run(runner, "Once upon a time", max_tokens=12)
+        took = time.monotonic() - start
+    assert chunks[-1].generated_tokens == 12
+    assert took < 6.0, f"{took:.1f} s: the mark held up more than its one second"  # 12 s if every step waited
 
 
 @pytest.mark.parametrize("build_ahead", [True, False])

@@ -38,8 +38,9 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -58,6 +59,11 @@ log = logging.getLogger(__name__)
 _UNSET = -1  # token id of a placeholder input whose token is not sampled yet
 _IMAGE_MARK = re.compile(r"\[img-(\d+)\]")  # where an image goes in a prompt (Ollama's marker)
 MAX_DRAFT = 32  # most tokens drafted per step (speculative decoding)
+# With slots free, the loop builds a batch only once no request has arrived (and no sequence ended)
+# for ARRIVAL_QUIET_S and none is being prepared (``Runner.arriving``), waiting at most ARRIVAL_WAIT_S:
+# requests of a burst come a millisecond or two apart, and a prompt step takes 100 ms to seconds.
+ARRIVAL_QUIET_S = 0.005
+ARRIVAL_WAIT_S = 0.05
 
 
 class RunnerClosedError(RuntimeError):
@@ -144,6 +150,8 @@ class Runner:
         self.build_ahead = build_ahead and in_place
         self._cond = threading.Condition()
         self._waiting: deque[RunningSequence] = deque()
+        self._arriving = 0  # requests being prepared (``arriving``) that have not reached _waiting yet
+        self._last_arrival = 0.0  # time.monotonic() of the last request that reached ``arriving``/_waiting
         self._active: list[RunningSequence] = []
         self._closing = False
         self._in_flight: _Step | None = None  # the batch computing in the worker (build-ahead)
@@ -222,13 +230,33 @@ class Runner:
     # ---- API ------------------------------------------------------------------------------------
     def completion(self, request: CompletionRequest) -> CompletionStream:
         """Queue a completion; iterate the result for its chunks (the last has ``done=True``)."""
-        seq = self._prepare(request)
-        with self._cond:
-            if self._closing:
-                raise RunnerClosedError(f"the runner is closed{f': {self._error}' if self._error else ''}")
-            self._waiting.append(seq)
-            self._cond.notify()
+        with self.arriving():
+            seq = self._prepare(request)
+            with self._cond:
+                if self._closing:
+                    raise RunnerClosedError(f"the runner is closed{f': {self._error}' if self._error else ''}")
+                self._waiting.append(seq)
+                self._last_arrival = time.monotonic()
+                self._cond.notify()
         return CompletionStream(seq, self._wake, None if self._thread is not None else self._pump)
+
+    @contextmanager
+    def arriving(self) -> Iterator[None]:
+        """Mark a request on its way to ``completion`` (a server wraps its template rendering in
+        this; ``completion`` marks its own tokenizing). A batch that would start new prompts while
+        slots are free waits for such requests, and for a short quiet spell after the last one
+        arrived (at most ``ARRIVAL_WAIT_S`` in all): a burst of requests then shares one prompt
+        step, rather than the first to arrive starting a long step that the others, a few
+        milliseconds behind, must wait through before theirs start."""
+        with self._cond:
+            self._arriving += 1
+            self._last_arrival = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._arriving -= 1
+                self._cond.notify()
 
     @property
     def generates(self) -> bool:
@@ -404,6 +432,8 @@ class Runner:
                     self._notify()
                     continue
                 self._cond.wait()
+            if block and len(self._active) + len(self._waiting) < self.parallel:
+                self._await_arrivals()
             closing = self._closing
             dropped = [s for s in self._waiting if s.cancelled]
             for seq in dropped:
@@ -440,6 +470,19 @@ class Runner:
             if any(seq.done or seq.generated == 1 for seq in self._due):
                 self._notify()  # a first token (time to first token) or an end (a free slot): now
         return True
+
+    def _await_arrivals(self) -> None:
+        """Slots are free and requests are arriving (or were, or a sequence just ended: its
+        client's next request is usually a millisecond behind): let them in before building,
+        so that a burst shares one prompt step (see ``arriving``). Called holding _cond."""
+        deadline = time.monotonic() + ARRIVAL_WAIT_S
+        while not self._closing:
+            # a request still being prepared ARRIVAL_WAIT_S after it came holds nothing up any more
+            quiet = self._last_arrival + (ARRIVAL_WAIT_S if self._arriving else ARRIVAL_QUIET_S)
+            left = min(deadline, quiet) - time.monotonic()
+            if left <= 0:
+                return
+            self._cond.wait(left)
 
     def _notify(self) -> None:
         """Tell the consumers waiting for a notify (``CompletionStream.set_notify``) that chunks
@@ -773,6 +816,7 @@ class Runner:
             seq.slot.in_use = False
         if seq in self._active:
             self._active.remove(seq)
+            self._last_arrival = time.monotonic()  # its client's next request is often on its way
         if error is not None:
             seq.fail(error)
         else:

@@ -327,8 +327,10 @@ class Job:
     def _run(self) -> None:
         try:
             try:
-                self.request = self._prepare()
-                stream = self._served.runner.completion(self.request)
+                runner = self._served.runner
+                with runner.arriving():  # a burst of requests starts its prompts in one step
+                    self.request = self._prepare()
+                    stream = runner.completion(self.request)
             except Exception as exc:
                 self._release()
                 self._put(exc)
