@@ -10,9 +10,10 @@ of them see the same background), loads the model, generates once to warm up, th
 ``--busy 0`` measures the machine as it is. Prints one JSON line per configuration and round, and
 a table of the median and worst request time per configuration at the end.
 
-pyggml configurations: ``t=N`` threads; ``poll=P`` the CPU threadpool's poll level
-(``BackendParams.poll``: how long idle workers spin for the next graph before sleeping; 0 sleeps at
-once, 1 is pyggml's default, 50 ggml's).
+pyggml configurations: ``t=N`` threads, always all of them; ``poll=P`` the CPU threadpool's poll
+level (``BackendParams.poll``: how long idle workers spin for the next graph before sleeping; 0
+sleeps at once, 1 is pyggml's default, 50 ggml's); ``(default)``: pyggml's defaults, poll 1 and
+``BackendParams.adapt_threads`` (fewer threads while other processes keep cores busy).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ import subprocess
 import sys
 import time
 
-PYGGML = [("pyggml t=2 poll=50", ["--engine", "pyggml", "--threads", "2", "--poll", "50"]),
+PYGGML = [("pyggml t=2 (default)", ["--engine", "pyggml", "--threads", "2", "--poll", "1", "--adapt"]),
+          ("pyggml t=2 poll=50", ["--engine", "pyggml", "--threads", "2", "--poll", "50"]),
           ("pyggml t=2 poll=1", ["--engine", "pyggml", "--threads", "2", "--poll", "1"]),
           ("pyggml t=2 poll=0", ["--engine", "pyggml", "--threads", "2", "--poll", "0"]),
           ("pyggml t=1", ["--engine", "pyggml", "--threads", "1", "--poll", "1"])]
@@ -40,7 +42,8 @@ def child(args: argparse.Namespace) -> None:
         from pyggml import BackendParams, models
         from pyggml.runner import CompletionRequest, Runner
 
-        model = models.load(args.model, BackendParams(n_threads=args.threads, poll=args.poll))
+        model = models.load(args.model, BackendParams(n_threads=args.threads, poll=args.poll,
+                                                      adapt_threads=args.adapt))
         ban = {t: -100.0 for t in model.tokenizer.vocab.eog}
         with Runner(model, parallel=1, num_ctx=256) as runner:
             for i in range(args.requests + 1):
@@ -77,6 +80,7 @@ def main() -> None:
     parser.add_argument("--engine", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--poll", type=int, default=50, help=argparse.SUPPRESS)
+    parser.add_argument("--adapt", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.engine:
         child(args)
@@ -106,10 +110,10 @@ def main() -> None:
             p.kill()
             p.wait()
     print(f"\n{args.tokens} tokens per request, {args.busy} busy processes, {os.cpu_count()} logical CPUs")
-    print(f"{'configuration':22s} {'median s':>9s} {'worst s':>9s} {'tokens/s (median)':>18s}")
+    print(f"{'configuration':24s} {'median s':>9s} {'worst s':>9s} {'tokens/s (median)':>18s}")
     for name, times in results.items():
         med = statistics.median(times)
-        print(f"{name:22s} {med:9.3f} {max(times):9.3f} {args.tokens / med:18.1f}")
+        print(f"{name:24s} {med:9.3f} {max(times):9.3f} {args.tokens / med:18.1f}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
     python bench/poll_levels.py --synthetic tinyllama-1.1b --type q4_0 --levels 0,1,50 --rounds 7
 
-One backend per level (``BackendParams.poll``), the same model file; each round prefills
+One backend per level (``BackendParams.poll``; with ``--adapt`` also one per level that adapts its
+thread count to the machine's load, ``BackendParams.adapt_threads``, the default), the same model
+file, all threads always unless adapting; each round prefills
 ``--prompt`` tokens and then times ``--tokens`` single-token decode steps through the engine, level
 after level, so that all levels see the same machine. Prints each level's median and every round.
 Run it on a quiet machine: it measures what spinning between graphs buys when nothing competes
@@ -49,6 +51,8 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256, help="tokens prefilled before timing (default: 256)")
     parser.add_argument("--tokens", type=int, default=48, help="decode steps timed per round (default: 48)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--adapt", action="store_true",
+                        help="also time each level with adapt_threads (pyggml's default): its cost on a quiet machine")
     args = parser.parse_args()
     if args.model is None:
         if not args.synthetic:
@@ -57,11 +61,12 @@ def main() -> None:
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     loaded = {}
     for level in levels:
-        model = models.load(args.model, BackendParams(n_threads=args.threads, poll=level))
-        model.cache.init(model.backend, "f16", max_sequences=1, capacity=args.prompt + args.tokens,
-                         max_batch=args.prompt)
-        loaded[level] = model
-    speeds: dict[int, list[float]] = {level: [] for level in levels}
+        for adapt in (False, True) if args.adapt else (False,):
+            model = models.load(args.model, BackendParams(n_threads=args.threads, poll=level, adapt_threads=adapt))
+            model.cache.init(model.backend, "f16", max_sequences=1, capacity=args.prompt + args.tokens,
+                             max_batch=args.prompt)
+            loaded[f"poll {level:3d}{' adapt' if adapt else ''}"] = model
+    speeds: dict[str, list[float]] = {name: [] for name in loaded}
     try:
         for _ in range(args.rounds):
             for level, model in loaded.items():
@@ -72,7 +77,7 @@ def main() -> None:
     print(f"{args.model.name}, {args.threads} threads, {args.tokens} decode steps after {args.prompt} tokens, "
           f"{args.rounds} rounds")
     for level, values in speeds.items():
-        print(f"poll {level:3d}: median {statistics.median(values):7.2f} t/s   rounds "
+        print(f"{level:15s}: median {statistics.median(values):7.2f} t/s   rounds "
               + " ".join(f"{v:.2f}" for v in values))
 
 

@@ -273,11 +273,11 @@ def test_poll_levels_script_times_each_level(tmp_path):
     code, _, err = run_cli(["make-model", "tiny", str(model), "--type", "f32"])
     assert code == 0, err
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "poll_levels.py"), str(model), "--levels", "0,1",
-                           "--prompt", "4", "--tokens", "3", "--rounds", "2", "--threads", "1"],
+                           "--prompt", "4", "--tokens", "3", "--rounds", "2", "--threads", "2", "--adapt"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    lines = {line.split(":")[0]: line for line in proc.stdout.splitlines() if line.startswith("poll")}
-    assert set(lines) == {"poll   0", "poll   1"}
+    lines = {line.split(":")[0].strip(): line for line in proc.stdout.splitlines() if line.startswith("poll")}
+    assert set(lines) == {"poll   0", "poll   1", "poll   0 adapt", "poll   1 adapt"}
     assert all(len(re.findall(r"\d+\.\d+", line)) == 3 for line in lines.values())  # median + 2 rounds
 
 

@@ -324,6 +324,58 @@ def test_poll_level_checked_and_any_level_computes():
             assert out.numpy().tolist() == [[5.0, 14.0], [14.0, 50.0]]
 
 
+def test_free_cores_follows_the_busy_processes(monkeypatch):
+    """FreeCores: the median of the last few counts of other runnable threads, sampled at most
+    every SAMPLE_S, leaves a thread per busy core; never fewer than 1, never more than asked."""
+    import pyggml.backend as backend_module
+
+    counts = iter([0, 2, 2, 2, 0, 0, 0, 5, 5, 5])
+    monkeypatch.setattr(backend_module, "runnable_elsewhere", lambda: next(counts))
+    free = backend_module.FreeCores(2)
+    free.cpus = 2
+    assert free() == 2 and free() == 2  # the second call within SAMPLE_S takes no count
+    seen = [2]
+    for _ in range(9):
+        free._next = 0.0  # SAMPLE_S has passed
+        seen.append(free())
+    # counts so far: [0] [0 2] [0 2 2] ... median of the last five
+    assert seen == [2, 1, 1, 1, 1, 1, 2, 2, 2, 1], seen
+    monkeypatch.setattr(backend_module, "runnable_elsewhere", lambda: None)  # /proc cannot say: all threads
+    free = backend_module.FreeCores(2)
+    assert free() == 2 and free() == 2
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="counts runnable threads from Linux's /proc")
+def test_runnable_elsewhere_sees_busy_processes():
+    from pyggml.backend import runnable_elsewhere
+
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        time.sleep(0.5)
+        assert max(runnable_elsewhere() for _ in range(5)) >= 2
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
+def test_a_busy_machine_computes_with_fewer_threads_and_the_same_result(monkeypatch):
+    import pyggml.backend as backend_module
+
+    with pytest.raises(ValueError, match="adapt_threads must be True or False"):
+        Backend(BackendParams(n_threads=2, adapt_threads="yes"))
+    monkeypatch.setattr(backend_module, "runnable_elsewhere", lambda: 64)
+    results = {}
+    for adapt in (False, True):
+        with Backend(BackendParams(n_threads=2, adapt_threads=adapt)) as b, b.new_context() as ctx:
+            x = ctx.from_numpy(np.arange(64 * 48, dtype=np.float32).reshape(48, 64) / 100)
+            out = x.mulmat(x).softmax()
+            ctx.compute(out)
+            results[adapt] = (b._threads_now, out.numpy())
+    assert results[False][0] == 2 and results[True][0] == 1
+    np.testing.assert_array_equal(results[False][1], results[True][1])
+
+
 # ---- item 4: clean messages and early count checks -------------------------------------------------------
 def test_four_byte_file_message(tmp_path):
     path = tmp_path / "magic.gguf"

@@ -13,7 +13,9 @@ import mmap
 import os
 import re
 import threading
+import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,6 +84,57 @@ def max_threads() -> int:
     """The most compute threads a backend may have: 4 per logical CPU (more only adds scheduling cost; ggml's
     own ceiling is 512)."""
     return max(1, min(512, 4 * (os.cpu_count() or 1)))
+
+
+class FreeCores:
+    """How many compute threads are worth using now: ``n_threads``, or fewer while other processes
+    keep cores busy. A graph has a barrier per node and every one waits for a descheduled thread,
+    so with a core taken a thread fewer is many times faster (docs/server.md, "Threads under
+    contention"). Counted on Linux from the runnable threads in /proc/loadavg less this process's
+    own, at most every SAMPLE_S, the median of the last SAMPLES counts (one count also catches
+    short-lived tasks); elsewhere always ``n_threads``."""
+
+    SAMPLE_S = 0.1
+    SAMPLES = 5
+
+    def __init__(self, n_threads: int):
+        self.n_threads = self.threads = n_threads
+        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self._counts: deque[int] = deque(maxlen=self.SAMPLES)
+        self._next = 0.0
+        self._on = n_threads > 1 and os.path.exists("/proc/loadavg")
+
+    def __call__(self) -> int:
+        if not self._on:
+            return self.n_threads
+        now = time.monotonic()
+        if now >= self._next:
+            self._next = now + self.SAMPLE_S
+            elsewhere = runnable_elsewhere()
+            if elsewhere is None:
+                self._on, self.threads = False, self.n_threads
+                return self.threads
+            self._counts.append(elsewhere)
+            busy = sorted(self._counts)[len(self._counts) // 2]
+            self.threads = max(1, min(self.n_threads, self.cpus - busy))
+        return self.threads
+
+
+def runnable_elsewhere() -> int | None:
+    """Threads of other processes running or ready to run now (Linux), or None where /proc cannot say."""
+    try:
+        with open("/proc/loadavg") as f:
+            runnable = int(f.read().split()[3].partition("/")[0])
+        own = 0
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    own += f.read().rpartition(")")[2].split(None, 1)[0] == "R"
+            except OSError:  # the thread has ended
+                pass
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0, runnable - own)
 
 
 # ---- devices ------------------------------------------------------------------------------------
@@ -350,6 +403,9 @@ class BackendParams:
     # enough that a machine with other busy processes degrades no worse than llama.cpp (docs/server.md,
     # "Threads under contention")
     poll: int = 1
+    # compute with fewer than n_threads threads while other processes keep cores busy (``FreeCores``);
+    # False: always n_threads (a benchmark pins its configuration)
+    adapt_threads: bool = True
 
     def validate(self) -> None:
         self.rpc = _rpc.normalize_endpoints(self.rpc)
@@ -366,6 +422,8 @@ class BackendParams:
             self.tensor_split = split
         if not isinstance(self.poll, int) or isinstance(self.poll, bool) or not 0 <= self.poll <= 100:
             raise ValueError(f"poll must be an integer from 0 to 100, got {self.poll!r}")
+        if not isinstance(self.adapt_threads, bool):
+            raise ValueError(f"adapt_threads must be True or False, got {self.adapt_threads!r}")
         if self.n_threads is not None and (not isinstance(self.n_threads, int) or self.n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {self.n_threads!r}")
         if self.n_threads is not None and self.n_threads > max_threads():
@@ -434,6 +492,7 @@ class Backend:
         self._mmap: mmap.mmap | None = None
         self._mmap_view: Any = None
         self._threadpool = NULL
+        self._free_cores: FreeCores | None = None
         self._sched = NULL
         self._sched_size = 0
         self._allocated: tuple[int, int] | None = None  # (graph serial, node count) the scheduler holds
@@ -499,6 +558,8 @@ class Backend:
         tp_params.poll = self.params.poll
         self._threadpool = lib.ggml_threadpool_new(ffi.new("struct ggml_threadpool_params *", tp_params))
         lib.ggml_backend_cpu_set_n_threads(self._cpu, self.n_threads)
+        self._threads_now = self.n_threads
+        self._free_cores = FreeCores(self.n_threads) if self.params.adapt_threads and self.n_threads > 1 else None
         if self._threadpool != NULL:
             lib.ggml_backend_cpu_set_threadpool(self._cpu, self._threadpool)
         wanted = self.params.gpu_layers
@@ -1159,6 +1220,9 @@ class Backend:
         for ptr, data in state.inputs.items():
             if ptr.buffer != NULL and data.nbytes:
                 lib.ggml_backend_tensor_set(ptr, ffi.from_buffer(data), 0, data.nbytes)
+        if self._free_cores is not None and (threads := self._free_cores()) != self._threads_now:
+            lib.ggml_backend_cpu_set_n_threads(self._cpu, threads)  # the threadpool's extra workers idle
+            self._threads_now = threads
         status = lib.ggml_backend_sched_graph_compute(sched, state.graph)
         if self._relays:
             self._check_remotes()  # a lost server's relay answered with zeros: the results are garbage

@@ -111,7 +111,8 @@ class Session:
 
         start = time.perf_counter()
         params = BackendParams(n_threads=n_threads, gpu_layers=gpu_layers, flash_attention=flash_attn, rpc=rpc or (),
-                               tensor_split=tensor_split, repack=repack)
+                               tensor_split=tensor_split, repack=repack,
+                               adapt_threads=False)  # -t means that many threads, busy machine or not
         self.model = models.load(path, params)
         try:
             if self.model.cache is None:
