@@ -325,38 +325,41 @@ def test_poll_level_checked_and_any_level_computes():
 
 
 def test_free_cores_follows_the_busy_processes(monkeypatch):
-    """FreeCores: the median of the last few counts of other runnable threads, sampled at most
-    every SAMPLE_S, leaves a thread per busy core; never fewer than 1, never more than asked."""
+    """FreeCores: a core that other processes kept busy half of a window or more is taken (the
+    median of the last SAMPLES windows); never fewer than 1 thread, never more than asked."""
     import pyggml.backend as backend_module
 
-    counts = iter([0, 2, 2, 2, 0, 0, 0, 5, 5, 5])
-    monkeypatch.setattr(backend_module, "runnable_elsewhere", lambda: next(counts))
     free = backend_module.FreeCores(2)
-    free.cpus = 2
-    assert free() == 2 and free() == 2  # the second call within SAMPLE_S takes no count
-    seen = [2]
-    for _ in range(9):
-        free._next = 0.0  # SAMPLE_S has passed
+    free.cpus = [0, 1]
+    busy = 0.0
+    monkeypatch.setattr(backend_module, "cpu_busy_seconds", lambda cpus: busy)
+    assert free() == 2 and free() == 2  # the first call only starts a window; the second is too soon
+    seen = []
+    for load in (2.0, 2.0, 0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 5.0, 5.0):
+        free._last = (time.monotonic() - 1.0, busy, time.process_time())  # a window of one second...
+        busy += load  # ...in which other processes kept `load` cores busy
         seen.append(free())
-    # counts so far: [0] [0 2] [0 2 2] ... median of the last five
-    assert seen == [2, 1, 1, 1, 1, 1, 2, 2, 2, 1], seen
-    monkeypatch.setattr(backend_module, "runnable_elsewhere", lambda: None)  # /proc cannot say: all threads
+    assert seen == [1, 1, 1, 2, 2, 2, 1, 1, 1, 1], seen
+    monkeypatch.setattr(backend_module, "cpu_busy_seconds", lambda cpus: None)  # no /proc/stat: all threads
     free = backend_module.FreeCores(2)
     assert free() == 2 and free() == 2
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="counts runnable threads from Linux's /proc")
-def test_runnable_elsewhere_sees_busy_processes():
-    from pyggml.backend import runnable_elsewhere
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
+def test_free_cores_sees_busy_processes():
+    from pyggml.backend import FreeCores
 
+    free = FreeCores(2)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
+        free()
         time.sleep(0.5)
-        assert max(runnable_elsewhere() for _ in range(5)) >= 2
+        free()
     finally:
         for p in spinners:
             p.kill()
             p.wait()
+    assert free.busy[-1] >= 0.75 * min(2, len(free.cpus)), list(free.busy)
 
 
 def test_a_busy_machine_computes_with_fewer_threads_and_the_same_result(monkeypatch):
@@ -364,12 +367,15 @@ def test_a_busy_machine_computes_with_fewer_threads_and_the_same_result(monkeypa
 
     with pytest.raises(ValueError, match="adapt_threads must be True or False"):
         Backend(BackendParams(n_threads=2, adapt_threads="yes"))
-    monkeypatch.setattr(backend_module, "runnable_elsewhere", lambda: 64)
+    monkeypatch.setattr(backend_module.FreeCores, "SAMPLE_S", 0.0)
+    busy = iter(range(0, 10**9, 10**6))  # every window: a million seconds of other processes' work
+    monkeypatch.setattr(backend_module, "cpu_busy_seconds", lambda cpus: next(busy))
     results = {}
     for adapt in (False, True):
         with Backend(BackendParams(n_threads=2, adapt_threads=adapt)) as b, b.new_context() as ctx:
             x = ctx.from_numpy(np.arange(64 * 48, dtype=np.float32).reshape(48, 64) / 100)
             out = x.mulmat(x).softmax()
+            ctx.compute(out)  # the first window starts
             ctx.compute(out)
             results[adapt] = (b._threads_now, out.numpy())
     assert results[False][0] == 2 and results[True][0] == 1

@@ -90,51 +90,60 @@ class FreeCores:
     """How many compute threads are worth using now: ``n_threads``, or fewer while other processes
     keep cores busy. A graph has a barrier per node and every one waits for a descheduled thread,
     so with a core taken a thread fewer is many times faster (docs/server.md, "Threads under
-    contention"). Counted on Linux from the runnable threads in /proc/loadavg less this process's
-    own, at most every SAMPLE_S, the median of the last SAMPLES counts (one count also catches
-    short-lived tasks); elsewhere always ``n_threads``."""
+    contention"). Measured on Linux from the CPU time this process's CPUs spent on other processes
+    (/proc/stat less ``time.process_time()``) over windows of at least SAMPLE_S: a core busy half a
+    window or more counts as taken, judged by the median of the last SAMPLES windows. Elsewhere
+    always ``n_threads``."""
 
-    SAMPLE_S = 0.1
-    SAMPLES = 5
+    SAMPLE_S = 0.2
+    SAMPLES = 3
 
     def __init__(self, n_threads: int):
         self.n_threads = self.threads = n_threads
-        self.cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self._counts: deque[int] = deque(maxlen=self.SAMPLES)
-        self._next = 0.0
-        self._on = n_threads > 1 and os.path.exists("/proc/loadavg")
+        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self.busy: deque[float] = deque(maxlen=self.SAMPLES)  # cores' worth of other processes' work
+        self._last: tuple[float, float, float] | None = None  # (monotonic, busy s, own s)
+        self._on = n_threads > 1 and bool(self.cpus)
 
     def __call__(self) -> int:
         if not self._on:
             return self.n_threads
         now = time.monotonic()
-        if now >= self._next:
-            self._next = now + self.SAMPLE_S
-            elsewhere = runnable_elsewhere()
-            if elsewhere is None:
-                self._on, self.threads = False, self.n_threads
-                return self.threads
-            self._counts.append(elsewhere)
-            busy = sorted(self._counts)[len(self._counts) // 2]
-            self.threads = max(1, min(self.n_threads, self.cpus - busy))
+        if self._last is not None and now < self._last[0] + self.SAMPLE_S:
+            return self.threads
+        busy = cpu_busy_seconds(self.cpus)
+        if busy is None:  # no /proc/stat: keep every thread
+            self._on, self.threads = False, self.n_threads
+            return self.threads
+        own = time.process_time()
+        if self._last is not None:
+            then, busy_then, own_then = self._last
+            self.busy.append(max(0.0, (busy - busy_then) - (own - own_then)) / (now - then))
+            taken = int(sorted(self.busy)[(len(self.busy) - 1) // 2] + 0.5)
+            self.threads = max(1, min(self.n_threads, len(self.cpus) - taken))
+        self._last = (now, busy, own)
         return self.threads
 
 
-def runnable_elsewhere() -> int | None:
-    """Threads of other processes running or ready to run now (Linux), or None where /proc cannot say."""
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_busy_seconds(cpus: Sequence[int]) -> float | None:
+    """Seconds the given CPUs have spent not idle since boot (Linux /proc/stat), or None."""
+    wanted = {f"cpu{c}" for c in cpus}
+    total = 0
     try:
-        with open("/proc/loadavg") as f:
-            runnable = int(f.read().split()[3].partition("/")[0])
-        own = 0
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                with open(f"/proc/self/task/{tid}/stat") as f:
-                    own += f.read().rpartition(")")[2].split(None, 1)[0] == "R"
-            except OSError:  # the thread has ended
-                pass
+        with open("/proc/stat") as f:
+            for line in f:
+                if not line.startswith("cpu"):
+                    break
+                fields = line.split()
+                if fields[0] in wanted:  # user nice system idle iowait irq softirq steal (guest: in user)
+                    ticks = [int(x) for x in fields[1:9]]
+                    total += sum(ticks) - ticks[3] - ticks[4]
     except (OSError, ValueError, IndexError):
         return None
-    return max(0, runnable - own)
+    return total / _TICK
 
 
 # ---- devices ------------------------------------------------------------------------------------
