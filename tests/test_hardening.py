@@ -329,11 +329,11 @@ def test_free_cores_follows_the_busy_processes(monkeypatch):
     median of the last SAMPLES windows); never fewer than 1 thread, never more than asked."""
     import pyggml.backend as backend_module
 
-    free = backend_module.FreeCores(2)
-    free.cpus = [0, 1]
     busy = 0.0
     monkeypatch.setattr(backend_module, "cpu_busy_seconds", lambda cpus: busy)
-    assert free() == 2 and free() == 2  # the first call only starts a window; the second is too soon
+    free = backend_module.FreeCores(2)  # its first window starts here
+    free.cpus = [0, 1]
+    assert free() == 2 and free() == 2  # too soon: no window has ended yet
     seen = []
     for load in (2.0, 2.0, 0.1, 0.1, 0.1, 0.7, 0.7, 0.7, 5.0, 5.0):
         free._last = (time.monotonic() - 1.0, busy, time.process_time())  # a window of one second...
@@ -349,10 +349,9 @@ def test_free_cores_follows_the_busy_processes(monkeypatch):
 def test_free_cores_sees_busy_processes():
     from pyggml.backend import FreeCores
 
-    free = FreeCores(2)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        free()
+        free = FreeCores(2)
         time.sleep(0.5)
         free()
     finally:
@@ -368,6 +367,7 @@ def test_a_busy_machine_computes_with_fewer_threads_and_the_same_result(monkeypa
     with pytest.raises(ValueError, match="adapt_threads must be True or False"):
         Backend(BackendParams(n_threads=2, adapt_threads="yes"))
     monkeypatch.setattr(backend_module.FreeCores, "SAMPLE_S", 0.0)
+    monkeypatch.setattr(backend_module.FreeCores, "FIRST_S", 0.0)
     busy = iter(range(0, 10**9, 10**6))  # every window: a million seconds of other processes' work
     monkeypatch.setattr(backend_module, "cpu_busy_seconds", lambda cpus: next(busy))
     results = {}
@@ -375,8 +375,7 @@ def test_a_busy_machine_computes_with_fewer_threads_and_the_same_result(monkeypa
         with Backend(BackendParams(n_threads=2, adapt_threads=adapt)) as b, b.new_context() as ctx:
             x = ctx.from_numpy(np.arange(64 * 48, dtype=np.float32).reshape(48, 64) / 100)
             out = x.mulmat(x).softmax()
-            ctx.compute(out)  # the first window starts
-            ctx.compute(out)
+            ctx.compute(out)  # the first window (from the backend's start) has ended
             results[adapt] = (b._threads_now, out.numpy())
     assert results[False][0] == 2 and results[True][0] == 1
     np.testing.assert_array_equal(results[False][1], results[True][1])

@@ -521,12 +521,27 @@ def test_serve_loads_models_with_its_poll_level(monkeypatch, tmp_path):
     seen = []
 
     def fake_load(path, params, **options):
-        seen.append(params.poll)
+        seen.append((params.poll, params.adapt_threads))
         raise Stop
 
     monkeypatch.setattr(app, "check_has_weights", lambda path: None)
     monkeypatch.setattr(app.models, "load", fake_load)
-    for options in ({}, {"poll": 0}):
+    for options in ({}, {"poll": 0}, {"adapt_threads": False}):
         with pytest.raises(Stop):
             app.serve(tmp_path / "m.gguf", port=0, **options)
-    assert seen == [1, 0]
+    assert seen == [(1, True), (0, True), (1, False)]
+
+
+def test_cli_fixed_threads_turns_adapting_off(monkeypatch, tmp_path):
+    """`pyggml serve` adapts its thread count to the machine's load unless --fixed-threads."""
+    import pyggml.server
+    from pyggml.cli import build_parser
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    seen = []
+    monkeypatch.setattr(pyggml.server, "serve", lambda *a, **k: seen.append(k["adapt_threads"]) or 0)
+    for extra in ([], ["--fixed-threads"]):
+        args = build_parser().parse_args(["serve", str(model), "--port", "0", *extra])
+        assert args.func(args) == 0
+    assert seen == [True, False]

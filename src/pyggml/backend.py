@@ -96,6 +96,7 @@ class FreeCores:
     always ``n_threads``."""
 
     SAMPLE_S = 0.2
+    FIRST_S = 0.05  # the first window may be shorter (/proc/stat counts 10 ms ticks: ~0.2 cores' error)
     SAMPLES = 3
 
     def __init__(self, n_threads: int):
@@ -104,23 +105,26 @@ class FreeCores:
         self.busy: deque[float] = deque(maxlen=self.SAMPLES)  # cores' worth of other processes' work
         self._last: tuple[float, float, float] | None = None  # (monotonic, busy s, own s)
         self._on = n_threads > 1 and bool(self.cpus)
+        if self._on:  # the first window starts now: by the first compute (after loading) it can tell
+            busy = cpu_busy_seconds(self.cpus)
+            self._on = busy is not None
+            self._last = (time.monotonic(), busy, time.process_time()) if self._on else None
 
     def __call__(self) -> int:
         if not self._on:
             return self.n_threads
         now = time.monotonic()
-        if self._last is not None and now < self._last[0] + self.SAMPLE_S:
+        if now < self._last[0] + (self.SAMPLE_S if self.busy else self.FIRST_S):
             return self.threads
         busy = cpu_busy_seconds(self.cpus)
-        if busy is None:  # no /proc/stat: keep every thread
+        if busy is None:  # /proc/stat went away: keep every thread
             self._on, self.threads = False, self.n_threads
             return self.threads
         own = time.process_time()
-        if self._last is not None:
-            then, busy_then, own_then = self._last
-            self.busy.append(max(0.0, (busy - busy_then) - (own - own_then)) / (now - then))
-            taken = int(sorted(self.busy)[(len(self.busy) - 1) // 2] + 0.5)
-            self.threads = max(1, min(self.n_threads, len(self.cpus) - taken))
+        then, busy_then, own_then = self._last
+        self.busy.append(max(0.0, (busy - busy_then) - (own - own_then)) / (now - then))
+        taken = int(sorted(self.busy)[(len(self.busy) - 1) // 2] + 0.5)
+        self.threads = max(1, min(self.n_threads, len(self.cpus) - taken))
         self._last = (now, busy, own)
         return self.threads
 

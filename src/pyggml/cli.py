@@ -540,8 +540,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--ctx", type=_positive("--ctx", 2), default=None,
                        help="context per sequence (default: min(4096, trained))")
     serve.add_argument("--threads", type=_positive("--threads"), default=None,
-                       help="CPU threads (default: physical cores; on a machine other work keeps busy, use fewer "
-                            "than the free cores, e.g. 1: see docs/server.md)")
+                       help="CPU threads (default: physical cores); while other processes keep cores busy, a "
+                            "thread fewer per busy core is used (see --fixed-threads and docs/server.md)")
+    serve.add_argument("--fixed-threads", action="store_true",
+                       help="always compute with all --threads threads, even while other processes keep cores busy")
     serve.add_argument("--poll", type=_poll_level, default=None,
                        help="how long idle CPU workers spin for the next step before sleeping, 0-100 (default 1, "
                             "~2 ms; 0: at once, kindest to other busy processes; 50: ggml's default; see "
@@ -676,6 +678,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      allowed_hosts=split_list(allowed) if allowed else None, origins=split_list(origins),
                      draft=draft, draft_max=args.draft_max, mmproj=args.mmproj, max_loaded=args.max_loaded,
                      keep_alive=keep_alive, model_ref=ref, **({} if args.poll is None else {"poll": args.poll}),
+                     adapt_threads=not args.fixed_threads,
                      **_rpc_options(args))
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C it caught
         return 0

@@ -105,7 +105,7 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
           tensor_split: Sequence[float] | str | None = None, draft: str | os.PathLike | None = None,
           draft_max: int = 8, mmproj: str | os.PathLike | None = None, max_loaded: int | None = None,
           keep_alive: float | None = DEFAULT_KEEP_ALIVE, model_ref: ModelRef | None = None,
-          poll: int = BackendParams.poll) -> int:
+          poll: int = BackendParams.poll, adapt_threads: bool = BackendParams.adapt_threads) -> int:
     """Serve until interrupted (Ctrl-C / SIGTERM): the model at ``path`` (loaded first), or with
     ``path=None`` every model ``pyggml list`` finds, loaded on demand (``ModelManager``). The port
     is bound before anything is loaded or announced: a port in use fails at once. ``rpc``: remote
@@ -114,7 +114,9 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
     projector file (``draft`` and ``mmproj`` go with the model at ``path``). ``model_ref``: what
     ``pyggml.store`` found for ``path`` (an Ollama model's params, system message and aliases).
     ``poll``: the CPU threadpool's poll level (``BackendParams.poll``: 0 lets idle workers sleep at once,
-    kinder to other busy processes on a machine serving a tiny model; see docs/server.md)."""
+    kinder to other busy processes on a machine serving a tiny model; see docs/server.md).
+    ``adapt_threads``: compute with a thread fewer per core other processes keep busy
+    (``BackendParams.adapt_threads``; False: always ``n_threads``)."""
     import uvicorn
 
     if path is None and (draft is not None or mmproj is not None):
@@ -125,7 +127,7 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
                  mmproj: str | os.PathLike | None = None) -> ServedModel:
             check_has_weights(ref.path)
             params = BackendParams(n_threads=n_threads, flash_attention=flash_attention, rpc=rpc,
-                                   tensor_split=tensor_split, poll=poll)
+                                   tensor_split=tensor_split, poll=poll, adapt_threads=adapt_threads)
             try:  # an Ollama vision model's projector layer is its mmproj
                 model = models.load(ref.path, params, mmproj=mmproj or ref.projector)
             except ValueError as exc:
@@ -137,6 +139,7 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
             try:
                 if draft is not None:
                     draft_model = models.load(draft, BackendParams(n_threads=n_threads, poll=poll,
+                                                                   adapt_threads=adapt_threads,
                                                                    flash_attention=flash_attention))
                 trained = model.context_length or 4096
                 runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained),
