@@ -69,15 +69,15 @@ def main() -> None:
     speeds: dict[str, list[float]] = {name: [] for name in loaded}
     try:
         for _ in range(args.rounds):
-            for level, model in loaded.items():
-                speeds[level].append(decode_speed(model, args.prompt, args.tokens))
+            for name, model in loaded.items():
+                speeds[name].append(decode_speed(model, args.prompt, args.tokens))
     finally:
         for model in loaded.values():
             model.close()
     print(f"{args.model.name}, {args.threads} threads, {args.tokens} decode steps after {args.prompt} tokens, "
           f"{args.rounds} rounds")
-    for level, values in speeds.items():
-        print(f"{level:15s}: median {statistics.median(values):7.2f} t/s   rounds "
+    for name, values in speeds.items():
+        print(f"{name:15s}: median {statistics.median(values):7.2f} t/s   rounds "
               + " ".join(f"{v:.2f}" for v in values))
 
 
