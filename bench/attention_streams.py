@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pyggml import BackendParams, models  # noqa: E402
-from pyggml.bench import synthetic_model  # noqa: E402
+from pyggml.bench import add_model_arguments, model_argument  # noqa: E402
 from pyggml.input import Batch  # noqa: E402
 from pyggml.runner.engine import Engine  # noqa: E402
 
@@ -46,9 +46,7 @@ def compute_ms(model, history: int, seqs: list[int], batch: Batch, repeats: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", nargs="?", type=Path, help="a GGUF file (or --synthetic)")
-    parser.add_argument("--synthetic", metavar="SHAPE", help="a random-weight model of this shape, cached")
-    parser.add_argument("--type", default="q4_0", help="weight type of the --synthetic model (default: q4_0)")
+    add_model_arguments(parser)
     parser.add_argument("--history", default="40,100,200", help="positions per sequence, comma-separated")
     parser.add_argument("-P", "--parallel", type=int, default=8)
     parser.add_argument("--threads", type=int, default=2)
@@ -56,10 +54,7 @@ def main() -> None:
     parser.add_argument("--flash-attn", action="store_true")
     parser.add_argument("--unified", action="store_true", help="one pool of cells for all sequences")
     args = parser.parse_args()
-    if args.model is None:
-        if not args.synthetic:
-            parser.error("give a model file or --synthetic SHAPE")
-        args.model = synthetic_model(args.synthetic, args.type)
+    args.model = model_argument(parser, args)
     model = models.load(args.model, BackendParams(n_threads=args.threads, flash_attention=args.flash_attn))
     if args.unified:
         model.cache.unified = True

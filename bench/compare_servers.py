@@ -337,11 +337,12 @@ def table(results: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(SRC))
+    from pyggml.bench import add_model_arguments, model_argument
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("model", nargs="?", type=Path, help="a GGUF file (or --synthetic)")
-    parser.add_argument("--synthetic", metavar="SHAPE", help="a random-weight model of this shape, cached")
-    parser.add_argument("--type", default="q4_0", help="weight type of the --synthetic model (default: q4_0)")
+    add_model_arguments(parser)
     parser.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or DEFAULT_LLAMA_SERVER,
                         help="llama.cpp's llama-server binary (default: $LLAMA_SERVER or %(default)s)")
     parser.add_argument("--servers", default=",".join(SERVERS), help="which to run (default: both)")
@@ -361,14 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None, help="write all rounds and medians here")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
-    if args.model is None and args.synthetic:
-        sys.path.insert(0, str(SRC))
-        from pyggml.bench import synthetic_model
-
-        args.model = synthetic_model(args.synthetic, args.type)
-    if args.model is None:
-        parser.error("give a MODEL or --synthetic SHAPE")
-    args.model = Path(args.model).resolve()
+    args.model = model_argument(parser, args).resolve()
     args.model_name = args.model.stem
     args.servers = [s for s in args.servers.split(",") if s]
     if args.pyggml_baseline:

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pyggml import BackendParams, models  # noqa: E402
-from pyggml.bench import synthetic_model  # noqa: E402
+from pyggml.bench import add_model_arguments, model_argument  # noqa: E402
 from pyggml.input import Batch  # noqa: E402
 from pyggml.runner.engine import Engine  # noqa: E402
 
@@ -43,9 +43,7 @@ def decode_speed(model, n_prompt: int, n_tokens: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", nargs="?", type=Path, help="a GGUF file (or --synthetic)")
-    parser.add_argument("--synthetic", metavar="SHAPE", help="a random-weight model of this shape, cached")
-    parser.add_argument("--type", default="q4_0", help="weight type of the --synthetic model (default: q4_0)")
+    add_model_arguments(parser)
     parser.add_argument("--levels", default="0,1,50", help="poll levels, comma-separated (default: 0,1,50)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=256, help="tokens prefilled before timing (default: 256)")
@@ -54,10 +52,7 @@ def main() -> None:
     parser.add_argument("--adapt", action="store_true",
                         help="also time each level with adapt_threads (pyggml's default): its cost on a quiet machine")
     args = parser.parse_args()
-    if args.model is None:
-        if not args.synthetic:
-            parser.error("give a model file or --synthetic SHAPE")
-        args.model = synthetic_model(args.synthetic, args.type)
+    args.model = model_argument(parser, args)
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     loaded = {}
     for level in levels:

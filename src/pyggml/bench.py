@@ -317,6 +317,23 @@ def model_info(path: Path, session: Session, synthetic: dict[str, str] | None = 
     }
 
 
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``MODEL`` or ``--synthetic SHAPE [--type TYPE]``: the model argument of the bench/ scripts
+    (resolve it with ``model_argument``)."""
+    parser.add_argument("model", nargs="?", type=Path, help="a GGUF file (or --synthetic)")
+    parser.add_argument("--synthetic", metavar="SHAPE", help="a random-weight model of this shape, cached")
+    parser.add_argument("--type", default="q4_0", help="weight type of the --synthetic model (default: q4_0)")
+
+
+def model_argument(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Path:
+    """The file ``add_model_arguments`` named: MODEL, else the cached --synthetic model."""
+    if args.model is not None:
+        return Path(args.model)
+    if not args.synthetic:
+        parser.error("give a MODEL or --synthetic SHAPE")
+    return synthetic_model(args.synthetic, args.type)
+
+
 def synthetic_model(shape: str, dtype: str) -> Path:
     """The cached random-weight model of this shape and type, written on first use."""
     from pyggml.synthetic import write_synthetic

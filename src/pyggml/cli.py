@@ -544,7 +544,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "thread fewer per busy core is used (see --fixed-threads and docs/server.md)")
     serve.add_argument("--fixed-threads", action="store_true",
                        help="always compute with all --threads threads, even while other processes keep cores busy")
-    serve.add_argument("--poll", type=_poll_level, default=None,
+    serve.add_argument("--poll", type=_positive("--poll", 0, 100), default=None,
                        help="how long idle CPU workers spin for the next step before sleeping, 0-100 (default 1, "
                             "~2 ms; 0: at once, kindest to other busy processes; 50: ggml's default; see "
                             "docs/server.md)")
@@ -708,27 +708,19 @@ def _port(text: str) -> int:
     return port
 
 
-def _positive(flag: str, low: int = 1) -> Any:
+def _positive(flag: str, low: int = 1, high: int | None = None) -> Any:
+    """An argparse type: an integer >= ``low`` (and <= ``high``), the error naming ``flag``."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            value = low - 1
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{flag} must be an integer >= {low}, got {text!r}")
+            value = None
+        if value is None or value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"{flag} must be an integer {bound}, got {text!r}")
         return value
 
     return parse
-
-
-def _poll_level(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"--poll must be an integer from 0 to 100, got {text!r}")
-    return value
 
 
 def _seconds(flag: str) -> Any:

@@ -157,7 +157,7 @@ class Runner:
         self._cond = threading.Condition()
         self._waiting: deque[RunningSequence] = deque()
         self._arriving = 0  # requests being prepared (``arriving``) that have not reached _waiting yet
-        self._last_arrival = 0.0  # time.monotonic() of the last request that reached ``arriving``/_waiting
+        self._last_arrival = 0.0  # time.monotonic() a request last entered or left ``arriving``, or a sequence ended
         self._active: list[RunningSequence] = []
         self._closing = False
         self._in_flight: _Step | None = None  # the batch computing in the worker (build-ahead)
@@ -242,7 +242,6 @@ class Runner:
                 if self._closing:
                     raise RunnerClosedError(f"the runner is closed{f': {self._error}' if self._error else ''}")
                 self._waiting.append(seq)
-                self._last_arrival = time.monotonic()
                 self._cond.notify()
         return CompletionStream(seq, self._wake, None if self._thread is not None else self._pump)
 
@@ -262,6 +261,7 @@ class Runner:
         finally:
             with self._cond:
                 self._arriving -= 1
+                self._last_arrival = time.monotonic()  # in _waiting now (or refused)
                 self._cond.notify()
 
     @property
