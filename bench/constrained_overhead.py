@@ -17,8 +17,7 @@ import time
 
 from pyggml import BackendParams, models
 from pyggml.constrain import Constraint, Grammar
-from pyggml.runner import CompletionRequest, Runner
-from pyggml.runner import runner as runner_module
+from pyggml.runner import CompletionRequest, Runner, plugins
 
 
 class _TimedFuture:
@@ -36,7 +35,7 @@ def main(path: str, n_tokens: int = 200, rounds: int = 5, threads: int = 2) -> N
     model = models.load(path, BackendParams(n_threads=threads))
     runner = Runner(model, parallel=1, num_ctx=512, batch_size=64)
     mask_s, wait_s, apply_s = [], [], []
-    compute_masks, start_masks, apply = runner_module._compute_masks, runner.__class__._start_masks, Constraint.apply
+    compute_masks, start_masks, apply = plugins.compute_masks, plugins.Constraints.launched, Constraint.apply
 
     def timed_compute(constraints):
         t0 = time.perf_counter()
@@ -54,8 +53,7 @@ def main(path: str, n_tokens: int = 200, rounds: int = 5, threads: int = 2) -> N
         apply_s.append(time.perf_counter() - t0)
         return out
 
-    runner_module._compute_masks, runner.__class__._start_masks, Constraint.apply = timed_compute, timed_start, \
-        timed_apply
+    plugins.compute_masks, plugins.Constraints.launched, Constraint.apply = timed_compute, timed_start, timed_apply
     eog = {t: float("-inf") for t in model.tokenizer.vocab.eog}
     grammar = Grammar.regex(f"[a-z ,.]{{{n_tokens * 8}}}")  # long enough never to end first
     speeds: dict[str, list[float]] = {"plain": [], "grammar": []}

@@ -224,7 +224,7 @@ def test_speculation_with_build_ahead_chooses_per_step(stories, monkeypatch):
 
     def build(self):
         in_flight = self._in_flight
-        builds.append(None if in_flight is None else self._drafts_after(in_flight))
+        builds.append(None if in_flight is None else self.speculation.drafts_after(in_flight))
         return original(self)
 
     monkeypatch.setattr(Runner, "_build", build)

@@ -1,8 +1,10 @@
 """Serving many sequences with one model: prompt-cache slots, continuous batching, streaming.
 
 ``InputCache`` decides which KV-cache sequence a request uses and what it can skip; ``Runner``
-batches the running sequences, samples them and streams their text; ``Embedder`` embeds texts
-with an embedding model.
+composes one decode loop of a ``Scheduler`` (scheduler.py: the next batch and its logits rows), the
+``Engine`` (engine.py: graphs built, reused, computed) and step plug-ins (plugins.py: context shift,
+grammar masks; speculative.py; images.py), samples the sequences and streams their text
+(sequence.py); ``Embedder`` embeds texts with an embedding model.
 """
 
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError

@@ -11,16 +11,34 @@ position gives the correction token, a fully accepted draft a bonus token from t
 runner removes the rejected positions from the KV cache.
 
 Drafts come from prompt lookup (``lookup_draft``: the continuation of the latest earlier
-occurrence of the last n tokens of prompt + output; no second model).
+occurrence of the last n tokens of prompt + output; no second model), or from a draft model (greedy
+drafts from its own runner, batched over the sequences). ``Speculation`` is the runner's step
+plug-in: it queues the drafts before each batch is packed and verifies them after its logits.
+
+Drafting needs the sampled token (and after a verified draft, the accepted length fixes the next
+positions), so with build-ahead on the runner chooses per step: a batch with a speculating
+sequence's row completes before the next batch is built; otherwise it builds ahead.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pyggml.input import Input
+from pyggml.runner.plugins import StepPlugin
+from pyggml.runner.sequence import CompletionRequest, RunningSequence
 from pyggml.sample import Sampler
+
+if TYPE_CHECKING:
+    from pyggml.runner.runner import Runner
+    from pyggml.runner.scheduler import Step
+
+log = logging.getLogger(__name__)
+MAX_DRAFT = 32  # most tokens drafted per step (speculative decoding)
 
 
 def lookup_draft(history: Sequence[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
@@ -57,3 +75,139 @@ def verify_token(sampler: Sampler, scores: np.ndarray, history: Sequence[int], d
         if probs.sum() <= 0:
             return draft
     return int(ids[sampler.draw(probs)])
+
+
+class Speculation(StepPlugin):
+    """Speculative decoding for the runner's sequences: those with ``prompt_lookup`` (n-gram drafts),
+    or all of them when ``drafter`` (the draft model's own runner) is given. Before a batch is packed,
+    each speculating sequence's drafted tokens go behind its decode input (the scheduler gives each a
+    logits row); after the logits, ``_verify`` keeps the accepted prefix and the token after it and
+    removes the rest from the cache."""
+
+    def __init__(self, runner: Runner, drafter: Runner | None = None, draft_max: int = 8):
+        self.runner, self.drafter, self.draft_max = runner, drafter, draft_max
+
+    def before_build(self) -> None:
+        r = self.runner
+        if r.in_flight is not None and self.drafts_after(r.in_flight):
+            r.complete_in_flight()  # the next batch's drafts follow the tokens it samples
+        self._draft_all()
+
+    def after_logits(self, step: Step, logits: np.ndarray | None) -> None:
+        for first, seq in step.spec:
+            self._verify(logits, first, seq)
+
+    def close(self) -> None:
+        if self.drafter is not None:
+            self.drafter.close()
+
+    def speculates(self, seq: RunningSequence) -> bool:
+        """Whether ``seq`` drafts its next tokens (prompt lookup, or the runner's draft model)."""
+        return not seq.done and not seq.cancelled and seq.scores is None and \
+            bool(seq.request.prompt_lookup or self.drafter is not None)
+
+    def drafts_after(self, step: Step) -> bool:
+        """Whether a sequence sampled in ``step`` (in flight) drafts next. Its draft continues the
+        token ``step`` samples, and after a verified draft even its positions depend on how much was
+        accepted, so the next batch is built once ``step`` is done: the runner builds ahead only
+        while no sampled sequence speculates (per step)."""
+        return any(self.speculates(seq) for _, seq in (*step.rows, *step.spec))
+
+    def _draft_all(self) -> None:
+        """Queue drafted tokens behind each speculating sequence's decode input: from prompt lookup,
+        or from the draft model (all sequences' drafts in one batched run of it)."""
+        wanted = self._draft_lengths()
+        streams = []
+        for seq, k in wanted:
+            if seq.request.prompt_lookup:
+                drafts = lookup_draft(seq.history, k)
+                # a shorter match is padded (the padding is rejected like any wrong guess): steps of one
+                # shape reuse one graph instead of building one per draft length
+                self._queue(seq, drafts + drafts[-1:] * (k - len(drafts)))
+            elif len(seq.history) + k <= self.drafter.num_ctx and min(seq.history) >= 0:
+                try:
+                    streams.append((seq, self.drafter.completion(CompletionRequest(
+                        prompt=seq.history, max_tokens=k, temperature=0.0, num_keep=0))))
+                except Exception as exc:  # no draft this step; the target decodes on its own
+                    log.warning("draft model refused a draft request: %r", exc)
+        for seq, stream in streams:  # reading the first runs the draft model for all of them
+            try:
+                self._queue(seq, [t for chunk in stream for t in chunk.tokens])
+            except Exception as exc:
+                log.warning("draft model failed: %r", exc)
+
+    def _draft_lengths(self) -> list[tuple[RunningSequence, int]]:
+        """The sequences that draft this step, each with as many tokens as the batch (shared), the
+        slot, ``max_tokens`` and the grammar leave room for."""
+        r = self.runner
+        seqs = [s for s in r.active if self.speculates(s) and len(s.pending) == 1 and s.generated
+                and not s.outputs_in_flight]
+        if not seqs:
+            return []
+        share = r.batch_size // len(seqs) - 1
+        wanted = []
+        for seq in seqs:
+            k = min(seq.request.prompt_lookup or self.draft_max, share, r.num_ctx - len(seq.slot.inputs) - 1)
+            if seq.request.max_tokens >= 0:
+                k = min(k, seq.request.max_tokens - seq.generated - 1)
+            if k > 0:
+                wanted.append((seq, k))
+        return wanted
+
+    @staticmethod
+    def _queue(seq: RunningSequence, drafts: list[int]) -> None:
+        if drafts and seq.constraint is not None:  # the matcher is past the decode input: check the draft
+            drafts = drafts[:seq.constraint.validate(drafts)]
+        seq.drafts = drafts
+        seq.pending.extend(Input(token=t) for t in drafts)
+
+    def _verify(self, logits: np.ndarray, first: int, seq: RunningSequence) -> None:
+        """Check a sequence's drafts against the target's rows ``first..first+len(drafts)``: keep the
+        longest accepted prefix plus the token that follows it, and remove the rest from the cache."""
+        drafts, seq.drafts = seq.drafts, []
+        seq.outputs_in_flight -= 1
+        if seq.done:
+            return
+        slot = seq.slot
+        base = len(slot.inputs) - len(drafts)  # position of the first drafted token
+        seq.draft_tokens += len(drafts)
+        accepted, reason, token = _accept_drafts(logits, first, seq, drafts)
+        seq.accepted_tokens += accepted
+        if accepted < len(drafts):  # the rejected positions leave the cache
+            self.runner.model.cache.remove(slot.id, base + accepted)
+            del slot.inputs[base + accepted:]
+        if isinstance(reason, Exception):
+            self.runner.release(seq, error=reason)
+        elif reason:
+            self.runner.release(seq, reason)
+        else:  # the correction at the first rejected position, or the bonus token after a whole draft
+            seq.pending.append(Input(token=token))
+
+
+def _accept_drafts(logits: np.ndarray, first: int, seq: RunningSequence,
+                   drafts: list[int]) -> tuple[int, str | Exception | None, int | None]:
+    """Walk the rows of ``seq``'s drafts: (drafts accepted, finish reason, error or None, the last
+    token emitted). Each emitted token is taken by the sequence (``accept``)."""
+    accepted, reason, token = 0, None, None
+    biases = []  # the rows' grammar masks, computed beside the graph (plugins.Constraints)
+    if seq.constraint is not None:
+        biases, seq.constraint.draft_biases = seq.constraint.draft_biases, []
+    try:
+        for i in range(len(drafts) + 1):
+            row = logits[first + i]
+            bias = biases[i] if i < len(biases) else None
+            scores = row if seq.constraint is None else seq.constraint.apply(row, bias)
+            if i < len(drafts):
+                token = verify_token(seq.sampler, scores, seq.history, drafts[i])
+            else:
+                token = seq.sampler.sample(scores, seq.history)
+            reason = "cancelled" if seq.cancelled else seq.accept(token, row)
+            if i < len(drafts) and token == drafts[i]:
+                accepted += 1
+                if reason:
+                    break
+                continue
+            break
+    except Exception as exc:
+        reason = exc
+    return accepted, reason, token

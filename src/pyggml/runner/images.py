@@ -1,0 +1,114 @@
+"""Images in prompts: the runner's ``Images`` step plug-in.
+
+A request's images become inputs where its prompt marks them (``[img-N]``, Ollama's marker; without
+markers they come first), rewritten by the model into its marker tokens and placeholders, with
+``same_batch`` keeping an image's inputs in one batch. An image's vision graph is computed (by the
+engine, in a graph of its own, outside the text batches) before the scheduler packs its inputs; the
+embeddings then stay with the input, so a prompt cache hit on the image's inputs does not encode it
+again (inputs compare by the image's hash).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Sequence
+from itertools import islice
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from pyggml.input import Input, Multimodal
+from pyggml.runner.plugins import StepPlugin
+
+if TYPE_CHECKING:
+    from pyggml.runner.runner import Runner
+
+log = logging.getLogger(__name__)
+IMAGE_MARK = re.compile(r"\[img-(\d+)\]")  # where an image goes in a prompt (Ollama's marker)
+
+
+class Images(StepPlugin):
+    """Encodes the images among the next inputs of each sequence before a batch is packed.
+    ``run``: the most inputs one image needs in one batch (``same_batch`` + 1); 0 when the model's
+    vocabulary cannot place images (requests with images then fail with its reason)."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.run = self._longest_run()
+
+    def _longest_run(self) -> int:
+        model = self.runner.model
+        try:
+            inputs = model.post_tokenize([Input(multimodal=[Multimodal(data=b"")], multimodal_hash=1)])
+        except Exception as exc:  # e.g. no image marker tokens: requests with images fail with this error
+            log.warning("the model cannot place images in its input: %r", exc)
+            return 0
+        return max((inp.same_batch + 1 for inp in inputs if inp.same_batch), default=0)
+
+    def reserve(self) -> list[np.ndarray]:
+        """Build the model's largest image graph (the engine keeps it for the first image) and reserve
+        its compute memory. Returns zero embeddings shaped like an image's, for the text batch."""
+        try:
+            return self.runner.engine.reserve_multimodal()
+        except MemoryError as exc:
+            raise MemoryError(f"not enough memory to encode an image (the vision graph of the "
+                              f"{self.runner.model.architecture or 'loaded'} model): free memory, or load it "
+                              f"without its vision part ({exc})") from exc
+
+    def prompt_inputs(self, prompt: str | Sequence[int], images: Sequence[bytes]) -> list[Input]:
+        """The input stream of a prompt with images: text tokens around one Input per image (its
+        bytes to encode and their hash), rewritten by the model's ``post_tokenize``."""
+        r = self.runner
+        if not isinstance(prompt, str):
+            raise ValueError("a prompt with images must be text (mark each image with [img-N])")
+        if isinstance(images, (bytes, str)) or not all(isinstance(b, (bytes, bytearray)) and b for b in images):
+            raise ValueError("images must be a list of non-empty byte strings (image files)")
+        parts = IMAGE_MARK.split(prompt)  # text, index, text, index, ...
+        if len(parts) == 1:  # no markers: the images come first, as Ollama places them
+            parts = ["", *[x for i in range(len(images)) for x in (str(i), "")]]
+            parts[-1] = prompt
+        inputs: list[Input] = []
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                if part or k == 0:  # the first piece carries the BOS token, even when empty
+                    inputs += [Input(token=t) for t in r.tokenizer.encode(part, add_special=k == 0)]
+                continue
+            index = int(part)
+            if index >= len(images):
+                raise ValueError(f"the prompt names [img-{index}] but the request has {len(images)} image(s)")
+            data = bytes(images[index])
+            inputs.append(Input(multimodal=[Multimodal(data=data)], multimodal_hash=image_hash(data)))
+        inputs = r.model.post_tokenize(inputs)
+        longest = max((inp.same_batch + 1 for inp in inputs if inp.same_batch), default=0)
+        if longest > max(r.batch_size, self.run):
+            raise ValueError(f"an image takes {longest} inputs in one batch but the runner's batches hold "
+                             f"{max(r.batch_size, self.run)}; raise batch_size")
+        return inputs
+
+    def before_build(self) -> None:
+        """Encode the images among each sequence's next ``batch_size`` inputs (the ones the scheduler
+        may pack now). An image that does not encode fails its sequence only."""
+        r = self.runner
+        for seq in list(r.active):
+            if not r.scheduler.feeds(seq):
+                continue
+            for inp in islice(seq.pending, r.batch_size):
+                if inp.multimodal and inp.multimodal[0].tensor is None:
+                    try:
+                        self._encode(inp)
+                    except Exception as exc:
+                        r.fail_sequence(seq, exc)
+                        break
+
+    def _encode(self, inp: Input) -> None:
+        """Compute an image's vision graph (the engine's, built once per image shape; the result stays
+        with its input, in host memory)."""
+        self.runner.wait_in_flight()  # one graph computes at a time
+        inp.multimodal = [m for item in inp.multimodal for m in self.runner.engine.encode(item.data)]
+
+
+def image_hash(data: bytes) -> int:
+    """What the prompt cache compares images by."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")

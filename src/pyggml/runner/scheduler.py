@@ -1,0 +1,181 @@
+"""The scheduler: which pending inputs go in the next batch, and which of its rows need logits.
+
+It knows no model, engine or thread: from the running sequences (their pending inputs, cache slots and
+outputs in flight) and the capacity (``batch_size`` inputs a batch, ``num_ctx`` a slot) it packs one
+``Step`` and moves the packed inputs from each sequence's ``pending`` into its slot. Decode inputs go
+first, by slot (consecutive sequences attend as one group, see kvcache.Causal), then prompt inputs in
+arrival order. An image's inputs (``same_batch``) go in one batch, which grows past ``batch_size`` for
+an image longer than any batch. A logits row is asked for where a token will be sampled (a sequence's
+last pending input), at every drafted position (speculation), and at every prompt position of a
+``prompt_logits`` request.
+
+What needs a model happens around it, in the runner's step plug-ins: drafts are queued and full slots
+shifted before it packs, images encoded before their inputs are packed. With build-ahead, a sequence
+whose next token is still being sampled gets a placeholder input (token ``UNSET``) whose id is
+written into the batch's token array once sampled, just before the batch computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from pyggml.input import Batch, Input, MultimodalIndex
+from pyggml.runner.sequence import RunningSequence
+
+UNSET = -1  # token id of a placeholder input whose token is not sampled yet
+
+
+class StepBatch(Batch):
+    """A batch whose token ids are one int32 array that the graph reads when it computes, so ids
+    sampled from the previous batch can still be written after the graph is built."""
+
+    def __init__(self, ids: np.ndarray, **fields):
+        super().__init__(inputs=ids, **fields)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return self.inputs
+
+
+@dataclass(eq=False)
+class Step:
+    """One packed batch: its inputs, where each sequence's logits rows are, the inputs whose token ids
+    are filled in just before it computes, and (once built and launched) its graph and computation."""
+
+    tokens: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    sequences: list[int] = field(default_factory=list)
+    outputs: list[int] = field(default_factory=list)  # batch indices with a logits row
+    multimodal: list[MultimodalIndex] = field(default_factory=list)
+    rows: list[tuple[int, RunningSequence]] = field(default_factory=list)  # (logits row, sequence) to sample
+    scored: list[tuple[int, RunningSequence]] = field(default_factory=list)  # prompt rows a sequence keeps
+    spec: list[tuple[int, RunningSequence]] = field(default_factory=list)  # (first row, sequence) with drafts
+    late: list[tuple[int, Input, RunningSequence]] = field(default_factory=list)  # placeholders by batch index
+    seqs: list[RunningSequence] = field(default_factory=list)  # every sequence with inputs in the batch
+    finishing: list[RunningSequence] = field(default_factory=list)  # done once the batch is computed
+    cancelled: list[RunningSequence] = field(default_factory=list)  # to release: cancelled, nothing in flight
+    ids: np.ndarray | None = None
+    batch: StepBatch | None = None  # None: nothing to compute
+    graph: Any = None
+    future: Any = None  # the computation, with build-ahead
+    masks: Any = None  # the grammar masks of its constrained rows, computed beside the graph
+
+    @property
+    def reads_logits(self) -> bool:
+        return bool(self.rows or self.scored or self.spec)
+
+    def add(self, inp: Input, position: int, sequence: int, seq: RunningSequence) -> None:
+        if inp.multimodal:
+            self.multimodal.append(MultimodalIndex(len(self.tokens), inp.multimodal))
+        if inp.token == UNSET:
+            self.late.append((len(self.tokens), inp, seq))
+        self.tokens.append(inp.token)
+        self.positions.append(position)
+        self.sequences.append(sequence)
+
+    def seal(self) -> None:
+        """Make the batch of what was packed (none when nothing was)."""
+        if self.tokens:
+            self.ids = np.array(self.tokens, np.int32)
+            self.batch = StepBatch(self.ids, outputs=self.outputs, positions=self.positions,
+                                   sequences=self.sequences, multimodal=self.multimodal)
+
+
+def packing_order(seq: RunningSequence) -> tuple[bool, int]:
+    """Decode inputs (one token, perhaps with drafts) first, by slot; then prompts in arrival order."""
+    prompt = len(seq.pending) - len(seq.drafts) > 1
+    return prompt, 0 if prompt else seq.slot.id
+
+
+def encoded(inp: Input) -> bool:
+    """Whether an input can go in a batch: text, or an image whose embeddings are computed."""
+    return not inp.multimodal or inp.multimodal[0].tensor is not None
+
+
+class Scheduler:
+    """Packs batches of at most ``batch_size`` inputs (more only for an image that needs more) for
+    sequences whose slots hold ``num_ctx`` inputs each."""
+
+    def __init__(self, batch_size: int, num_ctx: int):
+        self.batch_size, self.num_ctx = batch_size, num_ctx
+
+    @staticmethod
+    def feeds(seq: RunningSequence) -> bool:
+        """Whether ``seq`` may put inputs in a batch now (not over, cancelled or paused: a paused
+        sequence's consumer is not reading, so it gets nothing until it does)."""
+        return not (seq.done or seq.cancelled or seq.paused)
+
+    @staticmethod
+    def awaits_placeholder(seq: RunningSequence, build_ahead: bool) -> bool:
+        """Whether ``seq`` goes on with the token the batch in flight samples (build-ahead)."""
+        return build_ahead and not seq.pending and seq.outputs_in_flight > 0 and seq.wants_logits and \
+            seq.placeholder is None
+
+    def wants_input(self, seq: RunningSequence, build_ahead: bool) -> bool:
+        """Whether ``seq`` has an input for the next batch (a pending one, or a placeholder to come)."""
+        return self.feeds(seq) and bool(seq.pending or self.awaits_placeholder(seq, build_ahead))
+
+    def schedule(self, seqs: Iterable[RunningSequence], build_ahead: bool) -> Step:
+        """The next step: ``step.batch`` is None when no sequence has an input to compute."""
+        step = Step()
+        for seq in sorted(seqs, key=packing_order):
+            if seq.cancelled and not seq.done and not seq.outputs_in_flight:
+                step.cancelled.append(seq)
+            if not self.feeds(seq):
+                continue
+            if self.awaits_placeholder(seq, build_ahead):
+                seq.placeholder = Input(token=UNSET)
+                seq.pending.append(seq.placeholder)
+            room = self.batch_size - len(step.tokens)  # < 0 after an image that made the batch grow
+            if seq.pending and room > 0:
+                self._take(step, seq, room)
+        step.seal()
+        return step
+
+    def _take(self, step: Step, seq: RunningSequence, room: int) -> None:
+        """Move up to ``room`` of ``seq``'s pending inputs into the step and its slot. A full slot
+        takes nothing more (the context shift makes room before the next step)."""
+        slot, taken, first = seq.slot, 0, len(step.tokens)
+        while seq.pending and taken < room:
+            inp = seq.pending[0]
+            if len(slot.inputs) >= self.num_ctx or not encoded(inp):
+                break
+            if inp.same_batch:  # an image's inputs go in one batch: this one, the next one, or after a shift
+                if len(slot.inputs) + inp.same_batch >= self.num_ctx:
+                    break
+                if inp.same_batch >= self.batch_size:  # longer than any batch: this one grows to hold it
+                    room = taken + inp.same_batch + 1
+                elif inp.same_batch >= room - taken:
+                    break
+            seq.pending.popleft()
+            step.add(inp, len(slot.inputs), slot.id, seq)
+            slot.inputs.append(inp)
+            taken += 1
+        if taken:
+            step.seqs.append(seq)
+            self._ask_logits(step, seq, first, taken)
+
+    @staticmethod
+    def _ask_logits(step: Step, seq: RunningSequence, first: int, taken: int) -> None:
+        """The logits rows of ``seq``'s ``taken`` inputs from batch index ``first``."""
+        if seq.scores is not None:  # every prompt position gets a logits row
+            step.scored.extend((len(step.outputs) + i, seq) for i in range(taken))
+            step.outputs.extend(range(first, first + taken))
+        if seq.pending:
+            return
+        end = len(step.tokens)
+        if seq.drafts:  # a logits row at the decode input and every drafted position
+            step.outputs.extend(range(end - len(seq.drafts) - 1, end))
+            step.spec.append((len(step.outputs) - len(seq.drafts) - 1, seq))
+            seq.outputs_in_flight += 1
+        elif seq.wants_logits:
+            if seq.scores is None:
+                step.outputs.append(end - 1)
+            step.rows.append((len(step.outputs) - 1, seq))
+            seq.outputs_in_flight += 1
+        else:
+            step.finishing.append(seq)

@@ -1,0 +1,148 @@
+"""The scheduler alone: no model, no engine, no thread. Plain sequences (their pending inputs, slots and
+outputs in flight) go in; the packed batch, its logits rows and the moved inputs come out."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pyggml.input import Input, Multimodal
+from pyggml.runner.inputcache import InputCacheSlot
+from pyggml.runner.scheduler import UNSET, Scheduler
+
+
+@dataclass(eq=False)
+class Seq:
+    """What the scheduler reads of a running sequence."""
+
+    slot: InputCacheSlot
+    pending: deque = field(default_factory=deque)
+    max_tokens: int = -1
+    generated: int = 0
+    outputs_in_flight: int = 0
+    drafts: list = field(default_factory=list)
+    scores: list | None = None
+    placeholder: Input | None = None
+    done: bool = False
+    cancelled: bool = False
+    paused: bool = False
+
+    @property
+    def wants_logits(self) -> bool:
+        return self.max_tokens < 0 or self.generated + self.outputs_in_flight < self.max_tokens
+
+
+def seq(slot: int, tokens, cached: int = 0, **kw) -> Seq:
+    """Sequence in slot ``slot`` with ``tokens`` pending and ``cached`` inputs already in its slot."""
+    return Seq(InputCacheSlot(slot, [Input(token=9)] * cached), deque(Input(token=t) for t in tokens), **kw)
+
+
+def test_decode_inputs_go_first_by_slot_then_prompts_in_arrival_order():
+    prompt_a, decode_2, prompt_b, decode_0 = seq(3, [10, 11, 12]), seq(2, [20], 5), seq(1, [30, 31]), seq(0, [40], 7)
+    step = Scheduler(batch_size=16, num_ctx=32).schedule([prompt_a, decode_2, prompt_b, decode_0], build_ahead=False)
+    assert step.tokens == [40, 20, 10, 11, 12, 30, 31]
+    assert step.sequences == [0, 2, 3, 3, 3, 1, 1]
+    assert step.positions == [7, 5, 0, 1, 2, 0, 1]  # where each input lands in its slot
+    assert step.outputs == [0, 1, 4, 6]  # each sequence's last input: its next token is sampled there
+    assert [(row, s) for row, s in step.rows] == [(0, decode_0), (1, decode_2), (2, prompt_a), (3, prompt_b)]
+    assert all(not s.pending and s.outputs_in_flight == 1 for s in (prompt_a, decode_2, prompt_b, decode_0))
+    assert [i.token for i in prompt_a.slot.inputs] == [10, 11, 12] and len(decode_0.slot.inputs) == 8
+    assert step.batch.tokens.dtype == np.int32 and list(step.batch.tokens) == step.tokens
+
+
+def test_a_prompt_longer_than_a_batch_is_split_and_sampled_after_its_last_chunk():
+    s = seq(0, range(10))
+    scheduler = Scheduler(batch_size=4, num_ctx=32)
+    steps = [scheduler.schedule([s], build_ahead=False) for _ in range(3)]
+    assert [st.tokens for st in steps] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert [st.outputs for st in steps] == [[], [], [1]] and [len(st.rows) for st in steps] == [0, 0, 1]
+    assert steps[2].positions == [8, 9]
+    assert scheduler.schedule([s], build_ahead=False).batch is None  # nothing left: nothing to compute
+
+
+def test_the_batch_is_shared_up_to_batch_size():
+    a, b = seq(0, range(6)), seq(1, range(100, 106))
+    step = Scheduler(batch_size=8, num_ctx=32).schedule([a, b], build_ahead=False)
+    assert step.tokens == [0, 1, 2, 3, 4, 5, 100, 101] and len(b.pending) == 4
+    assert [s for _, s in step.rows] == [a] and step.seqs == [a, b]
+
+
+def image_prompt(before: int, run: int, after: int, slot: int = 0) -> Seq:
+    """``before`` text inputs, an image of ``run`` inputs that go together (same_batch), ``after`` text inputs."""
+    image = Input(multimodal=[Multimodal(tensor=np.zeros((run, 4), np.float32))], multimodal_hash=7,
+                  same_batch=run - 1)
+    inputs = [Input(token=t) for t in range(before)] + [image] + [Input(token=0)] * (run - 1) + \
+        [Input(token=50 + t) for t in range(after)]
+    return Seq(InputCacheSlot(slot), deque(inputs))
+
+
+def test_an_image_is_never_split_and_one_longer_than_a_batch_grows_it():
+    s = image_prompt(before=3, run=3, after=2)
+    scheduler = Scheduler(batch_size=4, num_ctx=64)
+    first = scheduler.schedule([s], build_ahead=False)
+    assert first.tokens == [0, 1, 2] and not first.multimodal  # the image's 3 inputs would straddle two batches
+    second = scheduler.schedule([s], build_ahead=False)
+    assert len(second.tokens) == 4 and [m.index for m in second.multimodal] == [0]
+    long = image_prompt(before=1, run=6, after=2)
+    grown = Scheduler(batch_size=4, num_ctx=64)
+    steps = [grown.schedule([long], build_ahead=False) for _ in range(2)]
+    # the batch grows to hold the text before it and the whole image: at most batch_size - 1 + its run
+    assert [len(st.tokens) for st in steps] == [7, 2] and [m.index for m in steps[0].multimodal] == [1]
+    assert steps[1].tokens == [50, 51] and steps[1].rows == [(0, long)]
+
+
+def test_an_image_not_encoded_yet_waits():
+    s = image_prompt(before=2, run=2, after=1)
+    s.pending[2].multimodal = [Multimodal(data=b"image bytes")]  # no tensor: the Images plug-in encodes it first
+    step = Scheduler(batch_size=16, num_ctx=64).schedule([s], build_ahead=False)
+    assert step.tokens == [0, 1] and not step.rows and len(s.pending) == 3
+
+
+def test_build_ahead_gives_a_sequence_with_a_token_in_flight_a_placeholder():
+    flying, idle = seq(0, [], 5, outputs_in_flight=1), seq(1, [], 5, outputs_in_flight=1)
+    step = Scheduler(batch_size=8, num_ctx=32).schedule([flying], build_ahead=True)
+    ((index, inp, owner),) = step.late
+    assert (index, inp.token, owner) == (0, UNSET, flying) and flying.placeholder is inp
+    assert step.tokens == [UNSET] and [s for _, s in step.rows] == [flying] and flying.outputs_in_flight == 2
+    assert Scheduler(batch_size=8, num_ctx=32).schedule([idle], build_ahead=False).batch is None
+
+
+def test_drafts_get_a_logits_row_each():
+    s = seq(0, [7, 71, 72, 73], 5, drafts=[71, 72, 73])
+    plain = seq(1, [8], 5)
+    step = Scheduler(batch_size=16, num_ctx=32).schedule([plain, s], build_ahead=False)
+    assert step.tokens == [7, 71, 72, 73, 8]  # by slot: the speculating sequence's decode input and drafts first
+    assert step.outputs == [0, 1, 2, 3, 4]
+    assert step.spec == [(0, s)] and step.rows == [(4, plain)]
+
+
+def test_prompt_logits_rows_at_every_position():
+    s = seq(0, [1, 2, 3, 4, 5], scores=[])
+    scheduler = Scheduler(batch_size=3, num_ctx=32)
+    first, second = scheduler.schedule([s], build_ahead=False), scheduler.schedule([s], build_ahead=False)
+    assert first.outputs == [0, 1, 2] and [r for r, _ in first.scored] == [0, 1, 2] and not first.rows
+    assert second.outputs == [0, 1] and [r for r, _ in second.scored] == [0, 1] and second.rows == [(1, s)]
+
+
+def test_full_paused_cancelled_and_finished_sequences():
+    full = seq(0, [1], cached=8)
+    paused = seq(1, [2], paused=True)
+    cancelled = seq(2, [3], cancelled=True)
+    cancelled_in_flight = seq(3, [], cancelled=True, outputs_in_flight=1)
+    done = seq(4, [5], done=True)
+    last = seq(5, [6], max_tokens=2, generated=2)  # its last token is in: computed, not sampled
+    step = Scheduler(batch_size=8, num_ctx=8).schedule([full, paused, cancelled, cancelled_in_flight, done, last],
+                                                       build_ahead=False)
+    assert step.tokens == [6] and step.finishing == [last] and not step.rows
+    assert step.cancelled == [cancelled]  # released now; the other is released once its output is sampled
+    assert list(full.pending) == [Input(token=1)]  # a full slot waits for the context shift
+
+
+def test_wants_input_says_which_sequences_the_context_shift_must_serve():
+    scheduler = Scheduler(batch_size=8, num_ctx=8)
+    assert scheduler.wants_input(seq(0, [1]), build_ahead=False)
+    assert not scheduler.wants_input(seq(0, []), build_ahead=False)
+    assert scheduler.wants_input(seq(0, [], outputs_in_flight=1), build_ahead=True)  # a placeholder comes
+    assert not scheduler.wants_input(seq(0, [1], paused=True), build_ahead=False)
