@@ -96,7 +96,7 @@ def main() -> None:
         model = llm.model
         start = time.perf_counter()
         with model.backend.new_context() as ctx:
-            (item,) = model.encode_multimodal(ctx, buf.getvalue())
+            (item,) = model.vision.encode(ctx, buf.getvalue())
             ctx.compute(item.tensor)
         results["pyggml_encode_s"] = time.perf_counter() - start
         print(json.dumps(results), flush=True)

@@ -104,7 +104,7 @@ def test_vision_tower_and_image_embeddings_match_transformers(tiny):
             ctx.compute(states, embeds)
             states, embeds = states.numpy(), embeds.numpy()
         with ours.backend.new_context() as ctx:
-            (item,) = ours.encode_multimodal(ctx, data)
+            (item,) = ours.vision.encode(ctx, data)
             ctx.compute(item.tensor)
             np.testing.assert_array_equal(item.tensor.numpy(), embeds)  # decode + preprocess + both parts
     finally:
@@ -287,6 +287,25 @@ def test_server_takes_images_through_both_apis_and_refuses_bad_ones(tiny):
         assert again["response"] == gen["response"]  # the slot was freed and works
 
 
+def test_the_server_decodes_each_image_once(tiny, monkeypatch):
+    """An image is decoded once per request: the runner's completion decodes and preprocesses it (a bad one is
+    still a 400 before any work, above); neither the server nor the encoder decodes it again."""
+    import base64
+
+    from pyggml import image
+
+    from ._server import post, running_server
+
+    _, _, path, _ = tiny
+    calls, decode = [], image.decode
+    monkeypatch.setattr(image, "decode", lambda data, *a, **k: calls.append(len(data)) or decode(data, *a, **k))
+    data = png(13)
+    with running_server(path, parallel=1, num_ctx=128) as server:
+        post(server, "/api/generate", {"prompt": "what is this?", "images": [base64.b64encode(data).decode()],
+                                       "options": {"temperature": 0, "num_predict": 2}})
+    assert calls == [len(data)]
+
+
 def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
     import pyggml
     from pyggml.convert.gemma3_vision import split_mmproj
@@ -369,7 +388,7 @@ def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_e
     model = models.load(path, BackendParams(n_threads=2))
     try:
         with model.backend.new_context() as ctx:
-            (item,) = model.encode_multimodal(ctx, out.getvalue())
+            (item,) = model.vision.encode(ctx, out.getvalue())
             ctx.compute(item.tensor)
             ours = item.tensor.numpy()
     finally:
@@ -489,7 +508,7 @@ def test_the_vision_graph_is_built_once_and_refilled_for_each_image(tiny):
         for data in images:
             (refilled,) = engine.encode(data)
             with model.backend.new_context() as ctx:
-                (fresh,) = model.encode_multimodal(ctx, data)
+                (fresh,) = model.vision.encode(ctx, data)
                 ctx.compute(fresh.tensor)
                 np.testing.assert_array_equal(refilled.tensor, fresh.tensor.numpy())
         assert engine.vision_built == 1

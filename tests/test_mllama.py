@@ -122,7 +122,7 @@ def test_vision_encoder_and_image_embeddings_match_transformers(tiny, size):
         pixels, ratio, n_tiles = image.tiles(image.decode(data), TILE, TILES, CLIP_MEAN, CLIP_STD)
         with ours.backend.new_context() as ctx:
             encoded = v.encoder(ctx, pixels, ratio, n_tiles)
-            embeds, mask = ours.encode_multimodal(ctx, data)
+            embeds, mask = ours.vision.encode(ctx, data)
             ctx.compute(encoded, embeds.tensor, mask.tensor)
             encoded, embeds, mask = encoded.numpy(), embeds.tensor.numpy(), mask.tensor.numpy()
     finally:
@@ -196,7 +196,7 @@ def _encode(model, data: bytes):
     from pyggml.input import Multimodal
 
     with model.backend.new_context() as ctx:
-        parts = model.encode_multimodal(ctx, data)
+        parts = model.vision.encode(ctx, data)
         ctx.compute(*[m.tensor for m in parts])
         return [Multimodal(tensor=m.tensor.numpy().copy()) for m in parts]
 

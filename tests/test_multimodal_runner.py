@@ -1,5 +1,5 @@
-"""The runner's multimodal path, model-agnostic: images in a request become inputs the model's
-``post_tokenize`` rewrites; their vision graph is computed once, outside the text batches, when
+"""The runner's multimodal path, model-agnostic: images in a request become the inputs the model's
+``VisionPart`` places; their vision graph is computed once, outside the text batches, when
 their input is first batched; ``same_batch`` keeps an image's inputs together; the prompt cache
 reuses a slot whose prefix holds the same image (and only then). A toy vision model stands in."""
 
@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from pyggml import BackendParams, models, nn
-from pyggml.input import Input, Multimodal
+from pyggml.input import Input
+from pyggml.models import VisionPart
 from pyggml.models.llama import Llama
 from pyggml.runner import CompletionRequest, Runner
 from pyggml.synthetic import write_synthetic
@@ -18,30 +19,33 @@ N_IMAGE = 3  # inputs an image takes (its embedding rows)
 MARK = 5  # the toy's "start of image" token
 
 
-class ToyVision(Llama):
-    """The tiny llama plus a "vision tower": an image's embedding is a fixed function of its bytes
-    (a sine pattern set by its fourth byte), computed in its own graph; its inputs see each other both ways."""
+class ToyPart(VisionPart):
+    """A "vision tower": an image's embedding is a fixed function of its bytes (a sine pattern set by its
+    fourth byte), computed in its own graph (not reusable: the pattern is an unnamed input)."""
 
-    encoded = 0
+    reusable = False
 
-    def encode_multimodal(self, ctx, data: bytes) -> list[Multimodal]:
+    def __init__(self, hidden: int):
+        self.hidden = hidden
+
+    def preprocess(self, data: bytes) -> dict[str, np.ndarray]:
         if not data.startswith(b"IMG"):
             raise ValueError("not an image (the toy wants b'IMG...')")
-        type(self).encoded += 1
-        pattern = np.sin(np.arange(N_IMAGE * self.options.hidden_size) * (data[3] / 37.0)).astype(np.float32)
-        rows = ctx.from_numpy(pattern.reshape(N_IMAGE, -1)).scale(2.0)
-        return [Multimodal(tensor=rows, data=data)]
+        return {"pattern": np.sin(np.arange(N_IMAGE * self.hidden) * (data[3] / 37.0)).astype(np.float32)}
 
-    def post_tokenize(self, inputs: list[Input]) -> list[Input]:
-        out = []
-        for inp in inputs:
-            if inp.multimodal is None:
-                out.append(inp)
-                continue
-            out.append(Input(token=MARK))
-            out.append(Input(multimodal=inp.multimodal, multimodal_hash=inp.multimodal_hash, same_batch=N_IMAGE))
-            out += [Input(token=0) for _ in range(N_IMAGE - 1)]
-        return out
+    def build(self, ctx, inputs) -> list:
+        ToyVision.encoded += 1
+        return [ctx.from_numpy(inputs["pattern"].reshape(N_IMAGE, -1)).scale(2.0)]
+
+    def placeholders(self, image: Input, tokenizer) -> list[Input]:
+        return [Input(token=MARK), Input(multimodal=image.multimodal, multimodal_hash=image.multimodal_hash,
+                                         same_batch=N_IMAGE), *(Input(token=0) for _ in range(N_IMAGE - 1))]
+
+
+class ToyVision(Llama):
+    """The tiny llama with the toy vision part; an image's inputs see each other both ways."""
+
+    encoded = 0
 
     def forward(self, ctx, batch):
         w, o = self.weights, self.options
@@ -65,6 +69,7 @@ def path(tmp_path_factory):
 def toy(path):
     model = models.load(path, BackendParams(n_threads=1))
     model.__class__ = ToyVision
+    model.vision = ToyPart(model.options.hidden_size)
     ToyVision.encoded = 0
     yield model
     model.close()
@@ -190,39 +195,39 @@ def test_bad_images_fail_their_request_only(toy, path):
 
 
 class ToySplit(ToyVision):
-    """The toy with the optional split of ``encode_multimodal``: its "pixels" come in ``k`` copies (the image's
+    """The toy with a part whose graph is kept per input shape: its "pixels" come in ``k`` copies (the image's
     fifth byte), so images have different input shapes, and the graph averages them back: the same embeddings."""
 
     built = 0
 
-    def preprocess_multimodal(self, data: bytes) -> dict[str, np.ndarray]:
-        if not data.startswith(b"IMG"):
-            raise ValueError("not an image (the toy wants b'IMG...')")
-        pattern = np.sin(np.arange(N_IMAGE * self.options.hidden_size) * (data[3] / 37.0)).astype(np.float32)
+
+class ToySplitPart(ToyPart):
+    reusable = True
+
+    def preprocess(self, data: bytes) -> dict[str, np.ndarray]:
+        pattern = super().preprocess(data)["pattern"]
         copies = data[4] if len(data) > 4 else 1
         return {"pixels": np.repeat(pattern.reshape(N_IMAGE, -1, 1), copies, axis=2)}
 
-    def build_multimodal(self, ctx, inputs: dict[str, np.ndarray]) -> list:
-        type(self).built += 1
+    def build(self, ctx, inputs: dict[str, np.ndarray]) -> list:
+        ToySplit.built += 1
         pixels = ctx.from_numpy(inputs["pixels"], name="pixels")  # (copies, hidden, N_IMAGE)
-        return [pixels.mean().reshape(self.options.hidden_size, N_IMAGE).scale(2.0)]
+        return [pixels.mean().reshape(self.hidden, N_IMAGE).scale(2.0)]
 
-    def multimodal_worst_case(self) -> dict[str, np.ndarray]:
-        return self.preprocess_multimodal(b"IMG\x00\x04")
-
-    def encode_multimodal(self, ctx, data: bytes) -> list[Multimodal]:
-        return [Multimodal(tensor=t, data=data) for t in self.build_multimodal(ctx, self.preprocess_multimodal(data))]
+    def worst_case(self) -> dict[str, np.ndarray]:
+        return self.preprocess(b"IMG\x00\x04")
 
 
 def test_the_vision_graph_is_built_once_per_input_shape(toy, path):
     """A model with the split: the runner builds its largest image graph at start-up, one more per new input
     shape, and refills a kept one for each later image of its shape; the results equal a graph per image."""
     images = [b"IMG\x10\x01", b"IMG\x20\x01", b"IMG\x30\x04", b"IMG\x40\x01", b"IMG\x50\x02"]
-    with Runner(toy, parallel=1, num_ctx=64, batch_size=16) as runner:  # a graph per image (encode_multimodal)
+    with Runner(toy, parallel=1, num_ctx=64, batch_size=16) as runner:  # a graph per image (the part is not reusable)
         expected = [run_all(runner, "a [img-0] b", [data])[:2] for data in images]
         assert runner.engine.vision_built == len(images) and runner.engine.vision_reused == 0
     split = models.load(path, BackendParams(n_threads=1))
     split.__class__ = ToySplit
+    split.vision = ToySplitPart(split.options.hidden_size)
     ToySplit.built = 0
     try:
         with Runner(split, parallel=1, num_ctx=64, batch_size=16) as runner:
@@ -238,3 +243,72 @@ def test_the_vision_graph_is_built_once_per_input_shape(toy, path):
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, expected, strict=True):
         assert tokens == want_tokens
         np.testing.assert_allclose(logprobs, want_logprobs, atol=1e-5)
+
+
+class TokenImages(VisionPart):
+    """A dynamic-resolution toy: the image b"IMG" + ids is one row per id (its own number of inputs and its own
+    graph shape), each row the model's embedding of that token id, computed in the vision graph. A prompt with
+    such an image must then give the logits of the same prompt with the ids written as text."""
+
+    def __init__(self, model):
+        self.model, self.decoded = model, 0
+
+    def preprocess(self, data: bytes) -> dict[str, np.ndarray]:
+        if not data.startswith(b"IMG") or len(data) < 4:
+            raise ValueError("not an image (the toy wants b'IMG' and token ids)")
+        self.decoded += 1
+        return {"ids": np.frombuffer(data[3:], np.uint8).astype(np.int32)}
+
+    def build(self, ctx, inputs) -> list:
+        return [self.model.weights.token_embd(nn.int32_input(ctx, inputs["ids"], name="ids"))]
+
+    def worst_case(self) -> dict[str, np.ndarray]:
+        return {"ids": np.zeros(6, np.int32)}
+
+    def placeholders(self, image: Input, tokenizer) -> list[Input]:
+        n = len(image.multimodal[0].data["ids"])
+        return [Input(multimodal=image.multimodal, multimodal_hash=image.multimodal_hash, same_batch=n - 1),
+                *(Input(token=0) for _ in range(n - 1))]
+
+
+class TextImages(Llama):
+    def forward(self, ctx, batch):  # the tiny llama, with image rows over their placeholders (causal)
+        w, o = self.weights, self.options
+        inputs = nn.batch_inputs(ctx, batch)
+        h = nn.multimodal_embeddings(ctx, w.token_embd(inputs.tokens), batch)
+        for i, layer in enumerate(w.blk):
+            self.cache.set_layer(i)
+            h = layer(ctx, h, inputs.positions, inputs.outputs if i == len(w.blk) - 1 else None, self.cache, o, None)
+        return w.output(w.output_norm(h, o.eps))
+
+
+def test_images_of_different_shapes_through_the_runner_decoded_once(path):
+    """Per-image graph shapes and input counts (dynamic resolution) need no runner change: two images of 2 and 5
+    rows in one prompt give the logits of the prompt with their ids as text; each shape gets one kept graph
+    (and the start-up's largest one); each image's bytes are decoded once, when the request comes."""
+    model = models.load(path, BackendParams(n_threads=1))
+    model.__class__ = TextImages
+    model.vision = part = TokenImages(model)
+    images = [bytes([*b"IMG", 7, 9]), bytes([*b"IMG", 11, 12, 13, 14, 15])]
+    tok = model.tokenizer
+    text = tok.encode("red ", add_special=True) + [7, 9] + tok.encode(" fox ", add_special=False) + \
+        [11, 12, 13, 14, 15] + tok.encode(" ran", add_special=False)
+    try:
+        with Runner(model, parallel=1, num_ctx=64, batch_size=32) as runner:
+            engine = runner.engine
+            assert (engine.vision_built, runner.image_run) == (1, 6)  # the worst case: 6 rows
+
+            def logits(prompt, images=()):
+                *_, last = runner.completion(CompletionRequest(prompt=prompt, images=images, max_tokens=0,
+                                                               prompt_logits=True))
+                return last.prompt_logits
+
+            with_images = logits("red [img-0] fox [img-1] ran", images)
+            assert part.decoded == 2 and (engine.vision_built, engine.vision_reused) == (3, 0)
+            as_text = logits(text)
+            assert with_images.shape == as_text.shape == (len(text), tok.vocab_size)
+            np.testing.assert_allclose(with_images, as_text, rtol=0, atol=1e-5)
+            logits("[img-0] [img-0]", [bytes([*b"IMG", 3, 4])])  # the shape of 2 rows again, named twice
+            assert part.decoded == 3 and (engine.vision_built, engine.vision_reused) == (3, 2)
+    finally:
+        model.close()

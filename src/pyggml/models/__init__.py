@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import enum
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pyggml.input import Batch, Input, Multimodal, MultimodalIndex
 from pyggml.nn import ModelError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from pyggml.backend import Backend, BackendParams, Context, ProgressFn
     from pyggml.kvcache import Cache
     from pyggml.tensor import Tensor
 
-__all__ = ["Batch", "Input", "Model", "ModelError", "Multimodal", "MultimodalIndex", "Pooling", "load", "register",
-           "registry"]
+__all__ = ["Batch", "Input", "Model", "ModelError", "Multimodal", "MultimodalIndex", "Pooling", "VisionPart", "load",
+           "register", "registry"]
 
 
 class Pooling(enum.IntEnum):
@@ -63,6 +65,7 @@ class Model:
     # the most sequences the model can serve at once (its cache's limit: mllama's encoder cache holds one
     # image); None: no limit. The runner serves at most this many.
     max_parallel: ClassVar[int | None] = None
+    vision: VisionPart | None = None  # the image encoder of a vision model (or of its mmproj file)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         """Logits (vocab, len(batch.outputs)) for the batch."""
@@ -74,37 +77,6 @@ class Model:
         model's); ``Pooling.NONE`` gives every token's state, (hidden, n_tokens)."""
         raise NotImplementedError
 
-    # ---- multimodal protocol (vision models override the first two) -----------------------------
-    def encode_multimodal(self, ctx: Context, data: bytes) -> list[Multimodal]:
-        """Decode and preprocess ``data`` (an image file's bytes) and build its vision graph in ``ctx``:
-        the tensors of the returned items are computed by the runner, in a graph of their own, the
-        first time their input is batched. ValueError for data the model cannot take."""
-        raise ValueError(f"the {self.architecture or 'loaded'} model takes no images (it has no vision part)")
-
-    # optional split of encode_multimodal, so the runner builds a vision graph once per image shape
-    # (and reserves the largest at start-up) instead of once per image
-    def preprocess_multimodal(self, data: bytes) -> dict[str, Any] | None:
-        """Decode and preprocess ``data`` into the named arrays its vision graph reads (ValueError for
-        data the model cannot take); None (the default): the model has only ``encode_multimodal``."""
-        return None
-
-    def build_multimodal(self, ctx: Context, inputs: dict[str, Any]) -> list[Tensor]:
-        """The vision graph of ``preprocess_multimodal``'s arrays: it reads each one through
-        ``ctx.from_numpy(array, name=name)``, so the runner can refill the graph for the next image of
-        the same shapes; any other input it makes may depend on the shapes only."""
-        raise NotImplementedError(f"{type(self).__name__}: build_multimodal is not implemented")
-
-    def multimodal_worst_case(self) -> dict[str, Any] | None:
-        """Inputs of the model's largest vision graph (arrays as ``preprocess_multimodal`` gives them,
-        any values), which the runner reserves memory for at start-up; None when unknown."""
-        return None
-
-    def post_tokenize(self, inputs: list[Input]) -> list[Input]:
-        """Rewrite the input stream after tokenizing: an image's ``Input`` (its ``multimodal`` items
-        and ``multimodal_hash`` set) becomes the model's marker tokens and placeholders, with
-        ``same_batch`` keeping them in one batch. Text-only models return ``inputs`` as they are."""
-        return inputs
-
     def attach_mmproj(self, projector: Backend) -> None:
         """Take the vision part from a llama.cpp mmproj file's weights (loaded as ``projector``, which
         the model then owns and closes); the base refuses."""
@@ -113,7 +85,7 @@ class Model:
 
     @property
     def takes_images(self) -> bool:
-        return type(self).encode_multimodal is not Model.encode_multimodal
+        return self.vision is not None
 
     @property
     def context_length(self) -> int:
@@ -139,6 +111,47 @@ class Model:
             self.cache.close()
             self.cache = None
         self.backend.close()
+
+
+class VisionPart:
+    """A model's image encoder, held as ``model.vision`` (None: the model takes no images). The runner
+    and the engine reach images only through it:
+
+    - ``preprocess(data)``: the image file's bytes, decoded (once: on the requesting thread, so a bad
+      image fails its request before any work) into the named arrays its graph reads;
+    - ``placeholders(image, tokenizer)``: the inputs that stand for one image in the prompt (marker
+      tokens, and the image's ``Input`` with ``same_batch`` keeping its rows in one batch);
+    - ``build(ctx, inputs)``: the encoder graph of those arrays, read through
+      ``ctx.from_numpy(array, name=name)`` so the engine keeps one graph per input shape and refills
+      it for the next image of that shape (shapes may differ per image: dynamic resolution);
+    - ``worst_case()``: arrays of its largest graph, reserved at start-up (and sizing the batches).
+    """
+
+    max_images: ClassVar[int | None] = None  # images one prompt may hold (None: any number)
+    # False: the graph reads per-image values the refill cannot reach; the engine builds one per image
+    reusable: ClassVar[bool] = True
+
+    def preprocess(self, data: bytes) -> dict[str, np.ndarray]:
+        """The arrays ``build`` reads, by input name; ValueError for bytes that are not an image it takes."""
+        raise NotImplementedError
+
+    def build(self, ctx: Context, inputs: Mapping[str, np.ndarray]) -> list[Tensor]:
+        """The image's embeddings: one or more tensors (the text model reads them from ``Multimodal``
+        items, as numpy arrays (rows, hidden) once computed)."""
+        raise NotImplementedError
+
+    def worst_case(self) -> dict[str, np.ndarray] | None:
+        """Inputs of the largest graph (any values); None when unknown (nothing is reserved)."""
+        return None
+
+    def placeholders(self, image: Input, tokenizer: Any) -> list[Input]:
+        """The inputs standing for ``image`` in the prompt; ``image.multimodal[0].data`` holds what
+        ``preprocess`` gave (or ``worst_case()``, for sizing the batches)."""
+        raise NotImplementedError
+
+    def encode(self, ctx: Context, data: bytes) -> list[Multimodal]:
+        """Preprocess ``data`` and build its graph in ``ctx`` (a one-off; the runner keeps graphs)."""
+        return [Multimodal(tensor=t) for t in self.build(ctx, self.preprocess(data))]
 
 
 _REGISTRY: dict[str, type[Model]] = {}

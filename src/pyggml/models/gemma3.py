@@ -6,11 +6,9 @@ other both ways), "<end_of_image>\n\n", as Hugging Face's Gemma3Processor writes
 
 from __future__ import annotations
 
-import numpy as np
-
-from pyggml import image, nn
+from pyggml import nn
 from pyggml.backend import Backend, Context
-from pyggml.models import Batch, Input, ModelError, Multimodal, gemma2, gemma3_vision, register
+from pyggml.models import Batch, ModelError, gemma2, gemma3_vision, register
 from pyggml.tensor import Tensor
 
 
@@ -58,65 +56,6 @@ class Gemma3(gemma2.Gemma2):
         if getattr(self, "_projector", None) is not None:
             self._projector.close()
             self._projector = None
-
-    @property
-    def takes_images(self) -> bool:
-        return self.vision is not None
-
-    def encode_multimodal(self, ctx: Context, data: bytes) -> list[Multimodal]:
-        if self.vision is None:
-            return super().encode_multimodal(ctx, data)
-        return [Multimodal(tensor=t, data=data) for t in self.build_multimodal(ctx, self.preprocess_multimodal(data))]
-
-    def preprocess_multimodal(self, data: bytes) -> dict[str, np.ndarray] | None:
-        if self.vision is None:
-            return None
-        o = self.vision.options
-        pixels = image.resize_normalize(image.decode(data), (o.image_size, o.image_size), o.image_mean, o.image_std)
-        return {gemma3_vision.PIXELS: pixels}
-
-    def build_multimodal(self, ctx: Context, inputs: dict[str, np.ndarray]) -> list[Tensor]:
-        if self.vision is None:
-            return super().build_multimodal(ctx, inputs)
-        return [self.vision(ctx, inputs[gemma3_vision.PIXELS])]
-
-    def multimodal_worst_case(self) -> dict[str, np.ndarray] | None:
-        if self.vision is None:
-            return None
-        size = self.vision.options.image_size  # every image is resized to it: one graph shape
-        return {gemma3_vision.PIXELS: np.zeros((3, size, size), np.float32)}
-
-    def post_tokenize(self, inputs: list[Input]) -> list[Input]:
-        if self.vision is None or not any(x.multimodal for x in inputs):
-            return inputs
-        start, end, soft = self._image_tokens()
-        n = self.vision.options.tokens_per_image
-        out: list[Input] = []
-        for inp in inputs:
-            if not inp.multimodal:
-                out.append(inp)
-                continue
-            out += [Input(token=t) for t in start]
-            out.append(Input(token=soft, multimodal=inp.multimodal, multimodal_hash=inp.multimodal_hash,
-                             same_batch=n))
-            out += [Input(token=soft) for _ in range(n - 1)]
-            out += [Input(token=t) for t in end]
-        return out
-
-    def _image_tokens(self) -> tuple[list[int], list[int], int]:
-        """The tokens before and after an image's embeddings, and the placeholder token."""
-        tok = self.tokenizer
-
-        def special(text: str) -> int:
-            ids = tok.encode(text, add_special=False)
-            if len(ids) != 1:
-                raise ModelError(f"gemma3: the vocabulary has no {text} token, which images need")
-            return ids[0]
-
-        newlines = tok.encode("\n\n", add_special=False)
-        soft = tok.encode("<image_soft_token>", add_special=False)
-        return ([*newlines, special("<start_of_image>")], [special("<end_of_image>"), *newlines],
-                soft[0] if len(soft) == 1 else 0)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         if not batch.multimodal:

@@ -7,13 +7,14 @@ projector (average pooling of the patch grid down to ``mm_tokens_per_image``, an
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-from pyggml import nn
+from pyggml import image, nn
 from pyggml.backend import Context
-from pyggml.models import ModelError
+from pyggml.models import Input, ModelError, VisionPart
 from pyggml.tensor import DType, Tensor
 
 KEY = "clip.vision."
@@ -130,13 +131,51 @@ class Projector(nn.Module):
 
 
 @dataclass(frozen=True)
-class Vision:
+class Vision(VisionPart):
+    """The model's vision part: every image resized to ``image_size`` (one graph shape), its
+    ``tokens_per_image`` embeddings between "\n\n<start_of_image>" and "<end_of_image>\n\n", as Hugging
+    Face's Gemma3Processor writes it; they see each other both ways (the text model's ``_images``)."""
+
     options: VisionOptions
     tower: VisionTower
     projector: Projector
 
     def __call__(self, ctx: Context, pixels: np.ndarray) -> Tensor:
         return self.projector(ctx, self.tower(ctx, pixels, self.options), self.options)
+
+    def preprocess(self, data: bytes) -> dict[str, np.ndarray]:
+        o = self.options
+        return {PIXELS: image.resize_normalize(image.decode(data), (o.image_size, o.image_size), o.image_mean,
+                                               o.image_std)}
+
+    def build(self, ctx: Context, inputs: Mapping[str, np.ndarray]) -> list[Tensor]:
+        return [self(ctx, inputs[PIXELS])]
+
+    def worst_case(self) -> dict[str, np.ndarray]:
+        size = self.options.image_size
+        return {PIXELS: np.zeros((3, size, size), np.float32)}
+
+    def placeholders(self, image: Input, tokenizer) -> list[Input]:
+        start, end, soft = _image_tokens(tokenizer)
+        n = self.options.tokens_per_image  # the rows and the token after them go in one batch
+        return [*(Input(token=t) for t in start),
+                Input(token=soft, multimodal=image.multimodal, multimodal_hash=image.multimodal_hash, same_batch=n),
+                *(Input(token=soft) for _ in range(n - 1)), *(Input(token=t) for t in end)]
+
+
+def _image_tokens(tok) -> tuple[list[int], list[int], int]:
+    """The tokens before and after an image's embeddings, and the placeholder token."""
+
+    def special(text: str) -> int:
+        ids = tok.encode(text, add_special=False)
+        if len(ids) != 1:
+            raise ModelError(f"gemma3: the vocabulary has no {text} token, which images need")
+        return ids[0]
+
+    newlines = tok.encode("\n\n", add_special=False)
+    soft = tok.encode("<image_soft_token>", add_special=False)
+    return ([*newlines, special("<start_of_image>")], [special("<end_of_image>"), *newlines],
+            soft[0] if len(soft) == 1 else 0)
 
 
 def load(backend, text_hidden: int) -> Vision | None:

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pyggml import image, nn
+from pyggml import nn
 from pyggml.backend import MAX_LAYERS, Backend, Context
 from pyggml.kvcache import Causal, Encoder, Wrapper
-from pyggml.models import Batch, Input, ModelError, Multimodal, llama, mllama_vision, register
+from pyggml.models import Batch, ModelError, llama, mllama_vision, register
 from pyggml.tensor import DType, Tensor
 
 SELF, CROSS = "not is_cross[layer]", "is_cross[layer]"
@@ -132,32 +132,6 @@ class Mllama(llama.Llama):
             self._key_bias = backend.alloc_persistent(DType.F32, (self.vision.options.n_enc,), name="mllama.tiles",
                                                       purpose="cache")
 
-    @property
-    def takes_images(self) -> bool:
-        return self.vision is not None
-
-    def encode_multimodal(self, ctx: Context, data: bytes) -> list[Multimodal]:
-        """The image's embeddings (hidden, n_enc) and its tile mask (n_enc,)."""
-        if self.vision is None:
-            return super().encode_multimodal(ctx, data)
-        o = self.vision.options
-        pixels, ratio, n_tiles = image.tiles(image.decode(data), o.image_size, o.max_tiles, o.image_mean, o.image_std)
-        bias = np.where(np.arange(o.n_enc) < n_tiles * o.n_positions, 0.0, -np.inf).astype(np.float32)
-        return [Multimodal(tensor=self.vision(ctx, pixels, ratio, n_tiles), data=data),
-                Multimodal(tensor=ctx.from_numpy(bias).scale(1.0))]
-
-    def post_tokenize(self, inputs: list[Input]) -> list[Input]:
-        images = [x for x in inputs if x.multimodal]
-        if self.vision is None or not images:
-            return inputs
-        if len(images) > 1:
-            raise ValueError(f"mllama attends to one image at a time; the prompt has {len(images)}")
-        ids = self.tokenizer.encode("<|image|>", add_special=False)
-        if len(ids) != 1:
-            raise ModelError("mllama: the vocabulary has no <|image|> token, which images need")
-        return [Input(token=ids[0], multimodal=x.multimodal, multimodal_hash=x.multimodal_hash) if x.multimodal
-                else x for x in inputs]
-
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         w, o = self.weights, self.options
         inputs = nn.batch_inputs(ctx, batch)
@@ -195,7 +169,7 @@ class Mllama(llama.Llama):
         states, bias = (np.asarray(m.tensor, np.float32) for m in items) if len(items) == 2 else (None, None)
         if states is None or states.shape != (n_enc, hidden) or bias.shape != (n_enc,):
             raise ValueError(f"mllama: an image must be its embeddings ({n_enc}, {hidden}) and tile mask ({n_enc},) "
-                             "as encode_multimodal makes them")
+                             "as its vision part makes them")
         seen = np.arange(n_tokens) >= index  # rows from the image token on see its tiles
         mask = np.where(seen[:, None], bias[None, :], 0.0).astype(np.float32)  # numpy (n_tokens, n_enc)
         ctx.forward(ctx.from_numpy(bias).copy(self._key_bias))

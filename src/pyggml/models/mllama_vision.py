@@ -11,16 +11,18 @@ and is projected to the text width: keys and values for the text model's cross-a
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from pyggml import image, nn
 from pyggml.backend import Context
-from pyggml.models import ModelError
+from pyggml.models import Input, ModelError, VisionPart
 from pyggml.tensor import DType, Tensor
 
 KEY = "vision."
+PIXELS, RATIO, PADDING, TILES = "pixels", "ratio", "padding", "tiles"  # the vision graph's named inputs
 FLASH = True  # ggml's fused attention: no (heads, L, L) score matrix (16 x 6432^2 floats at 560 px)
 LN_EPS = 1e-5  # the pre/post LayerNorms (torch's default; the layers' own use the file's epsilon)
 CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
@@ -177,34 +179,78 @@ class Global(nn.Module):
 
 
 @dataclass(frozen=True)
-class Vision:
+class Vision(VisionPart):
+    """The model's vision part: an image becomes the ``<|image|>`` token carrying its embeddings
+    (text_hidden, n_enc) and its tile mask (n_enc,), which the cross-attention layers read. Every
+    image is padded to ``max_tiles`` tiles: one graph shape, refilled with the pixels, the aspect ratio
+    and the padding of each image."""
+
+    max_images = 1  # the encoder cache holds one image: a later one (a later turn) replaces it
     options: VisionOptions
     tower: Tower
     local: Local
     global_: Global
     projector: nn.Linear  # mm.0: (out_dim) -> text width
 
-    def encoder(self, ctx: Context, pixels: np.ndarray, ratio_id: int, n_tiles: int) -> Tensor:
-        """Pixels (max_tiles, 3, size, size) -> encoder states (out_dim, n_positions * max_tiles), tile by tile."""
-        o, t = self.options, self.tower
-        hidden, tiles, n, p = o.hidden_size, o.max_tiles, o.n_positions, o.patch_size
+    def preprocess(self, data: bytes) -> dict[str, np.ndarray]:
+        o = self.options
+        return self.arrays(*image.tiles(image.decode(data), o.image_size, o.max_tiles, o.image_mean, o.image_std))
+
+    def build(self, ctx: Context, inputs: Mapping[str, np.ndarray]) -> list[Tensor]:
+        """The embeddings (text_hidden, n_enc) and the tile mask (n_enc,): 0 for the image's tiles, -inf
+        for the padding tiles."""
+        return [self.projector(self._encoder(ctx, inputs, named=True)),
+                ctx.from_numpy(inputs[TILES], name=TILES).scale(1.0)]
+
+    def worst_case(self) -> dict[str, np.ndarray]:
+        o = self.options
+        return self.arrays(np.zeros((o.max_tiles, 3, o.image_size, o.image_size), np.float32), 1, o.max_tiles)
+
+    def placeholders(self, image: Input, tokenizer) -> list[Input]:
+        ids = tokenizer.encode("<|image|>", add_special=False)
+        if len(ids) != 1:
+            raise ModelError("mllama: the vocabulary has no <|image|> token, which images need")
+        return [Input(token=ids[0], multimodal=image.multimodal, multimodal_hash=image.multimodal_hash)]
+
+    def arrays(self, pixels: np.ndarray, ratio_id: int, n_tiles: int) -> dict[str, np.ndarray]:
+        """The graph's inputs: pixels (max_tiles, 3, size, size) of ``n_tiles`` tiles in aspect ratio ``ratio_id``."""
+        o, tiles = self.options, self.options.max_tiles
         if pixels.shape != (tiles, 3, o.image_size, o.image_size) or not 1 <= n_tiles <= tiles or \
                 not 1 <= ratio_id < o.n_ratios:
             raise ValueError(f"mllama vision: need pixels ({tiles}, 3, {o.image_size}, {o.image_size}), 1..{tiles} "
                              f"tiles and an aspect ratio id in 1..{o.n_ratios - 1}; got {pixels.shape}, "
                              f"{n_tiles}, {ratio_id}")
-        images = ctx.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32))  # (W, H, 3, tiles)
+        pad = np.ones((tiles, o.padded), np.float32)  # 1 at the padding positions: unused tiles, round-up
+        pad[:n_tiles, :o.n_positions] = 0
+        bias = np.where(np.arange(o.n_enc) < n_tiles * o.n_positions, 0.0, -np.inf).astype(np.float32)
+        return {PIXELS: np.ascontiguousarray(pixels, dtype=np.float32), RATIO: np.array([ratio_id], np.int32),
+                PADDING: pad.reshape(-1, 1), TILES: bias}
+
+    def encoder(self, ctx: Context, pixels: np.ndarray, ratio_id: int, n_tiles: int) -> Tensor:
+        """Pixels (max_tiles, 3, size, size) -> encoder states (out_dim, n_positions * max_tiles), tile by tile."""
+        return self._encoder(ctx, self.arrays(pixels, ratio_id, n_tiles))
+
+    def _encoder(self, ctx: Context, inputs: Mapping[str, np.ndarray], named: bool = False) -> Tensor:
+        """``named``: the inputs are named, so the engine can refill the graph for the next image."""
+        o, t = self.options, self.tower
+
+        def read(key: str, dtype=None) -> Tensor:
+            return ctx.from_numpy(inputs[key], dtype, name=key if named else None)
+
+        hidden, tiles, n, p = o.hidden_size, o.max_tiles, o.n_positions, o.patch_size
+        images = read(PIXELS)  # (W, H, 3, tiles)
         kernel = t.patch_embd.weight
         cols = images.im2col(kernel, p, p, 0, 0, 1, 1, dtype=DType.F32)  # (p*p*3, W/p, H/p, tiles)
         h = kernel.reshape(p * p * 3, hidden, ctx=ctx).mulmat(cols.reshape(p * p * 3, o.n_patches * tiles))
-        ratio = nn.int32_input(ctx, [ratio_id])
+        ratio = read(RATIO, DType.I32)
         h = h.reshape(hidden, o.n_patches, tiles) + t.pre_tile_position_embd(ratio, o)
         h = t.class_embd.weight.reshape(hidden, 1, 1, ctx=ctx).repeat(hidden, 1, tiles).concat(h, 1)
         h = h + t.position_embd.weight.weight.reshape(hidden, n, 1, ctx=ctx) * t.position_embd.gate.weight
         tile_pos = t.tile_position_embd.weight.weight.rows(ratio).reshape(hidden, n, tiles)
         h = t.pre_ln(h + tile_pos * t.tile_position_embd.gate.weight, LN_EPS)
         h = h.pad(0, o.padded - n).reshape(hidden, o.padded * tiles)
-        mask = self._mask(ctx, n_tiles)
+        flags = read(PADDING)  # (L, 1): padding hidden from padding (Hugging Face's rule)
+        mask = flags.mulmat(flags).scale(-1e30)  # (L, L) over all tiles' padded positions
         kept = []
         for i, layer in enumerate(self.local.blk):
             if i in o.intermediate:
@@ -222,14 +268,6 @@ class Vision:
         h = h.reshape(o.out_dim, o.padded, tiles)
         h = h.view(0, (o.out_dim, n, tiles), (h.strides[1], h.strides[2]))  # drop the padding positions
         return h.contiguous().reshape(o.out_dim, n * tiles)
-
-    def _mask(self, ctx: Context, n_tiles: int) -> Tensor:
-        """(L, L) over all tiles' padded positions: padding hidden from padding (Hugging Face's rule)."""
-        o = self.options
-        pad = np.ones((o.max_tiles, o.padded), np.float32)
-        pad[:n_tiles, :o.n_positions] = 0
-        flags = ctx.from_numpy(pad.reshape(-1, 1))  # (1, L)
-        return flags.mulmat(flags).scale(-1e30)
 
     def __call__(self, ctx: Context, pixels: np.ndarray, ratio_id: int, n_tiles: int) -> Tensor:
         """Image embeddings (text_hidden, n_enc) for the text model's cross-attention."""

@@ -10,16 +10,18 @@ graph is built. A graph is kept only if every input it reads is refillable (``Co
 The Runner (and through it ``LLM``, the CLI and the server) and ``pyggml bench`` call this; no
 other module builds model graphs for generation.
 
-Images: a vision model's encoder graph (``Engine.encode``) is built once per shape of its inputs
-and kept: the next image of that shape refills the named pixel inputs and computes the same graph
-(a model that only implements ``encode_multimodal`` builds one per image). ``reserve_multimodal``
-builds the largest one at start-up and reserves its compute memory, so a runner that starts can
-also encode an image.
+Images: the model's ``VisionPart`` (``model.vision``) builds an image's encoder graph
+(``Engine.encode``); the engine keeps one per shape of its inputs (so images of several sizes, as a
+dynamic-resolution encoder makes them, each get theirs): the next image of that shape refills the
+named inputs and computes the same graph (a part that is not ``reusable`` gets one per image).
+``reserve_multimodal`` builds the largest one at start-up and reserves its compute memory, so a
+runner that starts can also encode an image.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,26 +146,30 @@ class Engine:
         self._vision.clear()
 
     # ---- images --------------------------------------------------------------------------------
-    def encode(self, data: bytes) -> list[Multimodal]:
-        """Decode, preprocess and encode one image (its file's bytes): the model's embeddings, as numpy
-        arrays (n, hidden). ValueError for data the model cannot take."""
-        model = self.model
-        inputs = model.preprocess_multimodal(data)
-        if inputs is None:  # the model has only encode_multimodal: a graph of its own per image
-            with model.backend.new_context() as ctx:
-                parts = model.encode_multimodal(ctx, data)
+    def encode(self, image: bytes | Mapping[str, np.ndarray]) -> list[Multimodal]:
+        """Encode one image: its file's bytes, or the arrays ``model.vision.preprocess`` made of them
+        (the runner's way: decoded once, when the request came). The embeddings, as numpy arrays
+        (n, hidden). ValueError for an image the model cannot take."""
+        vision = self.model.vision
+        if vision is None:
+            raise ValueError(f"the {self.model.architecture or 'loaded'} model takes no images (it has no vision part)")
+        inputs = vision.preprocess(image) if isinstance(image, (bytes, bytearray)) else image
+        if not vision.reusable:  # a graph of its own per image
+            with self.model.backend.new_context() as ctx:
+                outputs = vision.build(ctx, inputs)
                 self.vision_built += 1
-                ctx.compute(*[m.tensor for m in parts])
-                return [Multimodal(tensor=m.tensor.numpy(), data=m.data) for m in parts]
+                ctx.compute(*outputs)
+                return [Multimodal(tensor=t.numpy()) for t in outputs]
         graph = self._vision_graph(inputs)
         graph.ctx.compute(*graph.outputs)
-        return [Multimodal(tensor=t.numpy(), data=data) for t in graph.outputs]
+        return [Multimodal(tensor=t.numpy()) for t in graph.outputs]
 
     def reserve_multimodal(self) -> list[np.ndarray]:
         """Build the model's largest vision graph (kept for the first image of that shape) and reserve its
         compute memory now; MemoryError when it does not fit. Returns zero arrays shaped like its
-        embeddings (for reserving a text batch that holds them), or [] for a model that cannot say."""
-        inputs = self.model.multimodal_worst_case()
+        embeddings (for reserving a text batch that holds them), or [] for a part that cannot say."""
+        vision = self.model.vision
+        inputs = vision.worst_case() if vision is not None and vision.reusable else None
         if inputs is None:
             return []
         graph = self._vision_graph(inputs, reuse=False)
@@ -184,10 +190,10 @@ class Engine:
             return graph
         ctx = self.model.backend.new_context()
         try:
-            outputs = list(self.model.build_multimodal(ctx, inputs))
+            outputs = list(self.model.vision.build(ctx, inputs))
             missing = [name for name in inputs if ctx.input_shape(name) is None]
             if missing:
-                raise ValueError(f"{type(self.model).__name__}.build_multimodal read no input named {missing}")
+                raise ValueError(f"{type(self.model.vision).__name__}.build read no input named {missing}")
         except BaseException:
             ctx.close()
             raise
@@ -213,7 +219,7 @@ class Engine:
 
 @dataclass(eq=False)
 class _VisionGraph:
-    """A kept vision encoder graph: its context (inputs named as ``preprocess_multimodal`` names them)
+    """A kept vision encoder graph: its context (inputs named as ``VisionPart.preprocess`` names them)
     and its output tensors (one per embedding the model returns for an image)."""
 
     ctx: Any

@@ -1,11 +1,13 @@
-"""Images in prompts: the runner's ``Images`` step plug-in.
+"""Images in prompts: the runner's ``Images`` step plug-in, which talks to the model's ``VisionPart``.
 
 A request's images become inputs where its prompt marks them (``[img-N]``, Ollama's marker; without
-markers they come first), rewritten by the model into its marker tokens and placeholders, with
-``same_batch`` keeping an image's inputs in one batch. An image's vision graph is computed (by the
-engine, in a graph of its own, outside the text batches) before the scheduler packs its inputs; the
-embeddings then stay with the input, so a prompt cache hit on the image's inputs does not encode it
-again (inputs compare by the image's hash).
+markers they come first): each image's bytes are decoded and preprocessed once, on the requesting
+thread (a bad image fails its request before it queues), and the vision part gives the inputs that
+stand for it (marker tokens and placeholders, ``same_batch`` keeping its rows in one batch; their
+number may depend on the image: dynamic resolution). An image's vision graph is computed (by the
+engine, in a graph of its own kept per input shape, outside the text batches) before the scheduler
+packs its inputs; the embeddings then stay with the input, so a prompt cache hit on the image's
+inputs does not encode it again (inputs compare by the image's hash).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from pyggml.input import Input, Multimodal
+from pyggml.models import VisionPart
 from pyggml.runner.plugins import StepPlugin
 
 if TYPE_CHECKING:
@@ -31,17 +34,18 @@ IMAGE_MARK = re.compile(r"\[img-(\d+)\]")  # where an image goes in a prompt (Ol
 
 class Images(StepPlugin):
     """Encodes the images among the next inputs of each sequence before a batch is packed.
-    ``run``: the most inputs one image needs in one batch (``same_batch`` + 1); 0 when the model's
-    vocabulary cannot place images (requests with images then fail with its reason)."""
+    ``run``: the most inputs one image needs in one batch (``same_batch`` + 1, for the vision part's
+    largest image); 0 when the model's vocabulary cannot place images (requests with images then
+    fail with its reason)."""
 
-    def __init__(self, runner: Runner):
-        self.runner = runner
+    def __init__(self, runner: Runner, vision: VisionPart):
+        self.runner, self.vision = runner, vision
         self.run = self._longest_run()
 
     def _longest_run(self) -> int:
-        model = self.runner.model
+        largest = Input(multimodal=[Multimodal(data=self.vision.worst_case())], multimodal_hash=1)
         try:
-            inputs = model.post_tokenize([Input(multimodal=[Multimodal(data=b"")], multimodal_hash=1)])
+            inputs = self.vision.placeholders(largest, self.runner.tokenizer)
         except Exception as exc:  # e.g. no image marker tokens: requests with images fail with this error
             log.warning("the model cannot place images in its input: %r", exc)
             return 0
@@ -58,8 +62,7 @@ class Images(StepPlugin):
                               f"without its vision part ({exc})") from exc
 
     def prompt_inputs(self, prompt: str | Sequence[int], images: Sequence[bytes]) -> list[Input]:
-        """The input stream of a prompt with images: text tokens around one Input per image (its
-        bytes to encode and their hash), rewritten by the model's ``post_tokenize``."""
+        """The input stream of a prompt with images: text tokens around the inputs of each image."""
         r = self.runner
         if not isinstance(prompt, str):
             raise ValueError("a prompt with images must be text (mark each image with [img-N])")
@@ -69,7 +72,9 @@ class Images(StepPlugin):
         if len(parts) == 1:  # no markers: the images come first, as Ollama places them
             parts = ["", *[x for i in range(len(images)) for x in (str(i), "")]]
             parts[-1] = prompt
+        self._check_count(len(parts) // 2)
         inputs: list[Input] = []
+        decoded: dict[int, Input] = {}  # an image named twice is decoded once
         for k, part in enumerate(parts):
             if k % 2 == 0:
                 if part or k == 0:  # the first piece carries the BOS token, even when empty
@@ -78,14 +83,27 @@ class Images(StepPlugin):
             index = int(part)
             if index >= len(images):
                 raise ValueError(f"the prompt names [img-{index}] but the request has {len(images)} image(s)")
-            data = bytes(images[index])
-            inputs.append(Input(multimodal=[Multimodal(data=data)], multimodal_hash=image_hash(data)))
-        inputs = r.model.post_tokenize(inputs)
-        longest = max((inp.same_batch + 1 for inp in inputs if inp.same_batch), default=0)
-        if longest > max(r.batch_size, self.run):
-            raise ValueError(f"an image takes {longest} inputs in one batch but the runner's batches hold "
-                             f"{max(r.batch_size, self.run)}; raise batch_size")
+            if index not in decoded:
+                data = bytes(images[index])
+                decoded[index] = Input(multimodal=[Multimodal(data=self.vision.preprocess(data))],
+                                       multimodal_hash=image_hash(data))
+            inputs += self.vision.placeholders(decoded[index], r.tokenizer)
+        self._check_run(inputs)
         return inputs
+
+    def _check_count(self, n: int) -> None:
+        most = self.vision.max_images
+        if most is not None and n > most:
+            name = self.runner.model.architecture or "the model"
+            raise ValueError(f"{name} attends to {'one image' if most == 1 else f'{most} images'} at a time; "
+                             f"the prompt has {n}")
+
+    def _check_run(self, inputs: list[Input]) -> None:
+        longest = max((inp.same_batch + 1 for inp in inputs if inp.same_batch), default=0)
+        room = max(self.runner.batch_size, self.run)
+        if longest > room:
+            raise ValueError(f"an image takes {longest} inputs in one batch but the runner's batches hold "
+                             f"{room}; raise batch_size")
 
     def before_build(self) -> None:
         """Encode the images among each sequence's next ``batch_size`` inputs (the ones the scheduler

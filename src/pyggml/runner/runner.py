@@ -90,7 +90,7 @@ class Runner:
         self.engine = Engine(model, keep=2)
         # an image's inputs go in one batch (same_batch): one longer than batch_size gets a batch that
         # grows to hold it (as Ollama's runner does), up to max_batch, reserved below
-        self.images = Images(self) if model.generates and model.takes_images else None
+        self.images = Images(self, model.vision) if model.generates and model.vision is not None else None
         self.image_run = self.images.run if self.images is not None else 0
         self.max_batch = self.batch_size + (self.image_run - 1 if self.image_run > self.batch_size else 0)
         if model.generates:

@@ -205,16 +205,14 @@ class ServedModel:
 
     def image_request(self, text: str, chat: bool, images: list[bytes], max_tokens: int | None = None,
                       **options: Any) -> CompletionRequest:
-        """A completion of prompt ``text`` whose ``[img-N]`` markers place ``images``; each image is
-        decoded here first, so one that is not an image, or too large, is a 400 before any work."""
+        """A completion of prompt ``text`` whose ``[img-N]`` markers place ``images``. The runner's
+        ``completion`` decodes each image once, on the job's thread, so one that is not an image, or
+        too large, is a 400 (ImageError, a ValueError) before any model work."""
         from pyggml.chat import strip_bos_text
-        from pyggml.image import decode
 
         if not self.model.takes_images:
             raise APIError(400, f"model {self.name!r} takes no images (it has no vision part)")
         max_tokens, options = self._with_defaults(max_tokens, options)
-        for data in images:
-            decode(data)  # ImageError (a ValueError): 400
         self.check_prompt_size(text)
         text = strip_bos_text(self.tokenizer, text) if chat else text  # the runner adds the BOS
         if max_tokens is None:
