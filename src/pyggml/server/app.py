@@ -1,8 +1,9 @@
 """The ASGI app (Starlette) and ``serve()``: one model (or several, loaded on demand by a
-``ModelManager``), a Runner each, uvicorn in this process.
+``ModelManager``), an engine each (``open_engine``), uvicorn in this process.
 
 uvicorn runs in-process with one worker and no reloader: a worker forked after ggml has computed
-would hang (see DESIGN.md); a model named on the command line is loaded once, before the server starts.
+would hang (ggml's thread pool does not survive a fork); a model named on the command line is loaded
+once, before the server starts.
 """
 
 from __future__ import annotations
