@@ -525,7 +525,7 @@ def test_serve_loads_models_with_its_poll_level(monkeypatch, tmp_path):
         raise Stop
 
     monkeypatch.setattr(app, "check_has_weights", lambda path: None)
-    monkeypatch.setattr(app.models, "load", fake_load)
+    monkeypatch.setattr(models, "load", fake_load)
     for options in ({}, {"poll": 0}, {"adapt_threads": False}):
         with pytest.raises(Stop):
             app.serve(tmp_path / "m.gguf", port=0, **options)
@@ -540,7 +540,7 @@ def test_cli_fixed_threads_turns_adapting_off(monkeypatch, tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"")
     seen = []
-    monkeypatch.setattr(pyggml.server, "serve", lambda *a, **k: seen.append(k["adapt_threads"]) or 0)
+    monkeypatch.setattr(pyggml.server, "serve", lambda engine, server: seen.append(engine.backend.adapt_threads) or 0)
     for extra in ([], ["--fixed-threads"]):
         args = build_parser().parse_args(["serve", str(model), "--port", "0", *extra])
         assert args.func(args) == 0

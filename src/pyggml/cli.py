@@ -62,7 +62,7 @@ def _model_path(name: str) -> Path:
 
 
 def _load(args: argparse.Namespace, ref: str | None = None) -> Any:
-    import pyggml
+    from pyggml.llm import LLM
     from pyggml.store import check_has_weights
 
     ref = args.model if ref is None else ref
@@ -71,17 +71,31 @@ def _load(args: argparse.Namespace, ref: str | None = None) -> Any:
         print("pyggml: using the built-in demo model (random weights: the text will be gibberish)",
               file=sys.stderr)
     check_has_weights(path)
-    options = {"num_ctx": args.ctx, "n_threads": args.threads, "draft": getattr(args, "draft", None),
-               "draft_max": getattr(args, "draft_max", None), "mmproj": _mmproj(args, ref),
-               **_device_options(args), **_rpc_options(args)}
-    llm = pyggml.load(path, progress=ProgressBar("loading"), **{k: v for k, v in options.items() if v is not None})
-    if options.get("rpc"):
+    config = _engine_config(args, path, _mmproj(args, ref))
+    llm = LLM.open(config, progress=ProgressBar("loading"))
+    if config.backend.rpc:
         _print_placement(llm.model.backend, sys.stderr)
     trained = llm.model.context_length
     if args.ctx and trained and args.ctx > trained:
         print(f"pyggml: warning: --ctx {args.ctx} is above the {trained} tokens the model was trained on; "
               "text past that point is likely to degrade", file=sys.stderr)
     return llm
+
+
+def _engine_config(args: argparse.Namespace, path: Path | None, mmproj: Any = None) -> Any:
+    """The ``EngineConfig`` of a command's flags (run, embed and serve each have some of them; the
+    others keep the defaults)."""
+    from pyggml.runner.config import EngineConfig
+
+    draft = getattr(args, "draft", None)
+    flags = {"num_ctx": args.ctx, "n_threads": args.threads, "parallel": getattr(args, "parallel", None),
+             "batch_size": getattr(args, "batch_size", None), "poll": getattr(args, "poll", None),
+             "draft": _model_path(draft) if draft is not None else None,
+             "draft_max": getattr(args, "draft_max", None), "mmproj": mmproj,
+             **_device_options(args), **_rpc_options(args)}
+    if getattr(args, "fixed_threads", False):
+        flags["adapt_threads"] = False
+    return EngineConfig.from_options(path, **{k: v for k, v in flags.items() if v is not None})
 
 
 def _mmproj(args: argparse.Namespace, ref: str) -> Any:
@@ -659,6 +673,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise SystemExit(f"pyggml serve needs starlette and uvicorn (pip install starlette uvicorn): {exc}") from exc
     from pyggml.repl import parse_duration
+    from pyggml.server.app import ServerConfig
 
     try:
         keep_alive = parse_duration(args.keep_alive)
@@ -669,17 +684,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     origins = args.origins if args.origins is not None else os.environ.get("PYGGML_ORIGINS", "")
     ref = _resolve(args.model) if args.model is not None else None
     name = args.model if ref is not None and not Path(args.model).is_file() else None
-    draft = _model_path(args.draft) if args.draft is not None else None
+    server = ServerConfig(host=host, port=port, name=name, model_ref=ref, queue=args.queue,
+                          queue_timeout=args.queue_timeout, max_predict=args.max_predict,
+                          allowed_hosts=split_list(allowed) if allowed else None, origins=split_list(origins),
+                          max_loaded=args.max_loaded, keep_alive=keep_alive)
     try:
-        return serve(ref.path if ref is not None else None, host=host, port=port, parallel=args.parallel,
-                     queue=args.queue, num_ctx=args.ctx, n_threads=args.threads, batch_size=args.batch_size,
-                     name=name, flash_attention={"on": True, "off": False}.get(args.flash_attn),
-                     max_predict=args.max_predict, queue_timeout=args.queue_timeout,
-                     allowed_hosts=split_list(allowed) if allowed else None, origins=split_list(origins),
-                     draft=draft, draft_max=args.draft_max, mmproj=args.mmproj, max_loaded=args.max_loaded,
-                     keep_alive=keep_alive, model_ref=ref, **({} if args.poll is None else {"poll": args.poll}),
-                     adapt_threads=not args.fixed_threads,
-                     **_rpc_options(args))
+        return serve(_engine_config(args, ref.path if ref is not None else None, args.mmproj), server)
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C it caught
         return 0
 

@@ -9,6 +9,7 @@ whole texts, several per forward pass.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,13 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from pyggml import models
 from pyggml.backend import BackendParams, ProgressFn
-from pyggml.models import Model
 from pyggml.runner import CompletionRequest, CompletionStream, Runner
-from pyggml.tensor import DType
+from pyggml.runner.config import EngineConfig, close_engine, open_engine
 
 _BACKEND_FIELDS = {f.name for f in fields(BackendParams)}
+# the engine options one sequence takes (a server's parallel, shared-cache and loop options are set by LLM.open)
+_OPTIONS = {"num_ctx", "batch_size", "cache_type", "num_keep", "draft", "draft_max", "mmproj"}
 
 
 @dataclass
@@ -52,49 +53,32 @@ class LLM:
     """A loaded model with its tokenizer, served by a one-sequence ``Runner`` (``self.runner``) that the
     calling thread drives while it reads the output (not thread-safe: one caller at a time)."""
 
-    def __init__(self, model: Model, *, num_ctx: int | None = None, batch_size: int = 512,
-                 cache_type: DType | str = DType.F16, num_keep: int = 4, draft: Model | None = None,
-                 draft_max: int = 8):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        self.model = model
-        self.tokenizer = model.tokenizer
-        num_ctx = int(num_ctx or min(4096, model.context_length or 4096))
-        if num_ctx < 2:
-            raise ValueError(f"num_ctx must be >= 2, got {num_ctx}")
-        self.runner = Runner(model, parallel=1, num_ctx=num_ctx, batch_size=batch_size, cache_type=cache_type,
-                             multi_user_cache=False, background=False,  # the caller's thread runs it
-                             draft=draft, draft_max=draft_max)  # speculative decoding with a draft model
-        self.draft = draft
-        self.num_ctx, self.batch_size = self.runner.num_ctx, self.runner.batch_size
+    def __init__(self, runner: Runner, *, num_keep: int = 4):
+        self.runner, self.model, self.tokenizer = runner, runner.model, runner.model.tokenizer
+        self.draft = runner.drafter.model if runner.drafter is not None else None
+        self.num_ctx, self.batch_size = runner.num_ctx, runner.batch_size
         self.num_keep = num_keep
         self.stats = Stats()
         self._template = None  # the model's chat template, compiled on first chat()
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, progress: ProgressFn | None = None, **options: Any) -> LLM:
-        backend_options = {k: v for k, v in options.items() if k in _BACKEND_FIELDS}
-        llm_options = {k: v for k, v in options.items() if k not in _BACKEND_FIELDS}
-        mmproj = llm_options.pop("mmproj", None)
-        unknown = set(llm_options) - {"num_ctx", "batch_size", "cache_type", "num_keep", "draft", "draft_max"}
+        """``load``'s options: the ``BackendParams`` fields and ``_OPTIONS``."""
+        unknown = set(options) - _BACKEND_FIELDS - _OPTIONS
         if unknown:
             raise TypeError(f"unknown option(s): {', '.join(sorted(unknown))}")
+        num_keep = options.pop("num_keep", 4)
+        draft = options.pop("draft", None)
+        config = EngineConfig.from_options(_resolve_model(path), **options,
+                                           draft=None if draft is None else _resolve_model(draft))
+        return cls.open(config, progress=progress, num_keep=num_keep)
+
+    @classmethod
+    def open(cls, config: EngineConfig, *, progress: ProgressFn | None = None, num_keep: int = 4) -> LLM:
+        """The engine of ``config`` with one sequence, run by the calling thread."""
         start = time.perf_counter()
-        path = _resolve_model(path)
-        draft_path = llm_options.pop("draft", None)
-        if draft_path is not None:
-            draft_path = _resolve_model(draft_path)
-        model = models.load(path, BackendParams(**backend_options), progress, mmproj=mmproj)
-        draft = None
-        try:
-            if draft_path is not None:  # the draft model: same backend options
-                draft = models.load(draft_path, BackendParams(**backend_options))
-            llm = cls(model, draft=draft, **llm_options)
-        except BaseException:
-            model.close()
-            if draft is not None:
-                draft.close()
-            raise
+        config = dataclasses.replace(config, parallel=1, multi_user_cache=False, background=False)
+        llm = cls(open_engine(config, progress), num_keep=num_keep)
         llm.stats.load_seconds = time.perf_counter() - start
         return llm
 
@@ -195,10 +179,7 @@ class LLM:
 
     # ---- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
-        self.runner.close()
-        self.model.close()
-        if self.draft is not None:
-            self.draft.close()
+        close_engine(self.runner)
 
     def __enter__(self) -> LLM:
         return self

@@ -452,6 +452,56 @@ def attention_sizes(config: Any) -> tuple[int, int, int, int, int]:
     return hidden, n_layers, n_heads, n_kv_heads, head_dim
 
 
+# ---- layers -------------------------------------------------------------------------------------
+SLIDING, GLOBAL = 0, 1  # the kinds of layer where sliding-window and full attention alternate (Wrapper cache index)
+
+
+def layer_kinds(config: Any, n_layers: int, default_pattern: int) -> tuple[int, ...]:
+    """SLIDING or GLOBAL per layer from ``<arch>.attention.sliding_window_pattern``: one bool per layer
+    (true: sliding) or a period n (the last layer of every n is global, as llama.cpp reads it;
+    ``default_pattern`` when the file has no key; 0: every layer slides)."""
+    arch = config.architecture
+    pattern = config.get(f"{arch}.attention.sliding_window_pattern", default_pattern)
+    if isinstance(pattern, (list, tuple)):
+        if len(pattern) != n_layers:
+            raise ModelError(f"{arch}: attention.sliding_window_pattern has {len(pattern)} entries for {n_layers} "
+                             "layers")
+        return tuple(SLIDING if bool(p) else GLOBAL for p in pattern)
+    if not isinstance(pattern, int) or pattern < 0:
+        raise ModelError(f"{arch}: bad attention.sliding_window_pattern {pattern!r}")
+    return tuple(SLIDING if pattern == 0 or i % pattern < pattern - 1 else GLOBAL for i in range(n_layers))
+
+
+def layers(blk: list[Any], cache: Cache | None, outputs: Tensor | None) -> Iterator[tuple[int, Any, Tensor | None]]:
+    """The decoder-layer loop: ``(i, layer, rows)`` per layer, the cache (if any) set to layer i first;
+    ``rows`` is ``outputs`` for the last layer (only the rows whose logits are wanted go on past its
+    attention) and None before it."""
+    last = len(blk) - 1
+    for i, layer in enumerate(blk):
+        if cache is not None:
+            cache.set_layer(i)
+        yield i, layer, outputs if i == last else None
+
+
+def moe(x: Tensor, router_logits: Tensor, k: int, gate: Experts, up: Experts, down: Experts,
+        glu: typing.Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """A mixture of experts: each token of ``x`` (hidden, n_tokens) through the ``k`` experts with the
+    highest ``router_logits`` (n_experts, n_tokens), ``down(glu(gate(x), up(x)))`` per expert, the k
+    outputs summed with weights softmax(the k chosen logits). (That is also Qwen 3's softmax over all
+    experts renormalised over the chosen.) Only the chosen experts' matrices are read. Returns
+    (hidden, n_tokens)."""
+    n_experts, n_tokens = router_logits.shape[0], router_logits.shape[1]
+    chosen = router_logits.top_k(k)  # (k, n_tokens): expert ids
+    weights = router_logits.reshape(1, n_experts, n_tokens).rows(chosen)  # the chosen logits (1, k, n_tokens)
+    weights = weights.reshape(k, n_tokens).softmax().reshape(1, k, n_tokens)
+    out = down(glu(gate(x, chosen), up(x, chosen)), chosen) * weights  # (hidden, k, n_tokens)
+    rows, per_token = (out.shape[0], n_tokens), (out.strides[2],)
+    total = out.view(0, rows, per_token)  # the weighted sum over the k experts: k strided views added up
+    for i in range(1, k):
+        total = total + out.view(i * out.strides[1], rows, per_token)
+    return total
+
+
 # ---- rope -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Rope:

@@ -17,6 +17,7 @@ import numpy as np
 from pyggml import nn
 from pyggml.backend import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Backend, Context
 from pyggml.models import Batch, Model, ModelError, Pooling, register
+from pyggml.models.pooling import check_batch, pool, sequence_mask
 from pyggml.tensor import Tensor
 
 
@@ -154,47 +155,3 @@ class Bert(Model):
         for i, layer in enumerate(w.blk):
             h = nn.tap(f"blk.{i}", layer(ctx, h, mask, o))
         return h
-
-
-def check_batch(batch: Batch, n_vocab: int, n_positions: int | None, name: str) -> tuple[np.ndarray, ...]:
-    """A batch of whole sequences as int arrays (tokens, positions, sequences), after checking what
-    the graph would otherwise read out of bounds: token ids below ``n_vocab``, positions below
-    ``n_positions`` (None: no limit), sequences numbered 0, 1, ... with each one's tokens together."""
-    tokens = np.asarray(batch.tokens, dtype=np.int64)
-    positions = np.asarray(batch.positions, dtype=np.int64)
-    sequences = np.asarray(batch.sequences, dtype=np.int64)
-    if not len(tokens) or tokens.ndim != 1 or positions.shape != tokens.shape or sequences.shape != tokens.shape:
-        raise ValueError(f"{name}: need equally long, non-empty tokens, positions and sequences; got "
-                         f"{tokens.shape}, {positions.shape}, {sequences.shape}")
-    if tokens.min() < 0 or tokens.max() >= n_vocab:
-        raise ValueError(f"{name}: token ids must lie in 0..{n_vocab - 1}")
-    if positions.min() < 0 or (n_positions is not None and positions.max() >= n_positions):
-        raise ValueError(f"{name}: positions must lie in 0..{n_positions - 1} (the model's context length)"
-                         if n_positions is not None else f"{name}: positions must not be negative")
-    steps = np.diff(sequences)
-    if sequences[0] != 0 or ((steps != 0) & (steps != 1)).any():
-        raise ValueError(f"{name}: sequences must be numbered 0, 1, ... with each one's tokens together")
-    return tokens, positions, sequences
-
-
-def sequence_mask(sequences: np.ndarray) -> np.ndarray:
-    """(n_tokens, n_tokens) additive attention mask: 0 within a sequence, -inf across sequences."""
-    same = sequences[:, None] == sequences[None, :]
-    return np.where(same, 0.0, -np.inf).astype(np.float32)
-
-
-def pool(ctx: Context, h: Tensor, sequences: np.ndarray, pooling: Pooling) -> Tensor:
-    """Pool token states ``h`` (hidden, n_tokens) per sequence: (hidden, n_seqs), or ``h`` for NONE."""
-    if pooling == Pooling.NONE:
-        return h
-    n_seqs = int(sequences[-1]) + 1
-    starts = np.searchsorted(sequences, np.arange(n_seqs), side="left")
-    ends = np.searchsorted(sequences, np.arange(n_seqs), side="right")
-    if pooling == Pooling.CLS:
-        return h.rows(nn.int32_input(ctx, starts))
-    if pooling == Pooling.LAST:
-        return h.rows(nn.int32_input(ctx, ends - 1))
-    # mean: h (hidden, n_tokens) times a (n_tokens, n_seqs) matrix of 1/length within each sequence
-    weights = np.zeros((n_seqs, len(sequences)), np.float32)  # numpy order: row s is sequence s
-    weights[sequences, np.arange(len(sequences))] = (1.0 / (ends - starts))[sequences]
-    return h.transpose().contiguous().mulmat(ctx.from_numpy(weights))

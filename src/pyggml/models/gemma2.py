@@ -19,8 +19,6 @@ from pyggml.kvcache import Cache, Causal, Wrapper
 from pyggml.models import Batch, Model, ModelError, register
 from pyggml.tensor import RopeType, Tensor
 
-SLIDING, GLOBAL = 0, 1  # the Wrapper's cache of each kind of layer
-
 
 @dataclass(frozen=True)
 class Options:
@@ -34,7 +32,7 @@ class Options:
     context_length: int
     eps: float
     sliding_window: int
-    layer_kinds: tuple[int, ...]  # SLIDING or GLOBAL per layer
+    layer_kinds: tuple[int, ...]  # nn.SLIDING or nn.GLOBAL per layer
     rope: nn.Rope  # global layers
     rope_local: nn.Rope  # sliding-window layers
     query_scale: float
@@ -66,25 +64,11 @@ class Options:
             context_length=config.uint("context_length", 8192),
             eps=config.float("attention.layer_norm_rms_epsilon", 1e-6),
             sliding_window=window,
-            layer_kinds=_layer_kinds(config, n_layers, default_pattern),
+            layer_kinds=nn.layer_kinds(config, n_layers, default_pattern),
             rope=rope, rope_local=rope_local, query_scale=1.0 / math.sqrt(scale_dim),
             attn_softcap=config.float("attn_logit_softcapping", 0.0) or 0.0,
             final_softcap=config.float("final_logit_softcapping", 0.0) or 0.0,
         )
-
-
-def _layer_kinds(config, n_layers: int, default_pattern: int) -> tuple[int, ...]:
-    """``attention.sliding_window_pattern``: one bool per layer (true: sliding) or a period n (the
-    last layer of every n is global, as llama.cpp reads it)."""
-    pattern = config.get(f"{config.architecture}.attention.sliding_window_pattern", default_pattern)
-    if isinstance(pattern, (list, tuple)):
-        if len(pattern) != n_layers:
-            raise ModelError(f"{config.architecture}: attention.sliding_window_pattern has {len(pattern)} entries "
-                             f"for {n_layers} layers")
-        return tuple(SLIDING if bool(p) else GLOBAL for p in pattern)
-    if not isinstance(pattern, int) or pattern < 0:
-        raise ModelError(f"{config.architecture}: bad attention.sliding_window_pattern {pattern!r}")
-    return tuple(SLIDING if pattern == 0 or i % pattern < pattern - 1 else GLOBAL for i in range(n_layers))
 
 
 class SelfAttention(nn.Module):
@@ -160,10 +144,8 @@ class Gemma2(Model):
         h = w.token_embd(inputs.tokens).scale(math.sqrt(o.hidden_size))
         if embeddings is not None:
             h = embeddings(ctx, h, batch)
-        for i, layer in enumerate(w.blk):
-            self.cache.set_layer(i)
-            last = inputs.outputs if i == len(w.blk) - 1 else None
-            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, last, self.cache, o, self._rope(i)))
+        for i, layer, rows in nn.layers(w.blk, self.cache, inputs.outputs):
+            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, rows, self.cache, o, self._rope(i)))
         logits = w.output(nn.tap("output_norm", w.output_norm(h, o.eps)))
         if o.final_softcap:
             logits = logits.scale(1.0 / o.final_softcap).tanh().scale(o.final_softcap)
@@ -174,4 +156,4 @@ class Gemma2(Model):
 
     def _rope(self, layer: int) -> nn.Rope:
         o = self.options
-        return o.rope_local if o.layer_kinds[layer] == SLIDING else o.rope
+        return o.rope_local if o.layer_kinds[layer] == nn.SLIDING else o.rope

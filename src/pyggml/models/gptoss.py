@@ -19,10 +19,8 @@ from pyggml import nn
 from pyggml.backend import Backend, Context
 from pyggml.kvcache import Cache, Causal, Wrapper
 from pyggml.models import Batch, Model, ModelError, register
-from pyggml.models.gemma2 import _layer_kinds
 from pyggml.tensor import RopeType, Tensor
 
-SLIDING, GLOBAL = 0, 1  # the Wrapper's cache of each kind of layer
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # no GGUF keys: llama.cpp fixes them too
 
 
@@ -40,7 +38,7 @@ class Options:
     context_length: int
     eps: float
     sliding_window: int
-    layer_kinds: tuple[int, ...]  # SLIDING or GLOBAL per layer
+    layer_kinds: tuple[int, ...]  # nn.SLIDING or nn.GLOBAL per layer
     rope: nn.Rope  # full-attention layers
     rope_local: nn.Rope  # sliding-window layers (another base only if the file says)
 
@@ -71,7 +69,7 @@ class Options:
             vocab_size=config.uint("vocab_size", 0) or len(config.get("tokenizer.ggml.tokens", ())) or None,
             context_length=config.uint("context_length", 131072),
             eps=config.float("attention.layer_norm_rms_epsilon", 1e-5),
-            sliding_window=window, layer_kinds=_layer_kinds(config, n_layers, 2), rope=rope,
+            sliding_window=window, layer_kinds=nn.layer_kinds(config, n_layers, 2), rope=rope,
             rope_local=dataclasses.replace(rope, base=config.float("rope.freq_base_swa", 0.0) or rope.base),
         )
 
@@ -101,18 +99,8 @@ class MoE(nn.Module):
     ffn_down_exps: nn.Experts = nn.shape("expert_ffn_size", "hidden_size", "n_experts", bias=True)
 
     def __call__(self, x: Tensor, opts: Options) -> Tensor:
-        k, n_tokens = opts.n_experts_used, x.shape[1]
-        logits = self.ffn_gate_inp(x)  # (n_experts, n_tokens)
-        chosen = logits.top_k(k)  # (k, n_tokens)
-        weights = logits.reshape(1, opts.n_experts, n_tokens).rows(chosen)  # the chosen logits (1, k, n_tokens)
-        weights = weights.reshape(k, n_tokens).softmax().reshape(1, k, n_tokens)
-        gate, up = self.ffn_gate_exps(x, chosen), self.ffn_up_exps(x, chosen)  # (ff, k, n_tokens)
-        out = self.ffn_down_exps(gate.swiglu_oai(up, SWIGLU_ALPHA, SWIGLU_LIMIT), chosen) * weights
-        per_expert = out.strides[1], out.strides[2]  # out: (hidden, k, n_tokens); sum over the k experts
-        total = out.view(0, (opts.hidden_size, n_tokens), (per_expert[1],))
-        for i in range(1, k):
-            total = total + out.view(i * per_expert[0], (opts.hidden_size, n_tokens), (per_expert[1],))
-        return total
+        return nn.moe(x, self.ffn_gate_inp(x), opts.n_experts_used, self.ffn_gate_exps, self.ffn_up_exps,
+                      self.ffn_down_exps, lambda gate, up: gate.swiglu_oai(up, SWIGLU_ALPHA, SWIGLU_LIMIT))
 
 
 class Layer(nn.Module):
@@ -153,10 +141,8 @@ class GptOss(Model):
         w, o = self.weights, self.options
         inputs = nn.batch_inputs(ctx, batch)
         h = nn.tap("token_embd", w.token_embd(inputs.tokens))
-        for i, layer in enumerate(w.blk):
-            self.cache.set_layer(i)
-            last = inputs.outputs if i == len(w.blk) - 1 else None
-            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, last, self.cache, o, self._rope(i)))
+        for i, layer, rows in nn.layers(w.blk, self.cache, inputs.outputs):
+            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, rows, self.cache, o, self._rope(i)))
         return nn.tap("output", w.output(nn.tap("output_norm", w.output_norm(h, o.eps))))
 
     def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:
@@ -164,4 +150,4 @@ class GptOss(Model):
 
     def _rope(self, layer: int) -> nn.Rope:
         o = self.options
-        return o.rope_local if o.layer_kinds[layer] == SLIDING else o.rope
+        return o.rope_local if o.layer_kinds[layer] == nn.SLIDING else o.rope

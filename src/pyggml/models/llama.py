@@ -134,10 +134,8 @@ class Llama(Model):
         inputs = nn.batch_inputs(ctx, batch)
         freq_factors = w.rope_freqs.weight if w.rope_freqs is not None else None
         h = nn.tap("token_embd", w.token_embd(inputs.tokens))
-        for i, layer in enumerate(w.blk):
-            self.cache.set_layer(i)
-            last = inputs.outputs if i == len(w.blk) - 1 else None
-            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, last, self.cache, o, freq_factors))
+        for i, layer, rows in nn.layers(w.blk, self.cache, inputs.outputs):
+            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, rows, self.cache, o, freq_factors))
         return nn.tap("output", w.output(nn.tap("output_norm", w.output_norm(h, o.eps))))
 
     def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:

@@ -138,9 +138,7 @@ class Mllama(llama.Llama):
         freq_factors = w.rope_freqs.weight if w.rope_freqs is not None else None
         image = self._image(ctx, batch)
         h = nn.tap("token_embd", w.token_embd(inputs.tokens))
-        for i, layer in enumerate(w.blk):
-            self.cache.set_layer(i)
-            last = inputs.outputs if i == len(w.blk) - 1 else None
+        for i, layer, last in nn.layers(w.blk, self.cache, inputs.outputs):
             if not o.is_cross[i]:
                 h = layer(ctx, h, inputs.positions, last, self.cache, o, freq_factors)
             elif image is not None:

@@ -19,7 +19,8 @@ import numpy as np
 from pyggml import nn
 from pyggml.backend import MAX_WIDTH, Context
 from pyggml.models import ModelError, Pooling, register
-from pyggml.models.bert import Bert, encoder_options, sequence_mask
+from pyggml.models.bert import Bert, encoder_options
+from pyggml.models.pooling import sequence_mask
 from pyggml.tensor import RopeType, Tensor
 
 

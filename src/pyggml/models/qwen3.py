@@ -16,8 +16,10 @@ import numpy as np
 from pyggml import nn
 from pyggml.backend import Backend, Context
 from pyggml.models import Batch, ModelError, Pooling, llama, qwen2, register
-from pyggml.models.bert import check_batch, pool
+from pyggml.models.pooling import check_batch, pool
 from pyggml.tensor import Tensor
+
+Options = qwen2.Options  # Qwen 2's: NeoX rope
 
 
 class SelfAttention(llama.SelfAttention):
@@ -59,7 +61,7 @@ class WithinSequences:
 
 @register("qwen3")
 class Qwen3(qwen2.Qwen2):
-    Options, Weights = qwen2.Options, Weights
+    Options, Weights = Options, Weights
 
     def __init__(self, backend: Backend):
         super().__init__(backend)

@@ -1,12 +1,12 @@
 """Qwen 3 mixture-of-experts decoders (GGUF architecture "qwen3moe": Qwen3-30B-A3B, Qwen3-235B-A22B).
 
-Qwen 3's attention (``pyggml.models.qwen3``); every layer's MLP is a set of experts instead: a
-router (``ffn_gate_inp``) scores the experts per token, softmax turns the scores into
-probabilities, each token goes to its ``expert_used_count`` most probable experts, whose chosen
-probabilities are renormalised to sum to 1 and weight the experts' SwiGLU outputs. The experts'
-matrices are stacked in one tensor per kind (``ffn_gate_exps``, ``ffn_up_exps``,
-``ffn_down_exps``: (in, out, expert)) and ``mulmat_id`` multiplies each token by its chosen
-experts only, so a decode step reads the weights of ``expert_used_count`` experts, not all of them.
+Qwen 3 (``pyggml.models.qwen3``: Llama's pre-norm decoder, NeoX rope, per-head q/k RMS norms) with a
+mixture of experts for every layer's MLP: a router (``ffn_gate_inp``) scores the experts per token,
+each token goes to its ``expert_used_count`` best experts, and their SwiGLU outputs are summed with
+weights softmax(the chosen scores) (``nn.moe``: Qwen's softmax over all experts, renormalised over
+the chosen, gives the same weights). The experts' matrices are stacked in one tensor per kind
+(``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``: (in, out, expert)), so a decode step reads
+the weights of ``expert_used_count`` experts, not all of them.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyggml import nn
-from pyggml.models import ModelError, llama, qwen2, qwen3, register
+from pyggml.models import ModelError, qwen3, register
 from pyggml.tensor import Tensor
 
 
 @dataclass(frozen=True)
-class Options(qwen2.Options):
+class Options(qwen3.Options):
     n_experts: int = 0
     n_experts_used: int = 0
     expert_ffn_size: int = 0
@@ -48,37 +48,23 @@ class Options(qwen2.Options):
 
 class Experts(nn.Module):
     ffn_gate_inp: nn.Linear = nn.shape("hidden_size", "n_experts")  # the router
-    ffn_gate_exps: nn.Weight = nn.shape("hidden_size", "expert_ffn_size", "n_experts")
-    ffn_up_exps: nn.Weight = nn.shape("hidden_size", "expert_ffn_size", "n_experts")
-    ffn_down_exps: nn.Weight = nn.shape("expert_ffn_size", "hidden_size", "n_experts")
+    ffn_gate_exps: nn.Experts = nn.shape("hidden_size", "expert_ffn_size", "n_experts")
+    ffn_up_exps: nn.Experts = nn.shape("hidden_size", "expert_ffn_size", "n_experts")
+    ffn_down_exps: nn.Experts = nn.shape("expert_ffn_size", "hidden_size", "n_experts")
 
     def __call__(self, x: Tensor, opts: Options) -> Tensor:
-        n_tokens, k = x.shape[1], opts.n_experts_used
-        probs = self.ffn_gate_inp(x).softmax()  # (n_experts, n_tokens)
-        chosen = probs.top_k(k)  # (k, n_tokens): expert ids
-        weights = probs.reshape(1, opts.n_experts, n_tokens).rows(chosen).reshape(k, n_tokens)
-        weights = (weights / weights.sum_rows()).reshape(1, k, n_tokens)  # renormalised over the chosen
-        x = x.reshape(opts.hidden_size, 1, n_tokens)
-        gate = self.ffn_gate_exps.weight.mulmat_id(x, chosen)  # (expert_ffn_size, k, n_tokens)
-        up = self.ffn_up_exps.weight.mulmat_id(x, chosen)
-        out = self.ffn_down_exps.weight.mulmat_id(gate.silu(up), chosen) * weights  # (hidden, k, n_tokens)
-        # the weighted sum over the k experts: k strided views of (hidden, n_tokens) added up
-        rows = (opts.hidden_size, n_tokens)
-        total = out.view(0, rows, (out.strides[2],))
-        for i in range(1, k):
-            total = total + out.view(i * out.strides[1], rows, (out.strides[2],))
-        return total
+        return nn.moe(x, self.ffn_gate_inp(x), opts.n_experts_used, self.ffn_gate_exps, self.ffn_up_exps,
+                      self.ffn_down_exps, lambda gate, up: gate.silu(up))
 
 
-class Layer(llama.Layer):
-    attention: qwen3.SelfAttention
-    mlp: Experts
+class Layer(qwen3.Layer):
+    mlp: Experts  # in place of the SwiGLU MLP
 
 
-class Weights(llama.Weights):
+class Weights(qwen3.Weights):
     blk: list[Layer]
 
 
 @register("qwen3moe")
-class Qwen3Moe(llama.Llama):
+class Qwen3Moe(qwen3.Qwen3):
     Options, Weights = Options, Weights

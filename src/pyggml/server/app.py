@@ -1,8 +1,9 @@
 """The ASGI app (Starlette) and ``serve()``: one model (or several, loaded on demand by a
-``ModelManager``), a Runner each, uvicorn in this process.
+``ModelManager``), an engine each (``open_engine``), uvicorn in this process.
 
 uvicorn runs in-process with one worker and no reloader: a worker forked after ggml has computed
-would hang (see DESIGN.md); a model named on the command line is loaded once, before the server starts.
+would hang (ggml's thread pool does not survive a fork); a model named on the command line is loaded
+once, before the server starts.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import logging
 import os
 import socket
 import sys
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -24,10 +27,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from pyggml import models
-from pyggml.backend import BackendParams
 from pyggml.repl import params_to_options
-from pyggml.runner import Runner
+from pyggml.runner.config import DEFAULT_CONTEXT, EngineConfig, close_engine, open_engine
 from pyggml.server import ollama, openai
 from pyggml.server.guard import Guard
 from pyggml.server.models import DEFAULT_KEEP_ALIVE, ModelManager, SingleModel, estimate_memory
@@ -96,95 +97,86 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
     return _error(request, APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
-def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int = 11434, parallel: int = 4,
-          queue: int | None = None, num_ctx: int | None = None, n_threads: int | None = None,
-          batch_size: int = 512, name: str | None = None, log_level: str = "info",
-          flash_attention: bool | None = None, max_predict: int | None = None,
-          queue_timeout: float = QUEUE_TIMEOUT, allowed_hosts: Iterable[str] | None = None,
-          origins: Iterable[str] = (), rpc: Sequence[str] | str = (),
-          tensor_split: Sequence[float] | str | None = None, draft: str | os.PathLike | None = None,
-          draft_max: int = 8, mmproj: str | os.PathLike | None = None, max_loaded: int | None = None,
-          keep_alive: float | None = DEFAULT_KEEP_ALIVE, model_ref: ModelRef | None = None,
-          poll: int = BackendParams.poll, adapt_threads: bool = BackendParams.adapt_threads) -> int:
-    """Serve until interrupted (Ctrl-C / SIGTERM): the model at ``path`` (loaded first), or with
-    ``path=None`` every model ``pyggml list`` finds, loaded on demand (``ModelManager``). The port
-    is bound before anything is loaded or announced: a port in use fails at once. ``rpc``: remote
-    devices (``pyggml rpc-server`` endpoints) that compute some of the layers. ``draft``: a smaller
-    model with the same vocabulary for speculative decoding; ``mmproj``: a vision model's llama.cpp
-    projector file (``draft`` and ``mmproj`` go with the model at ``path``). ``model_ref``: what
-    ``pyggml.store`` found for ``path`` (an Ollama model's params, system message and aliases).
-    ``poll``: the CPU threadpool's poll level (``BackendParams.poll``: 0 lets idle workers sleep at once,
-    kinder to other busy processes on a machine serving a tiny model; see docs/server.md).
-    ``adapt_threads``: compute with a thread fewer per core other processes keep busy
-    (``BackendParams.adapt_threads``; False: always ``n_threads``)."""
+@dataclass
+class ServerConfig:
+    """How ``serve`` answers: where it listens, who may ask, how requests queue, and (without a model of
+    its own) which models it loads on demand."""
+
+    host: str = "127.0.0.1"
+    port: int = 11434
+    name: str | None = None  # the model's name for clients (default: the file's stem)
+    model_ref: ModelRef | None = None  # what pyggml.store found for the model (an Ollama model's params, aliases)
+    queue: int | None = None  # requests that may wait for a free sequence (default: ServedModel's)
+    queue_timeout: float = QUEUE_TIMEOUT
+    max_predict: int | None = None  # most tokens one request may generate
+    allowed_hosts: Iterable[str] | None = None
+    origins: Iterable[str] = ()
+    max_loaded: int | None = None  # without a model: most models loaded at once (default: 1 on CPU, 3 with a GPU)
+    keep_alive: float | None = DEFAULT_KEEP_ALIVE  # without a model: seconds an idle model stays loaded
+    log_level: str = "info"
+
+
+def serve(engine: EngineConfig | str | os.PathLike | None, server: ServerConfig | None = None, **options: Any) -> int:
+    """Serve until interrupted (Ctrl-C / SIGTERM) the engine ``engine`` describes: its model (loaded
+    first), or with no model (``None``) every model ``pyggml list`` finds, loaded on demand
+    (``ModelManager``), each opened with ``engine``'s options. ``engine`` may be a path (or None) and
+    ``options`` the fields of ``EngineConfig``, ``BackendParams`` and ``ServerConfig`` by name. The port
+    is bound before anything is loaded or announced: a port in use fails at once. See ``EngineConfig``
+    for ``draft`` and ``mmproj`` (they go with the named model) and ``BackendParams`` for ``rpc``,
+    ``poll`` and ``adapt_threads`` (docs/server.md)."""
     import uvicorn
 
-    if path is None and (draft is not None or mmproj is not None):
+    engine, server = _configs(engine, server, options)
+    if engine.model is None and (engine.draft is not None or engine.mmproj is not None):
         raise ValueError("--draft and --mmproj need a model to go with: name it (pyggml serve MODEL ...)")
-    sock = bind(host, port)
+    sock = bind(server.host, server.port)
     try:
-        def load(ref: ModelRef, draft: str | os.PathLike | None = None,
-                 mmproj: str | os.PathLike | None = None) -> ServedModel:
+        def load(ref: ModelRef) -> ServedModel:
+            """``ref`` served by the engine ``engine`` describes (an Ollama model's projector layer is its
+            mmproj, dropped with a warning when it cannot be used)."""
             check_has_weights(ref.path)
-            params = BackendParams(n_threads=n_threads, flash_attention=flash_attention, rpc=rpc,
-                                   tensor_split=tensor_split, poll=poll, adapt_threads=adapt_threads)
-            try:  # an Ollama vision model's projector layer is its mmproj
-                model = models.load(ref.path, params, mmproj=mmproj or ref.projector)
-            except ValueError as exc:
-                if mmproj is not None or ref.projector is None:
-                    raise
-                log.warning("%s: its projector cannot be used (%s); serving it without images", ref.name, exc)
-                model = models.load(ref.path, params)
-            draft_model = None
+            runner = open_engine(dataclasses.replace(engine, model=ref.path, mmproj=engine.mmproj or ref.projector,
+                                                     mmproj_optional=engine.mmproj is None))
             try:
-                if draft is not None:
-                    draft_model = models.load(draft, BackendParams(n_threads=n_threads, poll=poll,
-                                                                   adapt_threads=adapt_threads,
-                                                                   flash_attention=flash_attention))
-                trained = model.context_length or 4096
-                runner = Runner(model, parallel=parallel, num_ctx=num_ctx or min(4096, trained),
-                                batch_size=batch_size, draft=draft_model, draft_max=draft_max)
-                try:
-                    served = ServedModel(runner, ref.path, queue=queue, name=ref.name, max_predict=max_predict,
-                                         queue_timeout=queue_timeout)
-                    served.aliases.update(ref.aliases)
-                    served.defaults, served.system = params_to_options(ref.params), ref.system
-                    served.draft = draft_model
-                    return served
-                except BaseException:
-                    runner.close()
-                    raise
+                served = ServedModel(runner, ref.path, queue=server.queue, name=ref.name,
+                                     max_predict=server.max_predict, queue_timeout=server.queue_timeout)
+                served.aliases.update(ref.aliases)
+                served.defaults, served.system = params_to_options(ref.params), ref.system
+                served.draft = runner.drafter.model if runner.drafter is not None else None
+                return served
             except BaseException:
-                model.close()
-                if draft_model is not None:
-                    draft_model.close()
+                close_engine(runner)
                 raise
 
-        if path is None:
+        if engine.model is None:
+            max_loaded = server.max_loaded
             if max_loaded is None:  # Ollama: 1 model at a time on a CPU, 3 per GPU
                 from pyggml.backend import devices
 
                 max_loaded = 3 if any(d.kind in ("gpu", "igpu") for d in devices()) else 1
-            tokens = parallel * (num_ctx or 4096)  # the KV cache one model will hold (at most)
-            served = ModelManager(load, max_loaded=max_loaded, keep_alive=keep_alive,
+            tokens = engine.parallel * (engine.num_ctx or DEFAULT_CONTEXT)  # the KV cache one model holds (at most)
+            served = ModelManager(load, max_loaded=max_loaded, keep_alive=server.keep_alive,
                                   memory_needed=lambda ref: estimate_memory(ref, tokens))
-            idle = "kept loaded" if keep_alive is None else f"unloaded after {keep_alive:g} s idle"
+            idle = "kept loaded" if server.keep_alive is None else f"unloaded after {server.keep_alive:g} s idle"
             what = (f"the {len(served.catalog())} models `pyggml list` finds, loaded on demand (at most "
                     f"{max_loaded} at a time, {idle})")
         else:
-            if name is None and Path(path) == cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf":
+            path, name = Path(engine.model), server.name
+            if name is None and path == cache_dir() / f"pyggml-tiny-random-v{TINY_VERSION}.gguf":
                 name = "demo"  # `pyggml serve demo`: clients ask for it by that name
-            ref = model_ref or ModelRef(name or Path(path).stem, Path(path), "file")
+            ref = server.model_ref or ModelRef(name or path.stem, path, "file")
             if name is not None:
                 ref = dataclasses.replace(ref, name=name)
-            served = load(ref, draft, mmproj)
+            served = load(ref)
             what = (f"{served.name} ({served.runner.parallel} sequences of {served.runner.num_ctx} tokens, "
                     f"{served.queue_limit} more may wait up to {served.queue_timeout:g} s, at most "
                     f"{served.max_predict} tokens each)")
         try:
-            app = create_app(served, bind_host=host, allowed_hosts=allowed_hosts, origins=origins)
-            config = uvicorn.Config(app, workers=1, log_level=log_level, timeout_graceful_shutdown=5)
-            print(f"pyggml: serving {what} on http://{_url_host(host)}:{sock.getsockname()[1]}", file=sys.stderr)
+            app = create_app(served, bind_host=server.host, allowed_hosts=server.allowed_hosts,
+                             origins=server.origins)
+            config = uvicorn.Config(app, workers=1, log_level=server.log_level, timeout_graceful_shutdown=5)
+            print(f"pyggml: serving {what} on http://{_url_host(server.host)}:{sock.getsockname()[1]}",
+                  file=sys.stderr)
             uvicorn.Server(config).run(sockets=[sock])
         finally:
             if isinstance(served, ServedModel):
@@ -192,6 +184,22 @@ def serve(path: str | os.PathLike | None, *, host: str = "127.0.0.1", port: int 
     finally:
         sock.close()
     return 0
+
+
+def _configs(engine: EngineConfig | str | os.PathLike | None, server: ServerConfig | None,
+             options: dict[str, Any]) -> tuple[EngineConfig, ServerConfig]:
+    """``serve``'s two configurations: as given, or from a path and flat options named like their fields."""
+    server_names = {f.name for f in dataclasses.fields(ServerConfig)}
+    if server is None:
+        server = ServerConfig(**{k: v for k, v in options.items() if k in server_names})
+    elif server_names & set(options):
+        raise TypeError(f"serve: {', '.join(sorted(server_names & set(options)))} given twice (server= and options)")
+    rest = {k: v for k, v in options.items() if k not in server_names}
+    if isinstance(engine, EngineConfig):
+        if rest:
+            raise TypeError(f"serve: options {', '.join(sorted(rest))} beside an EngineConfig; set them in it")
+        return engine, server
+    return EngineConfig.from_options(engine, **rest), server
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -11,9 +11,11 @@ import difflib
 import json
 import math
 from collections.abc import Collection, Mapping
+from dataclasses import fields
 from typing import Any
 
 from pyggml.runner.sequence import check_stops
+from pyggml.sample import SamplingOptions
 
 MAX_BODY_BYTES = 32 << 20
 
@@ -162,6 +164,27 @@ class Fields:
             raise APIError(400, f"{self._name(key)} {what or 'is not supported by this server'}", param=key)
 
 
+# ---- the engine's sampling options ------------------------------------------------------------------
+# declared once, as the fields of ``SamplingOptions``; both APIs take them under the same names. Numbers
+# (``float`` fields) and integers (``int``) are read here; ``seed`` and ``logit_bias`` each API reads its own way.
+SAMPLING_OPTIONS = frozenset(f.name for f in fields(SamplingOptions))
+_SAMPLING_VALUES = tuple((f.name, "int" if f.type in ("int", int) else "float") for f in fields(SamplingOptions)
+                         if f.type in ("float", "int", float, int))
+# bounds every API shares (the rest Sampler checks): top_k 0 is off, repeat_last_n -1 is the whole history
+_SAMPLING_BOUNDS: dict[str, tuple[float | None, float | None]] = {"top_k": (0, None), "repeat_last_n": (-1, None)}
+
+
+def sampling_values(f: Fields, bounds: Mapping[str, tuple[float | None, float | None]] | None = None) -> dict[str, Any]:
+    """The numeric sampling options present in ``f``, checked: integers where the option is an ``int``,
+    each within ``bounds`` (or the shared bounds) for its key."""
+    out: dict[str, Any] = {}
+    for key, kind in _SAMPLING_VALUES:
+        if f.has(key):
+            low, high = (bounds or {}).get(key) or _SAMPLING_BOUNDS.get(key, (None, None))
+            out[key] = (f.integer if kind == "int" else f.number)(key, low=low, high=high)
+    return out
+
+
 # ---- Ollama ---------------------------------------------------------------------------------------
 
 # options that pick how the model is loaded: fixed when the server starts, accepted and ignored
@@ -169,10 +192,7 @@ OLLAMA_LOAD_OPTIONS = frozenset({
     "numa", "num_ctx", "num_batch", "num_gpu", "main_gpu", "low_vram", "f16_kv", "logits_all", "vocab_only",
     "use_mmap", "use_mlock", "embedding_only", "num_thread",
 })
-OLLAMA_SAMPLING_OPTIONS = frozenset({
-    "temperature", "top_k", "top_p", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-    "frequency_penalty", "seed", "num_predict", "stop", "num_keep",
-})
+OLLAMA_SAMPLING_OPTIONS = SAMPLING_OPTIONS - {"logit_bias"} | {"num_predict", "stop", "num_keep"}
 OLLAMA_IGNORED_OPTIONS = frozenset({"penalize_newline", "tfs_z", "mirostat_tau", "mirostat_eta"})
 # pyggml's own options (Ollama ``options``, OpenAI top level): ``prompt_lookup`` (speculative decoding
 # with n-gram drafts of up to that many tokens)
@@ -187,15 +207,7 @@ def ollama_options(options: Any) -> dict[str, Any]:
         return {}
     f = Fields(options, "options", OLLAMA_OPTIONS)
     f.unsupported("mirostat", (0,), "(mirostat sampling) is not supported; use 0")
-    out: dict[str, Any] = {}
-    for key in ("temperature", "top_p", "min_p", "typical_p", "repeat_penalty", "presence_penalty",
-                "frequency_penalty"):
-        if f.has(key):
-            out[key] = f.number(key)
-    if f.has("top_k"):
-        out["top_k"] = f.integer("top_k", low=0)
-    if f.has("repeat_last_n"):
-        out["repeat_last_n"] = f.integer("repeat_last_n", low=-1)
+    out = sampling_values(f)
     if f.has("seed"):
         seed = f.integer("seed")
         out["seed"] = seed if seed >= 0 else None  # Ollama: -1 is a random seed
@@ -234,11 +246,14 @@ def runner_logprobs(top: int | None) -> int:
 # ---- OpenAI ---------------------------------------------------------------------------------------
 
 # sampling fields some OpenAI-compatible servers (llama.cpp, vLLM) accept beyond OpenAI's own
-OPENAI_EXTENSIONS = frozenset({"top_k", "min_p", "typical_p", "repeat_penalty", "repeat_last_n", "ignore_eos"})
+# (top_k, min_p, typical_p, repeat_penalty, repeat_last_n: the engine's sampling options, and ignore_eos)
 OPENAI_COMMON = frozenset({
-    "model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop", "presence_penalty",
-    "frequency_penalty", "logit_bias", "seed", "user", "logprobs",
-}) | OPENAI_EXTENSIONS | PYGGML_OPTIONS
+    "model", "stream", "stream_options", "max_tokens", "n", "stop", "user", "logprobs", "ignore_eos",
+}) | SAMPLING_OPTIONS | PYGGML_OPTIONS
+# OpenAI's documented ranges (the others as the engine's)
+OPENAI_BOUNDS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+                 "frequency_penalty": (-2.0, 2.0), "min_p": (0.0, 1.0), "typical_p": (0.0, 1.0),
+                 "repeat_penalty": (0.0, None)}
 # OpenAI's defaults differ from the engine's: temperature 1 and no nucleus cut (as Ollama's OpenAI layer)
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 
@@ -246,16 +261,7 @@ OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 def openai_sampling(f: Fields) -> dict[str, Any]:
     """``CompletionRequest`` keyword arguments from the sampling fields both OpenAI routes share."""
     f.unsupported("n", (1,), "must be 1 (one choice per request)")
-    out: dict[str, Any] = dict(OPENAI_DEFAULTS)
-    for key, low, high in (("temperature", 0.0, 2.0), ("top_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0),
-                           ("frequency_penalty", -2.0, 2.0), ("min_p", 0.0, 1.0), ("typical_p", 0.0, 1.0),
-                           ("repeat_penalty", 0.0, None)):
-        if f.has(key):
-            out[key] = f.number(key, low=low, high=high)
-    if f.has("top_k"):
-        out["top_k"] = f.integer("top_k", low=0)
-    if f.has("repeat_last_n"):
-        out["repeat_last_n"] = f.integer("repeat_last_n", low=-1)
+    out: dict[str, Any] = {**OPENAI_DEFAULTS, **sampling_values(f, OPENAI_BOUNDS)}
     if f.has("seed"):
         out["seed"] = f.integer("seed", low=0)
     if f.has("stop"):
