@@ -56,7 +56,14 @@ from pyggml.models import Batch, Input, Model, ModelError, Multimodal, Multimoda
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
 from pyggml.runner.engine import Engine, Graph
 from pyggml.runner.inputcache import InputCache, ReprocessInputsError
-from pyggml.runner.sequence import MAX_LOGPROBS, CompletionRequest, CompletionStream, RunningSequence, check_stops
+from pyggml.runner.sequence import (
+    MAX_LOGPROBS,
+    CompletionRequest,
+    CompletionStream,
+    RunningSequence,
+    check_stops,
+    sample_sequences,
+)
 from pyggml.runner.speculative import lookup_draft, verify_token
 from pyggml.tensor import DType
 
@@ -772,15 +779,12 @@ class Runner:
                 step.masks.result()
             except Exception as exc:  # a grammar failure: sampling below recomputes and reports it
                 log.error("grammar masks failed: %r", exc)
-        for row, seq in step.rows:
+        for _, seq in step.rows:
             seq.outputs_in_flight -= 1
-            if seq.done:
-                continue
-            try:
-                scores = logits[row] if seq.constraint is None else seq.constraint.apply(logits[row])
-                token = seq.sampler.sample(scores, seq.history)
-            except Exception as exc:
-                self._release(seq, error=exc)
+        live = [(row, seq) for row, seq in step.rows if not seq.done]
+        for (row, seq), token in zip(live, sample_sequences(live, logits), strict=True):
+            if isinstance(token, Exception):
+                self._release(seq, error=token)
                 continue
             placeholder, seq.placeholder = seq.placeholder, None
             if placeholder is not None:
