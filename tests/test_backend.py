@@ -248,3 +248,23 @@ def test_no_leak_load_close(tmp_path):
     grown = rss_bytes() - start
     np.testing.assert_allclose(out, np.full((2, 16), 64.0), rtol=1e-2)
     assert grown < 4 * 2**20, f"RSS grew by {grown / 2**20:.1f} MiB over 200 loads"
+
+
+@pytest.mark.ci_may_skip
+def test_gpu_layers_on_a_build_without_gpu_says_so(tmp_path, caplog):
+    """gpu_layers asked for with no GPU backend built in: a warning and ``cpu_fallback``, not silence."""
+    if any(d.kind in ("gpu", "igpu") for d in pyggml.devices()):
+        pytest.skip("this build has a GPU backend")
+    from pyggml.synthetic import write_synthetic
+
+    path = write_synthetic(tmp_path / "tiny.gguf", "tiny", "f32")
+    with caplog.at_level("WARNING", logger="pyggml.backend"):
+        backend = Backend.load(path, BackendParams(gpu_layers="all", n_threads=1))
+    try:
+        assert "no GPU backend" in backend.cpu_fallback and "gpu_layers='all'" in backend.cpu_fallback
+        assert backend.cpu_fallback in caplog.text
+    finally:
+        backend.close()
+    plain = Backend.load(path, BackendParams(n_threads=1))
+    assert plain.cpu_fallback is None
+    plain.close()

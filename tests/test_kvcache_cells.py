@@ -577,3 +577,31 @@ TestCellsMachine = CellsMachine.TestCase
 TestCellsMachine.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
+
+
+def test_streams_take_their_lowest_free_cells_in_batch_order():
+    """per_sequence: each new token gets the lowest free cell of its own stream, a sequence's tokens in
+    batch order, for decode steps (one token each) and mixed batches; a full stream refuses the batch
+    and changes nothing."""
+    rng = np.random.default_rng(4)
+    cells = Cells(4 * 32, 4, per_sequence=True)
+    top = [0, 0, 0, 0]
+    for step in range(12):
+        counts = [1, 1, 1, 1] if step % 2 else rng.integers(0, 4, size=4).tolist()
+        seqs = np.repeat(np.arange(4), counts)
+        rng.shuffle(seqs)
+        positions = []
+        for s in seqs.tolist():
+            positions.append(top[s])
+            top[s] += 1
+        before = cells._count.copy()
+        placed = cells.place(positions, seqs)
+        for s in range(4):  # the reference: the stream's free cells, lowest first, in batch order
+            free = [c for c in range(32 * s, 32 * s + 32) if before[c] == 0]
+            assert placed[seqs == s].tolist() == free[:counts[s]], (step, s)
+        if step == 3:
+            cells.remove(2, 0, 2)  # frees the two lowest cells of stream 2: they are taken next
+    again = cells.place([0, 1], [0, 0])  # stored positions: their own cells, no free cell needed
+    assert again.tolist() == cells.seq_cells(0)[:2].tolist()
+    with pytest.raises(CacheFullError, match="sequence 1"):
+        cells.place(list(range(top[1], top[1] + 32)), [1] * 32)

@@ -207,3 +207,61 @@ def test_the_one_pass_greedy_picks_what_the_full_chain_picks():
         Sampler(temperature=0).sample(np.array([0.0, np.nan, 1.0], np.float32))
     assert not Sampler(temperature=0, logit_bias={1: 2.0})._plain_greedy  # a raised logit takes the full chain
     assert not Sampler(temperature=0, repeat_penalty=1.1)._plain_greedy
+
+
+# ---- many sequences at once (sample_rows) ---------------------------------------------------------------
+def _option_grid() -> list[dict]:
+    """Every sampling option in combination (a seeded sample of the full product, plus each axis alone)."""
+    import itertools
+
+    axes = dict(temperature=[0.0, 0.7, 1.5], top_k=[0, 1, 5, 40, 100_000], top_p=[1.0, 0.9, 0.3],
+                min_p=[0.0, 0.05], typical_p=[1.0, 0.7], repeat_penalty=[1.0, 1.3], presence_penalty=[0.0, 0.5],
+                frequency_penalty=[0.0, 0.2], repeat_last_n=[64, -1, 0],
+                logit_bias=[None, {3: -math.inf, 7: -2.0}, {5: 4.0, 2: -math.inf}])
+    everything = [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
+    picked = np.random.default_rng(11).choice(len(everything), size=300, replace=False)
+    return [everything[i] for i in picked] + [{name: v} for name, values in axes.items() for v in values]
+
+
+@pytest.mark.parametrize("vocab", [50, 600, 9000])
+def test_batched_sampling_equals_each_sequence_alone(vocab):
+    """sample_rows over a batch of every option combination gives each row the token its own Sampler
+    (same seed) gives it alone, step after step (the generators advance alike); ties included."""
+    from pyggml.sample import sample_rows
+
+    options = _option_grid()
+    rng = np.random.default_rng(vocab)
+    batch = [Sampler(**o, seed=i) for i, o in enumerate(options)]
+    alone = [Sampler(**o, seed=i) for i, o in enumerate(options)]
+    histories = [rng.integers(0, vocab, size=int(rng.integers(0, 90))).tolist() for _ in options]
+    for step in range(3):
+        logits = (rng.standard_normal((len(options), vocab)) * 2).astype(np.float32)
+        logits[::4] = np.round(logits[::4])  # many ties in every fourth row
+        given = logits.copy()
+        tokens, errors = sample_rows(batch, logits, histories)
+        assert not errors
+        assert np.array_equal(logits, given)  # penalties and bias were undone
+        expected = [s.sample(logits[i], histories[i]) for i, s in enumerate(alone)]
+        mismatched = [(options[i], int(t), e) for i, (t, e) in enumerate(zip(tokens, expected, strict=True)) if t != e]
+        assert not mismatched, (step, mismatched[:3])
+        for history, token in zip(histories, tokens.tolist(), strict=True):
+            history.append(token)
+
+
+def test_batched_sampling_fails_rows_alone():
+    """A row that cannot be sampled (NaN, everything banned, +inf, a bias past the vocabulary) gets its
+    error; the other rows are sampled as usual."""
+    from pyggml.sample import sample_rows
+
+    logits = np.random.default_rng(0).standard_normal((6, 20)).astype(np.float32)
+    logits[1, 4] = np.nan
+    logits[3, 2] = np.inf
+    ban_all = {t: -math.inf for t in range(20)}
+    samplers = [Sampler(temperature=0), Sampler(seed=1), Sampler(temperature=0, logit_bias=ban_all), Sampler(seed=3),
+                Sampler(temperature=0, logit_bias={25: 1.0}), Sampler(temperature=0)]
+    tokens, errors = sample_rows(samplers, logits)
+    assert set(errors) == {1, 2, 3, 4}
+    assert "NaN" in str(errors[1]) and "-inf" in str(errors[2]) and "+inf" in str(errors[3])
+    assert "out of range" in str(errors[4])
+    assert tokens.tolist()[0] == int(np.argmax(logits[0])) and tokens[5] == int(np.argmax(logits[5]))
+    assert tokens[1] == tokens[2] == tokens[3] == tokens[4] == -1

@@ -9,6 +9,7 @@ one graph: tensors made in it are nodes, data given with ``from_numpy`` is uploa
 from __future__ import annotations
 
 import itertools
+import logging
 import mmap
 import os
 import re
@@ -191,7 +192,8 @@ def _address(p: Any) -> int:
 
 def devices() -> list[Device]:
     """The compute devices ggml can use, GPUs first if any; remote (RPC) devices once a model or
-    ``add_rpc_server`` has used their server in this process."""
+    ``add_rpc_server`` has used their server in this process. A build without a GPU backend lists
+    only the CPU (``gpu_layers`` then runs on the CPU: ``Backend.cpu_fallback`` says so)."""
     return [_device_info(lib.ggml_backend_dev_get(i)) for i in range(lib.ggml_backend_dev_count())]
 
 
@@ -576,6 +578,12 @@ class Backend:
         if self._threadpool != NULL:
             lib.ggml_backend_cpu_set_threadpool(self._cpu, self._threadpool)
         wanted = self.params.gpu_layers
+        # gpu_layers on a build without a GPU backend: say so (it would otherwise silently run on the CPU)
+        self.cpu_fallback = None if self._gpu_devs or wanted in (0, [], ()) else (
+            f"gpu_layers={wanted!r} asked for, but this pyggml build has no GPU backend (build it with "
+            'CMAKE_ARGS="-DGGML_CUDA=on", docs/gpu.md): every layer runs on the CPU')
+        if self.cpu_fallback:
+            logging.getLogger(__name__).warning(self.cpu_fallback)
         if self._gpu_devs and wanted not in (0, [], ()):
             for dev in self._gpu_devs:
                 be = lib.ggml_backend_dev_init(dev, NULL)

@@ -223,6 +223,8 @@ def _once(llm: Any, prompt: str, options: dict, args: argparse.Namespace) -> Non
         raise KeyboardInterrupt
     if args.verbose:
         print_stats(llm.stats, time.perf_counter() - start, sys.stderr)
+        if llm.model.backend.cpu_fallback:
+            print(f"note: {llm.model.backend.cpu_fallback}", file=sys.stderr)
 
 
 def _structured(args: argparse.Namespace) -> dict:

@@ -3,8 +3,9 @@
 The chain is llama.cpp's default order: repetition penalties, logit bias, top-k,
 typical, top-p, min-p, temperature, then a weighted draw. As in llama.cpp the
 truncation steps see the distribution *before* temperature, so temperature only
-reshapes what survives. Top-k uses ``np.argpartition`` (linear time), and nothing
-loops over tokens in Python, so a 128k-vocabulary step stays well under 1 ms.
+reshapes what survives. ``sample_rows`` samples the rows of many sequences together (a batch's
+decode step) in a few array passes, and a single ``Sampler.sample`` is that with one row, so a
+token never depends on which other sequences shared its step. Nothing loops over tokens in Python.
 """
 
 from __future__ import annotations
@@ -70,24 +71,19 @@ class Sampler(SamplingOptions):
         _check(not np.any(self._bias_ids < 0), "logit_bias token ids must be >= 0", bias)
         _check(not np.any(np.isnan(self._bias_values)), "logit_bias values must not be NaN", bias)
         self._rng = np.random.default_rng(self.seed)
-        # greedy without penalties, and a bias that only lowers logits: one argmax pass (``_greedy``)
         neutral = self.repeat_penalty == 1.0 and not self.presence_penalty and not self.frequency_penalty
-        self._plain_greedy = self.temperature <= 0 and (neutral or self.repeat_last_n == 0) and \
-            not np.any(self._bias_values > 0)
-        self._bias_set = frozenset(self._bias_ids.tolist())
+        self._penalises = not neutral and self.repeat_last_n != 0
+        # greedy without penalties, and a bias that only lowers logits: the argmax of the logits as they are
+        self._plain_greedy = self.temperature <= 0 and not self._penalises and not np.any(self._bias_values > 0)
         self._bias_top = int(self._bias_ids.max()) if self._bias_ids.size else -1
+        self._bias_set = frozenset(self._bias_ids.tolist())
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Pick one token id from ``logits`` (shape ``(vocab,)``); ``history`` feeds the penalties."""
-        if self._plain_greedy:
-            token = self._greedy(logits)
-            if token is not None:
-                return token
-        ids, vals = self._candidates(logits, history)
-        if vals is None:
-            return int(ids)
-        cdf = np.cumsum(_softmax(vals / self.temperature))
-        return int(ids[self._draw(cdf)])
+        tokens, errors = sample_rows([self], _as_row(logits)[None], [history])
+        if errors:
+            raise errors[0]
+        return int(tokens[0])
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """(ids, probabilities) of what ``sample`` draws from (greedy: the argmax with probability 1).
@@ -99,86 +95,316 @@ class Sampler(SamplingOptions):
 
     def draw(self, probs: np.ndarray) -> int:
         """An index drawn from ``probs`` (non-negative weights) with this sampler's generator."""
-        return self._draw(np.cumsum(probs))
+        cdf = np.cumsum(probs)
+        return int(_pick(cdf[None], np.array([self._rng.random()]))[0])
 
     def uniform(self) -> float:
         return float(self._rng.random())
 
-    def _draw(self, cdf: np.ndarray) -> int:
-        i = int(np.searchsorted(cdf, self._rng.random() * cdf[-1], side="right"))
-        if i == cdf.size:  # u * total rounded up to total: take the last token with weight
-            i = int(np.searchsorted(cdf, cdf[-1]))
-        return i
-
-    def _greedy(self, logits: np.ndarray) -> int | None:
-        """The argmax in one pass, exactly what ``_candidates`` picks when no penalty applies and no
-        bias raises a logit (a lowered token other than the argmax cannot overtake it; argmax finds
-        a NaN, which ``_as_logits`` refuses, as the maximum); None when the argmax is biased."""
-        arr = np.asarray(logits)
-        if arr.ndim != 1 or arr.size == 0 or (arr.dtype != np.float32 and arr.dtype != np.float64):
-            return None  # the general path reports or converts it
-        token = int(np.argmax(arr))
-        top = arr[token]
-        if np.isnan(top):
-            raise ValueError("sample: logits contain NaN")
-        if self._bias_top >= 0:
-            _check(self._bias_top < arr.size, "logit_bias token id out of range for vocab", arr.size)
-            if token in self._bias_set:
-                return None
-        if top == -math.inf:
-            raise ValueError("sample: every token has logit -inf (all banned by logit_bias?)")
-        if top == math.inf:
-            raise ValueError("sample: logits contain +inf")
-        return token
-
     def _candidates(self, logits: np.ndarray, history: Sequence[int]) -> tuple[Any, np.ndarray | None]:
-        """The surviving (ids, logits) after penalties, bias and truncation; (argmax, None) when greedy."""
-        given = _as_logits(logits)
-        logits = self._penalise(given, history)
-        if self._bias_ids.size:
-            _check(self._bias_ids.max() < logits.size, "logit_bias token id out of range for vocab",
-                   logits.size)
-            if logits is given:  # never modify the caller's array
-                logits = logits.copy()
-            logits[self._bias_ids] += self._bias_values
-        top = logits.max()
-        if top == -math.inf:
-            raise ValueError("sample: every token has logit -inf (all banned by logit_bias?)")
-        if top == math.inf:
-            raise ValueError("sample: logits contain +inf")
+        """The surviving (ids, logits) in drawing order after penalties, bias and truncation;
+        (argmax, None) when greedy."""
+        row = _as_logits(logits)[None].copy()  # adjusted in place
+        errors: dict[int, Exception] = {}
+        _adjust([self], row, [history], errors)
+        if errors:
+            raise errors[0]
+        _check_tops(row, [0], errors)
+        if errors:
+            raise errors[0]
         if self.temperature <= 0:
-            return int(np.argmax(logits)), None
+            return int(np.argmax(row[0])), None
+        pool = _pools([self], row, [0])[0]
+        keep = slice(None) if pool.keep is None else pool.keep[0]
+        ids = np.arange(row.shape[1]) if pool.ids is None else pool.ids[0]
+        return ids[keep], pool.vals[0][keep]
 
-        if 0 < self.top_k < logits.size:
-            ids = _top_k(logits, self.top_k)
-            vals = logits[ids]
+
+_CACHED_LOGITS = 1 << 18  # logits per slice of rows in top-k (1 MiB of float32)
+
+
+@dataclass
+class _Pool:
+    """Candidates of some sampled rows, in drawing order: ``vals`` (rows, width) with their token
+    ``ids`` (None: the whole vocabulary in id order) and ``keep`` (None: all kept)."""
+
+    rows: list[int]
+    ids: np.ndarray | None
+    vals: np.ndarray
+    keep: np.ndarray | None
+
+
+def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray,
+                histories: Sequence[Sequence[int]] | None = None) -> tuple[np.ndarray, dict[int, Exception]]:
+    """One token per row of ``logits`` (rows, vocab), row i chosen by ``samplers[i]`` (distinct
+    samplers) with the penalties of ``histories[i]``: the whole batch in a few array passes, and
+    the same tokens as sampling each row alone (each sampler draws once from its generator).
+
+    Candidates are ordered canonically (top-k, top-p: most likely first, ties by lower id; no
+    truncation: id order), so a draw does not depend on how a selection algorithm happened to order
+    them. Penalties and bias are applied in place and undone before returning (only the touched
+    entries), so the caller's array is unchanged without copying it. Returns the tokens (-1 where a
+    row failed) and the errors of failed rows by row index (NaN logits, every token banned, ...)."""
+    n = len(samplers)
+    if logits.ndim != 2 or logits.shape[0] != n or logits.shape[1] == 0:
+        raise ValueError(f"sample_rows: logits must be ({n}, vocab), got shape {logits.shape}")
+    if not logits.flags.writeable:  # penalties and bias are written into it (and undone)
+        logits = logits.copy()
+    histories = histories if histories is not None else [()] * n
+    tokens = np.full(n, -1, np.int64)
+    errors: dict[int, Exception] = {}
+    rest = _plain_argmax(samplers, logits, tokens, errors)
+    if not rest:
+        return tokens, errors
+    undo = _adjust(samplers, logits, histories, errors, rest)
+    try:
+        ok = [i for i in rest if i not in errors]
+        greedy = [i for i in ok if samplers[i].temperature <= 0]
+        if greedy:
+            best = _rowwise(np.argmax, logits, greedy)
+            tokens[greedy] = best
+            _check_tops(logits, greedy, errors, logits[greedy, best])
+        drawn = [i for i in ok if samplers[i].temperature > 0]
+        if drawn:
+            _check_tops(logits, drawn, errors)
+            drawn = [i for i in drawn if i not in errors]
+        for pool in _pools(samplers, logits, drawn):
+            temps = np.array([samplers[i].temperature for i in pool.rows], np.float32)
+            u = np.array([samplers[i]._rng.random() for i in pool.rows])
+            index = _draw(pool.vals, pool.keep, temps, u)
+            tokens[pool.rows] = index if pool.ids is None else pool.ids[np.arange(len(pool.rows)), index]
+    finally:
+        undo()
+    if errors:
+        tokens[list(errors)] = -1
+    return tokens, errors
+
+
+def _plain_argmax(samplers: Sequence[Sampler], logits: np.ndarray, tokens: np.ndarray,
+                  errors: dict[int, Exception]) -> list[int]:
+    """Greedy rows without penalties or raising biases: the argmax of the logits as they are, unless
+    a bias lowers it (a lowered runner-up cannot overtake it) or names a token past the vocabulary.
+    Returns the rows left to sample."""
+    plain = [i for i, s in enumerate(samplers) if s._plain_greedy]
+    if not plain:
+        return list(range(len(samplers)))
+    best = _rowwise(np.argmax, logits, plain)
+    redo = {i for i, b in zip(plain, best.tolist(), strict=True)
+            if samplers[i]._bias_ids.size and (b in samplers[i]._bias_set or samplers[i]._bias_top >= logits.shape[1])}
+    tokens[plain] = best
+    if len(plain) == 1 and not redo:  # one row (``Sampler.sample``): Python scalars cost less than arrays
+        top = float(logits[plain[0], best[0]])
+        if not math.isfinite(top):
+            _check_tops(logits, plain, errors, np.array([top]))
+        return [i for i in range(len(samplers)) if i != plain[0]]
+    if redo:
+        keep = [j for j, i in enumerate(plain) if i not in redo]
+        plain, best = [plain[j] for j in keep], best[keep]
+    _check_tops(logits, plain, errors, logits[plain, best])
+    done = set(plain)
+    return [i for i in range(len(samplers)) if i not in done]
+
+
+def _rowwise(fn, logits: np.ndarray, rows: list[int]) -> np.ndarray:
+    """``fn(logits[rows], axis=1)`` without copying the rows out when they are all of them."""
+    if len(rows) == logits.shape[0]:
+        return fn(logits, axis=1)
+    return np.array([fn(logits[i]) for i in rows])
+
+
+def _check_tops(logits: np.ndarray, rows: list[int], errors: dict[int, Exception],
+                tops: np.ndarray | None = None) -> None:
+    """Record an error for rows whose largest logit is NaN or infinite (``tops``: those values,
+    when known; an argmax finds a NaN as the largest)."""
+    if tops is None:
+        tops = _rowwise(np.max, logits, rows)
+    bad = ~np.isfinite(tops)
+    for i, top in zip(np.asarray(rows)[bad].tolist(), tops[bad].tolist(), strict=True):
+        if math.isnan(top):
+            errors[i] = ValueError("sample: logits contain NaN")
+        elif top < 0:
+            errors[i] = ValueError("sample: every token has logit -inf (all banned by logit_bias?)")
         else:
-            ids, vals = np.arange(logits.size), logits
-        if self.typical_p < 1.0:
-            ids, vals = _typical(ids, vals, self.typical_p)
-        if self.top_p < 1.0:
-            keep = _top_p(vals, self.top_p)
-            ids, vals = ids[keep], vals[keep]
-        if self.min_p > 0.0:  # p >= min_p * p_max, in logit space
-            keep = vals >= vals.max() + math.log(self.min_p)
-            ids, vals = ids[keep], vals[keep]
-        return ids, vals
+            errors[i] = ValueError("sample: logits contain +inf")
 
-    def _penalise(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """llama.cpp's penalties: repeat (divide positive, multiply negative logits), then
-        presence and frequency (subtract per distinct token / per occurrence)."""
-        neutral = self.repeat_penalty == 1.0 and not self.presence_penalty and not self.frequency_penalty
-        if neutral or self.repeat_last_n == 0 or len(history) == 0:
-            return logits
-        recent = history if self.repeat_last_n == -1 else history[-self.repeat_last_n:]
-        ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
-        if ids[0] < 0 or ids[-1] >= logits.size:
-            raise ValueError(f"history holds token ids outside [0, {logits.size}): {ids[0]}..{ids[-1]}")
-        out = logits.copy()
-        seen = out[ids]
-        seen = np.where(seen > 0, seen / self.repeat_penalty, seen * self.repeat_penalty)
-        out[ids] = seen - counts * self.frequency_penalty - self.presence_penalty
-        return out
+
+def _adjust(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequence[Sequence[int]],
+            errors: dict[int, Exception], rows: Sequence[int] | None = None):
+    """llama.cpp's penalties (repeat: divide positive, multiply negative logits; then presence and
+    frequency: subtract per distinct token / per occurrence) and the logit bias, written into
+    ``logits`` for all ``rows`` at once; returns the function that restores the touched entries."""
+    vocab = logits.shape[1]
+    rows = range(len(samplers)) if rows is None else rows
+    changes: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, columns, original values)
+    penalised = [i for i in rows if samplers[i]._penalises and len(histories[i])]
+    recents = []
+    for i in penalised:
+        s, history = samplers[i], histories[i]
+        recent = np.asarray(history if s.repeat_last_n == -1 else history[-s.repeat_last_n:], dtype=np.int64)
+        if recent.min() < 0 or recent.max() >= vocab:
+            errors[i] = ValueError(f"history holds token ids outside [0, {vocab}): {recent.min()}..{recent.max()}")
+        recents.append(recent)
+    biased = [i for i in rows if samplers[i]._bias_ids.size and i not in errors]
+    for i in biased:
+        if samplers[i]._bias_top >= vocab:
+            errors[i] = ValueError(f"Sampler: logit_bias token id out of range for vocab, got {vocab!r}")
+    kept = [(i, r) for i, r in zip(penalised, recents, strict=True) if i not in errors]
+    if kept:
+        rows = np.repeat([i for i, _ in kept], [r.size for _, r in kept])
+        keys, counts = np.unique(rows * vocab + np.concatenate([r for _, r in kept]), return_counts=True)
+        r, c = np.divmod(keys, vocab)
+        old = logits[r, c]
+        repeat = np.array([s.repeat_penalty for s in samplers], np.float32)[r]
+        frequency = np.array([s.frequency_penalty for s in samplers])[r]
+        presence = np.array([s.presence_penalty for s in samplers])[r]
+        logits[r, c] = np.where(old > 0, old / repeat, old * repeat) - counts * frequency - presence
+        changes.append((r, c, old))
+    biased = [i for i in biased if i not in errors]
+    if biased:
+        r = np.repeat(biased, [samplers[i]._bias_ids.size for i in biased])
+        c = np.concatenate([samplers[i]._bias_ids for i in biased])
+        old = logits[r, c]
+        logits[r, c] = old + np.concatenate([samplers[i]._bias_values for i in biased])
+        changes.append((r, c, old))
+
+    def undo() -> None:
+        for r, c, old in reversed(changes):
+            logits[r, c] = old
+    return undo
+
+
+def _pools(samplers: Sequence[Sampler], logits: np.ndarray, rows: list[int]) -> list[_Pool]:
+    """The candidates of the sampled ``rows``: top-k rows of one k together (most likely first),
+    untruncated rows together (id order), and rows with typical sampling, or top-p over the whole
+    vocabulary, one by one."""
+    vocab = logits.shape[1]
+    by_k: dict[int, list[int]] = {}
+    for i in rows:
+        s = samplers[i]
+        k = s.top_k if 0 < s.top_k < vocab else 0
+        by_k.setdefault(k if k or (s.top_p >= 1.0 and s.typical_p >= 1.0) else -1, []).append(i)
+    pools = []
+    for k, group in by_k.items():
+        if k > 0:
+            ids, vals = _top_k_rows(logits, group, k)
+            pools += _truncate(samplers, _Pool(group, ids, vals, None))
+        elif k == 0:  # no truncation but min-p: the whole vocabulary in id order
+            vals = logits if len(group) == logits.shape[0] else logits[group]
+            min_p = np.array([samplers[i].min_p for i in group])
+            keep = None
+            if min_p.any():
+                with np.errstate(divide="ignore"):
+                    keep = vals >= (vals.max(axis=1) + np.log(min_p).astype(vals.dtype))[:, None]
+            pools.append(_Pool(group, None, vals, keep))
+        else:  # top-p or typical over the whole vocabulary: one row at a time
+            for i in group:
+                pools.append(_truncate_one(samplers[i], i, np.arange(vocab), logits[i]))
+    return pools
+
+
+def _top_k_rows(logits: np.ndarray, rows: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids, logits), each (len(rows), k): the k largest logits of each row, largest first, ties by
+    lower id. Rows go in slices that stay in the CPU's cache (each pass over the slice is then cheap)."""
+    chunk = max(1, _CACHED_LOGITS // logits.shape[1])
+    parts = [_top_k_slice(logits[rows[i:i + chunk]], k) for i in range(0, len(rows), chunk)]
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate([ids for ids, _ in parts]), np.concatenate([vals for _, vals in parts])
+
+
+def _top_k_slice(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_top_k_rows`` of the rows of ``m``. The k-th largest value of a strided sample is a lower
+    bound for the k-th largest logit (at least k logits reach it), so only the few logits above it
+    are sorted."""
+    n, vocab = m.shape
+    stride = vocab // (64 * k)
+    if stride >= 2:
+        sample = m[:, ::stride]
+        bound = np.partition(sample, sample.shape[1] - k, axis=1)[:, sample.shape[1] - k]
+    else:
+        bound = np.partition(m, vocab - k, axis=1)[:, vocab - k]
+    r, c = np.divmod(np.flatnonzero(m >= bound[:, None]), vocab)  # by row, then id
+    v = m[r, c]
+    order = _by_row_value_id(r, v, c, vocab)
+    r, c, v = r[order], c[order], v[order]
+    rank = np.arange(r.size) - np.searchsorted(r, np.arange(n))[r]
+    top = rank < k
+    return c[top].reshape(n, k), v[top].reshape(n, k)
+
+
+def _by_row_value_id(r: np.ndarray, v: np.ndarray, c: np.ndarray, vocab: int) -> np.ndarray:
+    """The order of entries by row, then value (largest first), then id. For float32 one sort of
+    unique int64 keys (row, the value's bits made monotonic, id); else two stable sorts."""
+    if v.dtype != np.float32 or vocab > 1 << 18 or r.size and r[-1] >= 1 << 13:
+        order = np.argsort(-v, kind="stable")  # ids come in ascending order: stable keeps ties so
+        return order[np.argsort(r[order], kind="stable")]
+    bits = (v + np.float32(0.0)).view(np.int32)  # + 0: -0.0 becomes 0.0, equal values equal bits
+    monotonic = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)  # ordered like the floats
+    keys = (r.astype(np.int64) << 50) | ((0x7FFFFFFF - monotonic) << 18) | c
+    return np.argsort(keys)
+
+
+def _truncate(samplers: Sequence[Sampler], pool: _Pool) -> list[_Pool]:
+    """Top-p and min-p on a pool of rows sorted most likely first (both keep a prefix); a row with
+    typical sampling goes its own way."""
+    typical = [j for j, i in enumerate(pool.rows) if samplers[i].typical_p < 1.0]
+    singles = [_truncate_one(samplers[pool.rows[j]], pool.rows[j], pool.ids[j], pool.vals[j]) for j in typical]
+    if typical:
+        rest = [j for j in range(len(pool.rows)) if j not in set(typical)]
+        if not rest:
+            return singles
+        pool = _Pool([pool.rows[j] for j in rest], pool.ids[rest], pool.vals[rest], None)
+    vals = pool.vals
+    width = vals.shape[1]
+    n_keep = np.full(len(pool.rows), width)
+    top_p = np.array([samplers[i].top_p for i in pool.rows])
+    if (top_p < 1.0).any():
+        cum = np.cumsum(np.exp(vals - vals[:, :1]), axis=1)
+        reach = np.minimum((cum < top_p[:, None] * cum[:, -1:]).sum(axis=1) + 1, width)
+        n_keep = np.where(top_p < 1.0, reach, n_keep)
+    min_p = np.array([samplers[i].min_p for i in pool.rows])
+    if min_p.any():
+        with np.errstate(divide="ignore"):
+            above = (vals >= (vals[:, 0] + np.log(min_p).astype(vals.dtype))[:, None]).sum(axis=1)
+        n_keep = np.where(min_p > 0, np.minimum(n_keep, above), n_keep)
+    if (n_keep < width).any():
+        pool.keep = np.arange(width) < n_keep[:, None]
+    return [pool, *singles]
+
+
+def _truncate_one(s: Sampler, row: int, ids: np.ndarray, vals: np.ndarray) -> _Pool:
+    """Typical, top-p and min-p for one row's candidates (any order)."""
+    if s.typical_p < 1.0:
+        ids, vals = _typical(ids, vals, s.typical_p)
+    if s.top_p < 1.0:
+        keep = _top_p(vals, s.top_p)
+        ids, vals = ids[keep], vals[keep]
+    if s.min_p > 0.0:  # p >= min_p * p_max, in logit space
+        keep = vals >= vals.max() + math.log(s.min_p)
+        ids, vals = ids[keep], vals[keep]
+    return _Pool([row], ids[None], vals[None], None)
+
+
+def _draw(vals: np.ndarray, keep: np.ndarray | None, temps: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Per row, the index drawn from softmax(vals / temperature) over the kept entries with the
+    uniform number ``u``: cumulative weights summed in order, so a row's draw is the same in any
+    batch (no normalisation, whose sum would depend on the width)."""
+    scaled = vals / temps[:, None]
+    if keep is not None:
+        scaled = np.where(keep, scaled, -np.inf)
+    weights = np.exp(scaled - scaled.max(axis=1)[:, None])
+    return _pick(np.cumsum(weights, axis=1), u)
+
+
+def _pick(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Per row, the first index whose cumulative weight exceeds u * total (u * total rounded up to
+    the total: the first index that reaches it, which has weight)."""
+    total = cdf[:, -1]
+    index = (cdf <= (u * total)[:, None]).sum(axis=1)
+    over = index >= cdf.shape[1]
+    if over.any():
+        index[over] = np.argmax(cdf[over] >= total[over, None], axis=1)
+    return index
 
 
 def logprobs(logits: np.ndarray, token: int, top_n: int = 0) -> tuple[float, list[tuple[int, float]]]:
@@ -200,22 +426,6 @@ def logprobs(logits: np.ndarray, token: int, top_n: int = 0) -> tuple[float, lis
         best = best[np.argsort(-logits[best], kind="stable")]
         top = [(int(i), float(logits[i]) - lse) for i in best]
     return float(logits[token]) - lse, top
-
-
-def _top_k(logits: np.ndarray, k: int) -> np.ndarray:
-    """Ids of the ``k`` largest logits (in no particular order).
-
-    The k-th largest value of a strided sample is a safe lower bound for the
-    k-th largest logit (at least k logits reach it), so the exact argpartition
-    runs only over the few logits above that bound: about 3x faster at 128k.
-    """
-    stride = logits.size // (64 * k)
-    if stride < 2:
-        return np.argpartition(logits, logits.size - k)[-k:]
-    sample = logits[::stride]
-    bound = np.partition(sample, sample.size - k)[sample.size - k]
-    cand = np.flatnonzero(logits >= bound)
-    return cand[np.argpartition(logits[cand], cand.size - k)[-k:]]
 
 
 def _top_p(vals: np.ndarray, p: float) -> np.ndarray:
@@ -250,6 +460,16 @@ def _typical(ids: np.ndarray, vals: np.ndarray, p: float) -> tuple[np.ndarray, n
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
     return e / e.sum()
+
+
+def _as_row(logits: np.ndarray) -> np.ndarray:
+    """``logits`` as a 1-D float array (the NaN check is the sampler's)."""
+    arr = np.asarray(logits)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"sample: logits must be a non-empty 1-D array (vocab,), got shape {arr.shape}")
+    if arr.dtype != np.float32 and arr.dtype != np.float64:
+        arr = arr.astype(np.float32)
+    return arr
 
 
 def _as_logits(logits: np.ndarray) -> np.ndarray:

@@ -231,15 +231,27 @@ class Cells:
                 raise CacheFullError(
                     f"place: {seqs.size} tokens need a free cell, only {new.size} of {self.capacity} are free")
             return new
-        new = np.empty(seqs.size, np.int64)
+        # every stream at once: a free cell is taken while fewer free cells than the stream's token
+        # count come before it (a running count); tokens of a stream get its cells lowest first
+        if not seqs.size:
+            return np.empty(0, np.int64)
         size = self.stream_size
-        for s in np.unique(seqs):
-            tokens = np.flatnonzero(seqs == s)
-            free = np.flatnonzero(count[s * size:(s + 1) * size] == 0)[: tokens.size]
-            if free.size < tokens.size:
-                raise CacheFullError(f"place: {tokens.size} tokens of sequence {s} need a free cell, only "
-                                     f"{free.size} of its {size} are free")
-            new[tokens] = free + s * size
+        streams, inverse, wanted = np.unique(seqs, return_inverse=True, return_counts=True)
+        free = (count.reshape(self.max_sequences, size) == 0)[streams]
+        if wanted.max() == 1:  # a decode step: the lowest free cell of each stream
+            rows = np.arange(streams.size)
+            taken = np.argmax(free, axis=1)
+            short = ~free[rows, taken]
+        else:
+            rank = np.cumsum(free, axis=1)
+            short = rank[:, -1] < wanted
+            rows, taken = np.nonzero(free & (rank <= wanted[:, None]))
+        if short.any():
+            s = int(np.flatnonzero(short)[0])
+            raise CacheFullError(f"place: {wanted[s]} tokens of sequence {streams[s]} need a free cell, only "
+                                 f"{int(free[s].sum())} of its {size} are free")
+        new = np.empty(seqs.size, np.int64)
+        new[np.argsort(inverse, kind="stable")] = taken + streams[rows].astype(np.int64) * size
         return new
 
     def _append_one(self, pos: int, seq: int) -> np.ndarray:

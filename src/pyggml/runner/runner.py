@@ -51,7 +51,7 @@ from pyggml.runner.inputcache import InputCache
 from pyggml.runner.plugins import Constraints, ContextShift, StepPlugin
 from pyggml.runner.request import check_int, prepare
 from pyggml.runner.scheduler import UNSET, Scheduler, Step, StepBatch
-from pyggml.runner.sequence import CompletionRequest, CompletionStream, RunningSequence
+from pyggml.runner.sequence import CompletionRequest, CompletionStream, RunningSequence, sample_sequences
 from pyggml.runner.speculative import MAX_DRAFT, Speculation
 from pyggml.tensor import DType
 
@@ -484,22 +484,19 @@ class Runner:
             seq.scores.append(logits[row].copy())
         for plugin in self.plugins:
             plugin.after_logits(step, logits)
-        for row, seq in step.rows:
-            self._sample(seq, logits[row])
+        for _, seq in step.rows:
+            seq.outputs_in_flight -= 1
+        live = [(row, seq) for row, seq in step.rows if not seq.done]
+        for (row, seq), token in zip(live, sample_sequences(live, logits), strict=True):
+            self._accept(seq, token, logits[row])
         for seq in step.finishing:
             if not seq.done:
                 self.release(seq, "cancelled" if seq.cancelled else "length")
 
-    def _sample(self, seq: RunningSequence, row: np.ndarray) -> None:
-        """Sample ``seq``'s next token from its logits ``row`` and stream it."""
-        seq.outputs_in_flight -= 1
-        if seq.done:
-            return
-        try:
-            scores = row if seq.constraint is None else seq.constraint.apply(row)
-            token = seq.sampler.sample(scores, seq.history)
-        except Exception as exc:
-            self.release(seq, error=exc)
+    def _accept(self, seq: RunningSequence, token: int | Exception, row: np.ndarray) -> None:
+        """Stream ``seq``'s sampled ``token`` (or fail it with the sampling error)."""
+        if isinstance(token, Exception):
+            self.release(seq, error=token)
             return
         placeholder, seq.placeholder = seq.placeholder, None
         if placeholder is not None:

@@ -16,7 +16,7 @@ import numpy as np
 from pyggml.constrain import Constraint
 from pyggml.models import Input
 from pyggml.runner.inputcache import InputCacheSlot
-from pyggml.sample import Sampler, SamplingOptions, logprobs
+from pyggml.sample import Sampler, SamplingOptions, logprobs, sample_rows
 
 MAX_LOGPROBS = 20
 # Stop strings are checked on the runner's thread after every token of their sequence, so one
@@ -338,6 +338,30 @@ class RunningSequence:
                                 logprobs=self._logprobs if self.request.logprobs else None)
         self._tokens, self._logprobs = [], []
         return chunk
+
+
+def sample_sequences(rows: Sequence[tuple[int, RunningSequence]], logits: np.ndarray) -> list[int | Exception]:
+    """The next token of each (logits row, sequence), all sampled together (``sample_rows``); a
+    sequence's grammar masks its row first. An entry is the exception instead for a sequence whose
+    row cannot be sampled (the others go on)."""
+    if not rows:
+        return []
+    index = [row for row, _ in rows]
+    first = index[0]
+    constrained = [j for j, (_, seq) in enumerate(rows) if seq.constraint is not None]
+    if index == list(range(first, first + len(index))) and not constrained:
+        scores = logits[first:first + len(index)]  # a view: the sampler undoes what it writes
+    else:
+        scores = logits[index]
+    failed: dict[int, Exception] = {}
+    for j in constrained:
+        try:
+            scores[j] = rows[j][1].constraint.apply(scores[j])
+        except Exception as exc:  # a grammar failure fails its sequence only
+            failed[j] = exc
+    tokens, errors = sample_rows([seq.sampler for _, seq in rows], scores, [seq.history for _, seq in rows])
+    errors.update(failed)
+    return [errors.get(j, token) for j, token in enumerate(tokens.tolist())]
 
 
 class CompletionStream(Iterator[CompletionChunk]):

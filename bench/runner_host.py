@@ -1,0 +1,192 @@
+"""Host work per decode step of the Runner, on a model whose compute is negligible (no GPU needed).
+
+    python bench/runner_host.py                                  # synthetic: 1 tiny layer, 32k vocabulary
+    python bench/runner_host.py --vocab 151936 --parallel 1,128  # a Qwen-sized vocabulary
+    python bench/runner_host.py /work/shared/models/stories260K.gguf --steps 20
+
+On a GPU the Runner's Python is what the device waits for at high concurrency (issue 26: 49 % of a
+step at 128 sequences). The same host work dominates a CPU run of a model with one tiny layer, so
+this measures it anywhere: P sequences (``--parallel``) each generate ``--steps`` tokens after
+``--warmup`` steps, every request with stop strings, EOG tokens banned (logit bias -inf: every
+sequence runs every step), greedy (``--sampling greedy``) or seeded temperature/top-k/top-p
+(``--sampling random``). One thread drives the runner (``background=False``) and reads every stream,
+so all host work is on one thread and timed exclusively, per step, in these columns (ms, median of the
+measured steps):
+
+- ``compute``: ggml's compute and the read of the logits (or sampled ids), ``Engine.compute``;
+- ``cache``: cache bookkeeping and graph refill (or build), ``Engine.build``;
+- ``sched``: packing the batch (inputs, positions, rows), admission, the loop;
+- ``sample``: choosing each sequence's token from its logits row(s);
+- ``detok``: accepting a token: detokenizing, stop strings and EOG, logprobs;
+- ``stream``: handing chunks to their consumers (queue, notify) and the consumer reading them;
+- ``host``: everything but ``compute`` (the figure the issue's target is about), and ``step``.
+
+The phases are found by wrapping the runner's functions (whichever of the listed names exist), so the
+script measures older and newer runners alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+PHASES = ("compute", "cache", "sched", "sample", "detok", "stream")
+COLUMNS = ("P", *PHASES, "host", "step", "tok/s")
+# phase -> (module, class or None, attribute) of the functions whose own time (not their timed callees') goes there
+TIMED: dict[str, list[tuple[str, str | None, str]]] = {
+    "compute": [("pyggml.runner.engine", "Engine", "compute")],
+    "cache": [("pyggml.runner.engine", "Engine", "build")],
+    "sched": [("pyggml.runner.runner", "Runner", name) for name in
+              ("_iterate", "_build", "_admit", "_fill", "_start_masks", "_draft_all")],
+    "sample": [("pyggml.runner.runner", "Runner", "_complete"), ("pyggml.sample", "Sampler", "sample"),
+               ("pyggml.sample", None, "sample_rows"), ("pyggml.runner.sequence", None, "sample_batch")],
+    "detok": [("pyggml.runner.sequence", "RunningSequence", "accept")],
+    "stream": [("pyggml.runner.sequence", "RunningSequence", "_put"), ("pyggml.runner.runner", "Runner", "_notify"),
+               ("pyggml.runner.sequence", "CompletionStream", "__next__")],
+}
+
+
+class Profiler:
+    """Exclusive time per phase: a wrapped call's time minus that of the wrapped calls inside it."""
+
+    def __init__(self) -> None:
+        self.totals = dict.fromkeys(PHASES, 0.0)
+        self._stack: list[float] = []  # time spent in timed callees, per open call
+        self._undo: list[Callable[[], None]] = []
+
+    def wrap_all(self) -> None:
+        import importlib
+
+        for phase, places in TIMED.items():
+            for module_name, owner_name, attr in places:
+                module = importlib.import_module(module_name)
+                owner = getattr(module, owner_name, None) if owner_name else module
+                if owner is not None and hasattr(owner, attr):
+                    self._wrap(owner, attr, phase)
+
+    def _wrap(self, owner, attr: str, phase: str) -> None:
+        original = getattr(owner, attr)
+        stack, totals, clock = self._stack, self.totals, time.perf_counter
+
+        def timed(*args, **kwargs):
+            stack.append(0.0)
+            t0 = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                spent = clock() - t0
+                inner = stack.pop()
+                totals[phase] += spent - inner
+                if stack:
+                    stack[-1] += spent
+
+        setattr(owner, attr, timed)
+        self._undo.append(lambda: setattr(owner, attr, original))
+
+    def unwrap(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.totals)
+
+
+def synthetic_path(vocab: int) -> Path:
+    """A cached random-weight llama of one tiny layer (hidden 64) and ``vocab`` tokens."""
+    from pyggml.synthetic import Shape, write_synthetic
+    from pyggml.tiny import cache_dir
+
+    path = cache_dir() / f"synthetic-host-1x64-v{vocab}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_synthetic(path, Shape(1, 64, 128, 4, 4, vocab, 4096, 10000.0, False), "f32")
+    return path
+
+
+def run(model, parallel: int, steps: int, warmup: int, sampling: str) -> dict[str, float]:
+    """Median ms per step of each phase over ``steps`` decode steps with ``parallel`` sequences."""
+    from pyggml.runner import CompletionRequest, Runner
+
+    tok = model.tokenizer
+    banned = {t: -float("inf") for t in range(tok.vocab_size) if tok.is_eog(t)}
+    options = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.8, top_k=40, top_p=0.9)
+    profiler = Profiler()
+    per_step: list[dict[str, float]] = []
+    # every prompt fits one batch (the runner's batches are at most num_ctx)
+    with Runner(model, parallel=parallel, num_ctx=max(4 * parallel, warmup + steps + 16), batch_size=4 * parallel,
+                build_ahead=False, background=False) as runner:
+        profiler.wrap_all()
+        original = runner._iterate  # the timed one
+
+        def iterate(block):  # one step: note each phase's time so far
+            try:
+                return original(block)
+            finally:
+                per_step.append(profiler.snapshot())
+
+        runner._iterate = iterate
+        try:
+            streams = [runner.completion(CompletionRequest(
+                prompt=[1, 3 + i % (tok.vocab_size - 3), 3 + (7 * i) % (tok.vocab_size - 3)],
+                max_tokens=warmup + steps + 2, stop=["\n\nUser:", "<|im_end|>"], logit_bias=banned, seed=i, **options))
+                for i in range(parallel)]
+            t0 = time.perf_counter()
+            live, tokens = list(streams), 0
+            while live:
+                for stream in list(live):
+                    chunk = next(stream)
+                    tokens += len(chunk.tokens)
+                    if chunk.done:
+                        live.remove(stream)
+            wall = time.perf_counter() - t0
+        finally:
+            profiler.unwrap()
+    marks = [dict.fromkeys(PHASES, 0.0), *per_step]
+    steps_ms = [{p: 1e3 * (b[p] - a[p]) for p in PHASES} for a, b in zip(marks, marks[1:], strict=False)]
+    measured = steps_ms[warmup + 1:warmup + 1 + steps]  # +1: the prompt step
+    row = {p: float(np.median([s[p] for s in measured])) for p in PHASES}
+    row["host"] = float(np.median([sum(s[p] for p in PHASES if p != "compute") for s in measured]))
+    row["step"] = float(np.median([sum(s.values()) for s in measured]))
+    row["tok/s"] = tokens / wall
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", type=Path, help="a GGUF file (default: the synthetic one-layer model)")
+    parser.add_argument("--vocab", type=int, default=32000, help="vocabulary of the synthetic model (default 32000)")
+    parser.add_argument("--parallel", default="1,16,64,128", help="comma-separated sequence counts")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps measured per run (default 16)")
+    parser.add_argument("--warmup", type=int, default=3, help="decode steps before measuring (default 3)")
+    parser.add_argument("--sampling", choices=("greedy", "random", "both"), default="both")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    from pyggml import models
+    from pyggml.backend import BackendParams
+
+    path = args.model or synthetic_path(args.vocab)
+    parallels = [int(p) for p in args.parallel.split(",")]
+    model = models.load(path, BackendParams(n_threads=args.threads))
+    try:
+        print(f"# {path.name}: vocab {model.tokenizer.vocab_size}, {args.steps} steps after {args.warmup}, "
+              f"{args.threads} thread(s); ms per step (median)")
+        for sampling in ("greedy", "random") if args.sampling == "both" else (args.sampling,):
+            print(f"\n## sampling: {sampling}\n")
+            print("| " + " | ".join(COLUMNS) + " |")
+            print("|" + "---|" * len(COLUMNS))
+            for parallel in parallels:
+                row = run(model, parallel, args.steps, args.warmup, sampling)
+                cells = [str(parallel)] + [f"{row[c]:.3f}" for c in COLUMNS[1:-1]] + [f"{row['tok/s']:.0f}"]
+                print("| " + " | ".join(cells) + " |", flush=True)
+    finally:
+        model.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
