@@ -179,6 +179,40 @@ def test_openai_tool_messages_and_bad_tool_choice(server):
         assert response.status_code == 400 and words in response.json()["error"]["message"]
 
 
+DEEP = "[" * 100_000
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/api/chat"])
+@pytest.mark.parametrize("call, words", [
+    ({"function": 5}, "messages[1].tool_calls[0] must be"),
+    (7, "messages[1].tool_calls[0] must be"),
+    ({"function": {"name": "f", "arguments": DEEP}}, "arguments is not JSON"),
+    ({"function": {"name": "f", "arguments": "[1, 2]"}}, "must be an object"),
+    ({"function": {"name": "f", "arguments": {"a": json.loads("[" * 200 + "]" * 200)}}}, "more than 64 levels"),
+])
+def test_malformed_tool_calls_in_a_request_are_400(server, route, call, words):
+    """Issue 25 item 9: earlier calls a request sends back are checked like any other field."""
+    httpx = pytest.importorskip("httpx")
+    base, served = server
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    body = {"model": served.name, "messages": messages, "stream": False}
+    response = httpx.post(f"{base}{route}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert words in (error["message"] if route.startswith("/v1/") else error)
+
+
+def test_deeply_nested_tool_parameters_are_400(server):
+    httpx = pytest.importorskip("httpx")
+    base, served = server
+    deep = json.loads('{"type": "array", "items": ' * 300 + "{}" + "}" * 300)
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    body = {"model": served.name, "messages": [{"role": "user", "content": "x"}], "tools": [tool], "stream": False}
+    for route in ("/v1/chat/completions", "/api/chat"):
+        response = httpx.post(f"{base}{route}", json=body, timeout=60)
+        assert response.status_code == 400 and "levels deep" in response.text, response.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_ollama_client_tool_calls(server, stream):
     """Ollama's API has no tool_choice: a format schema of the call makes the random model write one,

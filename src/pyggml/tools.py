@@ -260,6 +260,7 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
             raise ValueError(f'tools[{i}].type must be "function"')
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        check_nesting(tool, f"tools[{i}]")
     return [dict(t) for t in tools]
 
 
@@ -291,27 +292,54 @@ def forced_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: st
     return Grammar.lark(f"start: {prefix}call{suffix}\n{body}")
 
 
+# how deeply a request's tool arguments and parameter schemas may nest (real ones nest a few levels;
+# the chat template renders them recursively)
+MAX_NESTING = 64
+
+
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant ``tool_calls`` with their ``arguments`` as objects (OpenAI sends JSON strings;
-    templates index into them)."""
+    """Assistant ``tool_calls`` checked (ValueError naming the call) and with their ``arguments``
+    as objects (OpenAI sends JSON strings; templates index into them)."""
     out = []
-    for message in messages:
+    for i, message in enumerate(messages):
         calls = message.get("tool_calls")
         if calls:
-            fixed = []
-            for call in calls:
-                call = dict(call)
-                fn = dict(call.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-                    except ValueError:
-                        raise ValueError(f"tool call arguments are not JSON: {fn['arguments']!r:.60}") from None
-                call["function"] = fn
-                fixed.append(call)
-            message = {**message, "tool_calls": fixed}
+            message = {**message, "tool_calls": [_request_call(call, f"messages[{i}].tool_calls[{j}]")
+                                                 for j, call in enumerate(calls)]}
         out.append(message)
     return out
+
+
+def _request_call(call: Any, where: str) -> dict[str, Any]:
+    """One earlier call of a chat request: ``{"function": {"name", "arguments"}}`` with the
+    arguments an object (or a JSON string of one) nested at most ``MAX_NESTING`` deep."""
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ValueError(f'{where} must be {{"function": {{"name": ..., "arguments": {{...}}}}}}')
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError):
+            raise ValueError(f"{where}.function.arguments is not JSON: {args!r:.60}") from None
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise ValueError(f"{where}.function.arguments must be an object (or a JSON string of one)")
+    check_nesting(args, f"{where}.function.arguments")
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def check_nesting(value: Any, where: str, limit: int = MAX_NESTING) -> None:
+    """ValueError when the JSON ``value`` nests objects/arrays deeper than ``limit``."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            raise ValueError(f"{where} nests more than {limit} levels deep")
+        level = [v for x in level if isinstance(x, (Mapping, list))
+                 for v in (x.values() if isinstance(x, Mapping) else x)]
+        level = [v for v in level if isinstance(v, (Mapping, list))]
 
 
 class ToolOutput:
