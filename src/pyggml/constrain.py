@@ -208,6 +208,10 @@ class Constraint:
         self.mask_ready = False
         self.bias: np.ndarray | None = None
         self.draft_biases: list[np.ndarray] = []  # precomputed rows of a speculative step
+        self.compute_mask()  # the first mask, needed anyway: it shows a grammar no output can match
+        if self.matcher.is_error() or (self.stopped and not self.accepting):
+            raise ConstraintError(f"the {grammar.kind} grammar matches no output (a rule that never ends, "
+                                  "or one no text can satisfy, such as a $ref loop)")
 
     def compute_mask(self) -> None:
         """Fill the bitmask of tokens allowed next (llguidance releases the GIL meanwhile) and turn
