@@ -115,3 +115,4 @@ def test_invalid_grammars_are_400(server, path, body, words):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert words in (error["message"] if path.startswith("/v1/") else error)
+
