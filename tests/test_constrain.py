@@ -141,7 +141,7 @@ def test_mask_is_a_vectorised_bitmask(runner):
 
 def test_grammar_for():
     assert grammar_for() is None
-    assert grammar_for(format="json") == Grammar.json()
+    assert grammar_for(format="json") == Grammar.json({"type": "object"})  # issue 25 item 10: an object
     assert grammar_for(grammar='root ::= "x"').kind == "gbnf"
     assert grammar_for(grammar='start: "x"').kind == "lark"
     with pytest.raises(ConstraintError):

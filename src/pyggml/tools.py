@@ -261,11 +261,14 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
         check_nesting(tool, f"tools[{i}]")
+        if fn.get("parameters") is not None:  # the size bounds of the schema a forced call compiles
+            Grammar.json(dict(fn["parameters"])).named(f"tools[{i}].function.parameters").check_size()
     return [dict(t) for t in tools]
 
 
 def forced_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: str | None = None) -> Grammar:
-    """A grammar whose every output is one call of ``name`` (or of any of ``tools``) in ``fmt``."""
+    """A grammar whose every output is one call of ``name`` (or of any of ``tools``) in ``fmt``, its
+    JSON compact (no whitespace between tokens)."""
     fns = [t["function"] for t in tools]
     if name is not None:
         fns = [f for f in fns if f["name"] == name]
@@ -278,15 +281,19 @@ def forced_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: st
     def params(fn: Mapping[str, Any]) -> dict[str, Any]:
         return dict(fn.get("parameters") or {"type": "object"})
 
+    def compact(schema: dict[str, Any]) -> str:  # no whitespace between JSON tokens (Lark's %json allows
+        # any): a weak model could otherwise write whitespace until max_tokens instead of the call
+        return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+
     if fmt.name == "harmony":
         alts = " | ".join(f'"{f["name"]}" " <|constrain|>json<|message|>" args_{i}' for i, f in enumerate(fns))
-        rules = "\n".join(f"args_{i}: %json {json.dumps(params(f))}" for i, f in enumerate(fns))
+        rules = "\n".join(f"args_{i}: %json {compact(params(f))}" for i, f in enumerate(fns))
         return Grammar.lark(f'start: "<|channel|>commentary to=functions." ({alts}) "<|call|>"\n{rules}\n')
     schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, key: params(f)},
                          "required": ["name", key], "additionalProperties": False} for f in fns]}
     if len(fns) == 1:
         schema = schema["anyOf"][0]
-    body = f"call: %json {json.dumps(schema)}\n"
+    body = f"call: %json {compact(schema)}\n"
     prefix, suffix = {"hermes": ('"<tool_call>\\n" ', ' "\\n</tool_call>"'), "mistral": ('"[TOOL_CALLS][" ', ' "]"'),
                       "gemma": ("", ""), "llama3": ("", ""), "json": ("", "")}[fmt.name]
     return Grammar.lark(f"start: {prefix}call{suffix}\n{body}")
