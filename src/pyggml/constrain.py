@@ -39,6 +39,9 @@ except ImportError:  # pragma: no cover - llguidance is a dependency; this keeps
 # (Qwen's <tool_call>) are text, as our tokenizer matches them in text.
 _MARKED = frozenset({TokenType.CONTROL, TokenType.UNKNOWN})
 _BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # by mask bit
+# what llguidance's errors say when a grammar reaches its ParserLimits while generating (a row of
+# more than max_items_in_row Earley items: an object of a few thousand optional properties)
+_LIMIT_WORDS = ("max is", "fuel", "limit", "too many", "too large")
 
 
 class ConstraintError(ValueError):
@@ -415,8 +418,11 @@ class Constraint:
         self.mask_ready = False
         self.bias = None
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"constrained decoding: token {token} was not allowed by the grammar "
-                               f"({self.matcher.get_error()})")
+            error = self.matcher.get_error()
+            if any(word in error for word in _LIMIT_WORDS):  # the grammar outgrew llguidance's parser limits
+                raise ConstraintError(self.grammar.where(f"the {self.grammar.kind} grammar is too large to follow "
+                                                         f"(llguidance: {error.splitlines()[0]})"))
+            raise RuntimeError(f"constrained decoding: token {token} was not allowed by the grammar ({error})")
 
     def validate(self, tokens: list[int]) -> int:
         """How many of ``tokens`` (a draft) the grammar accepts from here."""
