@@ -262,3 +262,32 @@ def test_multiple_of_a_small_decimal_is_enforced(stories_tokenizer):
         for text in ("0.000000001", "0.3", "-12") if step == "1e-9" else ("0.00000025", "0.00000075", "3"):
             assert accepts(grammar, tok, text), (step, text)
     assert checked > 100
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_format_json_is_an_object(stories_tokenizer, seed):
+    """Issue 25 item 10: ``format: "json"`` (Ollama) and ``json_object`` (OpenAI) promise an object:
+    the grammar's first token opens one, and every complete value of a seeded random walk is one."""
+    from pyggml.server.params import Fields, ollama_format, openai_response_format
+
+    tok = stories_tokenizer
+    grammar = grammar_for(format="json")
+    for given in (ollama_format(Fields({"format": "json"}, "the request", {"format"}))["grammar"],
+                  openai_response_format(Fields({"response_format": {"type": "json_object"}}, "the request",
+                                                {"response_format"}))["grammar"]):
+        assert given == grammar
+    c = Constraint(grammar, tok)
+    first = [tok.token_to_piece(int(t)) for t in np.flatnonzero(c.allowed())]
+    assert first and all(p.startswith(b"{") for p in first), first[:10]
+    rng, ids, values = np.random.default_rng(seed), [], 0
+    while len(ids) < 60 and not c.stopped:
+        choices = [t for t in np.flatnonzero(c.allowed()) if t not in tok.vocab.eog]
+        if not choices:
+            break
+        ids.append(int(rng.choice(choices)))
+        c.consume(ids[-1])
+        c.compute_mask()
+        if c.accepting:
+            assert isinstance(json.loads(b"".join(tok.token_to_piece(t) for t in ids)), dict)
+            values += 1
+    assert not c.accepting or values

@@ -110,7 +110,7 @@ class Grammar:
                     raise ConstraintError(f"a JSON schema must be an object, got {type(source).__name__}")
                 if isinstance(source, bool):
                     source = {} if source else {"not": {}}
-                source = _closed_objects(source)
+                source = closed_objects(source)
                 return m.grammar_from_json_schema(json.dumps(source), {"whitespace_flexible": False})
             if not isinstance(source, str) or not source.strip():
                 raise ConstraintError(f"a {kind} grammar must be a non-empty string")
@@ -236,20 +236,20 @@ def _resolve(schema: Any, ref: str) -> Any:
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example", "required"})
 
 
-def _closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any) -> Any:
     """The schema with ``additionalProperties: false`` on each object schema that lists
     ``properties`` and says nothing about extra ones (as llama.cpp and Ollama read schemas: only
     the named properties), so a model is not invited to ramble on in made-up keys."""
     if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+        return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _DATA_KEYWORDS else _closed_objects(v)) for k, v in schema.items()}
+    out = {k: (v if k in _DATA_KEYWORDS else closed_objects(v)) for k, v in schema.items()}
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
             and "patternProperties" not in schema and "unevaluatedProperties" not in schema:
         out["additionalProperties"] = False
     if isinstance(schema.get("properties"), dict):  # property names are not schema keywords
-        out["properties"] = {k: _closed_objects(v) for k, v in schema["properties"].items()}
+        out["properties"] = {k: closed_objects(v) for k, v in schema["properties"].items()}
     return out
 
 

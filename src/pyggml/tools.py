@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pyggml.constrain import Grammar
+from pyggml.constrain import Grammar, closed_objects
 
 
 @dataclass(frozen=True)
@@ -282,8 +282,8 @@ def forced_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: st
         return dict(fn.get("parameters") or {"type": "object"})
 
     def compact(schema: dict[str, Any]) -> str:  # no whitespace between JSON tokens (Lark's %json allows
-        # any): a weak model could otherwise write whitespace until max_tokens instead of the call
-        return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+        # any) and no made-up keys: a weak model could otherwise pad until max_tokens instead of calling
+        return json.dumps({**closed_objects(schema), "x-guidance": {"whitespace_flexible": False}})
 
     if fmt.name == "harmony":
         alts = " | ".join(f'"{f["name"]}" " <|constrain|>json<|message|>" args_{i}' for i, f in enumerate(fns))
