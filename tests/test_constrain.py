@@ -141,7 +141,7 @@ def test_mask_is_a_vectorised_bitmask(runner):
 
 def test_grammar_for():
     assert grammar_for() is None
-    assert grammar_for(format="json") == Grammar.json()
+    assert grammar_for(format="json") == Grammar.json({"type": "object"})  # issue 25 item 10: an object
     assert grammar_for(grammar='root ::= "x"').kind == "gbnf"
     assert grammar_for(grammar='start: "x"').kind == "lark"
     with pytest.raises(ConstraintError):
@@ -208,3 +208,86 @@ def test_draft_masks_match_stepwise_masks():
         assert len(bad.compute_draft_masks(draft[:2] + [bad_token] + draft[2:])) == 3
     finally:
         model.close()
+
+
+@pytest.fixture(scope="module")
+def stories_tokenizer():
+    import gguf
+
+    from pyggml.tokenizer import from_metadata
+
+    path = SHARED_MODELS / "stories260K.gguf"
+    if not path.exists():
+        pytest.skip(f"{path} is not there")
+    reader = gguf.GGUFReader(path)
+    return from_metadata({f.name: f.contents() for f in reader.fields.values()})
+
+
+def accepts(grammar: Grammar, tokenizer, text: str) -> bool:
+    """Whether ``text`` (tokenized as the matcher's tokenize callback does) is a complete match."""
+    ids: list[int] = []
+    tokenizer._encode_text(text, False, ids)
+    c = Constraint(grammar, tokenizer)
+    if c.validate(ids) < len(ids):
+        return False
+    for t in ids:
+        c.consume(t)
+    return c.accepting
+
+
+def test_multiple_of_a_small_decimal_is_enforced(stories_tokenizer):
+    """Issue 25 item 9: ``multipleOf: 1e-9`` (and 2.5e-7), in exact decimals (in floats 0.3 is no
+    multiple of 1e-9): every complete number on seeded random walks through the mask is one, and
+    numbers that are not are refused. (llguidance also refuses some multiples written short, such as
+    0.5 for a multipleOf 0.25: stricter than JSON schema, never looser.)"""
+    from decimal import Decimal, localcontext
+
+    tok, rng, checked = stories_tokenizer, np.random.default_rng(0), 0
+    for step in ("1e-9", "2.5e-7"):
+        grammar = Grammar.json({"type": "number", "multipleOf": float(step)})
+        for _ in range(20):
+            c, ids = Constraint(grammar, tok), []
+            while len(ids) < 25 and not c.stopped:
+                choices = [t for t in np.flatnonzero(c.allowed()) if t not in tok.vocab.eog]
+                ids.append(int(rng.choice(choices)))
+                c.consume(ids[-1])
+                c.compute_mask()
+                if c.accepting:  # a complete number
+                    text = b"".join(tok.token_to_piece(t) for t in ids).decode()
+                    with localcontext(prec=200):  # exact for numbers of up to 200 digits
+                        assert Decimal(text) % Decimal(step) == 0, (step, text)
+                    checked += 1
+        for text in ("0.0000000015", "1e-10", "0.00000000001") if step == "1e-9" else ("0.0000001", "1e-7"):
+            assert not accepts(grammar, tok, text), (step, text)
+        for text in ("0.000000001", "0.3", "-12") if step == "1e-9" else ("0.00000025", "0.00000075", "3"):
+            assert accepts(grammar, tok, text), (step, text)
+    assert checked > 100
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_format_json_is_an_object(stories_tokenizer, seed):
+    """Issue 25 item 10: ``format: "json"`` (Ollama) and ``json_object`` (OpenAI) promise an object:
+    the grammar's first token opens one, and every complete value of a seeded random walk is one."""
+    from pyggml.server.params import Fields, ollama_format, openai_response_format
+
+    tok = stories_tokenizer
+    grammar = grammar_for(format="json")
+    for given in (ollama_format(Fields({"format": "json"}, "the request", {"format"}))["grammar"],
+                  openai_response_format(Fields({"response_format": {"type": "json_object"}}, "the request",
+                                                {"response_format"}))["grammar"]):
+        assert given == grammar
+    c = Constraint(grammar, tok)
+    first = [tok.token_to_piece(int(t)) for t in np.flatnonzero(c.allowed())]
+    assert first and all(p.startswith(b"{") for p in first), first[:10]
+    rng, ids, values = np.random.default_rng(seed), [], 0
+    while len(ids) < 60 and not c.stopped:
+        choices = [t for t in np.flatnonzero(c.allowed()) if t not in tok.vocab.eog]
+        if not choices:
+            break
+        ids.append(int(rng.choice(choices)))
+        c.consume(ids[-1])
+        c.compute_mask()
+        if c.accepting:
+            assert isinstance(json.loads(b"".join(tok.token_to_piece(t) for t in ids)), dict)
+            values += 1
+    assert not c.accepting or values

@@ -357,6 +357,10 @@ def test_host_allow_list(options, host, allowed):
     ((), "vscode-webview://abc", True),
     ((), "null", False),
     ((), "http://localhost.evil.example", False),
+    ((), "http://localhost:80@evil.example", False),  # user info: the host is evil.example
+    ((), "http://127.0.0.1:1@evil.example:80", False),
+    (("https://*.myapp.com",), "https://evil.example/.myapp.com", False),
+    (("https://*.myapp.com",), "https://evil.example#.myapp.com", False),
     (("https://*.myapp.com",), "https://chat.myapp.com", True),
     (("https://*.myapp.com",), "https://myapp.com.evil", False),
     (("*",), "https://anywhere.example", True),

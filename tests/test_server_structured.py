@@ -87,6 +87,9 @@ def test_grammar_extension(server):
     assert re.fullmatch(r"x[a-c]{2}\.", response)
 
 
+LOOP = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}  # a -> b -> a
+
+
 @pytest.mark.parametrize("path,body,words", [
     ("/api/generate", {"prompt": "a", "format": {"type": "object", "properties": {"a": {"type": "strin"}}}},
      "Invalid type: strin"),
@@ -99,6 +102,12 @@ def test_grammar_extension(server):
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "items": {"type": 3}}}}},
      "json_schema"),
     ("/v1/completions", {"prompt": "a", "grammar": {"yaml": "x"}}, "grammar must be"),
+    # issue 25 item 9: valid, but no output matches (they answered 500, or an empty non-JSON 200)
+    ("/api/generate", {"prompt": "a", "format": LOOP}, "matches no output"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": LOOP}}}, "matches no output"),
+    ("/api/generate", {"prompt": "a", "grammar": 'start: start "a"'}, "matches no output"),
+    ("/v1/completions", {"prompt": "a", "grammar": {"regex": "[^\\x00-\\U0010ffff]"}}, "matches no output"),
 ])
 def test_invalid_grammars_are_400(server, path, body, words):
     base, _ = server
@@ -106,3 +115,4 @@ def test_invalid_grammars_are_400(server, path, body, words):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert words in (error["message"] if path.startswith("/v1/") else error)
+

@@ -102,6 +102,21 @@ def test_check_tools():
             check_tools(bad)
 
 
+@pytest.fixture(scope="module")
+def stories_tokenizer():
+    pytest.importorskip("llguidance")
+    import gguf
+
+    from pyggml.tokenizer import from_metadata
+
+    from .conftest import SHARED_MODELS
+    path = SHARED_MODELS / "stories260K.gguf"
+    if not path.exists():
+        pytest.skip("no stories260K")
+    reader = gguf.GGUFReader(path)
+    return from_metadata({f.name: f.contents() for f in reader.fields.values()})
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_forced_grammars_compile(fmt):
     pytest.importorskip("llguidance")
@@ -179,6 +194,40 @@ def test_openai_tool_messages_and_bad_tool_choice(server):
         assert response.status_code == 400 and words in response.json()["error"]["message"]
 
 
+DEEP = "[" * 100_000
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/api/chat"])
+@pytest.mark.parametrize("call, words", [
+    ({"function": 5}, "messages[1].tool_calls[0] must be"),
+    (7, "messages[1].tool_calls[0] must be"),
+    ({"function": {"name": "f", "arguments": DEEP}}, "arguments is not JSON"),
+    ({"function": {"name": "f", "arguments": "[1, 2]"}}, "must be an object"),
+    ({"function": {"name": "f", "arguments": {"a": json.loads("[" * 200 + "]" * 200)}}}, "more than 64 levels"),
+])
+def test_malformed_tool_calls_in_a_request_are_400(server, route, call, words):
+    """Issue 25 item 9: earlier calls a request sends back are checked like any other field."""
+    httpx = pytest.importorskip("httpx")
+    base, served = server
+    messages = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    body = {"model": served.name, "messages": messages, "stream": False}
+    response = httpx.post(f"{base}{route}", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert words in (error["message"] if route.startswith("/v1/") else error)
+
+
+def test_deeply_nested_tool_parameters_are_400(server):
+    httpx = pytest.importorskip("httpx")
+    base, served = server
+    deep = json.loads('{"type": "array", "items": ' * 300 + "{}" + "}" * 300)
+    tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
+    body = {"model": served.name, "messages": [{"role": "user", "content": "x"}], "tools": [tool], "stream": False}
+    for route in ("/v1/chat/completions", "/api/chat"):
+        response = httpx.post(f"{base}{route}", json=body, timeout=60)
+        assert response.status_code == 400 and "levels deep" in response.text, response.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_ollama_client_tool_calls(server, stream):
     """Ollama's API has no tool_choice: a format schema of the call makes the random model write one,
@@ -198,3 +247,38 @@ def test_ollama_client_tool_calls(server, stream):
         calls = client.chat(**kwargs).message.tool_calls
     assert len(calls) == 1
     check_weather(calls[0].function.name, dict(calls[0].function.arguments))
+
+
+def whitespace_first_walk(grammar, tokenizer, limit: int, seed: int = 0) -> tuple[str, bool]:
+    """(text, finished) of a walk through ``grammar`` that takes a whitespace-only token whenever
+    one is allowed (a weak model's habit), otherwise a random allowed one; at most ``limit`` tokens."""
+    import numpy as np
+
+    from pyggml.constrain import Constraint
+
+    rng, c, ids = np.random.default_rng(seed), Constraint(grammar, tokenizer), []
+    eog = set(tokenizer.vocab.eog)
+    while len(ids) < limit and not c.stopped:
+        allowed = [int(t) for t in np.flatnonzero(c.allowed()) if t not in eog]
+        if not allowed:
+            break  # only the end may follow
+        blank = [t for t in allowed if not tokenizer.token_to_piece(t).strip()]
+        ids.append(blank[0] if blank else int(rng.choice(allowed)))
+        c.consume(ids[-1])
+        c.compute_mask()
+    return b"".join(tokenizer.token_to_piece(t) for t in ids).decode("utf-8", "replace"), c.accepting
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_forced_calls_leave_no_room_for_whitespace(fmt, stories_tokenizer):
+    """Issue 25 item 10: a forced call is compact JSON with no made-up keys, so even a model that
+    writes whitespace wherever it may finishes the call within a bounded number of tokens."""
+    for name, tools in ((None, [WEATHER]), ("get_weather", [WEATHER, TIME])):
+        for seed in range(3):
+            text, finished = whitespace_first_walk(forced_grammar(FORMATS[fmt], tools, name), stories_tokenizer,
+                                                   300, seed)
+            assert finished, (fmt, text[:200])
+            if fmt != "harmony":  # harmony's markers are special tokens: its parser reads them written out
+                content, calls = parse(FORMATS[fmt], text)
+                assert len(calls) == 1, (fmt, text)
+                check_weather(calls[0].name, calls[0].arguments)

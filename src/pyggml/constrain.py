@@ -8,7 +8,7 @@ over the vocabulary (``compute_mask``: llguidance's Rust code, which releases th
 runner computes it while the graph computes) and ``apply`` turns the disallowed logits to -inf
 with one vectorised numpy operation.
 
-Grammar sources (``grammar_for``): ``format="json"`` (any JSON value) or a JSON schema dict (Ollama's
+Grammar sources (``grammar_for``): ``format="json"`` (a JSON object) or a JSON schema dict (Ollama's
 ``format``, OpenAI's ``response_format``), and ``grammar`` as a ``Grammar`` or a string: a Lark
 grammar, or a GBNF one (recognised by its ``::=`` rules) converted to Lark. Invalid schemas and
 grammars, and schema keywords llguidance cannot enforce, are a ``ValueError`` with its message.
@@ -16,6 +16,7 @@ grammars, and schema keywords llguidance cannot enforce, are a ``ValueError`` wi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -38,10 +39,24 @@ except ImportError:  # pragma: no cover - llguidance is a dependency; this keeps
 # (Qwen's <tool_call>) are text, as our tokenizer matches them in text.
 _MARKED = frozenset({TokenType.CONTROL, TokenType.UNKNOWN})
 _BIAS = np.array([-np.inf, 0.0], dtype=np.float32)  # by mask bit
+# what llguidance's errors say when a grammar reaches its ParserLimits while generating (a row of
+# more than max_items_in_row Earley items: an object of a few thousand optional properties)
+_LIMIT_WORDS = ("max is", "fuel", "limit", "too many", "too large")
 
 
 class ConstraintError(ValueError):
     """A grammar or schema that cannot be compiled or enforced."""
+
+
+# Bounds checked before a grammar reaches llguidance (far beyond real grammars and schemas; its
+# compiler recurses along rule and $ref chains and overflowed the stack at ~2,500 chained rules)
+MAX_GRAMMAR_CHARS = 256 << 10  # Lark, GBNF
+MAX_REGEX_CHARS = 64 << 10
+MAX_RULES = 1000  # Lark or GBNF rule definitions
+MAX_NESTING = 100  # brackets inside a grammar or regex
+MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema, as JSON
+MAX_SCHEMA_NODES = 20_000  # its objects and arrays
+MAX_SCHEMA_DEPTH = 256  # objects and arrays on any path, following $ref
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,20 @@ class Grammar:
 
     kind: str
     source: Any = None
+    field: str = dataclasses.field(default="", compare=False)  # where a request gave it, for errors
+
+    def named(self, field: str) -> Grammar:
+        """This grammar, its errors naming ``field`` (a request field such as ``response_format``)."""
+        return dataclasses.replace(self, field=field)
+
+    def where(self, message: str) -> str:
+        return f"{self.field}: {message}" if self.field else message
+
+    def check_size(self) -> None:
+        """``ConstraintError`` (naming the field) when the grammar is beyond the bounds above."""
+        problem = _size_problem(self.kind, self.source)
+        if problem:
+            raise ConstraintError(self.where(problem))
 
     @classmethod
     def json(cls, schema: Mapping[str, Any] | bool | None = None) -> Grammar:
@@ -81,7 +110,7 @@ class Grammar:
                     raise ConstraintError(f"a JSON schema must be an object, got {type(source).__name__}")
                 if isinstance(source, bool):
                     source = {} if source else {"not": {}}
-                source = _closed_objects(source)
+                source = closed_objects(source)
                 return m.grammar_from_json_schema(json.dumps(source), {"whitespace_flexible": False})
             if not isinstance(source, str) or not source.strip():
                 raise ConstraintError(f"a {kind} grammar must be a non-empty string")
@@ -92,41 +121,146 @@ class Grammar:
             if kind == "gbnf":
                 from llguidance.gbnf_to_lark import gbnf_to_lark
                 return m.grammar_from_lark(gbnf_to_lark(source))
-        except ConstraintError:
-            raise
+        except ConstraintError as exc:
+            raise ConstraintError(self.where(str(exc))) from None
         except Exception as exc:  # llguidance raises ValueError/RuntimeError/its own errors
-            raise ConstraintError(f"invalid {kind} grammar: {exc}") from None
+            raise ConstraintError(self.where(f"invalid {kind} grammar: {exc}")) from None
         raise ConstraintError(f"unknown grammar kind {kind!r} (json_schema, regex, lark, gbnf)")
+
+
+def _size_problem(kind: str, source: Any) -> str | None:
+    """What makes a grammar too big for the bounds above, or None."""
+    if kind == "json_schema":
+        return _schema_problem(source)
+    if not isinstance(source, str):
+        return None  # compile() says what is wrong
+    limit = MAX_REGEX_CHARS if kind == "regex" else MAX_GRAMMAR_CHARS
+    if len(source) > limit:
+        return f"the {kind} grammar has {len(source)} characters, more than the {limit} allowed"
+    if kind in ("lark", "gbnf"):
+        rule = r"^\s*[\w-]+\s*::=" if kind == "gbnf" else r"^\s*[?!]?\w+(?:\.-?\d+)?\s*:"
+        rules = len(re.findall(rule, source, re.M))
+        if rules > MAX_RULES:
+            return f"the {kind} grammar has {rules} rules, more than the {MAX_RULES} allowed"
+    depth = _bracket_depth(source, kind)
+    if depth > MAX_NESTING:
+        return f"the {kind} grammar nests brackets {depth} deep, more than the {MAX_NESTING} allowed"
+    return None
+
+
+def _bracket_depth(text: str, kind: str) -> int:
+    """How deeply ( [ { nest in a grammar's text, outside strings, regex literals, character
+    classes, escapes and comments."""
+    depth = deepest = i = 0
+    skip = {'"': '"', "/": "/"} if kind == "lark" else {'"': '"', "[": "]"} if kind == "gbnf" else {"[": "]"}
+    comment = "//" if kind == "lark" else "#" if kind == "gbnf" else None
+    while i < len(text):
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if comment and text.startswith(comment, i):
+            i = text.find("\n", i)
+            i = len(text) if i < 0 else i
+        elif c in skip:  # to the closing character, past escapes
+            i += 1
+            while i < len(text) and text[i] != skip[c]:
+                i += 2 if text[i] == "\\" else 1
+        elif c in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c in ")]}":
+            depth = max(depth - 1, 0)
+        i += 1
+    return deepest
+
+
+def _schema_problem(schema: Any) -> str | None:
+    """Size, node count and depth (following local ``$ref``) of a JSON schema, against the bounds."""
+    if schema is None or isinstance(schema, bool):
+        return None
+    try:
+        size = len(json.dumps(schema))
+    except (TypeError, ValueError):
+        return "the JSON schema is not JSON (only objects, arrays, strings, numbers, booleans and null)"
+    except RecursionError:
+        return f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep"
+    if size > MAX_SCHEMA_CHARS:
+        return f"the JSON schema has {size} characters, more than the {MAX_SCHEMA_CHARS} allowed"
+    heights: dict[int, int] = {}  # id -> the deepest path below it; 0 while on the current path
+    nodes = 0
+    too_deep = (f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} levels deep (counting the schemas each "
+                "$ref leads to)")
+
+    def height(node: Any, depth: int) -> int:
+        nonlocal nodes
+        known = heights.get(id(node))
+        if depth + (known or 0) > MAX_SCHEMA_DEPTH:
+            raise ConstraintError(too_deep)
+        if known is not None:
+            return known  # seen before: below a $ref cycle, on the current path, counts 0
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            raise ConstraintError(f"the JSON schema has more than {MAX_SCHEMA_NODES} objects and arrays")
+        heights[id(node)] = 0
+        children = list(node.values() if isinstance(node, dict) else node)
+        if isinstance(node, dict) and isinstance(node.get("$ref"), str):
+            children.append(_resolve(schema, node["$ref"]))
+        below = max((height(c, depth + 1) for c in children if isinstance(c, (dict, list))), default=0)
+        heights[id(node)] = below + 1
+        return below + 1
+
+    try:
+        height(schema, 1)
+    except ConstraintError as exc:
+        return str(exc)
+    return None
+
+
+def _resolve(schema: Any, ref: str) -> Any:
+    """The part of ``schema`` a local ``$ref`` ("#/$defs/x") points at (None where it does not)."""
+    if not ref.startswith("#"):
+        return None
+    node = schema
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
 
 
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples", "example", "required"})
 
 
-def _closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any) -> Any:
     """The schema with ``additionalProperties: false`` on each object schema that lists
     ``properties`` and says nothing about extra ones (as llama.cpp and Ollama read schemas: only
     the named properties), so a model is not invited to ramble on in made-up keys."""
     if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+        return [closed_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: (v if k in _DATA_KEYWORDS else _closed_objects(v)) for k, v in schema.items()}
+    out = {k: (v if k in _DATA_KEYWORDS else closed_objects(v)) for k, v in schema.items()}
     if isinstance(schema.get("properties"), dict) and "additionalProperties" not in schema \
             and "patternProperties" not in schema and "unevaluatedProperties" not in schema:
         out["additionalProperties"] = False
     if isinstance(schema.get("properties"), dict):  # property names are not schema keywords
-        out["properties"] = {k: _closed_objects(v) for k, v in schema["properties"].items()}
+        out["properties"] = {k: closed_objects(v) for k, v in schema["properties"].items()}
     return out
 
 
 def grammar_for(format: Any = None, grammar: Any = None) -> Grammar | None:
-    """The grammar a request asks for: ``format`` "json" or a JSON schema, or ``grammar`` (a
+    """The grammar a request asks for: ``format`` "json" (an object) or a JSON schema, or ``grammar`` (a
     ``Grammar``, or a Lark/GBNF string). None when neither is set; both is an error."""
     if format is not None and grammar is not None:
         raise ConstraintError("give format or grammar, not both")
     if format is not None:
-        if format == "json":
-            return Grammar.json()
+        if format == "json":  # an object, as Ollama and OpenAI's json_object promise
+            return Grammar.json({"type": "object"})
         if isinstance(format, Mapping):
             return Grammar.json(dict(format))
         if format == "":
@@ -184,11 +318,25 @@ def _build_tokenizer(tokenizer) -> Any:
 
 def check(grammar: Grammar, tokenizer) -> str:
     """Compile and validate ``grammar`` for ``tokenizer``: llguidance's grammar text, or a
-    ``ConstraintError`` with its message (invalid, or using features it cannot enforce)."""
+    ``ConstraintError`` with its message (too big, invalid, using features it cannot enforce,
+    matching no output, or crashing or outlasting the compiler, which runs in a worker process:
+    see ``pyggml.grammar_worker``)."""
+    from pyggml import grammar_worker
+
+    _need()
+    grammar.check_size()
+    return grammar_worker.check(grammar, tokenizer)
+
+
+def compile_here(grammar: Grammar, tokenizer) -> str:
+    """What ``check`` does, in this process (the grammar worker's side)."""
+    grammar.check_size()
     text = grammar.compile()
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer(tokenizer))
     if is_error:
-        raise ConstraintError(f"invalid {grammar.kind} grammar: {messages[0] if messages else 'unknown error'}")
+        raise ConstraintError(grammar.where(f"invalid {grammar.kind} grammar: "
+                                            f"{messages[0] if messages else 'unknown error'}"))
+    Constraint(grammar, tokenizer, text)  # its first mask shows a grammar that matches nothing
     return text
 
 
@@ -196,18 +344,23 @@ class Constraint:
     """One sequence's matcher and its next-token mask. Only the runner's threads touch it: the
     mask is computed (``compute_mask``) while no token is being consumed."""
 
-    def __init__(self, grammar: Grammar, tokenizer):
+    def __init__(self, grammar: Grammar, tokenizer, text: str | None = None):
         self.tokenizer = tokenizer
         self.grammar = grammar
-        text = check(grammar, tokenizer)
+        if text is None:  # compiled and checked (``check``) unless given
+            text = check(grammar, tokenizer)
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), text, log_level=0)
         if self.matcher.is_error():
-            raise ConstraintError(f"invalid {grammar.kind} grammar: {self.matcher.get_error()}")
+            raise ConstraintError(grammar.where(f"invalid {grammar.kind} grammar: {self.matcher.get_error()}"))
         self.vocab_size = tokenizer.vocab_size
         self.mask = np.full((self.vocab_size + 31) // 32, -1, dtype=np.int32)
         self.mask_ready = False
         self.bias: np.ndarray | None = None
         self.draft_biases: list[np.ndarray] = []  # precomputed rows of a speculative step
+        self.compute_mask()  # the first mask, needed anyway: it shows a grammar no output can match
+        if self.matcher.is_error() or (self.stopped and not self.accepting):
+            raise ConstraintError(grammar.where(f"the {grammar.kind} grammar matches no output (a rule that "
+                                                "never ends, or one no text can satisfy, such as a $ref loop)"))
 
     def compute_mask(self) -> None:
         """Fill the bitmask of tokens allowed next (llguidance releases the GIL meanwhile) and turn
@@ -265,8 +418,11 @@ class Constraint:
         self.mask_ready = False
         self.bias = None
         if not self.matcher.consume_token(token):
-            raise RuntimeError(f"constrained decoding: token {token} was not allowed by the grammar "
-                               f"({self.matcher.get_error()})")
+            error = self.matcher.get_error()
+            if any(word in error for word in _LIMIT_WORDS):  # the grammar outgrew llguidance's parser limits
+                raise ConstraintError(self.grammar.where(f"the {self.grammar.kind} grammar is too large to follow "
+                                                         f"(llguidance: {error.splitlines()[0]})"))
+            raise RuntimeError(f"constrained decoding: token {token} was not allowed by the grammar ({error})")
 
     def validate(self, tokens: list[int]) -> int:
         """How many of ``tokens`` (a draft) the grammar accepts from here."""

@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pyggml.constrain import Grammar
+from pyggml.constrain import Grammar, closed_objects
 
 
 @dataclass(frozen=True)
@@ -260,11 +260,15 @@ def check_tools(tools: Any) -> list[dict[str, Any]]:
             raise ValueError(f'tools[{i}].type must be "function"')
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], Mapping):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+        check_nesting(tool, f"tools[{i}]")
+        if fn.get("parameters") is not None:  # the size bounds of the schema a forced call compiles
+            Grammar.json(dict(fn["parameters"])).named(f"tools[{i}].function.parameters").check_size()
     return [dict(t) for t in tools]
 
 
 def forced_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: str | None = None) -> Grammar:
-    """A grammar whose every output is one call of ``name`` (or of any of ``tools``) in ``fmt``."""
+    """A grammar whose every output is one call of ``name`` (or of any of ``tools``) in ``fmt``, its
+    JSON compact (no whitespace between tokens)."""
     fns = [t["function"] for t in tools]
     if name is not None:
         fns = [f for f in fns if f["name"] == name]
@@ -277,41 +281,72 @@ def forced_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: st
     def params(fn: Mapping[str, Any]) -> dict[str, Any]:
         return dict(fn.get("parameters") or {"type": "object"})
 
+    def compact(schema: dict[str, Any]) -> str:  # no whitespace between JSON tokens (Lark's %json allows
+        # any) and no made-up keys: a weak model could otherwise pad until max_tokens instead of calling
+        return json.dumps({**closed_objects(schema), "x-guidance": {"whitespace_flexible": False}})
+
     if fmt.name == "harmony":
         alts = " | ".join(f'"{f["name"]}" " <|constrain|>json<|message|>" args_{i}' for i, f in enumerate(fns))
-        rules = "\n".join(f"args_{i}: %json {json.dumps(params(f))}" for i, f in enumerate(fns))
+        rules = "\n".join(f"args_{i}: %json {compact(params(f))}" for i, f in enumerate(fns))
         return Grammar.lark(f'start: "<|channel|>commentary to=functions." ({alts}) "<|call|>"\n{rules}\n')
     schema = {"anyOf": [{"type": "object", "properties": {"name": {"const": f["name"]}, key: params(f)},
                          "required": ["name", key], "additionalProperties": False} for f in fns]}
     if len(fns) == 1:
         schema = schema["anyOf"][0]
-    body = f"call: %json {json.dumps(schema)}\n"
+    body = f"call: %json {compact(schema)}\n"
     prefix, suffix = {"hermes": ('"<tool_call>\\n" ', ' "\\n</tool_call>"'), "mistral": ('"[TOOL_CALLS][" ', ' "]"'),
                       "gemma": ("", ""), "llama3": ("", ""), "json": ("", "")}[fmt.name]
     return Grammar.lark(f"start: {prefix}call{suffix}\n{body}")
 
 
+# how deeply a request's tool arguments and parameter schemas may nest (real ones nest a few levels;
+# the chat template renders them recursively)
+MAX_NESTING = 64
+
+
 def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant ``tool_calls`` with their ``arguments`` as objects (OpenAI sends JSON strings;
-    templates index into them)."""
+    """Assistant ``tool_calls`` checked (ValueError naming the call) and with their ``arguments``
+    as objects (OpenAI sends JSON strings; templates index into them)."""
     out = []
-    for message in messages:
+    for i, message in enumerate(messages):
         calls = message.get("tool_calls")
         if calls:
-            fixed = []
-            for call in calls:
-                call = dict(call)
-                fn = dict(call.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"]) if fn["arguments"].strip() else {}
-                    except ValueError:
-                        raise ValueError(f"tool call arguments are not JSON: {fn['arguments']!r:.60}") from None
-                call["function"] = fn
-                fixed.append(call)
-            message = {**message, "tool_calls": fixed}
+            message = {**message, "tool_calls": [_request_call(call, f"messages[{i}].tool_calls[{j}]")
+                                                 for j, call in enumerate(calls)]}
         out.append(message)
     return out
+
+
+def _request_call(call: Any, where: str) -> dict[str, Any]:
+    """One earlier call of a chat request: ``{"function": {"name", "arguments"}}`` with the
+    arguments an object (or a JSON string of one) nested at most ``MAX_NESTING`` deep."""
+    fn = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+        raise ValueError(f'{where} must be {{"function": {{"name": ..., "arguments": {{...}}}}}}')
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except (ValueError, RecursionError):
+            raise ValueError(f"{where}.function.arguments is not JSON: {args!r:.60}") from None
+    if args is None:
+        args = {}
+    if not isinstance(args, Mapping):
+        raise ValueError(f"{where}.function.arguments must be an object (or a JSON string of one)")
+    check_nesting(args, f"{where}.function.arguments")
+    return {**call, "function": {**fn, "arguments": args}}
+
+
+def check_nesting(value: Any, where: str, limit: int = MAX_NESTING) -> None:
+    """ValueError when the JSON ``value`` nests objects/arrays deeper than ``limit``."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            raise ValueError(f"{where} nests more than {limit} levels deep")
+        level = [v for x in level if isinstance(x, (Mapping, list))
+                 for v in (x.values() if isinstance(x, Mapping) else x)]
+        level = [v for v in level if isinstance(v, (Mapping, list))]
 
 
 class ToolOutput:

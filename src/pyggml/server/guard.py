@@ -7,9 +7,9 @@ the local server (CSRF) or reach it under its own name (DNS rebinding).
   that domain and its subdomains). Bound to any other address, it answers any name unless
   ``allowed_hosts`` is given. Otherwise 403.
 - ``Origin`` (browsers send it with every cross-site request): allowed when it matches
-  ``DEFAULT_ORIGINS`` or one of ``origins`` (``*`` matches any run of characters; ``"*"`` alone
-  allows every origin), with the CORS headers a browser needs; otherwise 403. Requests without an
-  Origin (curl, the Python clients) pass.
+  ``DEFAULT_ORIGINS`` or one of ``origins`` (``*`` matches a run of characters within a name or
+  port, never ``/ @ ? # :``; ``"*"`` alone allows every origin), with the CORS headers a browser
+  needs; otherwise 403. Requests without an Origin (curl, the Python clients) pass.
 - Bodies must be JSON: ``Content-Type`` absent, ``application/json`` or ``*+json``. ``curl -d``'s
   ``application/x-www-form-urlencoded`` is accepted only without an ``Origin`` (a browser form
   always sends one); any other type is a 415.
@@ -33,6 +33,10 @@ DEFAULT_ORIGINS = tuple(
 LOCAL_SUFFIXES = (".localhost", ".local", ".internal")
 ALLOW_HEADERS = "Authorization, Content-Type, User-Agent, Accept, X-Requested-With, OpenAI-Beta"
 ALLOW_METHODS = "GET, POST, PUT, PATCH, DELETE, HEAD, OPTIONS"
+# what a ``*`` in an origin pattern matches: an origin is ``scheme://host[:port]``, so a wildcard stays
+# within one host label or port and never spans the characters that end or redirect an authority
+# (``http://localhost:*`` must not match ``http://localhost:80@evil.example``)
+_WILDCARD = r"[^/@?#:\\\s]*"
 
 
 def split_list(value: str | Iterable[str] | None) -> list[str]:
@@ -64,7 +68,7 @@ class Guard:
             "*" in (self.allowed_hosts or [])
         patterns = [*DEFAULT_ORIGINS, *split_list(origins)]
         self.any_origin = "*" in patterns
-        self._origins = re.compile("|".join(".*".join(map(re.escape, p.lower().split("*"))) for p in patterns))
+        self._origins = re.compile("|".join(_WILDCARD.join(map(re.escape, p.lower().split("*"))) for p in patterns))
         try:
             self.hostname = socket.gethostname().lower()
         except OSError:  # pragma: no cover

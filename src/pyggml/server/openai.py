@@ -214,7 +214,7 @@ async def chat_completions(request: Request) -> Response:
             raise APIError(400, "a forced tool call (tool_choice) cannot have a response_format or grammar too",
                            param="tool_choice")
         try:
-            sampling["grammar"] = forced_grammar(fmt, tools or [], forced_name)
+            sampling["grammar"] = forced_grammar(fmt, tools or [], forced_name).named("tools")
         except ValueError as exc:
             raise APIError(400, str(exc), param="tool_choice") from None
     max_tokens = openai_max_tokens(f, "max_completion_tokens", "max_tokens")

@@ -313,40 +313,57 @@ def _logit_bias(bias: dict[str, Any]) -> dict[int, float]:
 
 
 # ---- structured output -----------------------------------------------------------------------------
+def _grammar(grammar: Any, field: str) -> dict[str, Any]:
+    """``{"grammar": ...}`` naming ``field`` in its errors; 400 when it is beyond the size bounds
+    (checked here, before the request is queued; the runner compiles it, 400 with llguidance's message)."""
+    from pyggml.constrain import ConstraintError
+
+    grammar = grammar.named(field)
+    try:
+        grammar.check_size()
+    except ConstraintError as exc:
+        raise APIError(400, str(exc), param=field.split(".")[0]) from None
+    return {"grammar": grammar}
+
+
 def grammar_extension(f: Fields) -> dict[str, Any]:
     """pyggml's ``grammar`` field (both APIs): a Lark or GBNF grammar string, or an object
-    ``{"regex" | "lark" | "gbnf": text}``. The runner compiles it (400 with llguidance's message)."""
+    ``{"regex" | "lark" | "gbnf": text}``."""
     value = f.data.get("grammar")
     if value is None:
         return {}
-    from pyggml.constrain import Grammar
+    from pyggml.constrain import Grammar, grammar_for
 
     if isinstance(value, str) and value.strip():
-        return {"grammar": value}
+        return _grammar(grammar_for(grammar=value), "grammar")
     if isinstance(value, dict) and len(value) == 1:
         (kind, text), = value.items()
         if kind in ("regex", "lark", "gbnf") and isinstance(text, str):
-            return {"grammar": Grammar(kind, text)}
+            return _grammar(Grammar(kind, text), "grammar")
     raise APIError(400, 'grammar must be a Lark or GBNF grammar string, or an object {"regex" | "lark" | "gbnf": '
                    'string}', param="grammar")
 
 
 def ollama_format(f: Fields) -> dict[str, Any]:
-    """Ollama's ``format``: "json" (any JSON value) or a JSON schema object (or pyggml's ``grammar``)."""
+    """Ollama's ``format``: "json" (a JSON object) or a JSON schema object (or pyggml's ``grammar``)."""
+    from pyggml.constrain import grammar_for
+
     value = f.data.get("format")
     if value is None or value == "":
         return grammar_extension(f)
     if f.has("grammar"):
         raise APIError(400, "give format or grammar, not both", param="grammar")
     if value == "json" or isinstance(value, dict):
-        return {"format": value}
+        return _grammar(grammar_for(format=value), "format")
     raise APIError(400, f'format must be "json" or a JSON schema object, got {json_type(value)} {value!r:.40}',
                    param="format")
 
 
 def openai_response_format(f: Fields) -> dict[str, Any]:
-    """OpenAI's ``response_format``: text, ``json_object`` (any JSON value) or ``json_schema``
+    """OpenAI's ``response_format``: text, ``json_object`` (a JSON object) or ``json_schema``
     ({"json_schema": {"name", "schema", "strict"}}); or pyggml's ``grammar``."""
+    from pyggml.constrain import Grammar, grammar_for
+
     value = f.data.get("response_format")
     if value is None:
         return grammar_extension(f)
@@ -357,16 +374,16 @@ def openai_response_format(f: Fields) -> dict[str, Any]:
     if f.has("grammar"):
         raise APIError(400, "give response_format or grammar, not both", param="grammar")
     if kind == "json_object":
-        return {"format": "json"}
+        return _grammar(grammar_for(format="json"), "response_format")
     if kind == "json_schema":
         spec = Fields(rf.data.get("json_schema"), "response_format.json_schema",
                       {"name", "description", "schema", "strict"})
         schema = spec.data.get("schema")
         if schema is None:
-            return {"format": "json"}
+            return _grammar(grammar_for(format="json"), "response_format")
         if not isinstance(schema, (dict, bool)):
             raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
                            param="response_format")
-        return {"format": schema if isinstance(schema, dict) else ({} if schema else {"not": {}})}
+        return _grammar(Grammar.json(schema), "response_format.json_schema.schema")
     raise APIError(400, 'response_format.type must be "text", "json_object" or "json_schema"',
                    param="response_format")
