@@ -309,6 +309,8 @@ MAX_LAYERS = 1 << 12
 MAX_WIDTH = 1 << 20  # embedding, feed-forward, head and vocabulary-independent sizes
 MAX_CONTEXT = 2**31 - 1  # ggml takes context lengths and positions as int32
 MAX_VOCAB = 2**31 - 1  # token ids are int32
+# a graph's tensors: a large model's decode graph has ~10**4; ggml's scheduler mallocs ~20 KB per graph slot
+MAX_GRAPH_NODES = 1 << 18
 
 
 class Config(Mapping[str, Any]):
@@ -612,6 +614,7 @@ class Backend:
         backends = ffi.new("ggml_backend_t[]", self._backends)
         bufts = ffi.new("ggml_backend_buffer_type_t[]",
                         [lib.ggml_backend_get_default_buffer_type(b) for b in self._backends])
+        _check_sched_memory(size)
         self._sched = lib.ggml_backend_sched_new(backends, bufts, len(self._backends), size, False,
                                                  bool(self._gpus))
         if self._sched == NULL:
@@ -937,7 +940,7 @@ class Backend:
 
     @property
     def max_graph_nodes(self) -> int:
-        return max(8192, 5 * len(self._weights))
+        return min(MAX_GRAPH_NODES, max(8192, 5 * len(self._weights)))
 
     def _graph_size(self, max_nodes: int) -> int:
         """Graph slots for ``max_nodes`` of our tensors plus the weights and caches read as leafs."""
@@ -964,7 +967,8 @@ class Backend:
         return out
 
     def new_context(self, max_nodes: int | None = None) -> Context:
-        """A context for building and computing one graph."""
+        """A context for building and computing one graph of at most ``max_nodes`` tensors
+        (1..MAX_GRAPH_NODES; None or 0: ``max_graph_nodes``)."""
         self._check_open()
         return Context(self, max_nodes or self.max_graph_nodes)
 
@@ -1208,6 +1212,7 @@ class Backend:
         backends = ffi.new("ggml_backend_t[]", self._backends)
         bufts = ffi.new("ggml_backend_buffer_type_t[]",
                         [lib.ggml_backend_get_default_buffer_type(b) for b in self._backends])
+        _check_sched_memory(size)
         sched = lib.ggml_backend_sched_new(backends, bufts, len(self._backends), size, False, bool(self._gpus))
         if sched == NULL:
             raise GGMLError(_with_log("could not create a backend scheduler"))
@@ -1258,10 +1263,24 @@ def _unsplit_graph(state: _GraphState) -> None:
     state.srcs_n = lib.pyggml_graph_srcs(state.graph, state.srcs, state.srcs_n, state.srcs_cap)
 
 
+_uncleared = ffi.new_allocator(should_clear_after_alloc=False)
+
+
+def _check_sched_memory(graph_size: int) -> None:
+    """ggml_backend_sched_new mallocs a context buffer of ~20 KB per graph slot unchecked and aborts when its
+    split fails to get it: try that allocation here first, so running out of memory is a MemoryError."""
+    need = graph_size * 60 * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(graph_size, False)
+    try:
+        _uncleared(f"char[{need}]")  # malloc'ed, untouched, freed at once
+    except MemoryError:
+        raise MemoryError(f"could not allocate the {need:,} bytes ggml's scheduler needs for a graph of "
+                          f"{graph_size:,} slots") from None
+
+
 class _GraphState:
     """What all handles of one Context share: the ggml context, the graph and pending inputs."""
 
-    __slots__ = ("ptr", "g", "pools", "graph", "graph_size", "inputs", "index_checks", "epoch",
+    __slots__ = ("ptr", "mem", "g", "pools", "graph", "graph_size", "inputs", "index_checks", "epoch",
                  "leaf_outputs", "named", "anonymous_inputs", "placements", "serial", "srcs", "srcs_n",
                  "srcs_cap", "sched", "owner", "split_nodes", "__weakref__")
     _serials = itertools.count(1)
@@ -1269,8 +1288,14 @@ class _GraphState:
     def __init__(self, max_nodes: int, graph_size: int, pools: Any = NULL):
         self.serial = next(self._serials)  # tells graphs apart for the scheduler (ids of dead ones are reused)
         self.graph_size = graph_size
+        self.ptr, self.sched, self.owner = NULL, None, None  # what __del__ reads, should this fail
         mem = lib.ggml_tensor_overhead() * (max_nodes + 16) + lib.ggml_graph_overhead_custom(self.graph_size, False)
-        self.ptr = lib.ggml_init({"mem_size": mem, "mem_buffer": NULL, "no_alloc": True})
+        # allocated here, not by ggml_init: a failed malloc there aborts the process, here it is a MemoryError
+        try:
+            self.mem = _uncleared(f"char[{mem}]")  # malloc'ed: aligned to 16 (GGML_MEM_ALIGN)
+        except MemoryError:
+            raise MemoryError(f"could not allocate {mem:,} bytes for a graph of up to {max_nodes:,} nodes") from None
+        self.ptr = lib.ggml_init({"mem_size": mem, "mem_buffer": self.mem, "no_alloc": True})
         if self.ptr == NULL:
             raise MemoryError("could not create a ggml context")
         self.graph = lib.ggml_new_graph_custom(self.ptr, self.graph_size, False)
@@ -1338,8 +1363,8 @@ class Context:
 
     def __init__(self, backend: Backend, max_nodes: int, _state: _GraphState | None = None,
                  _placement: int | None = None):
-        if max_nodes <= 0:
-            raise ValueError(f"max_nodes must be positive, got {max_nodes}")
+        if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or not 0 < max_nodes <= MAX_GRAPH_NODES:
+            raise ValueError(f"max_nodes must be an integer in 1..{MAX_GRAPH_NODES}, got {max_nodes!r}")
         self.backend = backend
         self.max_nodes = max_nodes
         self._state = _state or _GraphState(max_nodes, backend._graph_size(max_nodes), backend._pools)
@@ -1530,8 +1555,9 @@ class Context:
         if state.epoch == 0:
             raise ValueError("numpy: the graph has not been computed yet (call ctx.compute(tensor))")
         if state.epoch != self.backend._epoch:
-            raise ValueError("numpy: the backend computed another graph since; read results before the next "
-                             "compute")
+            raise ValueError("numpy: the backend computed another graph since, which may have overwritten this "
+                             "result; read results before the next compute (threads sharing a Backend must "
+                             "compute and read under one lock, or use a Backend each)")
         if tensor._p.buffer == NULL:
             raise ValueError("numpy: tensor was not part of the computed graph (pass it to compute)")
 
