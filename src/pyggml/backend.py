@@ -309,6 +309,20 @@ MAX_LAYERS = 1 << 12
 MAX_WIDTH = 1 << 20  # embedding, feed-forward, head and vocabulary-independent sizes
 MAX_CONTEXT = 2**31 - 1  # ggml takes context lengths and positions as int32
 MAX_VOCAB = 2**31 - 1  # token ids are int32
+MAX_EXPERTS = 1 << 12
+# Every integer a model reads from a file is bounded, so no count walks a loader through 2**31 layers: by
+# the key's last part where it names a family, else MAX_WIDTH (widths, heads, image and patch sizes, ...)
+_FAMILY_MAX = {"block_count": MAX_LAYERS, "cross_attention_layers": MAX_LAYERS,
+               "intermediate_layers_indices": MAX_LAYERS, "expert_count": MAX_EXPERTS,
+               "expert_used_count": MAX_EXPERTS, "expert_shared_count": MAX_EXPERTS,
+               "context_length": MAX_CONTEXT, "original_context_length": MAX_CONTEXT, "sliding_window": MAX_CONTEXT,
+               "vocab_size": MAX_VOCAB, "token_type_count": MAX_VOCAB}
+
+
+def count_bound(key: str) -> int:
+    """The largest value an integer metadata key may hold (``Config.uint``/``int``/``uints`` default bound)."""
+    last = key.rsplit(".", 1)[-1]
+    return MAX_VOCAB if last.endswith("_token_id") else _FAMILY_MAX.get(last, MAX_WIDTH)
 # a graph's tensors: a large model's decode graph has ~10**4; ggml's scheduler mallocs ~20 KB per graph slot
 MAX_GRAPH_NODES = 1 << 18
 
@@ -355,15 +369,17 @@ class Config(Mapping[str, Any]):
         return value
 
     # ``min``/``max`` (keyword-only) bound a value that is present; a missing key gives ``default`` unchecked.
+    # Integers are bounded even without ``max`` (``count_bound``), and from below by -count_bound.
     def uint(self, key: str, default: int | None = 0, *, min: int | None = None,  # noqa: A002
              max: int | None = None) -> int | None:  # noqa: A002
         return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                           "an unsigned integer", min, max)
+                           "an unsigned integer", min, count_bound(key) if max is None else max)
 
     def int(self, key: str, default: int | None = 0, *, min: int | None = None,  # noqa: A002
             max: int | None = None) -> int | None:  # noqa: A002
+        bound = count_bound(key)
         return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer",
-                           min, max)
+                           -bound if min is None else min, bound if max is None else max)
 
     def float(self, key: str, default: float | None = 0.0, *, min: float | None = None,  # noqa: A002
               max: float | None = None) -> float | None:  # noqa: A002
@@ -385,7 +401,7 @@ class Config(Mapping[str, Any]):
     def uints(self, key: str, default: list[int] | None = None, *, min: int | None = None,  # noqa: A002
               max: int | None = None) -> list[int] | None:  # noqa: A002
         return self._typed(key, default, lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v),
-                           "a list of integers", min, max)
+                           "a list of integers", min, count_bound(key) if max is None else max)
 
     def floats(self, key: str, default: list[float] | None = None, *, min: float | None = None,  # noqa: A002
                max: float | None = None) -> list[float] | None:  # noqa: A002
@@ -458,6 +474,7 @@ class BackendParams:
 
 ProgressFn = Callable[[int, int], None]
 
+_READ_BY_ROWS = re.compile(r"(?:^|\.)(?:\w*_embd|token_types)\.weight$")
 _LAYER_RE = re.compile(r"^(?:blk|layers|enc\.blk|dec\.blk|v\.blk)\.(\d+)\.")
 _MAX_GPUS = 16
 
@@ -677,13 +694,14 @@ class Backend:
                                 f"{data_offset + offset + size}, the file has {file_size}")
 
     def _check_layer_count(self, path: Path) -> None:
-        """A ``block_count`` larger than the file's tensor count (every layer has weights) is refused before
-        anything builds per-layer structures for it (10**6 layers took minutes to fail otherwise)."""
-        key, count = self.config._lookup("block_count")
+        """A layer count of any part (``block_count``, ``clip.vision.block_count``, ...) larger than the file's
+        tensor count (every layer has weights) is refused before anything builds per-layer structures for it
+        (10**6 text layers took minutes to fail, 2**31 vision layers forever)."""
         n = lib.gguf_get_n_tensors(self._gguf)
-        if isinstance(count, int) and n and count > n:
-            raise GGUFError(f"{path}: metadata {key!r} = {count}, but the file has only {n} tensors "
-                            "(every layer has weights)")
+        for key, count in self.config.items():
+            if key.endswith("block_count") and isinstance(count, int) and n and count > n:
+                raise GGUFError(f"{path}: metadata {key!r} = {count}, but the file has only {n} tensors "
+                                "(every layer has weights)")
 
     def _layer_backend(self, name: str) -> int:
         """Index into self._backends for a weight, by its layer and params.gpu_layers (or rpc)."""
@@ -776,10 +794,10 @@ class Backend:
 
     def _repack_buft(self, t: Any, any_name: bool = False) -> Any:
         """The CPU extra buffer type whose kernels can use this weight, or NULL."""
-        # token_embd is read with get_rows (no kernel for repacked data); a tied output gets a copy
-        # through matmul_weight instead
+        # embedding tables (token_embd, position_embd, token_types, ...) are read with get_rows (no kernel for
+        # repacked data); a tied output gets a copy through matmul_weight instead
         name = ffi.string(t.name).decode()
-        if not self.params.repack or (name.startswith("token_embd") and not any_name) or t.ne[2] != 1 \
+        if not self.params.repack or (_READ_BY_ROWS.search(name) and not any_name) or t.ne[2] != 1 \
                 or t.ne[3] != 1 or not lib.ggml_is_quantized(t.type):
             return NULL
         for buft in self._repack_bufts:
