@@ -310,21 +310,16 @@ MAX_WIDTH = 1 << 20  # embedding, feed-forward, head and vocabulary-independent 
 MAX_CONTEXT = 2**31 - 1  # ggml takes context lengths and positions as int32
 MAX_VOCAB = 2**31 - 1  # token ids are int32
 MAX_EXPERTS = 1 << 12
-# Every integer a model reads from a file is bounded, so no count walks a loader through 2**31 layers: by
-# the key's last part where it names a family, else MAX_WIDTH (widths, heads, image and patch sizes, ...)
+# a graph's tensors: a large model's decode graph has ~10**4; ggml's scheduler mallocs ~20 KB per graph slot
+MAX_GRAPH_NODES = 1 << 18
+# Every integer hyper-parameter a model reads is bounded, so no count walks a loader through 2**31 layers:
+# by the key's last part where it names a family, else (a key of the architecture's or of a vision/projector
+# part) MAX_WIDTH: widths, heads, image and patch sizes, ... Other metadata (general.*, ...) reads as stored.
 _FAMILY_MAX = {"block_count": MAX_LAYERS, "cross_attention_layers": MAX_LAYERS,
                "intermediate_layers_indices": MAX_LAYERS, "expert_count": MAX_EXPERTS,
                "expert_used_count": MAX_EXPERTS, "expert_shared_count": MAX_EXPERTS,
                "context_length": MAX_CONTEXT, "original_context_length": MAX_CONTEXT, "sliding_window": MAX_CONTEXT,
                "vocab_size": MAX_VOCAB, "token_type_count": MAX_VOCAB}
-
-
-def count_bound(key: str) -> int:
-    """The largest value an integer metadata key may hold (``Config.uint``/``int``/``uints`` default bound)."""
-    last = key.rsplit(".", 1)[-1]
-    return MAX_VOCAB if last.endswith("_token_id") else _FAMILY_MAX.get(last, MAX_WIDTH)
-# a graph's tensors: a large model's decode graph has ~10**4; ggml's scheduler mallocs ~20 KB per graph slot
-MAX_GRAPH_NODES = 1 << 18
 
 
 class Config(Mapping[str, Any]):
@@ -351,13 +346,24 @@ class Config(Mapping[str, Any]):
         full = f"{self.architecture}.{key}"
         return full, self._values.get(full)
 
+    def count_bound(self, key: str) -> int | None:
+        """The largest value the integer key (as stored) may hold unless a reader says otherwise, or None."""
+        last = key.rsplit(".", 1)[-1]
+        if last in _FAMILY_MAX:
+            return _FAMILY_MAX[last]
+        if last.endswith("_token_id"):
+            return MAX_VOCAB
+        return MAX_WIDTH if key.startswith((f"{self.architecture}.", "clip.")) else None
+
     def _typed(self, key: str, default: Any, check: Callable[[Any], bool], kind: str, lo: Any = None,
-               hi: Any = None) -> Any:
+               hi: Any = None, counted: bool = False) -> Any:
         """The value of ``key`` (``default`` when absent), refused when ``check`` fails or when a value lies
-        outside [lo, hi] (NaN always does)."""
+        outside [lo, hi] (NaN always does); ``counted``: an integer, whose bounds default to ``count_bound``."""
         key, value = self._lookup(key)
         if value is None:
             return default
+        if counted and hi is None and (hi := self.count_bound(key)) is not None and lo is None:
+            lo = -hi
         if not check(value):
             raise GGUFError(f"metadata {key!r} should be {kind}, found {type(value).__name__} {value!r:.80}")
         if lo is not None or hi is not None:
@@ -369,17 +375,16 @@ class Config(Mapping[str, Any]):
         return value
 
     # ``min``/``max`` (keyword-only) bound a value that is present; a missing key gives ``default`` unchecked.
-    # Integers are bounded even without ``max`` (``count_bound``), and from below by -count_bound.
+    # Integers without ``max`` are bounded by ``count_bound`` (and from below by its negative).
     def uint(self, key: str, default: int | None = 0, *, min: int | None = None,  # noqa: A002
              max: int | None = None) -> int | None:  # noqa: A002
         return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                           "an unsigned integer", min, count_bound(key) if max is None else max)
+                           "an unsigned integer", min, max, counted=True)
 
     def int(self, key: str, default: int | None = 0, *, min: int | None = None,  # noqa: A002
             max: int | None = None) -> int | None:  # noqa: A002
-        bound = count_bound(key)
         return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer",
-                           -bound if min is None else min, bound if max is None else max)
+                           min, max, counted=True)
 
     def float(self, key: str, default: float | None = 0.0, *, min: float | None = None,  # noqa: A002
               max: float | None = None) -> float | None:  # noqa: A002
@@ -401,7 +406,7 @@ class Config(Mapping[str, Any]):
     def uints(self, key: str, default: list[int] | None = None, *, min: int | None = None,  # noqa: A002
               max: int | None = None) -> list[int] | None:  # noqa: A002
         return self._typed(key, default, lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v),
-                           "a list of integers", min, count_bound(key) if max is None else max)
+                           "a list of integers", min, max, counted=True)
 
     def floats(self, key: str, default: list[float] | None = None, *, min: float | None = None,  # noqa: A002
                max: float | None = None) -> list[float] | None:  # noqa: A002
