@@ -24,7 +24,6 @@ import pytest
 from pyggml import nn
 from pyggml.backend import Config
 from pyggml.synthetic import _add, defaults, metadata, write_model
-from pyggml.tensor import DType
 
 ROOT = Path(__file__).resolve().parents[1]
 VALUES = [0, 1, 255, 4097, 2**31, 2**32 - 1, 2**63, 2**64 - 1]
@@ -186,6 +185,12 @@ def child_main(spec_path: str) -> None:
         print(json.dumps([i, outcome]), flush=True)
 
 
+def _pump(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
 def run_cases(folder: Path, cases: list[tuple]) -> list[str]:
     """Each case's outcome: ran, refused, wrong ..., crash (signal or exit code), hang."""
     outcomes: list[str | None] = [None] * len(cases)
@@ -198,7 +203,7 @@ def run_cases(folder: Path, cases: list[tuple]) -> list[str]:
                                  f"child_main({str(spec)!r})"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True, env=env, cwd=ROOT)
         lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=lambda: [*map(lines.put, proc.stdout), lines.put(None)], daemon=True).start()
+        threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
         started, timeout = None, 60.0  # the first case waits for the imports too
         while True:
             try:
@@ -236,7 +241,8 @@ def test_count_keys_of_every_part(tmp_path, family):
               "crash": sum(o.startswith("crash") for o in outcomes), "hang": outcomes.count("hang"),
               "wrong": sum(o.startswith("wrong") for o in outcomes)}
     print(family, json.dumps(counts))
-    bad = [f"{key}={value}: {o}" for (_, key, value, _), o in zip(cases, outcomes) if o not in ("ran", "refused")]
+    bad = [f"{key}={value}: {o}" for (_, key, value, _), o in zip(cases, outcomes, strict=True)
+           if o not in ("ran", "refused")]
     assert not bad, "\n".join(bad[:30])
     # the base file itself runs (a fuzz where everything is refused would prove nothing)
     assert run_case(base, vision) == "ran"
