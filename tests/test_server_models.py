@@ -178,3 +178,47 @@ def test_an_ollama_models_params_and_system_layers_are_request_defaults(refs):
         assert layered["prompt_eval_count"] > plain["prompt_eval_count"]  # the system layer's message
         r = ask("c", num_predict=1)
         assert r.get("eval_count") == 1, r  # the request's own options win
+
+
+_BROKEN_STORE = r"""
+import json, sys
+from pathlib import Path
+from pyggml.server.models import ModelManager
+from pyggml.store import ModelRef
+from tests.test_gguf_counts import base_file, write_variant
+from tests.test_server_models import Loads, generate, running
+
+root = Path(sys.argv[1])
+write_variant(base_file(root, "gemma3-vision"), root / "broken.gguf", "clip.vision.block_count", 2**31)
+refs = [ModelRef("a:latest", Path(sys.argv[2]), "ollama", aliases=("a",)),
+        ModelRef("broken:latest", root / "broken.gguf", "ollama", aliases=("broken",))]
+manager = ModelManager(Loads(), catalog=lambda: refs, max_loaded=1)
+out = {}
+with running(manager) as base:
+    for name in ("broken", "a", "broken", "a"):  # the failure frees its slot every time
+        r = generate(base, name)
+        out.setdefault(name, []).append([r.status_code, r.text[:300]])
+    out["health"] = manager.health()
+print(json.dumps(out))
+"""
+
+
+def test_a_model_that_fails_to_load_frees_its_slot(refs, tmp_path):
+    """A store model whose vision part claims 2**31 layers: its requests get a clear error at once, the
+    other models keep answering (it hung the load, and every other model got 503 until a restart)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _BROKEN_STORE, str(tmp_path), str(refs[0].path)], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    for status, text in out["broken"]:
+        assert status == 500 and "could not load model" in text and "clip.vision.block_count" in text, text
+    assert [status for status, _ in out["a"]] == [200, 200], out["a"]
+    assert out["health"]["models_loading"] == [] and out["health"]["models_loaded"] == ["a:latest"]

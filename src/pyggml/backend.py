@@ -311,6 +311,17 @@ MAX_LAYERS = 1 << 12
 MAX_WIDTH = 1 << 20  # embedding, feed-forward, head and vocabulary-independent sizes
 MAX_CONTEXT = 2**31 - 1  # ggml takes context lengths and positions as int32
 MAX_VOCAB = 2**31 - 1  # token ids are int32
+MAX_EXPERTS = 1 << 12
+# a graph's tensors: a large model's decode graph has ~10**4; ggml's scheduler mallocs ~20 KB per graph slot
+MAX_GRAPH_NODES = 1 << 18
+# Every integer hyper-parameter a model reads is bounded, so no count walks a loader through 2**31 layers:
+# by the key's last part where it names a family, else (a key of the architecture's or of a vision/projector
+# part) MAX_WIDTH: widths, heads, image and patch sizes, ... Other metadata (general.*, ...) reads as stored.
+_FAMILY_MAX = {"block_count": MAX_LAYERS, "cross_attention_layers": MAX_LAYERS,
+               "intermediate_layers_indices": MAX_LAYERS, "expert_count": MAX_EXPERTS,
+               "expert_used_count": MAX_EXPERTS, "expert_shared_count": MAX_EXPERTS,
+               "context_length": MAX_CONTEXT, "original_context_length": MAX_CONTEXT, "sliding_window": MAX_CONTEXT,
+               "vocab_size": MAX_VOCAB, "token_type_count": MAX_VOCAB}
 
 
 class Config(Mapping[str, Any]):
@@ -337,13 +348,24 @@ class Config(Mapping[str, Any]):
         full = f"{self.architecture}.{key}"
         return full, self._values.get(full)
 
+    def count_bound(self, key: str) -> int | None:
+        """The largest value the integer key (as stored) may hold unless a reader says otherwise, or None."""
+        last = key.rsplit(".", 1)[-1]
+        if last in _FAMILY_MAX:
+            return _FAMILY_MAX[last]
+        if last.endswith("_token_id"):
+            return MAX_VOCAB
+        return MAX_WIDTH if key.startswith((f"{self.architecture}.", "clip.")) else None
+
     def _typed(self, key: str, default: Any, check: Callable[[Any], bool], kind: str, lo: Any = None,
-               hi: Any = None) -> Any:
+               hi: Any = None, counted: bool = False) -> Any:
         """The value of ``key`` (``default`` when absent), refused when ``check`` fails or when a value lies
-        outside [lo, hi] (NaN always does)."""
+        outside [lo, hi] (NaN always does); ``counted``: an integer, whose bounds default to ``count_bound``."""
         key, value = self._lookup(key)
         if value is None:
             return default
+        if counted and hi is None and (hi := self.count_bound(key)) is not None and lo is None:
+            lo = -hi
         if not check(value):
             raise GGUFError(f"metadata {key!r} should be {kind}, found {type(value).__name__} {value!r:.80}")
         if lo is not None or hi is not None:
@@ -355,15 +377,16 @@ class Config(Mapping[str, Any]):
         return value
 
     # ``min``/``max`` (keyword-only) bound a value that is present; a missing key gives ``default`` unchecked.
+    # Integers without ``max`` are bounded by ``count_bound`` (and from below by its negative).
     def uint(self, key: str, default: int | None = 0, *, min: int | None = None,  # noqa: A002
              max: int | None = None) -> int | None:  # noqa: A002
         return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                           "an unsigned integer", min, max)
+                           "an unsigned integer", min, max, counted=True)
 
     def int(self, key: str, default: int | None = 0, *, min: int | None = None,  # noqa: A002
             max: int | None = None) -> int | None:  # noqa: A002
         return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer",
-                           min, max)
+                           min, max, counted=True)
 
     def float(self, key: str, default: float | None = 0.0, *, min: float | None = None,  # noqa: A002
               max: float | None = None) -> float | None:  # noqa: A002
@@ -385,7 +408,7 @@ class Config(Mapping[str, Any]):
     def uints(self, key: str, default: list[int] | None = None, *, min: int | None = None,  # noqa: A002
               max: int | None = None) -> list[int] | None:  # noqa: A002
         return self._typed(key, default, lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v),
-                           "a list of integers", min, max)
+                           "a list of integers", min, max, counted=True)
 
     def floats(self, key: str, default: list[float] | None = None, *, min: float | None = None,  # noqa: A002
                max: float | None = None) -> list[float] | None:  # noqa: A002
@@ -458,6 +481,7 @@ class BackendParams:
 
 ProgressFn = Callable[[int, int], None]
 
+_READ_BY_ROWS = re.compile(r"(?:^|\.)(?:\w*_embd|token_types)\.weight$")
 _LAYER_RE = re.compile(r"^(?:blk|layers|enc\.blk|dec\.blk|v\.blk)\.(\d+)\.")
 _MAX_GPUS = 16
 
@@ -620,6 +644,7 @@ class Backend:
         backends = ffi.new("ggml_backend_t[]", self._backends)
         bufts = ffi.new("ggml_backend_buffer_type_t[]",
                         [lib.ggml_backend_get_default_buffer_type(b) for b in self._backends])
+        _check_sched_memory(size)
         self._sched = lib.ggml_backend_sched_new(backends, bufts, len(self._backends), size, False,
                                                  bool(self._gpus))
         if self._sched == NULL:
@@ -682,13 +707,14 @@ class Backend:
                                 f"{data_offset + offset + size}, the file has {file_size}")
 
     def _check_layer_count(self, path: Path) -> None:
-        """A ``block_count`` larger than the file's tensor count (every layer has weights) is refused before
-        anything builds per-layer structures for it (10**6 layers took minutes to fail otherwise)."""
-        key, count = self.config._lookup("block_count")
+        """A layer count of any part (``block_count``, ``clip.vision.block_count``, ...) larger than the file's
+        tensor count (every layer has weights) is refused before anything builds per-layer structures for it
+        (10**6 text layers took minutes to fail, 2**31 vision layers forever)."""
         n = lib.gguf_get_n_tensors(self._gguf)
-        if isinstance(count, int) and n and count > n:
-            raise GGUFError(f"{path}: metadata {key!r} = {count}, but the file has only {n} tensors "
-                            "(every layer has weights)")
+        for key, count in self.config.items():
+            if key.endswith("block_count") and isinstance(count, int) and n and count > n:
+                raise GGUFError(f"{path}: metadata {key!r} = {count}, but the file has only {n} tensors "
+                                "(every layer has weights)")
 
     def _layer_backend(self, name: str) -> int:
         """Index into self._backends for a weight, by its layer and params.gpu_layers (or rpc)."""
@@ -781,10 +807,10 @@ class Backend:
 
     def _repack_buft(self, t: Any, any_name: bool = False) -> Any:
         """The CPU extra buffer type whose kernels can use this weight, or NULL."""
-        # token_embd is read with get_rows (no kernel for repacked data); a tied output gets a copy
-        # through matmul_weight instead
+        # embedding tables (token_embd, position_embd, token_types, ...) are read with get_rows (no kernel for
+        # repacked data); a tied output gets a copy through matmul_weight instead
         name = ffi.string(t.name).decode()
-        if not self.params.repack or (name.startswith("token_embd") and not any_name) or t.ne[2] != 1 \
+        if not self.params.repack or (_READ_BY_ROWS.search(name) and not any_name) or t.ne[2] != 1 \
                 or t.ne[3] != 1 or not lib.ggml_is_quantized(t.type):
             return NULL
         for buft in self._repack_bufts:
@@ -945,7 +971,7 @@ class Backend:
 
     @property
     def max_graph_nodes(self) -> int:
-        return max(8192, 5 * len(self._weights))
+        return min(MAX_GRAPH_NODES, max(8192, 5 * len(self._weights)))
 
     def _graph_size(self, max_nodes: int) -> int:
         """Graph slots for ``max_nodes`` of our tensors plus the weights and caches read as leafs."""
@@ -972,7 +998,8 @@ class Backend:
         return out
 
     def new_context(self, max_nodes: int | None = None) -> Context:
-        """A context for building and computing one graph."""
+        """A context for building and computing one graph of at most ``max_nodes`` tensors
+        (1..MAX_GRAPH_NODES; None or 0: ``max_graph_nodes``)."""
         self._check_open()
         return Context(self, max_nodes or self.max_graph_nodes)
 
@@ -1216,6 +1243,7 @@ class Backend:
         backends = ffi.new("ggml_backend_t[]", self._backends)
         bufts = ffi.new("ggml_backend_buffer_type_t[]",
                         [lib.ggml_backend_get_default_buffer_type(b) for b in self._backends])
+        _check_sched_memory(size)
         sched = lib.ggml_backend_sched_new(backends, bufts, len(self._backends), size, False, bool(self._gpus))
         if sched == NULL:
             raise GGMLError(_with_log("could not create a backend scheduler"))
@@ -1266,10 +1294,24 @@ def _unsplit_graph(state: _GraphState) -> None:
     state.srcs_n = lib.pyggml_graph_srcs(state.graph, state.srcs, state.srcs_n, state.srcs_cap)
 
 
+_uncleared = ffi.new_allocator(should_clear_after_alloc=False)
+
+
+def _check_sched_memory(graph_size: int) -> None:
+    """ggml_backend_sched_new mallocs a context buffer of ~20 KB per graph slot unchecked and aborts when its
+    split fails to get it: try that allocation here first, so running out of memory is a MemoryError."""
+    need = graph_size * 60 * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(graph_size, False)
+    try:
+        _uncleared(f"char[{need}]")  # malloc'ed, untouched, freed at once
+    except MemoryError:
+        raise MemoryError(f"could not allocate the {need:,} bytes ggml's scheduler needs for a graph of "
+                          f"{graph_size:,} slots") from None
+
+
 class _GraphState:
     """What all handles of one Context share: the ggml context, the graph and pending inputs."""
 
-    __slots__ = ("ptr", "g", "pools", "graph", "graph_size", "inputs", "index_checks", "epoch",
+    __slots__ = ("ptr", "mem", "g", "pools", "graph", "graph_size", "inputs", "index_checks", "epoch",
                  "leaf_outputs", "named", "anonymous_inputs", "placements", "serial", "srcs", "srcs_n",
                  "srcs_cap", "sched", "owner", "split_nodes", "__weakref__")
     _serials = itertools.count(1)
@@ -1277,8 +1319,14 @@ class _GraphState:
     def __init__(self, max_nodes: int, graph_size: int, pools: Any = NULL):
         self.serial = next(self._serials)  # tells graphs apart for the scheduler (ids of dead ones are reused)
         self.graph_size = graph_size
+        self.ptr, self.sched, self.owner = NULL, None, None  # what __del__ reads, should this fail
         mem = lib.ggml_tensor_overhead() * (max_nodes + 16) + lib.ggml_graph_overhead_custom(self.graph_size, False)
-        self.ptr = lib.ggml_init({"mem_size": mem, "mem_buffer": NULL, "no_alloc": True})
+        # allocated here, not by ggml_init: a failed malloc there aborts the process, here it is a MemoryError
+        try:
+            self.mem = _uncleared(f"char[{mem}]")  # malloc'ed: aligned to 16 (GGML_MEM_ALIGN)
+        except MemoryError:
+            raise MemoryError(f"could not allocate {mem:,} bytes for a graph of up to {max_nodes:,} nodes") from None
+        self.ptr = lib.ggml_init({"mem_size": mem, "mem_buffer": self.mem, "no_alloc": True})
         if self.ptr == NULL:
             raise MemoryError("could not create a ggml context")
         self.graph = lib.ggml_new_graph_custom(self.ptr, self.graph_size, False)
@@ -1346,8 +1394,8 @@ class Context:
 
     def __init__(self, backend: Backend, max_nodes: int, _state: _GraphState | None = None,
                  _placement: int | None = None):
-        if max_nodes <= 0:
-            raise ValueError(f"max_nodes must be positive, got {max_nodes}")
+        if not isinstance(max_nodes, int) or isinstance(max_nodes, bool) or not 0 < max_nodes <= MAX_GRAPH_NODES:
+            raise ValueError(f"max_nodes must be an integer in 1..{MAX_GRAPH_NODES}, got {max_nodes!r}")
         self.backend = backend
         self.max_nodes = max_nodes
         self._state = _state or _GraphState(max_nodes, backend._graph_size(max_nodes), backend._pools)
@@ -1538,8 +1586,9 @@ class Context:
         if state.epoch == 0:
             raise ValueError("numpy: the graph has not been computed yet (call ctx.compute(tensor))")
         if state.epoch != self.backend._epoch:
-            raise ValueError("numpy: the backend computed another graph since; read results before the next "
-                             "compute")
+            raise ValueError("numpy: the backend computed another graph since, which may have overwritten this "
+                             "result; read results before the next compute (threads sharing a Backend must "
+                             "compute and read under one lock, or use a Backend each)")
         if tensor._p.buffer == NULL:
             raise ValueError("numpy: tensor was not part of the computed graph (pass it to compute)")
 

@@ -259,6 +259,10 @@ def cmd_embed(args: argparse.Namespace) -> int:
         raise SystemExit("pyggml embed: no texts (give them as arguments or on stdin, one per line)")
     llm = _load(args)
     try:
+        pooling = getattr(llm.model, "pooling", None)
+        if args.pooling is None and pooling is not None and pooling.name in ("NONE", "RANK"):
+            raise SystemExit(f"pyggml embed: the model's pooling is {pooling.name.lower()}, which gives no single "
+                             "vector per text; choose one with --pooling mean, cls or last")
         vectors = llm.embed(texts, normalize=not args.no_normalize, truncate=args.truncate, pooling=args.pooling)
     finally:
         llm.close()

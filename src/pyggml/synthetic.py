@@ -37,7 +37,20 @@ DEFAULTS: dict[str, Any] = {
     "attention.head_count": 4, "vocab_size": 384, "attention.layer_norm_rms_epsilon": 1e-5,
     "attention.layer_norm_epsilon": 1e-5, "tokenizer.ggml.token_type_count": 2,
 }
+# and the keys some architectures need beyond those (experts, a window, an embedding model's pooling), so
+# every registered architecture's default file loads and runs
+_EXPERTS = {"expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32}
+_ENCODER = {"pooling_type": 1, "tokenizer.ggml.model": "bert"}  # mean pooling: `pyggml embed` works
+ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3moe": _EXPERTS, "gpt-oss": {**_EXPERTS, "attention.sliding_window": 16},
+    "bert": _ENCODER, "nomic-bert": _ENCODER,
+}
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
+
+
+def defaults(arch: str) -> dict[str, Any]:
+    """The hyper-parameters of ``arch``'s small default file (``write_model(path, arch)``)."""
+    return {**DEFAULTS, **ARCH_DEFAULTS.get(arch, {})}
 
 
 @dataclass(frozen=True)
@@ -116,14 +129,14 @@ def write_synthetic(path: str | os.PathLike, shape: str | Shape = "tinyllama-1.1
     if named is not None:
         arch, base, omit = named.arch, named.hparams(), ("output.weight",) if named.tied else ()
     elif shape in registry():
-        arch, base, omit = shape, DEFAULTS, ()
+        arch, base, omit = shape, defaults(shape), ()
     else:
         raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}, or an architecture: "
                          f"{', '.join(sorted(registry()))}")
     return write_model(path, arch, {**base, **(hparams or {})}, dtype, seed=seed, progress=progress, omit=omit)
 
 
-def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] = DEFAULTS,
+def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] | None = None,
                 dtype: DType | str = "f32", *, seed: int = 0, progress: Callable[[int, int], None] | None = None,
                 init: Init | None = None, omit: Collection[str] = (),
                 shapes: Mapping[str, tuple[int, ...]] | None = None) -> Path:
@@ -132,10 +145,10 @@ def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] =
     Matrices are ``dtype`` (F16 where a quantized type's blocks do not divide a row; for MXFP4 only
     the stacked experts, the other matrices Q8_0, as llama.cpp's MXFP4_MOE files), norms and biases
     F32; the same ``seed`` gives the same values whatever the type, so an F32 and an F16 file differ
-    only by rounding. ``init(name, numpy_shape, rng)`` may return a tensor's values (None: the
-    default); ``omit`` leaves tensors out (e.g. ``output.weight``: tied embeddings); ``shapes``
-    overrides declared shapes (ggml order; for tests of malformed files). ``progress(done, total)``
-    counts elements."""
+    only by rounding. ``hparams`` default to ``defaults(arch)``. ``init(name, numpy_shape, rng)`` may
+    return a tensor's values (None: the default); ``omit`` leaves tensors out (e.g. ``output.weight``:
+    tied embeddings); ``shapes`` overrides declared shapes (ggml order; for tests of malformed files).
+    ``progress(done, total)`` counts elements."""
     from pyggml.backend import Config
     from pyggml.models import ModelError, registry
 
@@ -145,7 +158,7 @@ def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] =
     if model.Options is None or model.Weights is None:
         raise ValueError(f"{arch}: the model class declares no Options/Weights to build a file from")
     dtype = DType.parse(dtype)
-    meta = metadata(arch, hparams, dtype)
+    meta = metadata(arch, defaults(arch) if hparams is None else hparams, dtype)
     try:
         options = model.Options.from_config(Config(meta))
     except (ModelError, ValueError) as e:

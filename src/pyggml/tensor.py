@@ -318,6 +318,12 @@ class Tensor:
     def numpy(self) -> np.ndarray:
         """A copy of the data, shaped ``tuple(reversed(self.shape))``; quantized and BF16 data
         is dequantized to float32."""
+        if self.ctx is None:
+            return self._read()
+        with self.ctx.backend._lock:  # no other thread's compute between the check and the copy
+            return self._read()
+
+    def _read(self) -> np.ndarray:
         self._check_readable()
         dtype = self.dtype
         p = self._p
@@ -1348,6 +1354,11 @@ def _prepare_host_array(array: Any, dtype: DType, shape: tuple[int, ...], op: st
     if array.dtype != np_dtype:
         if array.dtype.kind == "f" and np_dtype.kind in "iu":
             raise TypeError(f"{op}: refusing to truncate {array.dtype} data into a {dtype.name} tensor")
+        if array.dtype.kind in "iu" and np_dtype.kind in "iu" and array.size and not np.can_cast(array.dtype, np_dtype):
+            info, lo, hi = np.iinfo(np_dtype), int(array.min()), int(array.max())
+            if lo < info.min or hi > info.max:  # astype would wrap them around silently
+                raise ValueError(f"{op}: {array.dtype} values in {lo}..{hi} do not fit a {dtype.name} tensor "
+                                 f"({info.min}..{info.max})")
         array = array.astype(np_dtype)
     return np.ascontiguousarray(array)
 

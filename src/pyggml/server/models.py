@@ -176,7 +176,8 @@ class ModelManager:
             await self._make_room(ref)
             try:
                 served = await asyncio.to_thread(self._load, ref)
-            except (OSError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a bad file (ValueError), memory, ggml: this model fails alone
+                log.warning("could not load %s from %s: %s", ref.name, ref.path, exc)
                 raise APIError(500, f"could not load model {ref.name!r}: {exc}", code="model_load_failed") from None
             self._loaded[ref.name] = _Loaded(ref, served, keep_alive, time.monotonic())
             log.info("loaded %s from %s", ref.name, ref.path)
