@@ -605,6 +605,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="keep large tensors sent by clients here, so a reload of the same model skips sending them")
     rpc.add_argument("--allow-remote", action="store_true",
                      help="allow listening on a non-loopback address (trusted private networks only)")
+    rpc.add_argument("--max-memory", metavar="SIZE", type=_memory_size, default=None,
+                     help="device buffers all clients together may allocate, e.g. 8G or 512M (default: the "
+                          "devices' total memory); a larger allocation fails on the client")
+    rpc.add_argument("--max-clients", type=_positive("--max-clients", 1, 256), default=8,
+                     help="clients served at once, each by its own worker process (default: 8)")
+    rpc.add_argument("--idle-timeout", metavar="SECONDS", type=float, default=0.0,
+                     help="close a connection idle this long between commands (default: 0, never: an idle client "
+                          "holds only its own worker)")
     rpc.set_defaults(func=cmd_rpc_server)
     return parser
 
@@ -638,35 +646,40 @@ def cmd_rpc_server(args: argparse.Namespace) -> int:
     if args.cache:
         cache = Path(args.cache).expanduser()
         cache.mkdir(parents=True, exist_ok=True)
-    # ggml only prints a message when the port is taken: find out first, with the same socket options
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    from pyggml.backend import devices, lib, physical_cores, rpc_version
+    from pyggml.rpc_server import Guard, Limits
+
+    if not lib.PYGGML_HAS_RPC:
+        raise rpc.RPCError("this pyggml was built without ggml's RPC backend (CMake option PYGGML_RPC=OFF)")
+    if args.idle_timeout < 0:
+        raise ValueError(f"--idle-timeout must be >= 0 seconds, got {args.idle_timeout}")
+    threads = args.threads or physical_cores()
+    local = [d for d in devices() if d.kind != "rpc"]
+    max_memory = args.max_memory or sum(d.memory_total for d in local) or 1 << 30
+    limits = Limits(max_memory=max_memory, max_clients=args.max_clients, idle_timeout=args.idle_timeout or None)
+    # clients connect to the guard, which checks every message before a ggml worker sees it (pyggml.rpc_server)
+    guard = Guard(address, args.port, limits, threads, str(cache) if cache else None, rpc_version())
     try:
-        probe.bind((address, args.port))
+        guard.listen()
     except OSError as exc:
         raise OSError(f"cannot listen on {address}:{args.port}: {exc.strerror or exc}") from None
-    finally:
-        probe.close()
-
-    from pyggml.backend import physical_cores, rpc_version, serve_rpc
-
-    threads = args.threads or physical_cores()
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    endpoint = f"{address}:{args.port}"
-    server = threading.Thread(target=serve_rpc, args=(endpoint, str(cache) if cache else None, threads),
-                              name="ggml rpc server", daemon=True)
+    server = threading.Thread(target=guard.serve_forever, name="rpc guard", daemon=True)
     server.start()
+    endpoint = f"{address}:{args.port}"
     print(f"pyggml rpc-server: listening on {endpoint} (RPC protocol {'.'.join(map(str, rpc_version()))}, "
-          f"{threads} threads{f', cache {cache}' if cache else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
+          f"{threads} threads, at most {max_memory / 2**30:.2f} GiB and {args.max_clients} clients"
+          f"{f', cache {cache}' if cache else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
     while not stop.is_set() and server.is_alive():
         stop.wait(0.5)
+    guard.stop()
     if not server.is_alive():
         print("pyggml rpc-server: the server stopped (see the messages above)", file=sys.stderr, flush=True)
         return 1
-    # ggml's server loop cannot be interrupted; leaving the process closes its sockets. Connected clients see
-    # the connection drop (a pyggml client raises RPCError).
+    # leaving the process closes every socket: connected clients see the connection drop (a pyggml client
+    # raises RPCError)
     print("pyggml rpc-server: stopped", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(0)
@@ -722,6 +735,21 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is a number from 0 to 65535 (0: any free port), got {text!r}")
     return port
+
+
+def _memory_size(text: str) -> int:
+    """An argparse type: bytes, or a number with K/M/G/T (powers of 1024)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, unit = text.strip().upper().rstrip("IB"), ""
+    if number and number[-1] in units:
+        number, unit = number[:-1], number[-1]
+    try:
+        value = int(float(number) * units[unit])
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--max-memory must be a size such as 8G, 512M or 1000000, got {text!r}")
+    return value
 
 
 def _positive(flag: str, low: int = 1, high: int | None = None) -> Any:
