@@ -1160,7 +1160,11 @@ class Backend:
                 return
             self._check_indices(state)
             if not reuse:
-                if state.leaf_outputs and not lib.ggml_backend_sched_reserve(sched, state.graph):
+                # a fresh plan for this graph: ggml's allocator would otherwise keep the last graph's plan
+                # whenever node and leaf counts match and sizes fit, with that graph's in-place and
+                # liveness choices (an argsort written over its own input, say); it also sizes leaves
+                # read back as outputs, which reusing a plan does not check
+                if not lib.ggml_backend_sched_reserve(sched, state.graph):
                     raise MemoryError(_with_log("could not reserve memory for the graph"))
                 if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):
                     raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
@@ -1202,16 +1206,24 @@ class Backend:
                 state.owner = self
                 with self._pool_lock:
                     self._split_graphs.add(state)
-            _unsplit_graph(state)  # a reservation may have rewired it
-            self._place(state, state.sched)
-            backends = ffi.new("ggml_backend_t[]", self._backends)
-            lib.pyggml_pin_layer_outputs(state.sched, state.graph, backends, len(self._backends))
-            if not lib.ggml_backend_sched_alloc_graph(state.sched, state.graph):
+            # a scheduler from the pool still holds its last graph's allocation plan, which ggml reuses
+            # for any graph with the same counts (see _compute): plan this one first
+            self._place_pinned(state)
+            reserved = lib.ggml_backend_sched_reserve(state.sched, state.graph)
+            self._place_pinned(state)  # undo the reservation's rewiring: alloc_graph splits again
+            if not reserved or not lib.ggml_backend_sched_alloc_graph(state.sched, state.graph):
                 if self._relays:
                     self._check_remotes()
                 raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
             state.split_nodes = n_nodes
         self._run(state, state.sched)
+
+    def _place_pinned(self, state: _GraphState) -> None:
+        """The graph as built, placed on ``state.sched`` (requested places, layer outputs pinned)."""
+        _unsplit_graph(state)  # a reservation may have rewired it
+        self._place(state, state.sched)
+        backends = ffi.new("ggml_backend_t[]", self._backends)
+        lib.pyggml_pin_layer_outputs(state.sched, state.graph, backends, len(self._backends))
 
     def _take_sched(self, size: int) -> Any:
         """A scheduler for a new graph: one that a closed graph gave back (its compute buffers are kept), or
