@@ -61,6 +61,9 @@ TINY: dict[str, dict] = {
              "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
              "rope.dimension_count": 8, "rope.freq_base": 10000.0, "vocab_size": 320,
              "general.name": "tiny"},  # a name with "phi3" makes llama.cpp want Phi-3's <|endoftext|> token
+    "lfm2": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+             "attention.head_count_kv": [0, 2, 0], "shortconv.l_cache": 3, "context_length": 128,
+             "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 1000000.0, "vocab_size": 320},
     "mllama": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
                "rope.freq_base": 10000.0, "vocab_size": 320, "attention.cross_attention_layers": [1]},  # text only

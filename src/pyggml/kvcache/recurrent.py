@@ -161,7 +161,8 @@ class Recurrent(Cache):
         # one table of rows: every slot's state (and the zero slot), then the batch's inputs
         table = store.view(0, (dim, rows), ctx=ctx).concat(x if x.dtype == DType.F32 else x.cast(DType.F32), 1)
         taps = table.rows(self._input(ctx, f"{self._prefix}.taps{width}", p))  # (dim, width * n), tap-major
-        weights = kernel.transpose().contiguous()  # (dim, width): tap j's weights are row j
+        weights = kernel.reshape(width, dim, ctx=ctx).transpose()  # (dim, width): tap j's weights are row j
+        weights = weights.contiguous() if kernel.dtype == DType.F32 else weights.cast(DType.F32)
         out = None
         for j in range(width):
             term = taps.view(j * n * taps.strides[1], (dim, n), ctx=ctx) * \
