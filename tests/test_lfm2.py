@@ -5,6 +5,7 @@ overflow), and malformed files."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -217,12 +218,36 @@ def test_a_missing_l_cache_key_is_named():
 def test_the_converter_refuses_what_the_file_cannot_express(config, words, tmp_path, converted):
     import json
 
-    hf_dir = converted("conv-attn-tied")[0].parent / "bad-config"
-    source = next(converted("conv-attn-tied")[0].parent.glob("tiny-lfm2-*"))
-    hf_dir.mkdir(exist_ok=True)
+    source = Path(converted("conv-attn-tied")[2].name_or_path)
+    hf_dir = tmp_path / "bad-config"
+    hf_dir.mkdir()
     for f in source.iterdir():
         (hf_dir / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((source / "config.json").read_text()) | config
     (hf_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=words):
         convert_hf(hf_dir, tmp_path / "out.gguf", "f32")
+
+
+def test_prompt_lookup_on_a_recurrent_model_decodes_plainly(tiny_path):
+    """Rejected drafts cannot leave a recurrent state (no checkpoints yet): the runner does not draft,
+    and the output is plain greedy decoding's."""
+    prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        bias = no_end_tokens(llm)
+        plain, _ = complete(llm, prompt, 16, bias)
+        chunks = list(llm.runner.completion(CompletionRequest(prompt, max_tokens=16, temperature=0.0, logit_bias=bias,
+                                                              prompt_lookup=3)))
+    assert [t for c in chunks for t in c.tokens] == plain
+    assert chunks[-1].draft_tokens == 0 and chunks[-1].finish_reason == "length"
+
+
+def test_compare_taps_every_layer_kind(converted):
+    from pyggml import porting
+
+    path, _, tokenizer = converted("conv-attn-tied")
+    result = porting.compare(tokenizer.name_or_path, path)
+    names = [layer.name for layer in result.layers]
+    assert {"blk.0.shortconv.in_proj", "blk.0.shortconv.out_proj", "blk.1.attn_output", "blk.3",
+            "token_embd_norm", "output"} <= set(names)
+    assert result.ok and not result.unmatched

@@ -274,6 +274,10 @@ class Recurrent(Cache):
         self._copy_slot(src_seq, dst_seq)
         self.positions[dst_seq] = length
 
+    @property
+    def rewinds(self) -> bool:
+        return False  # no tail can leave a state (checkpoints to roll back to are not kept yet)
+
     def can_resume(self, seq: int, pos: int) -> bool:
         self._check_seq("can_resume", seq)
         return pos == 0 or pos == self.positions[seq]

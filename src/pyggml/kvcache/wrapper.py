@@ -106,6 +106,10 @@ class Wrapper(Cache):
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
         self._all_or_none(lambda cache: cache.copy_prefix(src_seq, dst_seq, length))
 
+    @property
+    def rewinds(self) -> bool:
+        return all(cache.rewinds for cache in self.caches)
+
     def can_resume(self, seq: int, pos: int) -> bool:
         return all(cache.can_resume(seq, pos) for cache in self.caches)
 
