@@ -251,3 +251,34 @@ def test_compare_taps_every_layer_kind(converted):
     assert {"blk.0.shortconv.in_proj", "blk.0.shortconv.out_proj", "blk.1.attn_output", "blk.3",
             "token_embd_norm", "output"} <= set(names)
     assert result.ok and not result.unmatched
+
+
+def test_parallel_generation_and_forked_slots_equal_each_sequence_alone(tiny_path):
+    """Two sequences decoding in the same batches, then a prompt sharing part of a slot's history
+    (multi-user cache: the slot is forked, and a state that is not at the shared prefix's end
+    makes the fork start over): each output is the one the sequence gets alone."""
+    prompts = [PROMPT, [1, 80, 81, 82, 83, 84], PROMPT[:7] + [200, 201, 202]]
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as alone:
+        bias = no_end_tokens(alone)
+        expected = [greedy_from_logits(alone, p, 8, bias) for p in prompts]
+    model = models.load(tiny_path, BackendParams(n_threads=2))
+    forks, copy_prefix = [], model.states.copy_prefix
+    model.states.copy_prefix = lambda *args: (forks.append(args[2]), copy_prefix(*args))
+    try:
+        with Runner(model, parallel=2, num_ctx=64, batch_size=8, cache_type="f32", multi_user_cache=True) as runner:
+            def run(prompt: list[int]) -> tuple[list[int], int]:
+                chunks = list(runner.completion(CompletionRequest(prompt, max_tokens=8, temperature=0.0,
+                                                                  logit_bias=bias)))
+                return [t for c in chunks for t in c.tokens], chunks[-1].cached_tokens
+
+            results: list = [None, None]
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(prompts[i]))) for i in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            forked = run(prompts[2])
+    finally:
+        model.close()
+    assert [r[0] for r in results] == expected[:2]
+    assert forked == (expected[2], 0) and forks == [7]
