@@ -17,6 +17,7 @@ KINDS = ("conv", "full_attention")
 class Lfm2(Architecture):
     gguf_arch = "lfm2"
     default_context = 128000
+    keep_f32 = (*Architecture.keep_f32, "conv")  # the short kernels, as llama.cpp keeps them (ssm_conv reads F32)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
