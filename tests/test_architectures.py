@@ -61,6 +61,9 @@ TINY: dict[str, dict] = {
              "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
              "rope.dimension_count": 8, "rope.freq_base": 10000.0, "vocab_size": 320,
              "general.name": "tiny"},  # a name with "phi3" makes llama.cpp want Phi-3's <|endoftext|> token
+    "lfm2": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+             "attention.head_count_kv": [0, 2, 0], "shortconv.l_cache": 3, "context_length": 128,
+             "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 1000000.0, "vocab_size": 320},
     "mllama": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
                "rope.freq_base": 10000.0, "vocab_size": 320, "attention.cross_attention_layers": [1]},  # text only
@@ -294,7 +297,8 @@ def test_llama_cpp_runs_the_same_file(arch, tiny_file):
 
 # ---- the bench shapes of these architectures (pyggml.synthetic.SHAPES), shrunk ------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp (llama-cpp-python) is absent")
-@pytest.mark.parametrize("name, dtype", [("gemma3-1b", "q4_0"), ("phi3-mini-8l", "q8_0"), ("gpt-oss-small", "mxfp4")])
+@pytest.mark.parametrize("name, dtype", [("gemma3-1b", "q4_0"), ("phi3-mini-8l", "q8_0"), ("gpt-oss-small", "mxfp4"),
+                                         ("lfm2-1.2b", "f16")])  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
 def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     """Each shape's keys and types (MXFP4 experts and Q8_0 elsewhere for gpt-oss, as llama.cpp's MXFP4_MOE
     files) with fewer layers, experts and tokens: both engines load the file and compute the same logits."""
@@ -303,6 +307,8 @@ def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     smaller = {"block_count": 6 if name.startswith("gemma3") else 2, "vocab_size": 512}
     if "expert_count" in SHAPES[name].extra:
         smaller["expert_count"] = 4
+    if name.startswith("lfm2"):  # a layer kind per layer: convolution, attention, convolution
+        smaller |= {"block_count": 3, "attention.head_count_kv": [0, 8, 0]}
     path = write_synthetic(tmp_path / f"{name}.gguf", name, dtype, hparams=smaller)
     text = "hello world, 42!"
     done = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), text, "0"], capture_output=True, text=True,

@@ -79,6 +79,8 @@ class Shape:
                 "vocab_size": self.vocab, **self.extra}
 
 
+# 2-d weights that llama.cpp never quantizes (nor its converters write as F16): convolution kernels
+_SMALL_MATRICES = (".shortconv.conv.weight", ".ssm_conv1d.weight")
 _QWEN3_HEADS = {"attention.key_length": 128, "attention.value_length": 128, "rope.dimension_count": 128,
                 "attention.layer_norm_rms_epsilon": 1e-6, "tokenizer.ggml.model": "gpt2"}
 # a general.name with "phi3" or "phi-3" in it makes llama.cpp want Phi-3's <|endoftext|> token, which a
@@ -110,6 +112,10 @@ SHAPES = {
     # gpt-oss-20b's layer layout (64-wide heads, 8 query heads per KV head, 32 experts of which 4 are used,
     # alternating 128-token sliding window, YaRN) narrowed to 1024 and 8 layers (~1.2B, ~0.3B active);
     # ``write_synthetic(..., "mxfp4")`` stores its experts as MXFP4 and the other matrices as Q8_0
+    # LFM2-1.2B: 10 short-convolution layers (3 taps) and 6 attention layers, 8 KV heads of 64
+    "lfm2-1.2b": Shape(16, 2048, 8192, 32, 8, 65536, 128000, 1000000.0, True, "lfm2",
+                       {"attention.head_count_kv": [8 if i in (2, 5, 8, 10, 12, 14) else 0 for i in range(16)],
+                        "shortconv.l_cache": 3}),
     "gpt-oss-small": Shape(8, 1024, 1024, 16, 2, 201088, 131072, 150000.0, False, "gpt-oss",
                            {"attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 64,
                             "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 1024,
@@ -167,7 +173,7 @@ def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] |
     for t in nn.declared(model.Weights, options):
         if t.required and t.name not in omit:
             ggml_shape = tuple((shapes or {}).get(t.name, t.shape))
-            matrix = len(ggml_shape) > 1 and t.name.endswith(".weight")
+            matrix = len(ggml_shape) > 1 and t.name.endswith(".weight") and not t.name.endswith(_SMALL_MATRICES)
             kind = dtype if matrix else DType.F32
             if kind == DType.MXFP4 and "_exps." not in t.name:  # llama.cpp's MXFP4_MOE: experts only
                 kind = DType.Q8_0

@@ -94,6 +94,12 @@ class Cache(abc.ABC):
         order; None when this cache cannot (then ``get`` serves the whole batch)."""
         return None
 
+    @property
+    def rewinds(self) -> bool:
+        """Whether ``remove`` can drop a sequence's tail (what speculative decoding's rollback needs);
+        a recurrent state cannot."""
+        return True
+
     @abc.abstractmethod
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
         """Make ``dst_seq`` hold exactly positions [0, length) of ``src_seq`` (sharing or copying them)."""

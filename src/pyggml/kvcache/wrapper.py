@@ -24,10 +24,10 @@ class Wrapper(Cache):
     (as Ollama's WrapperCache.SetLayerType), and each ``start_forward`` selects cache 0 again.
     ``put``/``get`` shapes are those of the selected cache.
 
-    Consistency: a ``start_forward``, ``refill`` or ``copy_prefix`` that fails in one cache is
-    undone in all (``snapshot``/``restore``), and ``remove`` is checked in every cache before any
-    changes (``plan_remove``: a NotSupportedError from one leaves all unchanged). A graph is
-    refilled for reuse only when every cache can refill it.
+    Consistency: a ``start_forward``, ``refill`` or ``copy_prefix`` that fails in one cache (or a
+    ``refill`` that one cache cannot do) is undone in all (``snapshot``/``restore``), and ``remove``
+    is checked in every cache before any changes (``plan_remove``: a NotSupportedError from one
+    leaves all unchanged). A graph is refilled for reuse only when every cache can refill it.
     """
 
     def __init__(self, *caches: Cache, layer_types: Sequence[int] | Callable[[int], int] | None = None):
@@ -97,12 +97,18 @@ class Wrapper(Cache):
         except BaseException:
             self.restore(states)
             raise
-        if refilled and self.layer_types is None:
+        if not refilled:  # a cache that refilled placed the batch: undo it, start_forward places it in all
+            self.restore(states)
+        elif self.layer_types is None:
             self._current = 0
         return refilled
 
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
         self._all_or_none(lambda cache: cache.copy_prefix(src_seq, dst_seq, length))
+
+    @property
+    def rewinds(self) -> bool:
+        return all(cache.rewinds for cache in self.caches)
 
     def can_resume(self, seq: int, pos: int) -> bool:
         return all(cache.can_resume(seq, pos) for cache in self.caches)

@@ -102,9 +102,10 @@ class Speculation(StepPlugin):
             self.drafter.close()
 
     def speculates(self, seq: RunningSequence) -> bool:
-        """Whether ``seq`` drafts its next tokens (prompt lookup, or the runner's draft model)."""
+        """Whether ``seq`` drafts its next tokens (prompt lookup, or the runner's draft model); never
+        when the cache cannot roll rejected drafts back (a recurrent state): plain decoding then."""
         return not seq.done and not seq.cancelled and seq.scores is None and \
-            bool(seq.request.prompt_lookup or self.drafter is not None)
+            bool(seq.request.prompt_lookup or self.drafter is not None) and self.runner.model.cache.rewinds
 
     def drafts_after(self, step: Step) -> bool:
         """Whether a sequence sampled in ``step`` (in flight) drafts next. Its draft continues the

@@ -1,0 +1,284 @@
+"""LFM2 (GGUF ``lfm2``): converted tiny random checkpoints against transformers and llama.cpp, the runner
+on a recurrent-state model (greedy generation, a prompt that extends an earlier one, a context
+overflow), and malformed files."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pyggml
+from pyggml import BackendParams, models
+from pyggml.convert import convert_hf
+from pyggml.models import ModelError
+from pyggml.runner import CompletionRequest, Runner
+from pyggml.synthetic import write_model
+
+from ._models import cache_states, log_softmax
+from .test_architectures import TINY
+from .test_convert import needs_llama_cpp
+
+torch = pytest.importorskip("torch", reason="the LFM2 parity tests build HF models with torch")
+transformers = pytest.importorskip("transformers", reason="the LFM2 parity tests build HF models")
+
+from .hf_fixtures import make_tiny_lfm2  # noqa: E402  (needs torch/transformers)
+from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+
+CASES = {"conv-attn-tied": dict(),  # conv, attention, conv, conv; 3 taps
+         "attn-first-untied-4-taps": dict(layer_types=("full_attention", "conv", "conv", "full_attention"),
+                                          conv_taps=4, tie=False, auto_adjust_ff=True, n_kv_heads=4, seed=1)}
+# max |ours - theirs| / max |theirs| over the logits; measured 5.3e-7 .. 7.8e-7 against transformers (F32 cache)
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """``converted(case, out_type)``: (path of the converted file, HF model, HF tokenizer), made once."""
+    root, done, hf = tmp_path_factory.mktemp("lfm2"), {}, {}
+
+    def get(case: str, out_type: str = "f32"):
+        if case not in hf:
+            hf_dir, model = make_tiny_lfm2(root, **CASES[case])
+            hf[case] = hf_dir, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
+        if (case, out_type) not in done:
+            done[case, out_type] = convert_hf(hf[case][0], root / f"{case}-{out_type}.gguf", out_type)
+        return done[case, out_type], hf[case][1], hf[case][2]
+
+    return get
+
+
+# ---- against transformers ------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_in_one_batch_and_token_by_token(case, converted):
+    path, model, tokenizer = converted(case)
+    tokens = tokenizer.encode(TEXTS[0])
+    assert len(tokens) > 8  # several times the convolution's taps
+    expected = reference(model, tokens)
+    for batch_size in (512, 3, 1):  # the whole prompt; batches that cut the convolution's window; token by token
+        with pyggml.load(path, n_threads=2, num_ctx=64, batch_size=batch_size, cache_type="f32") as llm:
+            assert llm.tokenize(TEXTS[0]) == tokens
+            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_several_sequences_at_once_match_transformers(case, converted):
+    path, model, tokenizer = converted(case)
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    results: list = [None] * len(prompts)
+    llm = models.load(path, BackendParams(n_threads=2))
+    with Runner(llm, parallel=3, num_ctx=64, batch_size=8, cache_type="f32") as runner:
+        def score(i: int) -> None:
+            *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
+            results[i] = last.prompt_logits
+
+        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    llm.close()
+    for tokens, ours in zip(prompts, results, strict=True):
+        assert error(ours, reference(model, tokens)) < TOLERANCE
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", list(CASES))
+def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, converted):
+    llama_cpp_agrees(converted(case)[0])
+
+
+# ---- the runner on a recurrent model ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("lfm2-tiny") / "lfm2.gguf", "lfm2", TINY["lfm2"], "f32", seed=3)
+
+
+PROMPT = [1, 17, 42, 99, 5, 23, 64, 7, 150, 33]
+
+
+def no_end_tokens(llm) -> dict[int, float]:
+    """A logit bias banning the end-of-generation tokens (random weights must not end a test early)."""
+    n_vocab = llm.model.weights.token_embd.weight.shape[1]
+    return {i: -np.inf for i in range(n_vocab) if llm.tokenizer.is_eog(i)}
+
+
+def greedy_from_logits(llm, prompt: list[int], n: int, bias: dict[int, float]) -> list[int]:
+    """``n`` greedy tokens, each the argmax of a fresh computation over everything before it."""
+    history = list(prompt)
+    for _ in range(n):
+        row = llm.logits(history)[-1]
+        row[list(bias)] = -np.inf
+        history.append(int(np.argmax(row)))
+    return history[len(prompt):]
+
+
+def complete(llm, prompt: list[int], n: int, bias: dict[int, float]) -> tuple[list[int], int]:
+    """Greedy tokens through the runner, and how many prompt tokens it reused from the cache."""
+    chunks = list(llm.runner.completion(CompletionRequest(prompt, max_tokens=n, temperature=0.0, logit_bias=bias)))
+    return [t for c in chunks for t in c.tokens], chunks[-1].cached_tokens
+
+
+def test_generation_equals_greedy_from_logits(tiny_path):
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, batch_size=4, cache_type="f32") as llm:
+        bias = no_end_tokens(llm)
+        generated, _ = complete(llm, PROMPT, 12, bias)
+        assert generated == greedy_from_logits(llm, PROMPT, 12, bias)
+
+
+def test_a_prompt_that_extends_an_earlier_one_reuses_the_state_and_equals_a_fresh_run(tiny_path):
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        bias = no_end_tokens(llm)
+        first, _ = complete(llm, PROMPT, 6, bias)
+        longer = PROMPT + first + [11, 12, 13]
+        continued, cached = complete(llm, longer, 6, bias)
+        # the last sampled token was never evaluated: the state is one input behind the slot's inputs
+        assert cached == len(PROMPT) + len(first) - 1
+        again, cached_again = complete(llm, [2] + longer[1:], 6, bias)  # shares nothing: evaluated afresh
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as fresh:
+        assert continued == complete(fresh, longer, 6, bias)[0]
+        assert again == complete(fresh, [2] + longer[1:], 6, bias)[0]
+    assert cached_again == 0
+
+
+NUM_CTX, NUM_KEEP, N_GEN = 24, 4, 40  # a 10-token prompt + 40 > 24: the context overflows twice or more
+
+
+def test_a_context_overflow_re_evaluates_the_kept_tokens(tiny_path):
+    """A recurrent state cannot drop tokens: on a full context the runner clears the sequence and
+    re-evaluates what the shift keeps, so each token's logits equal a fresh computation over exactly
+    the kept tokens (any number of layers: no stale state survives)."""
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=128, cache_type="f32") as reference_llm:
+        bias = no_end_tokens(reference_llm)
+        model = models.load(tiny_path, BackendParams(n_threads=2))
+        try:
+            with Runner(model, parallel=1, num_ctx=NUM_CTX, batch_size=8, cache_type="f32") as runner:
+                request = CompletionRequest(PROMPT, max_tokens=N_GEN, temperature=0.0, logprobs=5, num_keep=NUM_KEEP,
+                                            logit_bias=bias)
+                chunks = list(runner.completion(request))
+        finally:
+            model.close()
+        generated = [t for c in chunks for t in c.tokens]
+        reported = [lp for c in chunks for lp in c.logprobs or ()]
+        assert chunks[-1].finish_reason == "length" and len(generated) == N_GEN
+        states, shifts = cache_states(PROMPT, generated, NUM_CTX, NUM_KEEP)
+        assert shifts >= 2
+        for i, (state, lp) in enumerate(zip(states, reported, strict=True)):
+            expected = log_softmax(reference_llm.logits(state)[-1])  # logprobs are reported before the bias
+            assert lp.token == generated[i]
+            for token, value in lp.top:
+                assert value == pytest.approx(expected[token], abs=1e-4), f"token {i}, context of {len(state)}"
+
+
+# ---- malformed files -----------------------------------------------------------------------------------
+def tiny(tmp_path, hparams=None, **kwargs):
+    return write_model(tmp_path / "bad.gguf", "lfm2", {**TINY["lfm2"], **(hparams or {})}, "f32", **kwargs)
+
+
+def test_a_missing_convolution_weight_is_named(tmp_path):
+    with pytest.raises(ModelError, match=r"blk\.2\.shortconv\.conv\.weight"):
+        models.load(tiny(tmp_path, omit={"blk.2.shortconv.conv.weight"}))
+
+
+def test_a_state_size_that_does_not_match_the_kernel_is_named(tmp_path):
+    path = tiny(tmp_path, shapes={"blk.0.shortconv.conv.weight": (4, 64), "blk.2.shortconv.conv.weight": (4, 64)})
+    with pytest.raises(ModelError, match=r"blk\.0\.shortconv\.conv\.weight has shape \(4, 64\).*shortconv_l_cache"):
+        models.load(path)
+
+
+@pytest.mark.parametrize("hparams, words", [
+    ({"attention.head_count_kv": [0, 3, 0]}, "head_count_kv"),  # 3 does not divide 4 heads: no layer kind
+    ({"attention.head_count_kv": [0, 2]}, "head_count_kv"),  # a kind for 2 of 3 layers
+    ({"shortconv.l_cache": 1}, "shortconv.l_cache"),
+    ({"attention.sliding_window": 8}, "sliding_window"),
+])
+def test_unsupported_or_inconsistent_keys_are_named(hparams, words):
+    from pyggml.backend import Config
+    from pyggml.models.lfm2 import Options
+    from pyggml.synthetic import metadata
+
+    with pytest.raises(ModelError, match=words):
+        Options.from_config(Config(metadata("lfm2", {**TINY["lfm2"], **hparams})))
+
+
+def test_a_missing_l_cache_key_is_named():
+    from pyggml.backend import Config
+    from pyggml.models.lfm2 import Options
+    from pyggml.synthetic import metadata
+
+    hparams = {k: v for k, v in TINY["lfm2"].items() if k != "shortconv.l_cache"}
+    with pytest.raises(ModelError, match="shortconv.l_cache"):
+        Options.from_config(Config(metadata("lfm2", hparams)))
+
+
+@pytest.mark.parametrize("config, words", [({"layer_types": ["conv", "mamba", "conv", "conv"]}, "layer_types"),
+                                           ({"conv_bias": True}, "conv_bias")])
+def test_the_converter_refuses_what_the_file_cannot_express(config, words, tmp_path, converted):
+    import json
+
+    source = Path(converted("conv-attn-tied")[2].name_or_path)
+    hf_dir = tmp_path / "bad-config"
+    hf_dir.mkdir()
+    for f in source.iterdir():
+        (hf_dir / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((source / "config.json").read_text()) | config
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=words):
+        convert_hf(hf_dir, tmp_path / "out.gguf", "f32")
+
+
+def test_prompt_lookup_on_a_recurrent_model_decodes_plainly(tiny_path):
+    """Rejected drafts cannot leave a recurrent state (no checkpoints yet): the runner does not draft,
+    and the output is plain greedy decoding's."""
+    prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        bias = no_end_tokens(llm)
+        plain, _ = complete(llm, prompt, 16, bias)
+        chunks = list(llm.runner.completion(CompletionRequest(prompt, max_tokens=16, temperature=0.0, logit_bias=bias,
+                                                              prompt_lookup=3)))
+    assert [t for c in chunks for t in c.tokens] == plain
+    assert chunks[-1].draft_tokens == 0 and chunks[-1].finish_reason == "length"
+
+
+def test_compare_taps_every_layer_kind(converted):
+    from pyggml import porting
+
+    path, _, tokenizer = converted("conv-attn-tied")
+    result = porting.compare(tokenizer.name_or_path, path)
+    names = [layer.name for layer in result.layers]
+    assert {"blk.0.shortconv.in_proj", "blk.0.shortconv.out_proj", "blk.1.attn_output", "blk.3",
+            "token_embd_norm", "output"} <= set(names)
+    assert result.ok and not result.unmatched
+
+
+def test_parallel_generation_and_forked_slots_equal_each_sequence_alone(tiny_path):
+    """Two sequences decoding in the same batches, then a prompt sharing part of a slot's history
+    (multi-user cache: the slot is forked, and a state that is not at the shared prefix's end
+    makes the fork start over): each output is the one the sequence gets alone."""
+    prompts = [PROMPT, [1, 80, 81, 82, 83, 84], PROMPT[:7] + [200, 201, 202]]
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as alone:
+        bias = no_end_tokens(alone)
+        expected = [greedy_from_logits(alone, p, 8, bias) for p in prompts]
+    model = models.load(tiny_path, BackendParams(n_threads=2))
+    forks, copy_prefix = [], model.states.copy_prefix
+    model.states.copy_prefix = lambda *args: (forks.append(args[2]), copy_prefix(*args))
+    try:
+        with Runner(model, parallel=2, num_ctx=64, batch_size=8, cache_type="f32", multi_user_cache=True) as runner:
+            def run(prompt: list[int]) -> tuple[list[int], int]:
+                chunks = list(runner.completion(CompletionRequest(prompt, max_tokens=8, temperature=0.0,
+                                                                  logit_bias=bias)))
+                return [t for c in chunks for t in c.tokens], chunks[-1].cached_tokens
+
+            results: list = [None, None]
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(prompts[i]))) for i in (0, 1)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            forked = run(prompts[2])
+    finally:
+        model.close()
+    assert [r[0] for r in results] == expected[:2]
+    assert forked == (expected[2], 0) and forks == [7]
