@@ -483,6 +483,12 @@ def layers(blk: list[Any], cache: Cache | None, outputs: Tensor | None) -> Itera
         yield i, layer, outputs if i == last else None
 
 
+def output_rows(rows: Tensor | None, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """``tensors`` (hidden, n_tokens) cut to ``rows`` (``nn.layers`` gives the last layer the output rows:
+    from its attention on only the rows whose logits are wanted go on), or as they are when None."""
+    return tensors if rows is None else tuple(t.rows(rows) for t in tensors)
+
+
 def moe(x: Tensor, router_logits: Tensor, k: int, gate: Experts, up: Experts, down: Experts,
         glu: typing.Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """A mixture of experts: each token of ``x`` (hidden, n_tokens) through the ``k`` experts with the

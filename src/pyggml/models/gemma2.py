@@ -111,8 +111,7 @@ class Layer(nn.Module):
     def __call__(self, ctx: Context, h: Tensor, positions: Tensor, outputs: Tensor | None, cache: Cache,
                  opts: Options, rope: nn.Rope) -> Tensor:
         x = self.attention(ctx, self.attn_norm(h, opts.eps), positions, cache, opts, rope)
-        if outputs is not None:  # last layer: only the rows whose logits are wanted go on
-            x, h = x.rows(outputs), h.rows(outputs)
+        x, h = nn.output_rows(outputs, x, h)
         h = h + self.post_attention_norm(x, opts.eps)
         return h + self.post_ffw_norm(self.mlp(self.ffn_norm(h, opts.eps)), opts.eps)
 

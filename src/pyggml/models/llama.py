@@ -105,8 +105,7 @@ class Layer(nn.Module):
     def __call__(self, ctx: Context, h: Tensor, positions: Tensor, outputs: Tensor | None, cache: Causal | None,
                  opts: Options, freq_factors: Tensor | None) -> Tensor:
         x = self.attention(ctx, self.attn_norm(h, opts.eps), positions, cache, opts, freq_factors)
-        if outputs is not None:  # last layer: only the rows whose logits are wanted go on
-            x, h = x.rows(outputs), h.rows(outputs)
+        x, h = nn.output_rows(outputs, x, h)
         h = h + x
         return h + self.mlp(self.ffn_norm(h, opts.eps), opts)
 
