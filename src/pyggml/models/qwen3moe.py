@@ -6,7 +6,8 @@ each token goes to its ``expert_used_count`` best experts, and their SwiGLU outp
 weights softmax(the chosen scores) (``nn.moe``: Qwen's softmax over all experts, renormalised over
 the chosen, gives the same weights). The experts' matrices are stacked in one tensor per kind
 (``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``: (in, out, expert)), so a decode step reads
-the weights of ``expert_used_count`` experts, not all of them.
+the weights of ``expert_used_count`` experts, not all of them. Everything else (embedding with
+``pooling_type``, context shift) is Qwen 3's.
 """
 
 from __future__ import annotations
