@@ -43,9 +43,9 @@ from contextlib import contextmanager
 import numpy as np
 
 from pyggml.input import Input
-from pyggml.models import Model, ModelError, Multimodal, MultimodalIndex, Pooling
+from pyggml.models import Model, ModelError, Pooling
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
-from pyggml.runner.engine import Engine
+from pyggml.runner.engine import Engine, reads_in_place
 from pyggml.runner.images import Images
 from pyggml.runner.inputcache import InputCache
 from pyggml.runner.plugins import Constraints, ContextShift, StepPlugin
@@ -156,31 +156,17 @@ class Runner:
         """Allocate the KV cache and the compute memory of the largest batch (and, for a vision model,
         of its largest image graph) now, so running out of memory fails here rather than mid-request.
         Returns whether the model's graph reads the batch's token array in place (what build-ahead needs)."""
+        n = self.max_batch
         try:
-            return self._reserve_memory()
+            embeddings = self.images.reserve() if self.images is not None else []
+            try:
+                return self.engine.reserve(StepBatch.largest(n, min(n, self.parallel), embeddings))
+            except MemoryError as exc:
+                raise MemoryError(f"not enough memory for {self.parallel} sequences of {self.num_ctx} tokens and "
+                                  f"batches of {n}: lower parallel, num_ctx or batch_size ({exc})") from exc
         except BaseException:
             self.engine.close()  # the image graph it kept
             raise
-
-    def _reserve_memory(self) -> bool:
-        n = self.max_batch
-        n_out = min(n, self.parallel)
-        embeddings = self.images.reserve() if self.images is not None else []
-        multimodal = [MultimodalIndex(0, [Multimodal(tensor=e) for e in embeddings])] \
-            if embeddings and sum(len(e.reshape(-1, e.shape[-1])) for e in embeddings) <= n else []
-        batch = StepBatch(np.zeros(n, np.int32), outputs=list(range(n - n_out, n)), positions=list(range(n)),
-                          sequences=[0] * n, multimodal=multimodal)
-        backend = self.model.backend
-        try:
-            with backend.new_context() as ctx:
-                self.model.cache.start_forward(ctx, batch, reserve=True)
-                ctx.forward(self.model.forward(ctx, batch))
-                in_place = _reads_in_place(ctx, batch.tokens)
-                ctx.reserve()
-        except MemoryError as exc:
-            raise MemoryError(f"not enough memory for {self.parallel} sequences of {self.num_ctx} tokens and "
-                              f"batches of {n}: lower parallel, num_ctx or batch_size ({exc})") from exc
-        return in_place
 
     # ---- API ------------------------------------------------------------------------------------
     def completion(self, request: CompletionRequest) -> CompletionStream:
@@ -436,7 +422,7 @@ class Runner:
         busy = self._in_flight.graph if self._in_flight is not None else None
         try:
             step.graph = self.engine.build(step.batch, busy)
-            if step.late and not _reads_in_place(step.graph.ctx, step.ids):  # the start-up check did not hold
+            if step.late and not reads_in_place(step.graph.ctx, step.ids):  # the start-up check did not hold
                 self.build_ahead = False
                 raise RuntimeError("the model copied the batch's token ids; build-ahead is now off")
         except Exception as exc:
@@ -553,8 +539,3 @@ class Runner:
         else:
             seq.finish(reason)
 
-
-def _reads_in_place(ctx, ids: np.ndarray) -> bool:
-    """Whether the graph's token input is ``ids`` itself rather than a copy. The Context keeps
-    its inputs' host arrays until it computes; there is no public accessor for them yet."""
-    return any(np.may_share_memory(data, ids) for data in ctx._state.inputs.values())
