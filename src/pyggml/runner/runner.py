@@ -470,23 +470,29 @@ class Runner:
             seq.scores.append(logits[row].copy())
         for plugin in self.plugins:
             plugin.after_logits(step, logits)
-        for row, seq in step.rows:
-            self._sample(seq, logits[row])
+        self._sample_rows(step, logits)
         for seq in step.finishing:
             if not seq.done:
                 self.release(seq, "cancelled" if seq.cancelled else "length")
 
-    def _sample(self, seq: RunningSequence, row: np.ndarray) -> None:
-        """Sample ``seq``'s next token from its logits ``row`` and stream it."""
-        seq.outputs_in_flight -= 1
-        if seq.done:
-            return
-        try:
-            scores = row if seq.constraint is None else seq.constraint.apply(row)
-            token = seq.sampler.sample(scores, seq.history)
-        except Exception as exc:
-            self.release(seq, error=exc)
-            return
+    def _sample_rows(self, step: Step, logits: np.ndarray) -> None:
+        """Sample each sequence with a plain logits row in ``step`` (its grammar's mask applied) and
+        stream the token."""
+        for row, seq in step.rows:
+            seq.outputs_in_flight -= 1
+            if seq.done:
+                continue
+            try:
+                scores = logits[row] if seq.constraint is None else seq.constraint.apply(logits[row])
+                token = seq.sampler.sample(scores, seq.history)
+            except Exception as exc:
+                self.release(seq, error=exc)
+                continue
+            self._take(seq, token, logits[row])
+
+    def _take(self, seq: RunningSequence, token: int, row: np.ndarray) -> None:
+        """``seq`` sampled ``token`` from logits ``row``: fill its placeholder (build-ahead) or queue the
+        token as its next input, and stream it (or end the sequence)."""
         placeholder, seq.placeholder = seq.placeholder, None
         if placeholder is not None:
             placeholder.token = token
