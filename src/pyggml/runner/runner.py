@@ -49,10 +49,9 @@ from pyggml.runner.engine import Engine, reads_in_place
 from pyggml.runner.images import Images
 from pyggml.runner.inputcache import InputCache
 from pyggml.runner.plugins import Constraints, ContextShift, StepPlugin
-from pyggml.runner.request import check_int, prepare
 from pyggml.runner.scheduler import UNSET, Scheduler, Step, StepBatch
-from pyggml.runner.sequence import CompletionRequest, CompletionStream, RunningSequence
-from pyggml.runner.speculative import MAX_DRAFT, Speculation
+from pyggml.runner.sequence import MAX_DRAFT, CompletionRequest, CompletionStream, RunningSequence, check_int, prepare
+from pyggml.runner.speculative import Speculation
 from pyggml.tensor import DType
 
 log = logging.getLogger(__name__)
