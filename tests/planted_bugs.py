@@ -101,8 +101,8 @@ BUGS = [
         "streamed text that may begin a stop string is not held back"),
     Bug("chat-double-bos", "src/pyggml/chat.py", "        del ids[0]", "        pass",
         ("tests/test_chat.py", "tests/test_chat_e2e.py"), "a template's BOS is doubled by the tokenizer's"),
-    Bug("runner-num-keep-ignored", "src/pyggml/runner/runner.py",
-        "min(num_keep, self.num_ctx - 1)", "min(4, self.num_ctx - 1)",
+    Bug("runner-num-keep-ignored", "src/pyggml/runner/sequence.py",
+        "min(num_keep, num_ctx - 1)", "min(4, num_ctx - 1)",
         (f"{HTTP}::test_num_keep_survives_a_context_shift",), "the runner ignores a request's num_keep"),
     # the alignment and block-size checks of Backend._check_tensors cannot be caught: ggml's gguf reader
     # refuses those files first (test_crafted_bad_files pins its reasons); the size check is ours alone

@@ -21,6 +21,7 @@ from pyggml.runner import (
     count_common_prefix,
 )
 from pyggml.runner import runner as runner_module
+from pyggml.runner.plugins import StepPlugin
 from pyggml.runner.sequence import RunningSequence
 from pyggml.synthetic import write_synthetic
 
@@ -470,3 +471,46 @@ def test_decode_steps_recompute_kept_graphs(stories, monkeypatch, build_ahead):
 def test_build_ahead_defaults_to_gpus_only(stories):
     with Runner(stories, parallel=1, num_ctx=64, batch_size=8) as runner:
         assert runner.build_ahead is stories.backend.has_gpu
+
+
+class Recorder(StepPlugin):
+    """A step plug-in the loop knows nothing of (a recurrent-state checkpoint would hook in here): it records
+    the hooks it is called with."""
+
+    def __init__(self):
+        self.events = []
+
+    def before_build(self):
+        self.events.append(("before", None, None))
+
+    def launched(self, step):
+        self.events.append(("launched", id(step), len(step.tokens)))
+
+    def after_logits(self, step, logits):
+        self.events.append(("logits", id(step), None if logits is None else len(logits)))
+
+
+@pytest.mark.parametrize("build_ahead", [True, False])
+def test_a_step_plug_in_sees_every_step_without_changing_the_loop(synthetic_path, build_ahead):
+    """A plug-in added to ``Runner.plugins`` is called before each batch is packed, when each step launches and
+    once each step's logits are read (in launch order, with or without build-ahead); one that only watches
+    changes no token."""
+    model = load(synthetic_path)
+    no_end = {t: float("-inf") for t in model.tokenizer.vocab.eog}
+    try:
+        with Runner(model, parallel=2, num_ctx=64, batch_size=4, build_ahead=build_ahead) as runner:
+            plain, _ = run(runner, "Once upon a time there was", max_tokens=6, logit_bias=no_end, cache_prompt=False)
+        with Runner(model, parallel=2, num_ctx=64, batch_size=4, build_ahead=build_ahead) as runner:
+            recorder = Recorder()
+            runner.plugins.append(recorder)  # before any request: the loop is idle
+            text, chunks = run(runner, "Once upon a time there was", max_tokens=6, logit_bias=no_end,
+                               cache_prompt=False)
+    finally:
+        model.close()
+    assert text == plain and chunks[-1].generated_tokens == 6
+    launched = [step for kind, step, _ in recorder.events if kind == "launched"]
+    completed = [step for kind, step, _ in recorder.events if kind == "logits"]
+    assert launched == completed and len(launched) > 6  # prompt chunks of 4, then 5 decode steps
+    assert sum(rows is not None for kind, _, rows in recorder.events if kind == "logits") == 6  # one per token
+    kinds = [kind for kind, _, _ in recorder.events]
+    assert kinds[0] == "before" and kinds.count("before") >= len(launched)

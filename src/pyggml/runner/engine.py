@@ -130,6 +130,17 @@ class Engine:
         """Build (or refill) and compute ``batch`` now: logits (len(batch.output_rows), vocab)."""
         return self.compute(self.build(batch, times=times), times=times)
 
+    def reserve(self, batch: Batch) -> bool:
+        """Reserve the compute memory of ``batch``'s graph (the largest the runner will build; the KV
+        cache is allocated already); MemoryError when it does not fit. Returns whether the graph reads
+        ``batch.tokens`` in place (what building ahead needs: ids written after the graph is built)."""
+        with self.model.backend.new_context() as ctx:
+            self.model.cache.start_forward(ctx, batch, reserve=True)
+            ctx.forward(self.model.forward(ctx, batch))
+            in_place = reads_in_place(ctx, batch.tokens)
+            ctx.reserve()
+        return in_place
+
     def drop(self, busy: Graph | None = None) -> None:
         """Forget the kept graphs (after a failure, or when the cache was reset). ``busy``, one
         computing now, is handed to its computation, which closes it when done."""
@@ -224,6 +235,12 @@ class _VisionGraph:
 
     ctx: Any
     outputs: list[Any]
+
+
+def reads_in_place(ctx: Any, ids: np.ndarray) -> bool:
+    """Whether the graph's token input is ``ids`` itself rather than a copy. The Context keeps
+    its inputs' host arrays until it computes; there is no public accessor for them yet."""
+    return any(np.may_share_memory(data, ids) for data in ctx._state.inputs.values())
 
 
 def _add(times: dict[str, float] | None, name: str, seconds: float) -> None:

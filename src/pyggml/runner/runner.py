@@ -43,16 +43,23 @@ from contextlib import contextmanager
 import numpy as np
 
 from pyggml.input import Input
-from pyggml.models import Model, ModelError, Multimodal, MultimodalIndex, Pooling
+from pyggml.models import Model, ModelError, Pooling
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
-from pyggml.runner.engine import Engine
+from pyggml.runner.engine import Engine, reads_in_place
 from pyggml.runner.images import Images
 from pyggml.runner.inputcache import InputCache
 from pyggml.runner.plugins import Constraints, ContextShift, StepPlugin
-from pyggml.runner.request import check_int, prepare
 from pyggml.runner.scheduler import UNSET, Scheduler, Step, StepBatch
-from pyggml.runner.sequence import CompletionRequest, CompletionStream, RunningSequence, sample_sequences
-from pyggml.runner.speculative import MAX_DRAFT, Speculation
+from pyggml.runner.sequence import (
+    MAX_DRAFT,
+    CompletionRequest,
+    CompletionStream,
+    RunningSequence,
+    check_int,
+    prepare,
+    sample_sequences,
+)
+from pyggml.runner.speculative import Speculation
 from pyggml.tensor import DType
 
 log = logging.getLogger(__name__)
@@ -156,31 +163,17 @@ class Runner:
         """Allocate the KV cache and the compute memory of the largest batch (and, for a vision model,
         of its largest image graph) now, so running out of memory fails here rather than mid-request.
         Returns whether the model's graph reads the batch's token array in place (what build-ahead needs)."""
+        n = self.max_batch
         try:
-            return self._reserve_memory()
+            embeddings = self.images.reserve() if self.images is not None else []
+            try:
+                return self.engine.reserve(StepBatch.largest(n, min(n, self.parallel), embeddings))
+            except MemoryError as exc:
+                raise MemoryError(f"not enough memory for {self.parallel} sequences of {self.num_ctx} tokens and "
+                                  f"batches of {n}: lower parallel, num_ctx or batch_size ({exc})") from exc
         except BaseException:
             self.engine.close()  # the image graph it kept
             raise
-
-    def _reserve_memory(self) -> bool:
-        n = self.max_batch
-        n_out = min(n, self.parallel)
-        embeddings = self.images.reserve() if self.images is not None else []
-        multimodal = [MultimodalIndex(0, [Multimodal(tensor=e) for e in embeddings])] \
-            if embeddings and sum(len(e.reshape(-1, e.shape[-1])) for e in embeddings) <= n else []
-        batch = StepBatch(np.zeros(n, np.int32), outputs=list(range(n - n_out, n)), positions=list(range(n)),
-                          sequences=[0] * n, multimodal=multimodal)
-        backend = self.model.backend
-        try:
-            with backend.new_context() as ctx:
-                self.model.cache.start_forward(ctx, batch, reserve=True)
-                ctx.forward(self.model.forward(ctx, batch))
-                in_place = _reads_in_place(ctx, batch.tokens)
-                ctx.reserve()
-        except MemoryError as exc:
-            raise MemoryError(f"not enough memory for {self.parallel} sequences of {self.num_ctx} tokens and "
-                              f"batches of {n}: lower parallel, num_ctx or batch_size ({exc})") from exc
-        return in_place
 
     # ---- API ------------------------------------------------------------------------------------
     def completion(self, request: CompletionRequest) -> CompletionStream:
@@ -436,7 +429,7 @@ class Runner:
         busy = self._in_flight.graph if self._in_flight is not None else None
         try:
             step.graph = self.engine.build(step.batch, busy)
-            if step.late and not _reads_in_place(step.graph.ctx, step.ids):  # the start-up check did not hold
+            if step.late and not reads_in_place(step.graph.ctx, step.ids):  # the start-up check did not hold
                 self.build_ahead = False
                 raise RuntimeError("the model copied the batch's token ids; build-ahead is now off")
         except Exception as exc:
@@ -484,20 +477,26 @@ class Runner:
             seq.scores.append(logits[row].copy())
         for plugin in self.plugins:
             plugin.after_logits(step, logits)
-        for _, seq in step.rows:
-            seq.outputs_in_flight -= 1
-        live = [(row, seq) for row, seq in step.rows if not seq.done]
-        for (row, seq), token in zip(live, sample_sequences(live, logits), strict=True):
-            self._accept(seq, token, logits[row])
+        self._sample_rows(step, logits)
         for seq in step.finishing:
             if not seq.done:
                 self.release(seq, "cancelled" if seq.cancelled else "length")
 
-    def _accept(self, seq: RunningSequence, token: int | Exception, row: np.ndarray) -> None:
-        """Stream ``seq``'s sampled ``token`` (or fail it with the sampling error)."""
-        if isinstance(token, Exception):
-            self.release(seq, error=token)
-            return
+    def _sample_rows(self, step: Step, logits: np.ndarray) -> None:
+        """Sample every sequence with a plain logits row in ``step`` together (each grammar's mask
+        applied to its row) and stream the tokens."""
+        for _, seq in step.rows:
+            seq.outputs_in_flight -= 1
+        live = [(row, seq) for row, seq in step.rows if not seq.done]
+        for (row, seq), token in zip(live, sample_sequences(live, logits), strict=True):
+            if isinstance(token, Exception):
+                self.release(seq, error=token)
+            else:
+                self._take(seq, token, logits[row])
+
+    def _take(self, seq: RunningSequence, token: int, row: np.ndarray) -> None:
+        """``seq`` sampled ``token`` from logits ``row``: fill its placeholder (build-ahead) or queue the
+        token as its next input, and stream it (or end the sequence)."""
         placeholder, seq.placeholder = seq.placeholder, None
         if placeholder is not None:
             placeholder.token = token
@@ -550,8 +549,3 @@ class Runner:
         else:
             seq.finish(reason)
 
-
-def _reads_in_place(ctx, ids: np.ndarray) -> bool:
-    """Whether the graph's token input is ``ids`` itself rather than a copy. The Context keeps
-    its inputs' host arrays until it computes; there is no public accessor for them yet."""
-    return any(np.may_share_memory(data, ids) for data in ctx._state.inputs.values())

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from pyggml.input import Batch, Input, MultimodalIndex
+from pyggml.input import Batch, Input, Multimodal, MultimodalIndex
 from pyggml.runner.sequence import RunningSequence
 
 UNSET = -1  # token id of a placeholder input whose token is not sampled yet
@@ -39,6 +39,15 @@ class StepBatch(Batch):
     @property
     def tokens(self) -> np.ndarray:
         return self.inputs
+
+    @classmethod
+    def largest(cls, n: int, n_out: int, embeddings: list[np.ndarray]) -> StepBatch:
+        """A batch as large as the scheduler packs: ``n`` inputs, ``n_out`` logits rows, and an image's
+        ``embeddings`` (as the engine's ``reserve_multimodal`` shapes them) when they fit, for reserving memory."""
+        fits = embeddings and sum(len(e.reshape(-1, e.shape[-1])) for e in embeddings) <= n
+        multimodal = [MultimodalIndex(0, [Multimodal(tensor=e) for e in embeddings])] if fits else []
+        return cls(np.zeros(n, np.int32), outputs=list(range(n - n_out, n)), positions=list(range(n)),
+                   sequences=[0] * n, multimodal=multimodal)
 
 
 @dataclass(eq=False)

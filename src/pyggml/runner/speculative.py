@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from pyggml.runner.scheduler import Step
 
 log = logging.getLogger(__name__)
-MAX_DRAFT = 32  # most tokens drafted per step (speculative decoding)
 
 
 def lookup_draft(history: Sequence[int], k: int, ngram_max: int = 3, ngram_min: int = 1) -> list[int]:
