@@ -54,7 +54,7 @@ import numpy as np
 from pyggml.constrain import Constraint, grammar_for
 from pyggml.models import Batch, Input, Model, ModelError, Multimodal, MultimodalIndex, Pooling
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
-from pyggml.runner.engine import Engine, Graph
+from pyggml.runner.engine import SAMPLE_HEAD_K, Engine, Graph
 from pyggml.runner.inputcache import InputCache, ReprocessInputsError
 from pyggml.runner.sequence import (
     MAX_LOGPROBS,
@@ -124,11 +124,15 @@ class Runner:
     thread: the thread reading a completion's chunks runs the loop until the next chunk is there
     (``LLM``: one caller, no thread hand-off per token). An embedding model (``model.pooling`` set)
     serves ``embedding``/``embeddings`` instead, one forward pass at a time, with no KV cache; a
-    model that only embeds refuses completions. One runner per model; close it before the model."""
+    model that only embeds refuses completions. One runner per model; close it before the model.
+    ``device_sampling`` (default: when a GPU computes): graphs end in a sampling head, and steps
+    whose sequences all sample plainly read each row's K largest logits instead of every logit
+    (``Engine``; the same tokens)."""
 
     def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool | None = None,
-                 background: bool = True, draft: Model | None = None, draft_max: int = 8):
+                 background: bool = True, draft: Model | None = None, draft_max: int = 8,
+                 device_sampling: bool | None = None):
         if model.tokenizer is None:
             raise ModelError("the model file has no tokenizer (tokenizer.ggml.* keys)")
         if model.generates and model.cache is None:
@@ -144,7 +148,9 @@ class Runner:
         self.parallel, self.num_ctx = parallel, num_ctx
         self.batch_size = min(batch_size, num_ctx)
         self.embedder = Embedder(model, num_ctx, batch_size) if model.pooling is not None else None
-        self.engine = Engine(model, keep=2)
+        if device_sampling is None:  # reading every logit costs a GPU step dearly; a CPU computes the head slower
+            device_sampling = model.backend.has_gpu
+        self.engine = Engine(model, keep=2, sample_head=SAMPLE_HEAD_K if device_sampling else 0)
         # an image's inputs go in one batch (same_batch): one longer than batch_size gets a batch that
         # grows to hold it (as Ollama's runner does), up to max_batch, reserved below
         self.image_run = self._image_run() if model.generates else 0
@@ -756,7 +762,11 @@ class Runner:
         step.masks = self._mask_pool.submit(_compute_masks, jobs)
 
     def _compute(self, step: _Step) -> np.ndarray | None:
-        return self.engine.compute(step.graph, read=bool(step.rows or step.scored or step.spec))
+        read: bool | str = bool(step.rows or step.scored or step.spec)
+        if read and step.graph.top is not None and not step.scored and not step.spec and \
+                all(seq.samples_from_top(self.engine.sample_head) for _, seq in step.rows):
+            read = "top"  # the sampling head's K logits per row are all the step needs
+        return self.engine.compute(step.graph, read=read)
 
     def _complete(self, step: _Step) -> None:
         """Wait for a batch, then sample each sequence that has a row in it."""
@@ -790,7 +800,8 @@ class Runner:
             if placeholder is not None:
                 placeholder.token = token
             try:
-                reason = "cancelled" if seq.cancelled else seq.accept(token, logits[row])
+                reason = "cancelled" if seq.cancelled else \
+                    seq.accept(token, logits[row] if seq.request.logprobs else None)
             except Exception as exc:  # the grammar refused the token: a bug, fail this sequence only
                 self._release(seq, error=exc)
                 continue

@@ -15,8 +15,9 @@ import numpy as np
 
 from pyggml.constrain import Constraint
 from pyggml.models import Input
+from pyggml.runner.engine import TopLogits
 from pyggml.runner.inputcache import InputCacheSlot
-from pyggml.sample import Sampler, SamplingOptions, logprobs, sample_rows
+from pyggml.sample import Sampler, SamplingOptions, logprobs, sample_rows, sample_top
 
 MAX_LOGPROBS = 20
 # Stop strings are checked on the runner's thread after every token of their sequence, so one
@@ -254,8 +255,14 @@ class RunningSequence:
         limit = self.request.max_tokens
         return limit < 0 or self.generated + self.outputs_in_flight < limit
 
-    def accept(self, token: int, logits: np.ndarray) -> str | None:
-        """Take a sampled token: stream the text it completes; returns a finish reason or None."""
+    def samples_from_top(self, k: int) -> bool:
+        """Whether the K largest logits of its row are all its next token needs (``sample_top``): no
+        grammar, no logprobs, and a sampler that ``fits_top(k)``."""
+        return self.constraint is None and not self.request.logprobs and self.sampler.fits_top(k)
+
+    def accept(self, token: int, logits: np.ndarray | None) -> str | None:
+        """Take a sampled token: stream the text it completes; returns a finish reason or None.
+        ``logits``: its row's logits (needed only for ``logprobs``)."""
         if not self.generated:
             self.t_first = time.perf_counter()
         self.generated += 1
@@ -340,12 +347,23 @@ class RunningSequence:
         return chunk
 
 
-def sample_sequences(rows: Sequence[tuple[int, RunningSequence]], logits: np.ndarray) -> list[int | Exception]:
-    """The next token of each (logits row, sequence), all sampled together (``sample_rows``); a
-    sequence's grammar masks its row first. An entry is the exception instead for a sequence whose
-    row cannot be sampled (the others go on)."""
+def sample_sequences(rows: Sequence[tuple[int, RunningSequence]],
+                     logits: np.ndarray | TopLogits) -> list[int | Exception]:
+    """The next token of each (logits row, sequence), all sampled together (``sample_rows``; from a
+    sampling head's ``TopLogits``, ``sample_top``, reading the full logits only for rows it cannot
+    decide); a sequence's grammar masks its row first. An entry is the exception instead for a
+    sequence whose row cannot be sampled (the others go on)."""
     if not rows:
         return []
+    if isinstance(logits, TopLogits):
+        index = [row for row, _ in rows]
+        tokens, redo = sample_top([seq.sampler for _, seq in rows], logits.ids[index], logits.vals[index],
+                                  logits.finite[index], logits.vocab)
+        out: list[int | Exception] = tokens.tolist()
+        if redo:
+            for j, token in zip(redo, sample_sequences([rows[j] for j in redo], logits.full()), strict=True):
+                out[j] = token
+        return out
     index = [row for row, _ in rows]
     first = index[0]
     constrained = [j for j, (_, seq) in enumerate(rows) if seq.constraint is not None]
