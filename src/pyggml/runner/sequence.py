@@ -167,6 +167,7 @@ class StopMatcher:
                 self._ends[child] += self._ends[self._fail[child]]
                 todo.append(child)
         self._state = 0
+        self._starts = frozenset(self._goto[0])  # first characters of the stops
 
     @property
     def partial(self) -> int:
@@ -176,6 +177,8 @@ class StopMatcher:
     def feed(self, piece: str, offset: int = 0) -> int | None:
         """Feed the next ``piece`` of text, which starts at index ``offset`` of the caller's
         buffer; returns the buffer index where the earliest-starting stop ending in it starts."""
+        if not self._state and self._starts.isdisjoint(piece):  # no stop can begin in it (the usual token)
+            return None
         goto, fail, ends = self._goto, self._fail, self._ends
         state, cut = self._state, None
         for j, ch in enumerate(piece, offset):
