@@ -223,6 +223,15 @@ def _plain_argmax(samplers: Sequence[Sampler], logits: np.ndarray, tokens: np.nd
     """Greedy rows without penalties or raising biases: the argmax of the logits as they are, unless
     a bias lowers it (a lowered runner-up cannot overtake it) or names a token past the vocabulary.
     Returns the rows left to sample."""
+    if len(samplers) == 1 and samplers[0]._plain_greedy:  # one row (``Sampler.sample``, P = 1): in scalars
+        s, row = samplers[0], logits[0]
+        best = int(row.argmax())
+        if not s._bias_ids.size or (best not in s._bias_set and s._bias_top < row.size):
+            tokens[0] = best
+            top = float(row[best])
+            if not math.isfinite(top):
+                _check_tops(logits, [0], errors, np.array([top]))
+            return []
     plain = [i for i, s in enumerate(samplers) if s._plain_greedy]
     if not plain:
         return list(range(len(samplers)))
@@ -385,10 +394,12 @@ def _top_k_slice(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 def _by_row_value_id(r: np.ndarray | None, v: np.ndarray, c: np.ndarray, vocab: int) -> np.ndarray:
     """The order of entries (ids ``c`` ascending within a row) by row (None: all in one), then value
     (largest first), then id. For float32 one sort of unique int64 keys (row, the value's bits made
-    monotonic, id); else two stable sorts."""
-    if v.dtype != np.float32 or vocab > 1 << 18 or r is not None and r.size and r[-1] >= 1 << 13:
+    monotonic, id); one row: a lexsort; else two stable sorts."""
+    if r is None:
+        return np.lexsort((c, -v))
+    if v.dtype != np.float32 or vocab > 1 << 18 or r.size and r[-1] >= 1 << 13:
         order = np.argsort(-v, kind="stable")  # ids come in ascending order: stable keeps ties so
-        return order if r is None else order[np.argsort(r[order], kind="stable")]
+        return order[np.argsort(r[order], kind="stable")]
     bits = (v + np.float32(0.0)).view(np.int32)  # + 0: -0.0 becomes 0.0, equal values equal bits
     monotonic = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)  # ordered like the floats
     keys = ((0x7FFFFFFF - monotonic) << 18) | c
