@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sampling", choices=("greedy", "random", "both"), default="both")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device-sampling", action="store_true",
-                        help="graphs end in a sampling head (Runner(device_sampling=True); default only on a GPU)")
+                        help="graphs end in a sampling head (Runner(device_sampling=True))")
     args = parser.parse_args(argv)
     from pyggml import models
     from pyggml.backend import BackendParams

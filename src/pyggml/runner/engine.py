@@ -10,7 +10,7 @@ graph is built. A graph is kept only if every input it reads is refillable (``Co
 The Runner (and through it ``LLM``, the CLI and the server) and ``pyggml bench`` call this; no
 other module builds model graphs for generation.
 
-Sampling head (``sample_head=K``, on by default when a GPU computes): a generation graph also ends
+Sampling head (``sample_head=K``; ``Runner(device_sampling=True)``): a generation graph also ends
 in each row's K largest logits (ids and values, ``top_k`` + ``rows``) and the row sums (a NaN or an
 infinity anywhere shows there), so a step whose rows all sample plainly (greedy, or temperature with
 top-k <= K, top-p, min-p) reads P x K numbers instead of P x vocab (``compute(read="top")``: a
@@ -123,7 +123,7 @@ class Engine:
             t1 = time.perf_counter()
             logits = self.model.forward(ctx, batch)
             ctx.forward(logits)
-            top = self._head(ctx, logits) if self.sample_head and batch.output_rows else None
+            top = self.head(ctx, logits) if self.sample_head and batch.output_rows else None
         except BaseException:
             ctx.close()
             raise
@@ -137,7 +137,7 @@ class Engine:
             self._keep(graph, busy)
         return graph
 
-    def _head(self, ctx: Any, logits: Any) -> tuple:
+    def head(self, ctx: Any, logits: Any) -> tuple:
         """The sampling head: each row's K largest logits (ids, values) and its sum."""
         vocab, rows = logits.shape[0], logits.shape[1]
         ids = logits.top_k(min(self.sample_head, vocab))
