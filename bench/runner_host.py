@@ -55,7 +55,8 @@ TIMED: dict[str, list[tuple[str, str | None, str]]] = {
 class Profiler:
     """Exclusive time per phase: a wrapped call's time minus that of the wrapped calls inside it."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.totals = dict.fromkeys(PHASES, 0.0)
         self._stack: list[float] = []  # time spent in timed callees, per open call
         self._undo: list[Callable[[], None]] = []
@@ -72,7 +73,7 @@ class Profiler:
 
     def _wrap(self, owner, attr: str, phase: str) -> None:
         original = getattr(owner, attr)
-        stack, totals, clock = self._stack, self.totals, time.perf_counter
+        stack, totals, clock = self._stack, self.totals, self.clock
 
         def timed(*args, **kwargs):
             stack.append(0.0)
@@ -110,7 +111,7 @@ def synthetic_path(vocab: int) -> Path:
 
 
 def run(model, parallel: int, steps: int, warmup: int, sampling: str,
-        device_sampling: bool = False) -> dict[str, float]:
+        device_sampling: bool = False, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median ms per step of each phase over ``steps`` decode steps with ``parallel`` sequences."""
     from pyggml.runner import CompletionRequest, Runner
 
@@ -119,7 +120,7 @@ def run(model, parallel: int, steps: int, warmup: int, sampling: str,
     # send every row to the full logits (a random model then rarely ends a sequence early: a step of P-1)
     banned = {} if device_sampling else {t: -float("inf") for t in range(tok.vocab_size) if tok.is_eog(t)}
     options = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.8, top_k=40, top_p=0.9)
-    profiler = Profiler()
+    profiler = Profiler(clock)
     per_step: list[dict[str, float]] = []
     # every prompt fits one batch (the runner's batches are at most num_ctx)
     extra = dict(device_sampling=True) if device_sampling else {}  # (runners before issue 26 lack it)
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="decode steps before measuring (default 3)")
     parser.add_argument("--sampling", choices=("greedy", "random", "both"), default="both")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the thread's CPU time (time.thread_time), steadier on a busy machine; it "
+                             "costs ~1 us per timed call and leaves out waits (the compute of 2+ threads)")
     parser.add_argument("--device-sampling", action="store_true",
                         help="graphs end in a sampling head (Runner(device_sampling=True))")
     args = parser.parse_args(argv)
@@ -181,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     model = models.load(path, BackendParams(n_threads=args.threads))
     try:
         print(f"# {path.name}: vocab {model.tokenizer.vocab_size}, {args.steps} steps after {args.warmup}, "
-              f"{args.threads} thread(s){', device sampling' if args.device_sampling else ''}; ms per step (median)")
+              f"{args.threads} thread(s){', device sampling' if args.device_sampling else ''}; ms per step (median, "
+              f"{'thread CPU time' if args.clock == 'cpu' else 'wall clock'})")
         for sampling in ("greedy", "random") if args.sampling == "both" else (args.sampling,):
             print(f"\n## sampling: {sampling}\n")
             print("| " + " | ".join(COLUMNS) + " |")
             print("|" + "---|" * len(COLUMNS))
             for parallel in parallels:
-                row = run(model, parallel, args.steps, args.warmup, sampling, args.device_sampling)
+                row = run(model, parallel, args.steps, args.warmup, sampling, args.device_sampling,
+                          time.thread_time if args.clock == "cpu" else time.perf_counter)
                 cells = [str(parallel)] + [f"{row[c]:.3f}" for c in COLUMNS[1:-1]] + [f"{row['tok/s']:.0f}"]
                 print("| " + " | ".join(cells) + " |", flush=True)
     finally:
