@@ -80,7 +80,15 @@ class Sampler(SamplingOptions):
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Pick one token id from ``logits`` (shape ``(vocab,)``); ``history`` feeds the penalties."""
-        tokens, errors = sample_rows([self], _as_row(logits)[None], [history])
+        row = _as_row(logits)
+        if self._plain_greedy:
+            errors: dict[int, Exception] = {}
+            token = self._argmax(row, errors)
+            if errors:
+                raise errors[0]
+            if token is not None:
+                return token
+        tokens, errors = sample_rows([self], row[None], [history])
         if errors:
             raise errors[0]
         return int(tokens[0])
@@ -100,6 +108,17 @@ class Sampler(SamplingOptions):
 
     def uniform(self) -> float:
         return float(self._rng.random())
+
+    def _argmax(self, row: np.ndarray, errors: dict[int, Exception]) -> int | None:
+        """A plain greedy row (``_plain_greedy``) in scalars: its argmax, None when a bias lowers it
+        or names a token past the vocabulary (the full chain decides); an error for a NaN/inf top."""
+        best = int(row.argmax())
+        if self._bias_ids.size and (best in self._bias_set or self._bias_top >= row.size):
+            return None
+        top = float(row[best])
+        if not math.isfinite(top):
+            _check_tops(row[None], [0], errors, np.array([top]))
+        return best
 
     def fits_top(self, k: int) -> bool:
         """Whether a row's K largest logits (``k``) are all this sampler needs (``sample_top``): no
@@ -223,14 +242,10 @@ def _plain_argmax(samplers: Sequence[Sampler], logits: np.ndarray, tokens: np.nd
     """Greedy rows without penalties or raising biases: the argmax of the logits as they are, unless
     a bias lowers it (a lowered runner-up cannot overtake it) or names a token past the vocabulary.
     Returns the rows left to sample."""
-    if len(samplers) == 1 and samplers[0]._plain_greedy:  # one row (``Sampler.sample``, P = 1): in scalars
-        s, row = samplers[0], logits[0]
-        best = int(row.argmax())
-        if not s._bias_ids.size or (best not in s._bias_set and s._bias_top < row.size):
+    if len(samplers) == 1 and samplers[0]._plain_greedy:  # one row (P = 1): in scalars
+        best = samplers[0]._argmax(logits[0], errors)
+        if best is not None:
             tokens[0] = best
-            top = float(row[best])
-            if not math.isfinite(top):
-                _check_tops(logits, [0], errors, np.array([top]))
             return []
     plain = [i for i, s in enumerate(samplers) if s._plain_greedy]
     if not plain:

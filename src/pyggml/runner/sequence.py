@@ -358,6 +358,13 @@ def sample_sequences(rows: Sequence[tuple[int, RunningSequence]],
     sequence whose row cannot be sampled (the others go on)."""
     if not rows:
         return []
+    if len(rows) == 1 and not isinstance(logits, TopLogits):  # one sequence: no batch to build
+        row, seq = rows[0]
+        try:
+            scores = logits[row] if seq.constraint is None else seq.constraint.apply(logits[row])
+            return [seq.sampler.sample(scores, seq.history)]
+        except Exception as exc:
+            return [exc]
     if isinstance(logits, TopLogits):
         index = [row for row, _ in rows]
         tokens, redo = sample_top([seq.sampler for _, seq in rows], logits.ids[index], logits.vals[index],
