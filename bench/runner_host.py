@@ -13,7 +13,8 @@ sequence runs every step), greedy (``--sampling greedy``) or seeded temperature/
 so all host work is on one thread and timed exclusively, per step, in these columns (ms, median of the
 measured steps):
 
-- ``compute``: ggml's compute and the read of the logits (or sampled ids), ``Engine.compute``;
+- ``compute``: ggml's compute and the read of the logits (or of a sampling head's K logits per row,
+  ``--device-sampling``), ``Engine.compute``;
 - ``cache``: cache bookkeeping and graph refill (or build), ``Engine.build``;
 - ``sched``: packing the batch (inputs, positions, rows), admission, the loop;
 - ``sample``: choosing each sequence's token from its logits row(s);
@@ -44,7 +45,7 @@ TIMED: dict[str, list[tuple[str, str | None, str]]] = {
     "sched": [("pyggml.runner.runner", "Runner", name) for name in
               ("_iterate", "_build", "_admit", "_fill", "_start_masks", "_draft_all")],
     "sample": [("pyggml.runner.runner", "Runner", "_complete"), ("pyggml.sample", "Sampler", "sample"),
-               ("pyggml.sample", None, "sample_rows"), ("pyggml.runner.sequence", None, "sample_batch")],
+               ("pyggml.sample", None, "sample_rows"), ("pyggml.sample", None, "sample_top")],
     "detok": [("pyggml.runner.sequence", "RunningSequence", "accept")],
     "stream": [("pyggml.runner.sequence", "RunningSequence", "_put"), ("pyggml.runner.runner", "Runner", "_notify"),
                ("pyggml.runner.sequence", "CompletionStream", "__next__")],
@@ -54,7 +55,8 @@ TIMED: dict[str, list[tuple[str, str | None, str]]] = {
 class Profiler:
     """Exclusive time per phase: a wrapped call's time minus that of the wrapped calls inside it."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.totals = dict.fromkeys(PHASES, 0.0)
         self._stack: list[float] = []  # time spent in timed callees, per open call
         self._undo: list[Callable[[], None]] = []
@@ -71,7 +73,7 @@ class Profiler:
 
     def _wrap(self, owner, attr: str, phase: str) -> None:
         original = getattr(owner, attr)
-        stack, totals, clock = self._stack, self.totals, time.perf_counter
+        stack, totals, clock = self._stack, self.totals, self.clock
 
         def timed(*args, **kwargs):
             stack.append(0.0)
@@ -108,18 +110,22 @@ def synthetic_path(vocab: int) -> Path:
     return path
 
 
-def run(model, parallel: int, steps: int, warmup: int, sampling: str) -> dict[str, float]:
+def run(model, parallel: int, steps: int, warmup: int, sampling: str,
+        device_sampling: bool = False, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Median ms per step of each phase over ``steps`` decode steps with ``parallel`` sequences."""
     from pyggml.runner import CompletionRequest, Runner
 
     tok = model.tokenizer
-    banned = {t: -float("inf") for t in range(tok.vocab_size) if tok.is_eog(t)}
+    # EOG banned so that every sequence runs every step; not with --device-sampling, where a bias would
+    # send every row to the full logits (a random model then rarely ends a sequence early: a step of P-1)
+    banned = {} if device_sampling else {t: -float("inf") for t in range(tok.vocab_size) if tok.is_eog(t)}
     options = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.8, top_k=40, top_p=0.9)
-    profiler = Profiler()
+    profiler = Profiler(clock)
     per_step: list[dict[str, float]] = []
     # every prompt fits one batch (the runner's batches are at most num_ctx)
+    extra = dict(device_sampling=True) if device_sampling else {}  # (runners before issue 26 lack it)
     with Runner(model, parallel=parallel, num_ctx=max(4 * parallel, warmup + steps + 16), batch_size=4 * parallel,
-                build_ahead=False, background=False) as runner:
+                build_ahead=False, background=False, **extra) as runner:
         profiler.wrap_all()
         original = runner._iterate  # the timed one
 
@@ -165,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="decode steps before measuring (default 3)")
     parser.add_argument("--sampling", choices=("greedy", "random", "both"), default="both")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: the thread's CPU time (time.thread_time), steadier on a busy machine; it "
+                             "costs ~1 us per timed call and leaves out waits (the compute of 2+ threads)")
+    parser.add_argument("--device-sampling", action="store_true",
+                        help="graphs end in a sampling head (Runner(device_sampling=True))")
     args = parser.parse_args(argv)
     from pyggml import models
     from pyggml.backend import BackendParams
@@ -174,13 +185,15 @@ def main(argv: list[str] | None = None) -> int:
     model = models.load(path, BackendParams(n_threads=args.threads))
     try:
         print(f"# {path.name}: vocab {model.tokenizer.vocab_size}, {args.steps} steps after {args.warmup}, "
-              f"{args.threads} thread(s); ms per step (median)")
+              f"{args.threads} thread(s){', device sampling' if args.device_sampling else ''}; ms per step (median, "
+              f"{'thread CPU time' if args.clock == 'cpu' else 'wall clock'})")
         for sampling in ("greedy", "random") if args.sampling == "both" else (args.sampling,):
             print(f"\n## sampling: {sampling}\n")
             print("| " + " | ".join(COLUMNS) + " |")
             print("|" + "---|" * len(COLUMNS))
             for parallel in parallels:
-                row = run(model, parallel, args.steps, args.warmup, sampling)
+                row = run(model, parallel, args.steps, args.warmup, sampling, args.device_sampling,
+                          time.thread_time if args.clock == "cpu" else time.perf_counter)
                 cells = [str(parallel)] + [f"{row[c]:.3f}" for c in COLUMNS[1:-1]] + [f"{row['tok/s']:.0f}"]
                 print("| " + " | ".join(cells) + " |", flush=True)
     finally:

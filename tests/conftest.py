@@ -20,6 +20,17 @@ os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # a ggml abort must not fork gd
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 CI = os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+# PYGGML_TEST_DEVICE=gpu: the registry and parity tests place every layer on the GPU
+# (test_architectures.py); without a GPU they skip (marked ci_may_skip there)
+TEST_DEVICE = os.environ.get("PYGGML_TEST_DEVICE", "cpu").strip().lower() or "cpu"
+if TEST_DEVICE not in ("cpu", "gpu"):
+    raise pytest.UsageError(f"PYGGML_TEST_DEVICE must be cpu or gpu, got {TEST_DEVICE!r}")
+
+
+def gpu_present() -> bool:
+    import pyggml
+
+    return any(d.kind in ("gpu", "igpu") for d in pyggml.devices())
 
 try:
     from hypothesis import settings as _hypothesis_settings

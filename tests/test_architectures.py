@@ -8,6 +8,10 @@ F16 weights from the same random values), and the checks that apply to it run:
 - embedding models: embedding shape; F32 vs F16; two sequences in one batch equal each alone;
 - both: llama.cpp loads the same file, tokenizes alike and computes the same logits / embeddings.
 
+GPU test mode: ``PYGGML_TEST_DEVICE=gpu python -m pytest tests/test_architectures.py`` runs every
+check with ``gpu_layers="all"`` (against llama.cpp on the CPU) and adds CPU-vs-GPU parity per
+architecture; on a machine without a GPU every test of this module then skips (``ci_may_skip``).
+
 A new architecture joins by adding its tiny config (GGUF keys without the architecture prefix) to
 ``TINY``; ``test_every_architecture_has_a_tiny_config`` fails until it does.
 """
@@ -27,6 +31,12 @@ from pyggml import BackendParams, DType, models
 from pyggml.models import Batch, Model
 from pyggml.runner.engine import Engine
 from pyggml.synthetic import write_model
+from tests.conftest import TEST_DEVICE, gpu_present
+
+ON_GPU = TEST_DEVICE == "gpu"
+if ON_GPU:
+    pytestmark = pytest.mark.ci_may_skip
+GPU_TOLERANCE = 5e-3  # CPU vs GPU logits (relative to the largest); measured on an H200: <= 1.8e-3
 
 TINY: dict[str, dict] = {
     "llama": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
@@ -106,8 +116,11 @@ def tiny_file(tmp_path_factory):
     return get
 
 
-def load(path, max_sequences=1) -> Model:
-    model = models.load(path, BackendParams(n_threads=2))
+def load(path, max_sequences=1, device: str = TEST_DEVICE) -> Model:
+    if device == "gpu" and not gpu_present():
+        pytest.skip("PYGGML_TEST_DEVICE=gpu but this build of pyggml sees no GPU")
+    model = models.load(path, BackendParams(n_threads=2, gpu_layers="all" if device == "gpu" else 0))
+    assert device != "gpu" or model.backend.has_gpu
     if model.cache is not None:
         model.cache.init(model.backend, DType.F32, max_sequences=max_sequences, capacity=64, max_batch=32)
     return model
@@ -256,6 +269,29 @@ def test_embedding_two_sequences_in_one_batch_equal_each_alone(arch, tiny_file):
         assert error(together[1:], embed(model, [OTHER])) < SAME_TOLERANCE
     finally:
         model.close()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU test mode only (PYGGML_TEST_DEVICE=gpu)")
+@pytest.mark.ci_may_skip
+@pytest.mark.parametrize("arch", GENERATING)
+def test_gpu_logits_and_greedy_tokens_agree_with_cpu(arch, tiny_file):
+    """Every layer on the GPU against the CPU: a prompt's logits, then 8 greedy decode steps."""
+    prompt = [1, 5, 9, 13, 17, 21]
+    results = []
+    for device in ("cpu", "gpu"):
+        model = load(tiny_file(arch), device=device)
+        try:
+            logits = forward(model, prompt)
+            tokens = [int(np.argmax(logits[-1]))]
+            for i in range(7):
+                row = forward(model, tokens[-1:], positions=[len(prompt) + i], outputs=[0])[-1]
+                tokens.append(int(np.argmax(row)))
+            results.append((logits, tokens))
+        finally:
+            model.close()
+    (cpu_logits, cpu_tokens), (gpu_logits, gpu_tokens) = results
+    assert error(gpu_logits, cpu_logits) < GPU_TOLERANCE
+    assert gpu_tokens == cpu_tokens
 
 
 # ---- the same file in llama.cpp ----------------------------------------------------------------------

@@ -961,3 +961,26 @@ def test_flash_attention_with_a_quantized_cache(tiny_model):
             assert scaled_error(got, want) < bound, dtype.name
         finally:
             model.close()
+
+
+def test_batch_groups_are_runs_of_consecutive_streams_with_equal_token_counts():
+    """_plan_groups against the rule written out: a group continues while the next sequence is the next
+    stream and has as many tokens; a sequence whose tokens are not contiguous gives None."""
+    from pyggml.kvcache.causal import _plan_groups
+
+    rng = np.random.default_rng(8)
+    for _ in range(300):
+        order = rng.permutation(12)[: rng.integers(1, 12)] if rng.random() < 0.3 else np.arange(rng.integers(1, 12))
+        counts = rng.integers(1, 3, size=order.size) if rng.random() < 0.5 else np.ones(order.size, int)
+        sequences = np.repeat(order, counts).astype(np.int32)
+        expected, start = [], 0
+        for seq, count in zip(order.tolist(), counts.tolist(), strict=True):
+            last = expected[-1] if expected else None
+            if last is not None and last[3] == count and last[1] + last[2] == seq:
+                last[2] += 1
+            else:
+                expected.append([start, seq, 1, count])
+            start += count
+        got = _plan_groups(sequences)
+        assert [[g.start, g.stream, g.n_seqs, g.n_tokens] for g in got] == expected, sequences
+    assert _plan_groups(np.array([0, 1, 0], np.int32)) is None

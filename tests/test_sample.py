@@ -265,3 +265,51 @@ def test_batched_sampling_fails_rows_alone():
     assert "out of range" in str(errors[4])
     assert tokens.tolist()[0] == int(np.argmax(logits[0])) and tokens[5] == int(np.argmax(logits[5]))
     assert tokens[1] == tokens[2] == tokens[3] == tokens[4] == -1
+
+
+def test_sampling_from_the_k_largest_equals_sampling_from_all():
+    """sample_top (a sampling head's K largest logits per row, in any order) gives the tokens sample_rows
+    gives from the full rows; rows it cannot decide (a tie at the K-th value, NaN/inf) are handed back."""
+    from pyggml.sample import sample_rows, sample_top
+
+    rng = np.random.default_rng(21)
+    options = [dict(temperature=0.0), dict(), dict(temperature=1.5, top_k=5, min_p=0.05), dict(top_k=63, top_p=1.0),
+               dict(temperature=0.9, top_k=40, top_p=0.5), dict(temperature=0.7, top_k=1)]
+    n, vocab, k = 60, 3000, 64
+    logits = (rng.standard_normal((n, vocab)) * 2).astype(np.float32)
+    logits[7] = np.round(logits[7])  # ties at the K-th value: must be handed back
+    logits[9, 11] = np.nan
+    finite = np.isfinite(logits.sum(axis=1))
+    ids = np.argpartition(logits, vocab - k, axis=1)[:, -k:]
+    ids = rng.permuted(ids, axis=1)  # a device's order is its own
+    vals = np.take_along_axis(logits, ids, axis=1)
+    pick = [options[i % len(options)] for i in range(n)]
+    top_tokens, redo = sample_top([Sampler(**o, seed=i) for i, o in enumerate(pick)], ids, vals, finite, vocab)
+    full_tokens, errors = sample_rows([Sampler(**o, seed=i) for i, o in enumerate(pick)], logits)
+    assert 7 in redo and 9 in redo and 9 in errors
+    decided = [i for i in range(n) if i not in redo]
+    assert len(decided) >= n - 3
+    assert top_tokens[decided].tolist() == full_tokens[decided].tolist()
+    assert all(Sampler(**o).fits_top(k) for o in options)
+    assert not Sampler(top_k=0).fits_top(k) and not Sampler(repeat_penalty=1.1).fits_top(k)
+    assert not Sampler(logit_bias={1: 1.0}).fits_top(k) and not Sampler(top_k=64).fits_top(k)
+
+
+def test_greedy_from_the_k_largest_is_the_argmax():
+    """All-greedy rows take sample_top's short path: the argmax (lowest id among equal maxima) of the full
+    row; a row whose K values are all equal (the maximum may hide outside them) is handed back."""
+    from pyggml.sample import sample_top
+
+    rng = np.random.default_rng(5)
+    logits = np.round(rng.standard_normal((40, 500)) * 2, 1).astype(np.float32)  # equal values
+    logits[:, 17] = logits.max(axis=1)  # every row's maximum at least twice
+    logits[3] = 1.0
+    ids = rng.permuted(np.argpartition(logits, 500 - 16, axis=1)[:, -16:], axis=1)
+    vals = np.take_along_axis(logits, ids, axis=1)
+    tokens, redo = sample_top([Sampler(temperature=0) for _ in range(40)], ids, vals, np.ones(40, bool), 500)
+    assert 3 in redo
+    # the argmax is in the K whenever the K hold a value below the maximum (every maximum is then in)
+    assert len(redo) < 5
+    for i in range(40):
+        if i not in redo:
+            assert tokens[i] == int(np.argmax(logits[i])), i

@@ -80,7 +80,15 @@ class Sampler(SamplingOptions):
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Pick one token id from ``logits`` (shape ``(vocab,)``); ``history`` feeds the penalties."""
-        tokens, errors = sample_rows([self], _as_row(logits)[None], [history])
+        row = _as_row(logits)
+        if self._plain_greedy:
+            errors: dict[int, Exception] = {}
+            token = self._argmax(row, errors)
+            if errors:
+                raise errors[0]
+            if token is not None:
+                return token
+        tokens, errors = sample_rows([self], row[None], [history])
         if errors:
             raise errors[0]
         return int(tokens[0])
@@ -100,6 +108,24 @@ class Sampler(SamplingOptions):
 
     def uniform(self) -> float:
         return float(self._rng.random())
+
+    def _argmax(self, row: np.ndarray, errors: dict[int, Exception]) -> int | None:
+        """A plain greedy row (``_plain_greedy``) in scalars: its argmax, None when a bias lowers it
+        or names a token past the vocabulary (the full chain decides); an error for a NaN/inf top."""
+        best = int(row.argmax())
+        if self._bias_ids.size and (best in self._bias_set or self._bias_top >= row.size):
+            return None
+        top = float(row[best])
+        if not math.isfinite(top):
+            _check_tops(row[None], [0], errors, np.array([top]))
+        return best
+
+    def fits_top(self, k: int) -> bool:
+        """Whether a row's K largest logits (``k``) are all this sampler needs (``sample_top``): no
+        penalties, bias or typical sampling, and greedy or a top-k below ``k`` (the k-th value must be
+        seen to be above the K-th, so that no equal logit hides outside the K)."""
+        return not self._penalises and not self._bias_ids.size and self.typical_p >= 1.0 and \
+            (self.temperature <= 0 or 0 < self.top_k < k)
 
     def _candidates(self, logits: np.ndarray, history: Sequence[int]) -> tuple[Any, np.ndarray | None]:
         """The surviving (ids, logits) in drawing order after penalties, bias and truncation;
@@ -132,6 +158,7 @@ class _Pool:
     ids: np.ndarray | None
     vals: np.ndarray
     keep: np.ndarray | None
+    n_keep: np.ndarray | None = None  # top-p/min-p of a sorted pool: how many lead entries are kept
 
 
 def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray,
@@ -169,10 +196,7 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray,
             _check_tops(logits, drawn, errors)
             drawn = [i for i in drawn if i not in errors]
         for pool in _pools(samplers, logits, drawn):
-            temps = np.array([samplers[i].temperature for i in pool.rows], np.float32)
-            u = np.array([samplers[i]._rng.random() for i in pool.rows])
-            index = _draw(pool.vals, pool.keep, temps, u)
-            tokens[pool.rows] = index if pool.ids is None else pool.ids[np.arange(len(pool.rows)), index]
+            _draw_pool(samplers, pool, tokens)
     finally:
         undo()
     if errors:
@@ -180,11 +204,49 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray,
     return tokens, errors
 
 
+def sample_top(samplers: Sequence[Sampler], ids: np.ndarray, vals: np.ndarray, finite: np.ndarray,
+               vocab: int) -> tuple[np.ndarray, list[int]]:
+    """``sample_rows`` from each row's K largest logits only (``ids``, ``vals``: (rows, K), any
+    order; ``finite``: whether the whole row is), for samplers that ``fits_top(K)``: the same tokens,
+    as the candidates are the same once put in the canonical order. Rows it cannot decide get -1 and
+    are listed for ``sample_rows`` on their full logits: a NaN or infinity in the row, or a tie at the
+    K-th value that could hide an equal logit outside the K."""
+    n, k_top = ids.shape
+    if all(s.temperature <= 0 for s in samplers):  # greedy: the largest value, the lowest id among equals
+        top = vals.max(axis=1)
+        tokens = np.where(vals == top[:, None], ids, vocab).min(axis=1).astype(np.int64)
+        decided = finite & ((top > vals.min(axis=1)) | (k_top >= vocab))
+        tokens[~decided] = -1
+        return tokens, np.flatnonzero(~decided).tolist()
+    order = _by_row_value_id(np.repeat(np.arange(n), k_top), vals.reshape(-1), ids.reshape(-1), vocab)
+    ids, vals = ids.reshape(-1)[order].reshape(n, k_top), vals.reshape(-1)[order].reshape(n, k_top)
+    need = np.array([1 if s.temperature <= 0 else s.top_k for s in samplers])
+    decided = finite & ((vals[np.arange(n), need - 1] > vals[:, -1]) | (k_top >= vocab)) & \
+        (need < vocab)  # a top-k of the whole vocabulary samples in id order (``_pools``)
+    tokens = np.full(n, -1, np.int64)
+    redo = np.flatnonzero(~decided).tolist()
+    greedy = [i for i in range(n) if decided[i] and samplers[i].temperature <= 0]
+    tokens[greedy] = ids[greedy, 0]
+    by_k: dict[int, list[int]] = {}
+    for i in range(n):
+        if decided[i] and samplers[i].temperature > 0:
+            by_k.setdefault(samplers[i].top_k, []).append(i)
+    for k, rows in by_k.items():
+        for pool in _truncate(samplers, _Pool(rows, ids[rows, :k], vals[rows, :k], None)):
+            _draw_pool(samplers, pool, tokens)
+    return tokens, redo
+
+
 def _plain_argmax(samplers: Sequence[Sampler], logits: np.ndarray, tokens: np.ndarray,
                   errors: dict[int, Exception]) -> list[int]:
     """Greedy rows without penalties or raising biases: the argmax of the logits as they are, unless
     a bias lowers it (a lowered runner-up cannot overtake it) or names a token past the vocabulary.
     Returns the rows left to sample."""
+    if len(samplers) == 1 and samplers[0]._plain_greedy:  # one row (P = 1): in scalars
+        best = samplers[0]._argmax(logits[0], errors)
+        if best is not None:
+            tokens[0] = best
+            return []
     plain = [i for i, s in enumerate(samplers) if s._plain_greedy]
     if not plain:
         return list(range(len(samplers)))
@@ -206,10 +268,15 @@ def _plain_argmax(samplers: Sequence[Sampler], logits: np.ndarray, tokens: np.nd
 
 
 def _rowwise(fn, logits: np.ndarray, rows: list[int]) -> np.ndarray:
-    """``fn(logits[rows], axis=1)`` without copying the rows out when they are all of them."""
-    if len(rows) == logits.shape[0]:
-        return fn(logits, axis=1)
-    return np.array([fn(logits[i]) for i in rows])
+    """``fn(logits[rows], axis=1)`` without copying the rows out."""
+    return fn(_take(logits, rows), axis=1)
+
+
+def _take(logits: np.ndarray, rows: list[int]) -> np.ndarray:
+    """``logits[rows]``: a view when the rows are consecutive (the usual case), else a copy."""
+    if rows and rows[-1] - rows[0] == len(rows) - 1 and (len(rows) < 3 or rows == list(range(rows[0], rows[-1] + 1))):
+        return logits[rows[0]:rows[-1] + 1]
+    return logits[rows]
 
 
 def _check_tops(logits: np.ndarray, rows: list[int], errors: dict[int, Exception],
@@ -218,6 +285,8 @@ def _check_tops(logits: np.ndarray, rows: list[int], errors: dict[int, Exception
     when known; an argmax finds a NaN as the largest)."""
     if tops is None:
         tops = _rowwise(np.max, logits, rows)
+    if np.isfinite(tops).all():
+        return
     bad = ~np.isfinite(tops)
     for i, top in zip(np.asarray(rows)[bad].tolist(), tops[bad].tolist(), strict=True):
         if math.isnan(top):
@@ -289,7 +358,7 @@ def _pools(samplers: Sequence[Sampler], logits: np.ndarray, rows: list[int]) -> 
             ids, vals = _top_k_rows(logits, group, k)
             pools += _truncate(samplers, _Pool(group, ids, vals, None))
         elif k == 0:  # no truncation but min-p: the whole vocabulary in id order
-            vals = logits if len(group) == logits.shape[0] else logits[group]
+            vals = _take(logits, group)
             min_p = np.array([samplers[i].min_p for i in group])
             keep = None
             if min_p.any():
@@ -306,7 +375,7 @@ def _top_k_rows(logits: np.ndarray, rows: list[int], k: int) -> tuple[np.ndarray
     """(ids, logits), each (len(rows), k): the k largest logits of each row, largest first, ties by
     lower id. Rows go in slices that stay in the CPU's cache (each pass over the slice is then cheap)."""
     chunk = max(1, _CACHED_LOGITS // logits.shape[1])
-    parts = [_top_k_slice(logits[rows[i:i + chunk]], k) for i in range(0, len(rows), chunk)]
+    parts = [_top_k_slice(_take(logits, rows[i:i + chunk]), k) for i in range(0, len(rows), chunk)]
     if len(parts) == 1:
         return parts[0]
     return np.concatenate([ids for ids, _ in parts]), np.concatenate([vals for _, vals in parts])
@@ -323,6 +392,11 @@ def _top_k_slice(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         bound = np.partition(sample, sample.shape[1] - k, axis=1)[:, sample.shape[1] - k]
     else:
         bound = np.partition(m, vocab - k, axis=1)[:, vocab - k]
+    if n == 1:  # one row (``Sampler.sample``, P = 1): fewer numpy calls
+        c = np.flatnonzero(m[0] >= bound[0])
+        v = m[0, c]
+        top = _by_row_value_id(None, v, c, vocab)[:k]
+        return c[top][None], v[top][None]
     r, c = np.divmod(np.flatnonzero(m >= bound[:, None]), vocab)  # by row, then id
     v = m[r, c]
     order = _by_row_value_id(r, v, c, vocab)
@@ -332,15 +406,20 @@ def _top_k_slice(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return c[top].reshape(n, k), v[top].reshape(n, k)
 
 
-def _by_row_value_id(r: np.ndarray, v: np.ndarray, c: np.ndarray, vocab: int) -> np.ndarray:
-    """The order of entries by row, then value (largest first), then id. For float32 one sort of
-    unique int64 keys (row, the value's bits made monotonic, id); else two stable sorts."""
+def _by_row_value_id(r: np.ndarray | None, v: np.ndarray, c: np.ndarray, vocab: int) -> np.ndarray:
+    """The order of entries (ids ``c`` ascending within a row) by row (None: all in one), then value
+    (largest first), then id. For float32 one sort of unique int64 keys (row, the value's bits made
+    monotonic, id); one row: a lexsort; else two stable sorts."""
+    if r is None:
+        return np.lexsort((c, -v))
     if v.dtype != np.float32 or vocab > 1 << 18 or r.size and r[-1] >= 1 << 13:
         order = np.argsort(-v, kind="stable")  # ids come in ascending order: stable keeps ties so
         return order[np.argsort(r[order], kind="stable")]
     bits = (v + np.float32(0.0)).view(np.int32)  # + 0: -0.0 becomes 0.0, equal values equal bits
     monotonic = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)  # ordered like the floats
-    keys = (r.astype(np.int64) << 50) | ((0x7FFFFFFF - monotonic) << 18) | c
+    keys = ((0x7FFFFFFF - monotonic) << 18) | c
+    if r is not None:
+        keys |= r.astype(np.int64) << 50
     return np.argsort(keys)
 
 
@@ -356,20 +435,38 @@ def _truncate(samplers: Sequence[Sampler], pool: _Pool) -> list[_Pool]:
         pool = _Pool([pool.rows[j] for j in rest], pool.ids[rest], pool.vals[rest], None)
     vals = pool.vals
     width = vals.shape[1]
-    n_keep = np.full(len(pool.rows), width)
-    top_p = np.array([samplers[i].top_p for i in pool.rows])
-    if (top_p < 1.0).any():
+    if len(pool.rows) == 1:
+        pool.n_keep = np.array([_prefix_kept(samplers[pool.rows[0]], vals[0])])
+        return [pool, *singles]
+    n_keep = None
+    top_p = [samplers[i].top_p for i in pool.rows]
+    if min(top_p) < 1.0:
+        p = np.array(top_p)
         cum = np.cumsum(np.exp(vals - vals[:, :1]), axis=1)
-        reach = np.minimum((cum < top_p[:, None] * cum[:, -1:]).sum(axis=1) + 1, width)
-        n_keep = np.where(top_p < 1.0, reach, n_keep)
-    min_p = np.array([samplers[i].min_p for i in pool.rows])
-    if min_p.any():
+        reach = np.minimum((cum < p[:, None] * cum[:, -1:]).sum(axis=1) + 1, width)
+        n_keep = np.where(p < 1.0, reach, width)
+    min_p = [samplers[i].min_p for i in pool.rows]
+    if max(min_p) > 0.0:
+        m = np.array(min_p)
         with np.errstate(divide="ignore"):
-            above = (vals >= (vals[:, 0] + np.log(min_p).astype(vals.dtype))[:, None]).sum(axis=1)
-        n_keep = np.where(min_p > 0, np.minimum(n_keep, above), n_keep)
-    if (n_keep < width).any():
-        pool.keep = np.arange(width) < n_keep[:, None]
+            above = (vals >= (vals[:, 0] + np.log(m).astype(vals.dtype))[:, None]).sum(axis=1)
+        n_keep = np.where(m > 0, np.minimum(width if n_keep is None else n_keep, above), n_keep)
+    if n_keep is not None:
+        pool.keep, pool.n_keep = np.arange(width) < n_keep[:, None], n_keep
     return [pool, *singles]
+
+
+def _prefix_kept(s: Sampler, vals: np.ndarray) -> int:
+    """``_truncate`` of one sorted row in scalars: the same arithmetic (float32 sums, float64 mass
+    bound, a float32 min-p threshold), fewer numpy calls."""
+    n = vals.size
+    if s.top_p < 1.0:
+        cum = np.cumsum(np.exp(vals - vals[0]))
+        n = min(int(np.count_nonzero(cum < np.float64(s.top_p) * np.float64(cum[-1]))) + 1, n)
+    if s.min_p > 0.0:
+        threshold = vals[0] + np.log(np.array([s.min_p])).astype(vals.dtype)[0]
+        n = min(n, int(np.count_nonzero(vals >= threshold)))
+    return n
 
 
 def _truncate_one(s: Sampler, row: int, ids: np.ndarray, vals: np.ndarray) -> _Pool:
@@ -385,6 +482,20 @@ def _truncate_one(s: Sampler, row: int, ids: np.ndarray, vals: np.ndarray) -> _P
     return _Pool([row], ids[None], vals[None], None)
 
 
+def _draw_pool(samplers: Sequence[Sampler], pool: _Pool, tokens: np.ndarray) -> None:
+    """Draw each row of ``pool`` (one uniform number from its sampler's generator) into ``tokens``."""
+    if len(pool.rows) == 1 and (pool.keep is None or pool.n_keep is not None):
+        s = samplers[pool.rows[0]]
+        n = pool.vals.shape[1] if pool.n_keep is None else int(pool.n_keep[0])
+        index = np.array([_draw_one(pool.vals[0, :n], s.temperature, s._rng.random())])
+        tokens[pool.rows] = index if pool.ids is None else pool.ids[0, index]
+        return
+    temps = np.array([samplers[i].temperature for i in pool.rows], np.float32)
+    u = np.array([samplers[i]._rng.random() for i in pool.rows])
+    index = _draw(pool.vals, pool.keep, temps, u)
+    tokens[pool.rows] = index if pool.ids is None else pool.ids[np.arange(len(pool.rows)), index]
+
+
 def _draw(vals: np.ndarray, keep: np.ndarray | None, temps: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Per row, the index drawn from softmax(vals / temperature) over the kept entries with the
     uniform number ``u``: cumulative weights summed in order, so a row's draw is the same in any
@@ -394,6 +505,16 @@ def _draw(vals: np.ndarray, keep: np.ndarray | None, temps: np.ndarray, u: np.nd
         scaled = np.where(keep, scaled, -np.inf)
     weights = np.exp(scaled - scaled.max(axis=1)[:, None])
     return _pick(np.cumsum(weights, axis=1), u)
+
+
+def _draw_one(vals: np.ndarray, temperature: float, u: float) -> int:
+    """``_draw`` of one row's kept entries, in scalars (the same arithmetic: float32 weights summed in
+    order, a float64 threshold)."""
+    scaled = vals / np.float32(temperature)
+    cdf = np.cumsum(np.exp(scaled - scaled.max()))
+    total = np.float64(cdf[-1])
+    index = int(np.count_nonzero(cdf <= np.float64(u) * total))
+    return index if index < cdf.size else int(np.argmax(cdf >= total))
 
 
 def _pick(cdf: np.ndarray, u: np.ndarray) -> np.ndarray:

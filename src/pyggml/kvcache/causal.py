@@ -98,14 +98,11 @@ def _plan_groups(sequences: np.ndarray) -> list[_Group] | None:
     if np.unique(seqs).size != seqs.size:
         return None
     lengths = np.diff(np.r_[starts, n])
-    groups: list[_Group] = []
-    for start, seq, length in zip(starts.tolist(), seqs.tolist(), lengths.tolist(), strict=True):
-        last = groups[-1] if groups else None
-        if last is not None and last.n_tokens == length and last.stream + last.n_seqs == seq:
-            last.n_seqs += 1
-        else:
-            groups.append(_Group(start, seq, 1, length))
-    return groups
+    # a group ends where the next sequence is not the next stream or has another token count
+    first = np.flatnonzero(np.r_[True, (seqs[1:] != seqs[:-1] + 1) | (lengths[1:] != lengths[:-1])])
+    counts = np.diff(np.r_[first, seqs.size])
+    return [_Group(start, seq, count, length) for start, seq, count, length in
+            zip(starts[first].tolist(), seqs[first].tolist(), counts.tolist(), lengths[first].tolist(), strict=True)]
 
 
 class Causal(Cache):

@@ -10,6 +10,13 @@ graph is built. A graph is kept only if every input it reads is refillable (``Co
 The Runner (and through it ``LLM``, the CLI and the server) and ``pyggml bench`` call this; no
 other module builds model graphs for generation.
 
+Sampling head (``sample_head=K``; ``Runner(device_sampling=True)``): a generation graph also ends
+in each row's K largest logits (ids and values, ``top_k`` + ``rows``) and the row sums (a NaN or an
+infinity anywhere shows there), so a step whose rows all sample plainly (greedy, or temperature with
+top-k <= K, top-p, min-p) reads P x K numbers instead of P x vocab (``compute(read="top")``: a
+``TopLogits``); the full logits stay on the device and are read only if a row needs them after all.
+
+
 Images: the model's ``VisionPart`` (``model.vision``) builds an image's encoder graph
 (``Engine.encode``); the engine keeps one per shape of its inputs (so images of several sizes, as a
 dynamic-resolution encoder makes them, each get theirs): the next image of that shape refills the
@@ -30,18 +37,39 @@ import numpy as np
 from pyggml import nn
 from pyggml.input import Batch, Multimodal
 
+SAMPLE_HEAD_K = 64  # logits per row a sampling head returns (top-k up to this samples from them)
 MAX_VISION_GRAPHS = 4  # vision graphs kept, one per image input shape (most recently used last)
 
 
 @dataclass(eq=False)
 class Graph:
     """A built forward pass: its context and the logits tensor (vocab, rows). ``kept``: it belongs
-    to the engine's pool (computed again later) rather than to the caller."""
+    to the engine's pool (computed again later) rather than to the caller. ``top``: the sampling
+    head's tensors (ids (K, rows), values (1, K, rows), row sums (1, rows)), or None."""
 
     key: tuple
     ctx: Any
     logits: Any
     kept: bool = False
+    top: tuple | None = None
+
+
+class TopLogits:
+    """What a step with a sampling head read: per row the K largest logits (``ids``, ``vals``, (rows,
+    K), in no particular order) and whether the row is finite; ``full()`` reads every logit (once)."""
+
+    def __init__(self, ids: np.ndarray, vals: np.ndarray, finite: np.ndarray, graph: Graph):
+        self.ids, self.vals, self.finite = ids, vals, finite
+        self._graph, self._full = graph, None
+
+    @property
+    def vocab(self) -> int:
+        return self._graph.logits.shape[0]
+
+    def full(self) -> np.ndarray:
+        if self._full is None:
+            self._full = self._graph.logits.numpy()
+        return self._full
 
 
 def graph_key(batch: Batch) -> tuple:
@@ -54,9 +82,10 @@ class Engine:
     (two lets one compute while the next is refilled; 0 rebuilds every pass), the least recently
     used evicted first."""
 
-    def __init__(self, model: Any, keep: int = 2):
+    def __init__(self, model: Any, keep: int = 2, sample_head: int = 0):
         self.model = model
         self.keep = keep
+        self.sample_head = sample_head  # K of the sampling head (0: none)
         self._kept: list[Graph] = []
         self.n_nodes = 0  # nodes of the last graph built
         self.built = 0  # graphs built
@@ -97,6 +126,7 @@ class Engine:
             t1 = time.perf_counter()
             logits = self.model.forward(ctx, batch)
             ctx.forward(logits)
+            top = self.head(ctx, logits) if self.sample_head and batch.output_rows else None
         except BaseException:
             ctx.close()
             raise
@@ -105,19 +135,36 @@ class Engine:
         _add(times, "graph", t2 - t1)
         self.n_nodes = ctx.n_nodes
         self.built += 1
-        graph = Graph(key, ctx, logits)
+        graph = Graph(key, ctx, logits, top=top)
         if ctx.reusable and self.keep > 0:
             self._keep(graph, busy)
         return graph
 
-    def compute(self, graph: Graph, read: bool = True, times: dict[str, float] | None = None) -> np.ndarray | None:
-        """Compute ``graph``; returns its logits (rows, vocab) when ``read``. A graph the engine
-        does not keep is closed afterwards. ``times``: seconds of "compute" and "output"."""
+    def head(self, ctx: Any, logits: Any) -> tuple:
+        """The sampling head: each row's K largest logits (ids, values) and its sum."""
+        vocab, rows = logits.shape[0], logits.shape[1]
+        ids = logits.top_k(min(self.sample_head, vocab))
+        vals = logits.reshape(1, vocab, rows).rows(ids)
+        sums = logits.sum_rows()
+        ctx.forward(ids, vals, sums)
+        return ids, vals, sums
+
+    def compute(self, graph: Graph, read: bool | str = True,
+                times: dict[str, float] | None = None) -> np.ndarray | TopLogits | None:
+        """Compute ``graph``; returns its logits (rows, vocab) when ``read``, or with ``read="top"``
+        (a graph with a sampling head) a ``TopLogits``. A graph the engine does not keep is closed
+        afterwards (its logits are read first). ``times``: seconds of "compute" and "output"."""
         t0 = time.perf_counter()
         try:
-            graph.ctx.compute(graph.logits)
+            graph.ctx.compute(graph.logits, *(graph.top or ()))
             t1 = time.perf_counter()
-            out = graph.logits.numpy() if read else None
+            if read == "top":
+                ids, vals, sums = (t.numpy() for t in graph.top)
+                out = TopLogits(ids, vals.reshape(ids.shape), np.isfinite(sums.reshape(-1)), graph)
+                if not graph.kept:
+                    out.full()
+            else:
+                out = graph.logits.numpy() if read else None
         finally:
             if not graph.kept:
                 graph.ctx.close()

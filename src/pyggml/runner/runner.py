@@ -45,7 +45,7 @@ import numpy as np
 from pyggml.input import Input
 from pyggml.models import Model, ModelError, Pooling
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
-from pyggml.runner.engine import Engine, reads_in_place
+from pyggml.runner.engine import SAMPLE_HEAD_K, Engine, reads_in_place
 from pyggml.runner.images import Images
 from pyggml.runner.inputcache import InputCache
 from pyggml.runner.plugins import Constraints, ContextShift, StepPlugin
@@ -84,17 +84,25 @@ class Runner:
     thread: the thread reading a completion's chunks runs the loop until the next chunk is there
     (``LLM``: one caller, no thread hand-off per token). An embedding model (``model.pooling`` set)
     serves ``embedding``/``embeddings`` instead, one forward pass at a time, with no KV cache; a
-    model that only embeds refuses completions. One runner per model; close it before the model."""
+    model that only embeds refuses completions. One runner per model; close it before the model.
+    ``device_sampling``: graphs end in a sampling head, and steps whose sequences all sample plainly
+    read each row's K largest logits instead of every logit (``Engine``; the same tokens).
+    ``device_sampling``: graphs end in a sampling head, and steps whose sequences all sample plainly
+    read each row's K largest logits instead of every logit (``Engine``; the same tokens)."""
 
     def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool | None = None,
-                 background: bool = True, draft: Model | None = None, draft_max: int = 8):
+                 background: bool = True, draft: Model | None = None, draft_max: int = 8,
+                 device_sampling: bool = False):
         parallel = self._check(model, parallel, num_ctx, batch_size)
         self.model, self.tokenizer = model, model.tokenizer
         self.parallel, self.num_ctx = parallel, num_ctx
         self.batch_size = min(batch_size, num_ctx)
         self.embedder = Embedder(model, num_ctx, batch_size) if model.pooling is not None else None
-        self.engine = Engine(model, keep=2)
+        # off by default until issue 25's stale compute-buffer bug (argsort after an in-place op) is fixed:
+        # a graph reserved with the head made its top_k return garbage ids (tests/test_device_sampling.py);
+        # then the default is meant to be model.backend.has_gpu (a CPU computes the head slower than numpy)
+        self.engine = Engine(model, keep=2, sample_head=SAMPLE_HEAD_K if device_sampling else 0)
         # an image's inputs go in one batch (same_batch): one longer than batch_size gets a batch that
         # grows to hold it (as Ollama's runner does), up to max_batch, reserved below
         self.images = Images(self, model.vision) if model.generates and model.vision is not None else None
@@ -464,7 +472,11 @@ class Runner:
             step.ids[index] = max(inp.token, 0)
 
     def _compute(self, step: Step) -> np.ndarray | None:
-        return self.engine.compute(step.graph, read=step.reads_logits)
+        read: bool | str = step.reads_logits
+        if read and step.graph.top is not None and not step.scored and not step.spec and \
+                all(seq.samples_from_top(self.engine.sample_head) for _, seq in step.rows):
+            read = "top"  # the sampling head's K logits per row are all the step needs
+        return self.engine.compute(step.graph, read=read)
 
     def _complete(self, step: Step) -> None:
         """Wait for a batch, then let the plug-ins and the samplers take its logits rows."""
@@ -492,9 +504,9 @@ class Runner:
             if isinstance(token, Exception):
                 self.release(seq, error=token)
             else:
-                self._take(seq, token, logits[row])
+                self._take(seq, token, logits[row] if seq.request.logprobs else None)
 
-    def _take(self, seq: RunningSequence, token: int, row: np.ndarray) -> None:
+    def _take(self, seq: RunningSequence, token: int, row: np.ndarray | None) -> None:
         """``seq`` sampled ``token`` from logits ``row``: fill its placeholder (build-ahead) or queue the
         token as its next input, and stream it (or end the sequence)."""
         placeholder, seq.placeholder = seq.placeholder, None

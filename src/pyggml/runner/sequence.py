@@ -17,8 +17,9 @@ import numpy as np
 
 from pyggml.constrain import Constraint, grammar_for
 from pyggml.models import Input
+from pyggml.runner.engine import TopLogits
 from pyggml.runner.inputcache import InputCacheSlot
-from pyggml.sample import Sampler, SamplingOptions, logprobs, sample_rows
+from pyggml.sample import Sampler, SamplingOptions, logprobs, sample_rows, sample_top
 
 MAX_LOGPROBS = 20
 MAX_DRAFT = 32  # most tokens drafted per step (speculative decoding)
@@ -232,6 +233,7 @@ class StopMatcher:
                 self._ends[child] += self._ends[self._fail[child]]
                 todo.append(child)
         self._state = 0
+        self._starts = frozenset(self._goto[0])  # first characters of the stops
 
     @property
     def partial(self) -> int:
@@ -241,6 +243,8 @@ class StopMatcher:
     def feed(self, piece: str, offset: int = 0) -> int | None:
         """Feed the next ``piece`` of text, which starts at index ``offset`` of the caller's
         buffer; returns the buffer index where the earliest-starting stop ending in it starts."""
+        if not self._state and self._starts.isdisjoint(piece):  # no stop can begin in it (the usual token)
+            return None
         goto, fail, ends = self._goto, self._fail, self._ends
         state, cut = self._state, None
         for j, ch in enumerate(piece, offset):
@@ -320,8 +324,14 @@ class RunningSequence:
         limit = self.request.max_tokens
         return limit < 0 or self.generated + self.outputs_in_flight < limit
 
-    def accept(self, token: int, logits: np.ndarray) -> str | None:
-        """Take a sampled token: stream the text it completes; returns a finish reason or None."""
+    def samples_from_top(self, k: int) -> bool:
+        """Whether the K largest logits of its row are all its next token needs (``sample_top``): no
+        grammar, no logprobs, and a sampler that ``fits_top(k)``."""
+        return self.constraint is None and not self.request.logprobs and self.sampler.fits_top(k)
+
+    def accept(self, token: int, logits: np.ndarray | None) -> str | None:
+        """Take a sampled token: stream the text it completes; returns a finish reason or None.
+        ``logits``: its row's logits (needed only for ``logprobs``)."""
         if not self.generated:
             self.t_first = time.perf_counter()
         self.generated += 1
@@ -406,12 +416,30 @@ class RunningSequence:
         return chunk
 
 
-def sample_sequences(rows: Sequence[tuple[int, RunningSequence]], logits: np.ndarray) -> list[int | Exception]:
-    """The next token of each (logits row, sequence), all sampled together (``sample_rows``); a
-    sequence's grammar masks its row first. An entry is the exception instead for a sequence whose
-    row cannot be sampled (the others go on)."""
+def sample_sequences(rows: Sequence[tuple[int, RunningSequence]],
+                     logits: np.ndarray | TopLogits) -> list[int | Exception]:
+    """The next token of each (logits row, sequence), all sampled together (``sample_rows``; from a
+    sampling head's ``TopLogits``, ``sample_top``, reading the full logits only for rows it cannot
+    decide); a sequence's grammar masks its row first. An entry is the exception instead for a
+    sequence whose row cannot be sampled (the others go on)."""
     if not rows:
         return []
+    if len(rows) == 1 and not isinstance(logits, TopLogits):  # one sequence: no batch to build
+        row, seq = rows[0]
+        try:
+            scores = logits[row] if seq.constraint is None else seq.constraint.apply(logits[row])
+            return [seq.sampler.sample(scores, seq.history)]
+        except Exception as exc:
+            return [exc]
+    if isinstance(logits, TopLogits):
+        index = [row for row, _ in rows]
+        tokens, redo = sample_top([seq.sampler for _, seq in rows], logits.ids[index], logits.vals[index],
+                                  logits.finite[index], logits.vocab)
+        out: list[int | Exception] = tokens.tolist()
+        if redo:
+            for j, token in zip(redo, sample_sequences([rows[j] for j in redo], logits.full()), strict=True):
+                out[j] = token
+        return out
     index = [row for row, _ in rows]
     first = index[0]
     constrained = [j for j, (_, seq) in enumerate(rows) if seq.constraint is not None]
