@@ -18,10 +18,7 @@ import re
 import sys
 import time
 
-import httpx
 import numpy as np
-
-from tests._server import running_server
 
 TIMEOUT = 60.0
 
@@ -63,6 +60,8 @@ REPRO = {
 
 def post(base: str, model: str, route: str, body: dict) -> tuple[int | None, str]:
     """(status, error message or generated text); status None: no answer within TIMEOUT."""
+    import httpx
+
     try:
         response = httpx.post(base + route, json={"model": model, "stream": False, **body}, timeout=TIMEOUT)
     except httpx.TimeoutException:
@@ -153,6 +152,8 @@ FAMILIES = {"lark chain": _lark_chain, "gbnf chain": _gbnf_chain, "nested bracke
 
 
 def main() -> None:
+    from tests._server import running_server
+
     model_path, mode = sys.argv[1], sys.argv[2]
     with running_server(model_path, parallel=2, num_ctx=256) as (base, served):
         if mode == "repro":
