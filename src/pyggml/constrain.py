@@ -11,7 +11,11 @@ with one vectorised numpy operation.
 Grammar sources (``grammar_for``): ``format="json"`` (a JSON object) or a JSON schema dict (Ollama's
 ``format``, OpenAI's ``response_format``), and ``grammar`` as a ``Grammar`` or a string: a Lark
 grammar, or a GBNF one (recognised by its ``::=`` rules) converted to Lark. Invalid schemas and
-grammars, and schema keywords llguidance cannot enforce, are a ``ValueError`` with its message.
+grammars, schema keywords llguidance cannot enforce and grammars no output can match are a
+``ConstraintError`` (a ``ValueError``) with its message, naming the request field a grammar came
+from (``Grammar.named``). Grammars beyond the size bounds below are refused before llguidance sees
+them, and each new grammar is compiled first in a worker process (``pyggml.grammar_worker``), where
+a crash or a runaway costs that grammar, not this process.
 """
 
 from __future__ import annotations
