@@ -522,6 +522,7 @@ GRAMMAR_SCRIPT = textwrap.dedent(r'''
         counts[name]["tried"] += 1
         try:
             c = Constraint(FAMILIES[name](), tok)
+            c.compute_mask()
             for _ in range(8):  # a few steps: limits can be reached while generating too
                 if c.stopped:
                     break

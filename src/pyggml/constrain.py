@@ -340,7 +340,11 @@ def compile_here(grammar: Grammar, tokenizer) -> str:
     if is_error:
         raise ConstraintError(grammar.where(f"invalid {grammar.kind} grammar: "
                                             f"{messages[0] if messages else 'unknown error'}"))
-    Constraint(grammar, tokenizer, text)  # its first mask shows a grammar that matches nothing
+    first = Constraint(grammar, tokenizer, text)
+    first.compute_mask()  # the first mask shows a grammar that matches nothing
+    if first.matcher.is_error() or (first.stopped and not first.accepting):
+        raise ConstraintError(grammar.where(f"the {grammar.kind} grammar matches no output (a rule that never "
+                                            "ends, or one no text can satisfy, such as a $ref loop)"))
     return text
 
 
@@ -361,10 +365,6 @@ class Constraint:
         self.mask_ready = False
         self.bias: np.ndarray | None = None
         self.draft_biases: list[np.ndarray] = []  # precomputed rows of a speculative step
-        self.compute_mask()  # the first mask, needed anyway: it shows a grammar no output can match
-        if self.matcher.is_error() or (self.stopped and not self.accepting):
-            raise ConstraintError(grammar.where(f"the {grammar.kind} grammar matches no output (a rule that "
-                                                "never ends, or one no text can satisfy, such as a $ref loop)"))
 
     def compute_mask(self) -> None:
         """Fill the bitmask of tokens allowed next (llguidance releases the GIL meanwhile) and turn
