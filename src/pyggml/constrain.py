@@ -60,7 +60,7 @@ MAX_RULES = 1000  # Lark or GBNF rule definitions
 MAX_NESTING = 100  # brackets inside a grammar or regex
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema, as JSON
 MAX_SCHEMA_NODES = 20_000  # its objects and arrays
-MAX_SCHEMA_DEPTH = 256  # objects and arrays on any path, following $ref
+MAX_SCHEMA_DEPTH = 128  # objects and arrays on any path, following $ref (llguidance's JSON parser's limit)
 
 
 @dataclass(frozen=True)
@@ -146,10 +146,25 @@ def _size_problem(kind: str, source: Any) -> str | None:
         rules = len(re.findall(rule, source, re.M))
         if rules > MAX_RULES:
             return f"the {kind} grammar has {rules} rules, more than the {MAX_RULES} allowed"
+    for schema in _embedded_schemas(source) if kind == "lark" else ():
+        problem = _schema_problem(schema)
+        if problem:
+            return f"a %json schema in the lark grammar: {problem}"
     depth = _bracket_depth(source, kind)
     if depth > MAX_NESTING:
         return f"the {kind} grammar nests brackets {depth} deep, more than the {MAX_NESTING} allowed"
     return None
+
+
+def _embedded_schemas(text: str) -> list[Any]:
+    """The JSON schemas of a Lark grammar's ``%json {...}`` rules (the ones that parse as JSON)."""
+    decoder, out = json.JSONDecoder(), []
+    for found in re.finditer(r"%json\s*", text):
+        try:
+            out.append(decoder.raw_decode(text, found.end())[0])
+        except (ValueError, RecursionError):
+            pass  # llguidance reports what is wrong with it
+    return out
 
 
 def _bracket_depth(text: str, kind: str) -> int:
@@ -333,8 +348,7 @@ def check(grammar: Grammar, tokenizer) -> str:
 
 
 def compile_here(grammar: Grammar, tokenizer) -> str:
-    """What ``check`` does, in this process (the grammar worker's side)."""
-    grammar.check_size()
+    """What ``check`` does after the size bounds, in this process (the grammar worker's side)."""
     text = grammar.compile()
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer(tokenizer))
     if is_error:
