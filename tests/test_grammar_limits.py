@@ -17,6 +17,7 @@ pytest.importorskip("llguidance", reason="constrained decoding needs llguidance"
 
 from pyggml.constrain import (  # noqa: E402
     MAX_NESTING,
+    MAX_OPTIONAL_PROPERTIES,
     MAX_RULES,
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
@@ -97,6 +98,9 @@ def test_size_bounds():
     refused(Grammar.json(probe.schema_chain(MAX_SCHEMA_DEPTH)), r"levels deep \(counting the schemas each \$ref")
     refused(Grammar.json({"anyOf": [{"type": "array"} for _ in range(MAX_SCHEMA_NODES)]}), "objects and arrays")
     refused(Grammar.json({"const": {1, 2}}), "not JSON")
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(MAX_OPTIONAL_PROPERTIES + 1)}}
+    refused(Grammar.json(wide), "optional properties, more than")
+    Grammar.json({**wide, "required": ["p0"]}).check_size()
     refused(Grammar.lark("start: %json " + json.dumps(probe.schema_chain(3000))), "a %json schema in the lark grammar")
     nested: dict = {"type": "integer"}
     for _ in range(MAX_SCHEMA_DEPTH):

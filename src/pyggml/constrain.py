@@ -61,6 +61,7 @@ MAX_NESTING = 100  # brackets inside a grammar or regex
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema, as JSON
 MAX_SCHEMA_NODES = 20_000  # its objects and arrays
 MAX_SCHEMA_DEPTH = 128  # objects and arrays on any path, following $ref (llguidance's JSON parser's limit)
+MAX_OPTIONAL_PROPERTIES = 500  # in one object: llguidance's parser gives up at ~650 while generating
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,10 @@ def _schema_problem(schema: Any) -> str | None:
         if nodes > MAX_SCHEMA_NODES:
             raise ConstraintError(f"the JSON schema has more than {MAX_SCHEMA_NODES} objects and arrays")
         heights[id(node)] = 0
+        optional = _optional_properties(node)
+        if optional > MAX_OPTIONAL_PROPERTIES:
+            raise ConstraintError(f"an object in the JSON schema has {optional} optional properties, more than the "
+                                  f"{MAX_OPTIONAL_PROPERTIES} allowed (list the ones it must have in required)")
         children = list(node.values() if isinstance(node, dict) else node)
         if isinstance(node, dict) and isinstance(node.get("$ref"), str):
             children.append(_resolve(schema, node["$ref"]))
@@ -234,6 +239,14 @@ def _schema_problem(schema: Any) -> str | None:
     except ConstraintError as exc:
         return str(exc)
     return None
+
+
+def _optional_properties(node: Any) -> int:
+    properties = node.get("properties") if isinstance(node, dict) else None
+    if not isinstance(properties, dict):
+        return 0
+    required = node.get("required")
+    return len(set(properties) - set(required if isinstance(required, list) else ()))
 
 
 def _resolve(schema: Any, ref: str) -> Any:
