@@ -370,8 +370,8 @@ def compile_here(grammar: Grammar, tokenizer) -> str:
     first = Constraint(grammar, tokenizer, text)
     first.compute_mask()  # the first mask shows a grammar that matches nothing
     if first.matcher.is_error() or (first.stopped and not first.accepting):
-        raise ConstraintError(grammar.where(f"the {grammar.kind} grammar matches no output (a rule that never "
-                                            "ends, or one no text can satisfy, such as a $ref loop)"))
+        raise ConstraintError(grammar.where(f"the {grammar.kind} grammar matches no output (a rule defined only "
+                                            "through itself, or one no text can satisfy, such as a $ref loop)"))
     return text
 
 
