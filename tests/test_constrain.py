@@ -247,6 +247,7 @@ def test_multiple_of_a_small_decimal_is_enforced(stories_tokenizer):
         grammar = Grammar.json({"type": "number", "multipleOf": float(step)})
         for _ in range(20):
             c, ids = Constraint(grammar, tok), []
+            c.compute_mask()
             while len(ids) < 25 and not c.stopped:
                 choices = [t for t in np.flatnonzero(c.allowed()) if t not in tok.vocab.eog]
                 ids.append(int(rng.choice(choices)))
@@ -277,6 +278,7 @@ def test_format_json_is_an_object(stories_tokenizer, seed):
                                                 {"response_format"}))["grammar"]):
         assert given == grammar
     c = Constraint(grammar, tok)
+    c.compute_mask()
     first = [tok.token_to_piece(int(t)) for t in np.flatnonzero(c.allowed())]
     assert first and all(p.startswith(b"{") for p in first), first[:10]
     rng, ids, values = np.random.default_rng(seed), [], 0

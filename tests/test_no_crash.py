@@ -9,6 +9,7 @@ TypeError are the expected refusals; any other exception is reported as a failur
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -471,3 +472,93 @@ def test_bad_calls_never_crash(tmp_path, seed):
     stats = re.search(r"^random (\{.*\})$", proc.stdout, re.M).group(1)
     refused, ok = (int(re.search(rf"'{key}': (\d+)", stats).group(1)) for key in ("refused", "ok"))
     assert refused > 300 and ok > 20  # both paths exercised: refusals and graphs that compute
+
+
+# ---- grammar and schema sizes (issue 25 item 1) -------------------------------------------------------
+GRAMMAR_SCRIPT = textwrap.dedent(r'''
+    import collections, json, sys
+    import gguf
+    import numpy as np
+    from pyggml.constrain import Constraint, ConstraintError, Grammar
+    from pyggml.tokenizer import from_metadata
+    from tests._grammar_probe import gbnf_chain, lark_chain, schema_chain
+
+    reader = gguf.GGUFReader(sys.argv[1])
+    tok = from_metadata({f.name: f.contents() for f in reader.fields.values()})
+    rng = np.random.default_rng(int(sys.argv[2]))
+
+    def n(high):  # sizes from 1 to high, log-uniform: small and huge alike
+        return int(np.exp(rng.uniform(0, np.log(high))))
+
+    def ref_loop(k):  # d0 -> d1 -> ... -> d0
+        return Grammar.json({"$ref": "#/$defs/d0", "$defs": {f"d{i}": {"$ref": f"#/$defs/d{(i + 1) % k}"}
+                                                              for i in range(k)}})
+
+    def nested(depth, leaf, wrap):
+        for _ in range(depth):
+            leaf = wrap(leaf)
+        return leaf
+
+    FAMILIES = {
+        "lark chain": lambda: Grammar.lark(lark_chain(n(4000))),
+        "gbnf chain": lambda: Grammar.gbnf(gbnf_chain(n(3000))),
+        "lark brackets": lambda: Grammar.lark("start: " + nested(n(400), '"a"', lambda x: f"({x})")),
+        "gbnf brackets": lambda: Grammar.gbnf("root ::= " + nested(n(400), '"a"', lambda x: f"({x})")),
+        "regex brackets": lambda: Grammar.regex(nested(n(400), "a", lambda x: f"({x})")),
+        "regex alternatives": lambda: Grammar.regex("|".join(f"w{i}" for i in range(n(20000)))),
+        "schema $ref chain": lambda: Grammar.json(schema_chain(n(4000))),
+        "schema nesting": lambda: Grammar.json(nested(n(900), {"type": "integer"},
+                                                      lambda x: {"type": "array", "items": x})),
+        "schema width": lambda: Grammar.json({"type": "object",
+                                              "properties": {f"p{i}": {"type": "integer"} for i in range(n(4000))}}),
+        "schema anyOf width": lambda: Grammar.json({"anyOf": [{"const": i} for i in range(n(8000))]}),
+        "schema enum": lambda: Grammar.json({"enum": [f"v{i}" for i in range(n(50000))]}),
+        "$ref loop": lambda: ref_loop(n(50)),
+        "lark %json chain": lambda: Grammar.lark("start: %json " + json.dumps(schema_chain(n(4000)))),
+    }
+    counts = {name: collections.Counter() for name in FAMILIES}
+    for i in range(int(sys.argv[3])):
+        name = list(FAMILIES)[i % len(FAMILIES)]
+        counts[name]["tried"] += 1
+        try:
+            c = Constraint(FAMILIES[name](), tok)
+            c.compute_mask()
+            for _ in range(8):  # a few steps: limits can be reached while generating too
+                if c.stopped:
+                    break
+                allowed = np.flatnonzero(c.allowed())
+                c.consume(int(rng.choice(allowed)))
+                c.compute_mask()
+            counts[name]["clean"] += 1
+        except ConstraintError:
+            counts[name]["clean"] += 1
+            counts[name]["refused"] += 1
+        except Exception as e:  # anything else is a wrong answer (a 500 in the server)
+            counts[name]["wrong"] += 1
+            print("WRONG", name, type(e).__name__, str(e)[:300], flush=True)
+    print(json.dumps(counts), flush=True)
+''')
+
+
+def test_grammar_and_schema_sizes_never_crash(tmp_path):
+    """Every family of grammar and schema size (chains, nesting, width, loops) is compiled and
+    followed a few tokens in a child process: a ConstraintError or a grammar that works, never a
+    crash (the child dies), a hang (its time limit) or another exception. pytest -s shows the counts."""
+    pytest.importorskip("llguidance")
+    from .conftest import SHARED_MODELS
+
+    root = Path(__file__).resolve().parent.parent  # the child imports tests._grammar_probe
+    path = SHARED_MODELS / "stories260K.gguf"
+    if not path.exists():
+        pytest.skip(f"{path} is not there")
+    script = tmp_path / "grammar_sizes.py"
+    script.write_text(GRAMMAR_SCRIPT)
+    env = dict(os.environ, GGML_NO_BACKTRACE="1", PYTHONFAULTHANDLER="1",
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(script), str(path), "2501", "52"], capture_output=True, text=True,
+                          timeout=560, env=env, cwd=tmp_path)
+    tail = proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-4000:]
+    assert proc.returncode == 0, f"child died with {proc.returncode}\n{tail}"
+    counts = json.loads(proc.stdout.splitlines()[-1])
+    print(json.dumps(counts))
+    assert all(c["tried"] == 4 and c["clean"] == 4 for c in counts.values()), tail

@@ -257,6 +257,7 @@ def whitespace_first_walk(grammar, tokenizer, limit: int, seed: int = 0) -> tupl
     from pyggml.constrain import Constraint
 
     rng, c, ids = np.random.default_rng(seed), Constraint(grammar, tokenizer), []
+    c.compute_mask()
     eog = set(tokenizer.vocab.eog)
     while len(ids) < limit and not c.stopped:
         allowed = [int(t) for t in np.flatnonzero(c.allowed()) if t not in eog]

@@ -11,7 +11,11 @@ with one vectorised numpy operation.
 Grammar sources (``grammar_for``): ``format="json"`` (a JSON object) or a JSON schema dict (Ollama's
 ``format``, OpenAI's ``response_format``), and ``grammar`` as a ``Grammar`` or a string: a Lark
 grammar, or a GBNF one (recognised by its ``::=`` rules) converted to Lark. Invalid schemas and
-grammars, and schema keywords llguidance cannot enforce, are a ``ValueError`` with its message.
+grammars, schema keywords llguidance cannot enforce and grammars no output can match are a
+``ConstraintError`` (a ``ValueError``) with its message, naming the request field a grammar came
+from (``Grammar.named``). Grammars beyond the size bounds below are refused before llguidance sees
+them, and each new grammar is compiled first in a worker process (``pyggml.grammar_worker``), where
+a crash or a runaway costs that grammar, not this process.
 """
 
 from __future__ import annotations
@@ -56,7 +60,8 @@ MAX_RULES = 1000  # Lark or GBNF rule definitions
 MAX_NESTING = 100  # brackets inside a grammar or regex
 MAX_SCHEMA_CHARS = 1 << 20  # a JSON schema, as JSON
 MAX_SCHEMA_NODES = 20_000  # its objects and arrays
-MAX_SCHEMA_DEPTH = 256  # objects and arrays on any path, following $ref
+MAX_SCHEMA_DEPTH = 128  # objects and arrays on any path, following $ref (llguidance's JSON parser's limit)
+MAX_OPTIONAL_PROPERTIES = 500  # in one object: llguidance's parser gives up at ~650 while generating
 
 
 @dataclass(frozen=True)
@@ -142,10 +147,25 @@ def _size_problem(kind: str, source: Any) -> str | None:
         rules = len(re.findall(rule, source, re.M))
         if rules > MAX_RULES:
             return f"the {kind} grammar has {rules} rules, more than the {MAX_RULES} allowed"
+    for schema in _embedded_schemas(source) if kind == "lark" else ():
+        problem = _schema_problem(schema)
+        if problem:
+            return f"a %json schema in the lark grammar: {problem}"
     depth = _bracket_depth(source, kind)
     if depth > MAX_NESTING:
         return f"the {kind} grammar nests brackets {depth} deep, more than the {MAX_NESTING} allowed"
     return None
+
+
+def _embedded_schemas(text: str) -> list[Any]:
+    """The JSON schemas of a Lark grammar's ``%json {...}`` rules (the ones that parse as JSON)."""
+    decoder, out = json.JSONDecoder(), []
+    for found in re.finditer(r"%json\s*", text):
+        try:
+            out.append(decoder.raw_decode(text, found.end())[0])
+        except (ValueError, RecursionError):
+            pass  # llguidance reports what is wrong with it
+    return out
 
 
 def _bracket_depth(text: str, kind: str) -> int:
@@ -203,6 +223,10 @@ def _schema_problem(schema: Any) -> str | None:
         if nodes > MAX_SCHEMA_NODES:
             raise ConstraintError(f"the JSON schema has more than {MAX_SCHEMA_NODES} objects and arrays")
         heights[id(node)] = 0
+        optional = _optional_properties(node)
+        if optional > MAX_OPTIONAL_PROPERTIES:
+            raise ConstraintError(f"an object in the JSON schema has {optional} optional properties, more than the "
+                                  f"{MAX_OPTIONAL_PROPERTIES} allowed (list the ones it must have in required)")
         children = list(node.values() if isinstance(node, dict) else node)
         if isinstance(node, dict) and isinstance(node.get("$ref"), str):
             children.append(_resolve(schema, node["$ref"]))
@@ -215,6 +239,14 @@ def _schema_problem(schema: Any) -> str | None:
     except ConstraintError as exc:
         return str(exc)
     return None
+
+
+def _optional_properties(node: Any) -> int:
+    properties = node.get("properties") if isinstance(node, dict) else None
+    if not isinstance(properties, dict):
+        return 0
+    required = node.get("required")
+    return len(set(properties) - set(required if isinstance(required, list) else ()))
 
 
 def _resolve(schema: Any, ref: str) -> Any:
@@ -329,14 +361,17 @@ def check(grammar: Grammar, tokenizer) -> str:
 
 
 def compile_here(grammar: Grammar, tokenizer) -> str:
-    """What ``check`` does, in this process (the grammar worker's side)."""
-    grammar.check_size()
+    """What ``check`` does after the size bounds, in this process (the grammar worker's side)."""
     text = grammar.compile()
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer(tokenizer))
     if is_error:
         raise ConstraintError(grammar.where(f"invalid {grammar.kind} grammar: "
                                             f"{messages[0] if messages else 'unknown error'}"))
-    Constraint(grammar, tokenizer, text)  # its first mask shows a grammar that matches nothing
+    first = Constraint(grammar, tokenizer, text)
+    first.compute_mask()  # the first mask shows a grammar that matches nothing
+    if first.matcher.is_error() or (first.stopped and not first.accepting):
+        raise ConstraintError(grammar.where(f"the {grammar.kind} grammar matches no output (a rule defined only "
+                                            "through itself, or one no text can satisfy, such as a $ref loop)"))
     return text
 
 
@@ -357,10 +392,6 @@ class Constraint:
         self.mask_ready = False
         self.bias: np.ndarray | None = None
         self.draft_biases: list[np.ndarray] = []  # precomputed rows of a speculative step
-        self.compute_mask()  # the first mask, needed anyway: it shows a grammar no output can match
-        if self.matcher.is_error() or (self.stopped and not self.accepting):
-            raise ConstraintError(grammar.where(f"the {grammar.kind} grammar matches no output (a rule that "
-                                                "never ends, or one no text can satisfy, such as a $ref loop)"))
 
     def compute_mask(self) -> None:
         """Fill the bitmask of tokens allowed next (llguidance releases the GIL meanwhile) and turn

@@ -57,17 +57,20 @@ class GrammarWorker:
             cache_key = (key, grammar.kind, json.dumps(grammar.source, sort_keys=True))
             answer = self._answers.get(cache_key)
             if answer is None:
-                answer = self._ask(key, tokenizer, grammar)
-                self._answers[cache_key] = answer
-                if len(self._answers) > CACHED:
-                    self._answers.popitem(last=False)
-            self._answers.move_to_end(cache_key)
+                answer, lasting = self._ask(key, tokenizer, grammar)
+                if lasting:
+                    self._answers[cache_key] = answer
+                    if len(self._answers) > CACHED:
+                        self._answers.popitem(last=False)
+            else:
+                self._answers.move_to_end(cache_key)
         ok, text = answer
         if not ok:
             raise ConstraintError(grammar.where(text))
         return text
 
-    def _ask(self, key: int, tokenizer: Any, grammar: Any) -> tuple[bool, str]:
+    def _ask(self, key: int, tokenizer: Any, grammar: Any) -> tuple[tuple[bool, str], bool]:
+        """((ok, text or message), whether the answer lasts: a timeout depends on the machine's load)."""
         proc = self._start()
         try:
             if key not in self._sent:
@@ -75,17 +78,17 @@ class GrammarWorker:
                 self._receive(proc, TOKENIZER_SECONDS)
                 self._sent.add(key)
             self._send(proc, ("check", key, grammar.kind, grammar.source))
-            return self._receive(proc, self.seconds)
+            return self._receive(proc, self.seconds), True
         except TimeoutError:
             self.stop()
-            return False, (f"the {grammar.kind} grammar took longer than {self.seconds:g} s to compile "
-                           "(make it smaller or simpler)")
+            return (False, f"the {grammar.kind} grammar took longer than {self.seconds:g} s to compile (make it "
+                    "smaller or simpler)"), False
         except (OSError, EOFError):  # the worker died: the grammar crashed the compiler
             self.stop()
             code = proc.returncode
             how = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit status {code}"
-            return False, (f"the {grammar.kind} grammar crashed the grammar compiler ({how}): it is too large "
-                           "or nested too deeply")
+            return (False, f"the {grammar.kind} grammar crashed the grammar compiler ({how}): it is too large or "
+                    "nested too deeply"), True
 
     def _start(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
