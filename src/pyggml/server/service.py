@@ -37,6 +37,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pyggml.chat import MIN_TEMPLATE_CHARS, ChatTemplate, encode_prompt
+from pyggml.image import ImageBusyError
 from pyggml.runner import CompletionChunk, CompletionRequest, Runner, RunnerClosedError
 from pyggml.server.params import APIError
 
@@ -506,6 +507,8 @@ def _as_api_error(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, RunnerClosedError):
         return APIError(503, f"the model runner is not running: {exc}")
+    if isinstance(exc, ImageBusyError):  # the process-wide budget of decoded image pixels is full
+        return APIError(503, str(exc), code="server_busy", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(exc, ValueError):  # bad prompt or options (ChatTemplateError is one too)
         return APIError(400, str(exc))
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
