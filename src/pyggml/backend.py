@@ -227,9 +227,10 @@ def add_rpc_server(endpoint: str) -> list[Any]:
             _rpc.hello(endpoint, rpc_version())
         devs = _RPC_SERVERS.get(endpoint)
         if devs is None:
+            relay.last_failure = None
             reg = lib.ggml_backend_rpc_add_server(relay.address.encode())
-            if relay.error is not None:
-                raise RPCError(f"rpc server {endpoint}: {relay.error}")
+            if (relay.error or relay.last_failure) is not None:  # ggml may have closed the failed connection
+                raise RPCError(f"rpc server {endpoint}: {relay.error or relay.last_failure}")
             if reg == NULL or lib.ggml_backend_reg_dev_count(reg) == 0:
                 raise RPCError(f"rpc server {endpoint} offers no devices")
             devs = [lib.ggml_backend_reg_dev_get(reg, i) for i in range(lib.ggml_backend_reg_dev_count(reg))]
@@ -901,6 +902,7 @@ class Backend:
             size += lib.ggml_backend_buft_get_alloc_size(buft, t)
         buf = lib.ggml_backend_buft_alloc_buffer(buft, max(size, 1))
         if buf == NULL:
+            self._check_remotes()  # a remote server that answered wrongly is an RPCError, not lack of memory
             name = ffi.string(lib.ggml_backend_buft_name(buft)).decode()
             raise MemoryError(_with_log(f"could not allocate {size / 2**20:.1f} MiB of {purpose} on {name}"))
         base = ffi.cast("char *", lib.ggml_backend_buffer_get_base(buf))

@@ -57,14 +57,16 @@ from pyggml.rpc import (
     COMMAND_NAMES,
     CONN_CAPS_SIZE,
     RPC_TENSOR_SIZE,
+    Tensor,
+    nbytes,
+    parse_tensor,
+    type_table,
 )
 
 log = logging.getLogger("pyggml.rpc_server")
 
 GGML_OP_COUNT = 101  # ggml-rpc.h pins it for protocol 7.0.0 (a static_assert there)
 MAX_SRC = 10
-TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")  # rpc_tensor, packed
-assert TENSOR.size == RPC_TENSOR_SIZE
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _CHUNK = 1 << 20
 _MAX_BYTES = 1 << 62  # no tensor or region may come near where ggml's size_t arithmetic wraps
@@ -94,49 +96,6 @@ class Limits:
     reply_timeout: float = 600.0  # for a worker's answer (a long graph computes meanwhile)
     max_graph_bytes: int = 256 << 20
     max_graph_depth: int = 20_000  # ggml builds a graph recursively; the worker's thread has a large stack
-
-
-# ---- tensors -------------------------------------------------------------------------------------
-@dataclass
-class Tensor:
-    id: int
-    type: int
-    buffer: int
-    ne: tuple[int, ...]
-    nb: tuple[int, ...]
-    op: int
-    src: tuple[int, ...]
-    view_src: int
-    data: int
-
-
-def parse_tensor(data: bytes | memoryview, offset: int = 0) -> Tensor:
-    f = TENSOR.unpack_from(data, offset)
-    return Tensor(f[0], f[1], f[2], f[3:7], f[7:11], f[11], f[29:39], f[39], f[41])
-
-
-_TYPES: dict[int, tuple[int, int]] = {}  # ggml type -> (block size, bytes per block); deprecated types absent
-
-
-def _type_table() -> dict[int, tuple[int, int]]:
-    if not _TYPES:
-        from pyggml._ggml import lib
-
-        for t in range(lib.GGML_TYPE_COUNT):
-            blck = lib.ggml_blck_size(t)
-            if blck > 0:  # removed types keep their number with a block size of 0
-                _TYPES[t] = (blck, lib.ggml_type_size(t))
-    return _TYPES
-
-
-def nbytes(t: Tensor) -> int:
-    """ggml_nbytes, in Python integers (no wrap-around)."""
-    blck, size = _type_table()[t.type]
-    if any(n == 0 for n in t.ne):
-        return 0
-    if blck == 1:
-        return size + sum((n - 1) * s for n, s in zip(t.ne, t.nb, strict=True))
-    return t.ne[0] * t.nb[0] // blck + sum((n - 1) * s for n, s in zip(t.ne[1:], t.nb[1:], strict=True))
 
 
 @dataclass
@@ -263,7 +222,7 @@ class Session:
 
     def tensor(self, t: Tensor, need_buffer: bool) -> int:
         """Check one tensor as ggml's server will use it; returns its byte size."""
-        types = _type_table()
+        types = type_table()
         if t.type not in types:
             raise Refused(f"tensor type {t.type}")
         blck = types[t.type][0]
