@@ -4,13 +4,23 @@ or hostile, and a scripted fake server. Wire format: ``cmd (u8) | size (u64) | p
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
+
+from pyggml._ggml import lib
 
 from pyggml import rpc
+from pyggml.rpc import RPCError, hello
 
-VERSION = (7, 0, 0)
+ROOT = Path(__file__).resolve().parents[1]
+VERSION = (lib.RPC_PROTO_MAJOR_VERSION, lib.RPC_PROTO_MINOR_VERSION, lib.RPC_PROTO_PATCH_VERSION)
 F32 = 0
 OP_ADD, OP_MUL_MAT, OP_COUNT = 2, 29, 101  # ggml.h's enum ggml_op (pinned by protocol 7.0.0)
 
@@ -170,3 +180,58 @@ class FakeServer:
 
     def close(self) -> None:
         self.listener.close()
+
+
+# ---- a live `pyggml rpc-server` -----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: be killed if the test process dies first (Linux), so no server outlives a crash."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def cli(*args: str, **kwargs) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+               GGML_NO_BACKTRACE="1")
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    return subprocess.Popen([sys.executable, "-m", "pyggml.cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec, **kwargs)
+
+
+class Server:
+    """A `pyggml rpc-server` subprocess on a free loopback port."""
+
+    def __init__(self, *options: str):
+        for _ in range(3):  # another process may take the free port first
+            self.port = free_port()
+            self.endpoint = f"127.0.0.1:{self.port}"
+            self.proc = cli("rpc-server", "--port", str(self.port), "--threads", "1", *options)
+            for _ in range(300):  # up to ~60 s on a loaded machine
+                if self.proc.poll() is not None:
+                    break
+                try:
+                    hello(self.endpoint, VERSION, timeout=2.0)
+                    return
+                except RPCError:
+                    time.sleep(0.2)
+            self.stop()
+        raise RuntimeError("could not start a pyggml rpc-server")
+
+    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+        try:
+            _, err = self.proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            _, err = self.proc.communicate(timeout=30)
+        return self.proc.returncode, err

@@ -27,72 +27,17 @@ from pyggml._ggml import lib
 import pyggml
 from pyggml import BackendParams, models
 from pyggml import rpc as wire
-from pyggml.rpc import RPCError, hello
+from pyggml.rpc import RPCError
 from pyggml.runner import CompletionRequest, Runner
 from pyggml.synthetic import write_synthetic
 
 from . import rpc_wire as rw
 from .conftest import SHARED_MODELS
+from .rpc_wire import VERSION, Server, cli, free_port
 
 pytestmark = pytest.mark.skipif(not lib.PYGGML_HAS_RPC, reason="pyggml built without ggml RPC (PYGGML_RPC=OFF)")
 
 STORIES = SHARED_MODELS / "stories260K.gguf"
-ROOT = Path(__file__).resolve().parents[1]
-VERSION = (lib.RPC_PROTO_MAJOR_VERSION, lib.RPC_PROTO_MINOR_VERSION, lib.RPC_PROTO_PATCH_VERSION)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child: be killed if the test process dies first (Linux), so no server outlives a crash."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def cli(*args: str, **kwargs) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-               GGML_NO_BACKTRACE="1")
-    preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    return subprocess.Popen([sys.executable, "-m", "pyggml.cli", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec, **kwargs)
-
-
-class Server:
-    """A `pyggml rpc-server` subprocess on a free loopback port."""
-
-    def __init__(self, *options: str):
-        for _ in range(3):  # another process may take the free port first
-            self.port = free_port()
-            self.endpoint = f"127.0.0.1:{self.port}"
-            self.proc = cli("rpc-server", "--port", str(self.port), "--threads", "1", *options)
-            for _ in range(300):  # up to ~60 s on a loaded machine
-                if self.proc.poll() is not None:
-                    break
-                try:
-                    hello(self.endpoint, VERSION, timeout=2.0)
-                    return
-                except RPCError:
-                    time.sleep(0.2)
-            self.stop()
-        raise RuntimeError("could not start a pyggml rpc-server")
-
-    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-        try:
-            _, err = self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            _, err = self.proc.communicate(timeout=30)
-        return self.proc.returncode, err
 
 
 @pytest.fixture(scope="module")
