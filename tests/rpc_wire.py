@@ -168,18 +168,23 @@ class FakeServer:
     def _answer(self, cmd: int, request: bytes) -> bytes | None:
         if cmd in self.answers:
             return self.answers[cmd](request)
-        if cmd == rpc.CMD_HELLO:
-            return bytes(VERSION) + bytes(1 + rpc.CONN_CAPS_SIZE)
-        if cmd == rpc.CMD_ALLOC_BUFFER:
-            return struct.pack("<QQ", 0x1000, struct.unpack_from("<Q", request, 4)[0])
-        if cmd == rpc.CMD_GET_ALLOC_SIZE:
-            return struct.pack("<Q", rpc.nbytes(rpc.parse_tensor(request, 4)))
-        if cmd == rpc.CMD_GET_TENSOR:
-            return bytes(struct.unpack_from("<Q", request, rpc.RPC_TENSOR_SIZE + 8)[0])
-        return _DEFAULT_ANSWERS.get(cmd)
+        return normal_answer(cmd, request)
 
     def close(self) -> None:
         self.listener.close()
+
+
+def normal_answer(cmd: int, request: bytes) -> bytes | None:
+    """What a plain one-CPU server answers (None: the command has no answer)."""
+    if cmd == rpc.CMD_HELLO:
+        return bytes(VERSION) + bytes(1 + rpc.CONN_CAPS_SIZE)
+    if cmd == rpc.CMD_ALLOC_BUFFER:
+        return struct.pack("<QQ", 0x1000, struct.unpack_from("<Q", request, 4)[0])
+    if cmd == rpc.CMD_GET_ALLOC_SIZE:
+        return struct.pack("<Q", rpc.nbytes(rpc.parse_tensor(request, 4)))
+    if cmd == rpc.CMD_GET_TENSOR:
+        return bytes(struct.unpack_from("<Q", request, rpc.RPC_TENSOR_SIZE + 8)[0])
+    return _DEFAULT_ANSWERS.get(cmd)
 
 
 # ---- a live `pyggml rpc-server` -----------------------------------------------------------------------------
