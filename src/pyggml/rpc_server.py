@@ -263,7 +263,11 @@ def _alloc_buffer(s: Session, payload: bytes) -> None:
                     s.peer, size, s.guard.allocated, s.guard.limits.max_memory)
         s._answer(bytes(16))  # a failed allocation: the client reports it
         return
-    ptr, got = struct.unpack("<QQ", s.forward(CMD_ALLOC_BUFFER, payload, 16))
+    try:
+        ptr, got = struct.unpack("<QQ", s.forward(CMD_ALLOC_BUFFER, payload, 16))
+    except BaseException:
+        s.guard.release(size)
+        raise
     if ptr == 0:
         s.guard.release(size)
         s._answer(bytes(16))
