@@ -666,3 +666,31 @@ def test_a_hostile_server_answer_is_a_clean_error(cmd, answer, message):
         fake.close()
     assert proc.returncode == 0, f"the client died ({proc.returncode}): {proc.stderr[-2000:]}"
     assert proc.stdout.startswith("RPCError:") and message in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_graph_as_deep_as_the_limit_computes_and_one_deeper_is_refused(guarded):
+    from pyggml.rpc_server import Limits
+
+    depth = Limits(max_memory=0).max_graph_depth  # what ggml's recursion must survive in the worker
+    with rw.RawClient(guarded.endpoint, timeout=120) as c:
+        ptr, _, base = c.alloc(4096)
+        c.send(wire.CMD_GRAPH_COMPUTE, _chain(depth, ptr, base))
+        assert c.call(wire.CMD_GET_ALIGNMENT, bytes(4), 8)  # the worker lived through it
+        c.send(wire.CMD_GRAPH_COMPUTE, _chain(depth + 1, ptr, base))
+        assert c.closed_by_server()
+    _alive_and_serving(guarded)
+
+
+def test_rpc_server_limits_are_checked():
+    from pyggml.cli import _memory_size
+
+    assert _memory_size("8G") == 8 << 30 and _memory_size("512MiB") == 512 << 20 and _memory_size("1000") == 1000
+    for bad in (["--max-memory", "lots"], ["--max-memory", "0"], ["--max-clients", "0"], ["--idle-timeout", "-1"]):
+        proc = cli("rpc-server", "--port", str(free_port()), *bad)
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.communicate(timeout=30)
+        assert proc.returncode != 0 and bad[0] in err, err
