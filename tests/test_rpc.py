@@ -516,6 +516,7 @@ HOSTILE = {
     "device 9": lambda c, p, b: c.send(wire.CMD_ALLOC_BUFFER, struct.pack("<IQ", 9, 64)),
     "unknown command 200": lambda c, p, b: c.send(200, b""),
     "a second HELLO": lambda c, p, b: c.send(wire.CMD_HELLO, bytes(wire.CONN_CAPS_SIZE)),
+    "SET_TENSOR shorter than its head": lambda c, p, b: c.send(wire.CMD_SET_TENSOR, bytes(10)),
     "BUFFER_CLEAR of the wrong size": lambda c, p, b: c.send(wire.CMD_BUFFER_CLEAR, struct.pack("<Q", p)),
     "GRAPH_COMPUTE header announcing 1 GiB": lambda c, p, b: c.sock.sendall(
         bytes([wire.CMD_GRAPH_COMPUTE]) + struct.pack("<Q", 1 << 30)),

@@ -184,15 +184,13 @@ class Session:
         if fixed is not None and size != fixed:
             raise Refused(f"{COMMAND_NAMES[cmd]} with {size} bytes (it has {fixed})")
         if cmd == CMD_GRAPH_COMPUTE and not 12 <= size <= limits.max_graph_bytes:
-            raise Refused(f"GRAPH_COMPUTE of {size} bytes (limit {limits.max_graph_bytes}, --max-graph-bytes)")
+            raise Refused(f"GRAPH_COMPUTE of {size} bytes (1 node takes 12, the limit is {limits.max_graph_bytes})")
         if cmd == CMD_SET_TENSOR:  # its data is streamed once the head is checked
+            if size < _SET_TENSOR_HEAD:
+                raise Refused(f"SET_TENSOR of {size} bytes (its head alone takes {_SET_TENSOR_HEAD})")
             handler(self, self._recv(_SET_TENSOR_HEAD, limits.message_timeout), size)
             return True
-        if size > 0:
-            payload = self._recv(size, limits.message_timeout)
-        else:
-            payload = b""
-        handler(self, payload)
+        handler(self, self._recv(size, limits.message_timeout) if size else b"")
         return True
 
     # -- the worker
@@ -272,12 +270,12 @@ def _alloc_buffer(s: Session, payload: bytes) -> None:
         s.guard.release(size)
         s._answer(bytes(16))
         return
-    (base,) = _U64.unpack(s.forward(CMD_BUFFER_GET_BASE, _U64.pack(ptr), 8))
-    s.buffers[ptr] = Buffer(dev, base, size)  # freed with the session from here on
-    if got < size or base == 0 or base + got >= 1 << 64:
-        raise ConnectionError(f"the worker answered an allocation of {size} with {got} bytes at {base:#x}")
+    buf = s.buffers[ptr] = Buffer(dev, 0, size)  # from here on released with the session
+    (buf.base,) = _U64.unpack(s.forward(CMD_BUFFER_GET_BASE, _U64.pack(ptr), 8))
+    if got < size or buf.base == 0 or buf.base + got >= 1 << 64:
+        raise ConnectionError(f"the worker answered an allocation of {size} with {got} bytes at {buf.base:#x}")
     s.guard.reserve(got - size, force=True)
-    s.buffers[ptr].size = got
+    buf.size = got
     s._answer(struct.pack("<QQ", ptr, got))
 
 
