@@ -116,6 +116,14 @@ class Session:
         self.worker: Worker | None = None
         self.buffers: dict[int, Buffer] = {}
         self.graph_ready: set[int] = set()  # devices whose last graph the worker keeps (GRAPH_RECOMPUTE)
+        # what passed the checks while the buffers stay the same (a new graph mostly repeats the last ones)
+        self.checked_tensors: dict[bytes, Tensor] = {}
+        self.checked_graphs: dict[bytes, None] = {}  # the last few whole GRAPH_COMPUTE payloads
+
+    def buffers_changed(self) -> None:
+        self.graph_ready.clear()  # ggml drops every kept graph when a buffer goes
+        self.checked_tensors.clear()
+        self.checked_graphs.clear()
 
     # -- client I/O
     def _recv(self, n: int, timeout: float | None) -> bytes:
@@ -300,7 +308,7 @@ def _free_buffer(s: Session, payload: bytes) -> None:
     s.forward(CMD_FREE_BUFFER, payload)
     del s.buffers[ptr]
     s.guard.release(buf.size)
-    s.graph_ready.clear()  # ggml drops every kept graph when a buffer goes
+    s.buffers_changed()
 
 
 def _buffer_clear(s: Session, payload: bytes) -> None:
@@ -390,6 +398,16 @@ def _memset_tensor(s: Session, payload: bytes) -> None:
 def _graph_compute(s: Session, payload: bytes) -> None:
     # device (u32) | n_nodes (u32) | node ids (u64 each) | n_tensors (u32) | rpc_tensor each
     dev = s.device(payload)
+    if payload not in s.checked_graphs:
+        _check_graph(s, payload)
+        if len(s.checked_graphs) >= 8:
+            del s.checked_graphs[next(iter(s.checked_graphs))]
+        s.checked_graphs[payload] = None
+    s.forward(CMD_GRAPH_COMPUTE, payload)
+    s.graph_ready.add(dev)
+
+
+def _check_graph(s: Session, payload: bytes) -> None:
     (n_nodes,) = _U32.unpack_from(payload, 4)
     at = 8 + 8 * n_nodes
     if n_nodes == 0 or at + 4 > len(payload):
@@ -397,52 +415,56 @@ def _graph_compute(s: Session, payload: bytes) -> None:
     (n_tensors,) = _U32.unpack_from(payload, at)
     if at + 4 + n_tensors * RPC_TENSOR_SIZE != len(payload):
         raise Refused(f"GRAPH_COMPUTE of {len(payload)} bytes does not hold {n_nodes} nodes and {n_tensors} tensors")
+    if len(s.checked_tensors) > 1 << 18:
+        s.checked_tensors.clear()
     tensors: dict[int, Tensor] = {}
-    for i in range(n_tensors):
-        t = parse_tensor(payload, at + 4 + i * RPC_TENSOR_SIZE)
+    for start in range(at + 4, len(payload), RPC_TENSOR_SIZE):
+        record = payload[start:start + RPC_TENSOR_SIZE]
+        t = s.checked_tensors.get(record)
+        if t is None:
+            t = parse_tensor(record)
+            s.tensor(t, need_buffer=True)
+            s.checked_tensors[record] = t
         if t.id == 0 or t.id in tensors:
             raise Refused(f"graph tensor id {t.id:#x} is 0 or repeated")
-        s.tensor(t, need_buffer=True)
         tensors[t.id] = t
     nodes = struct.unpack_from(f"<{n_nodes}Q", payload, 8)
     if len(set(nodes)) != n_nodes or not all(n in tensors for n in nodes):
         raise Refused("graph nodes must be distinct tensors of the message (no 0, no unknown id)")
     _check_graph_depth(tensors, nodes, s.guard.limits.max_graph_depth)
-    s.forward(CMD_GRAPH_COMPUTE, payload)
-    s.graph_ready.add(dev)
 
 
 def _check_graph_depth(tensors: dict[int, Tensor], nodes: tuple[int, ...], limit: int) -> None:
-    """Every source exists, there is no cycle, and no chain is deeper than ``limit`` (ggml recurses along it)."""
-    depth: dict[int, int] = {}
+    """Walk the sources as ggml's server will (depth first, from each node in order): every source exists,
+    there is no cycle, and the walk never goes deeper than ``limit`` (ggml recurses once per step)."""
+    done: set[int] = set()
+
+    def sources(tid: int):
+        t = tensors[tid]
+        return iter([i for i in (*t.src, t.view_src) if i != 0 and i not in done])
+
     for root in nodes:
-        if root in depth:
+        if root in done:
             continue
-        stack = [(root, False)]
-        on_path: set[int] = set()
+        path, stack = {root}, [(root, sources(root))]
         while stack:
-            tid, done = stack.pop()
-            t = tensors[tid]
-            links = [i for i in (*t.src, t.view_src) if i != 0]
-            if done:
-                on_path.discard(tid)
-                depth[tid] = 1 + max((depth[i] for i in links), default=0)
-                if depth[tid] > limit:
-                    raise Refused(f"a graph chain deeper than {limit} tensors")
-                continue
-            if tid in depth:
-                continue
-            on_path.add(tid)
-            stack.append((tid, True))
-            for i in links:
+            tid, pending = stack[-1]
+            for i in pending:
+                if i in done:
+                    continue
                 if i not in tensors:
                     raise Refused(f"graph tensor {tid:#x} names an unknown source {i:#x}")
-                if i in on_path:
+                if i in path:
                     raise Refused("the graph has a cycle")
-                if i not in depth:
-                    stack.append((i, False))
-            if len(on_path) > limit:
-                raise Refused(f"a graph chain deeper than {limit} tensors")
+                if len(stack) >= limit:
+                    raise Refused(f"a graph chain deeper than {limit} tensors")
+                path.add(i)
+                stack.append((i, sources(i)))
+                break
+            else:
+                stack.pop()
+                path.discard(tid)
+                done.add(tid)
 
 
 def _graph_recompute(s: Session, payload: bytes) -> None:
