@@ -695,3 +695,32 @@ def test_rpc_server_limits_are_checked():
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.communicate(timeout=30)
         assert proc.returncode != 0 and bad[0] in err, err
+
+
+def _fnv(data: bytes) -> int:
+    h = 0xcbf29ce484222325
+    for byte in data:
+        h = ((h ^ byte) * 0x100000001b3) % 2**64
+    return h
+
+
+def test_the_tensor_cache_is_used_and_its_files_are_checked_against_the_tensor(tmp_path):
+    server = Server("--cache", str(tmp_path))
+    data = bytes(range(256))
+    try:
+        with rw.RawClient(server.endpoint) as c:
+            ptr, _, base = c.alloc(1024)
+            small, whole = rw.tensor(1, buffer=ptr, data=base, ne=(16,)), rw.tensor(2, buffer=ptr, data=base, ne=(64,))
+            hash_of = struct.pack("<QQ", 0, _fnv(data))
+            assert c.call(wire.CMD_SET_TENSOR_HASH, whole + hash_of, 1) == b"\x00"  # not cached yet
+            c.sock.sendall(rw.message(wire.CMD_SET_TENSOR, whole + b"\x01" + struct.pack("<Q", 0) + data))
+            assert c.get(whole, 256) == data and (tmp_path / f"{_fnv(data):016x}").stat().st_size == 256
+            c.send(wire.CMD_BUFFER_CLEAR, struct.pack("<QB", ptr, 0))
+            assert c.get(whole, 256) == bytes(256)
+            assert c.call(wire.CMD_SET_TENSOR_HASH, whole + hash_of, 1) == b"\x01"  # from the cache
+            assert c.get(whole, 256) == data
+            c.send(wire.CMD_SET_TENSOR_HASH, small + hash_of)  # 256 cached bytes into a 64-byte tensor
+            assert c.closed_by_server()
+        _alive_and_serving(server)
+    finally:
+        server.stop()
