@@ -582,8 +582,13 @@ class Guard:
 
     def serve_forever(self) -> None:
         while True:
-            client, peer = self._listener.accept()
-            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                client, peer = self._listener.accept()
+                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as exc:  # out of file descriptors, a client gone at once: keep accepting
+                log.error("rpc-server: accepting a connection failed: %s", exc)
+                time.sleep(0.1)
+                continue
             name = f"{peer[0]}:{peer[1]}"
             with self._lock:
                 full = len(self._sessions) >= self.limits.max_clients
