@@ -9,14 +9,17 @@ keeps the protocol's framing and knows which commands are answered and how long 
 server is gone (reset, closed, silent past the timeout) the relay marks its connection failed and from
 then on answers every command itself with a well-formed dummy reply: ggml finishes what it was doing
 without aborting, and ``Backend`` raises :class:`RPCError` after the compute instead of using the
-garbage results. The relay also counts the bytes each way (``traffic()``), which is how the transfer per
-decode step is measured.
+garbage results. The same happens when the server answers something that would make ggml's client abort
+or place tensors wrongly (:func:`check_answer`: a device count past the scheduler's limit, a buffer smaller
+than asked, a base address of 0 or one that wraps). The relay also counts the bytes each way
+(``traffic()``), which is how the transfer per decode step is measured.
 
 Before ggml first connects to a server, :func:`hello` checks it from Python with a bounded timeout:
 unreachable, not an RPC server, or another protocol version raise :class:`RPCError` with the reason.
 
 This module speaks only sockets; the ggml side (registering devices, the server loop) is in
-``pyggml.backend``. The protocol facts below are those of the pinned ggml (protocol 7.0.0); check them
+``pyggml.backend``, and ``pyggml rpc-server``'s guard, which checks clients' messages, in
+``pyggml.rpc_server``. The protocol facts below are those of the pinned ggml (protocol 7.0.0); check them
 against ``ggml/src/ggml-rpc/ggml-rpc.cpp`` when the pin moves.
 """
 
