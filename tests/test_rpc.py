@@ -724,3 +724,18 @@ def test_the_tensor_cache_is_used_and_its_files_are_checked_against_the_tensor(t
         _alive_and_serving(server)
     finally:
         server.stop()
+
+
+def test_more_devices_than_the_scheduler_takes_is_a_clean_error():
+    script = ("import sys\nfrom pyggml import BackendParams\nfrom pyggml.backend import Backend\n"
+              "try:\n    Backend(BackendParams(n_threads=1, rpc=sys.argv[1:]))\n    print('NO ERROR')\n"
+              "except ValueError as exc:\n    print('ValueError:', exc)\n")
+    fakes = [rw.FakeServer({wire.CMD_DEVICE_COUNT: lambda request: struct.pack("<I", 8)}) for _ in range(2)]
+    try:
+        proc = subprocess.run([sys.executable, "-c", script, *(f.endpoint for f in fakes)], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    finally:
+        for f in fakes:
+            f.close()
+    assert proc.returncode == 0, f"the client died ({proc.returncode}): {proc.stderr[-2000:]}"
+    assert proc.stdout.startswith("ValueError: 17 devices"), proc.stdout + proc.stderr[-2000:]

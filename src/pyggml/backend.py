@@ -599,6 +599,9 @@ class Backend:
             self._check_remotes()
         # the scheduler wants the CPU last
         self._backends = [*self._gpus, *self._remotes, self._cpu]
+        if len(self._backends) > 16:  # GGML_SCHED_MAX_BACKENDS: ggml aborts past it
+            raise ValueError(f"{len(self._backends)} devices (with the RPC servers' devices): ggml's scheduler "
+                             "takes at most 16; name fewer servers")
         # Only CPU_REPACK: weights in the AMX buffer type crashed in compute on these (virtualised)
         # Xeons, and repacking gives the AVX-512 kernels most of the speed-up anyway.
         extra = ffi.new("ggml_backend_buffer_type_t[]", 8)
