@@ -653,6 +653,8 @@ def cmd_rpc_server(args: argparse.Namespace) -> int:
     print(f"pyggml rpc-server: listening on {endpoint} (RPC protocol {'.'.join(map(str, rpc_version()))}, "
           f"{threads} threads, at most {max_memory / 2**30:.2f} GiB and {args.max_clients} clients"
           f"{f', cache {cache}' if cache else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
+    for d in local:
+        print(f"  {d.name}: {d.description} ({d.memory_total / 2**20:.0f} MiB)", file=sys.stderr, flush=True)
     while not stop.is_set() and server.is_alive():
         stop.wait(0.5)
     guard.stop()
