@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -562,3 +564,219 @@ def test_grammar_and_schema_sizes_never_crash(tmp_path):
     counts = json.loads(proc.stdout.splitlines()[-1])
     print(json.dumps(counts))
     assert all(c["tried"] == 4 and c["clean"] == 4 for c in counts.values()), tail
+
+
+# ---- RPC: mutated messages to a live `pyggml rpc-server`, mutated answers to the client -------------------------
+def _rpc_messages(ptr: int, base: int, spare: int) -> list[tuple[int, bytes]]:
+    """A well-formed message of every command a client sends after HELLO, on a 4 KiB buffer at ptr/base
+    (``spare``: a second buffer of the session, for FREE_BUFFER). In order: the graph precedes its recompute."""
+    from pyggml import rpc
+
+    from . import rpc_wire as rw
+
+    a, b = (rw.tensor(i + 1, buffer=ptr, data=base + 256 * i, ne=(64,)) for i in range(2))
+    c = rw.tensor(3, buffer=ptr, data=base + 512, ne=(64,), op=rw.OP_ADD, src=(1, 2))
+    q = struct.pack
+    return [
+        (rpc.CMD_DEVICE_COUNT, b""), (rpc.CMD_GET_ALIGNMENT, q("<I", 0)), (rpc.CMD_GET_MAX_SIZE, q("<I", 0)),
+        (rpc.CMD_GET_DEVICE_MEMORY, q("<I", 0)), (rpc.CMD_ALLOC_BUFFER, q("<IQ", 0, 256)),
+        (rpc.CMD_BUFFER_GET_BASE, q("<Q", ptr)), (rpc.CMD_BUFFER_CLEAR, q("<QB", ptr, 0)),
+        (rpc.CMD_SET_TENSOR, a + b"\x00" + q("<Q", 0) + bytes(range(256))),
+        (rpc.CMD_SET_TENSOR, b + b"\x00" + q("<Q", 0) + bytes(256)),
+        (rpc.CMD_SET_TENSOR_HASH, a + q("<QQ", 0, 12345)), (rpc.CMD_GET_TENSOR, a + q("<QQ", 0, 256)),
+        (rpc.CMD_COPY_TENSOR, a + b), (rpc.CMD_INIT_TENSOR, a), (rpc.CMD_GET_ALLOC_SIZE, q("<I", 0) + c + a + b
+                                                                   + bytes(rpc.RPC_TENSOR_SIZE * 8)),
+        (rpc.CMD_MEMSET_TENSOR, b + q("<QQB", 0, 256, 0)), (rpc.CMD_GRAPH_COMPUTE, rw.graph([3], [a, b, c])),
+        (rpc.CMD_GRAPH_RECOMPUTE, q("<I", 0)), (rpc.CMD_FREE_BUFFER, q("<Q", spare)),
+    ]
+
+
+def _mutate(rng, cmd: int, payload: bytes, known: list[int]) -> bytes:
+    """One framed message, damaged in one of the ways a hostile or broken client would."""
+    edges = [0, 1, 2**31, 2**32 - 1, 2**63, 2**64 - 1, 2**64 - 8, *known]
+    body = bytearray(payload)
+    size = len(body)
+    kind = int(rng.integers(7))
+    if kind == 0 and body:  # a field set to an edge value
+        width = 8 if len(body) >= 8 and rng.integers(2) else 4
+        at = int(rng.integers(0, max(1, len(body) - width + 1)))
+        value = int(edges[int(rng.integers(len(edges)))]) % (1 << (8 * width))
+        body[at:at + width] = value.to_bytes(width, "little")
+    elif kind == 1 and body:  # random bytes flipped
+        for _ in range(int(rng.integers(1, 6))):
+            body[int(rng.integers(len(body)))] ^= int(rng.integers(1, 256))
+    elif kind == 2:  # the header's size lies
+        size = int([0, 1, size - 1, size + 1, 2**30, 2**63, 2**64 - 1][int(rng.integers(7))]) % 2**64
+    elif kind == 3:  # cut short
+        body = body[:int(rng.integers(0, len(body) + 1))]
+        size = len(body)
+    elif kind == 4:  # junk appended
+        body += rng.bytes(int(rng.integers(1, 64)))
+        size = len(body)
+    elif kind == 5:  # another command's number
+        cmd = int(rng.integers(0, 256))
+    else:  # a tensor id, buffer or data word replaced by a neighbour's
+        if len(body) >= 24:
+            at = 8 * int(rng.integers(len(body) // 8))
+            body[at:at + 8] = int(known[int(rng.integers(len(known)))] + int(rng.integers(-16, 17))).to_bytes(
+                8, "little", signed=False) if known else bytes(8)
+    return bytes([cmd]) + struct.pack("<Q", size) + bytes(body)
+
+
+def test_rpc_mutated_messages_never_take_the_server_down():
+    """Every command of the protocol, mutated, to a live rpc-server: the server never dies or hangs, and a real
+    client's computation stays right. Counts per outcome are printed (pytest -s) for the issue's record."""
+    import numpy as np
+    from pyggml._ggml import lib
+
+    from pyggml import rpc
+
+    from . import rpc_wire as rw
+
+    if not lib.PYGGML_HAS_RPC:
+        pytest.skip("pyggml built without ggml RPC (PYGGML_RPC=OFF)")
+    rng = np.random.default_rng(25)
+    server = rw.Server("--max-memory", "256M")
+    counts = dict(tried=0, answered=0, refused=0, stalled=0, crash=0, hang=0, wrong=0)
+    try:
+        client = None
+        for trial in range(90):
+            if client is None:
+                client = rw.RawClient(server.endpoint, timeout=5)
+                ptr, _, base = client.alloc(4096)
+                spare = client.alloc(256)[0]
+                (align,) = struct.unpack("<Q", client.call(rpc.CMD_GET_ALIGNMENT, bytes(4), 8))
+            messages = _rpc_messages(ptr, base, spare)
+            cmd, payload = messages[int(rng.integers(len(messages)))]
+            counts["tried"] += 1
+            try:
+                client.sock.sendall(_mutate(rng, cmd, payload, [ptr, base, spare, base + 4096]))
+                # the probe: answered right while the session lives, or the connection closes
+                client.send(rpc.CMD_GET_ALIGNMENT, bytes(4))
+                data = b""
+                while True:  # skip answers the mutated message may have had, to the probe's (8 + 8 bytes)
+                    chunk = client.sock.recv(1 << 16)
+                    if not chunk:
+                        raise ConnectionResetError
+                    data += chunk
+                    if data.endswith(struct.pack("<QQ", 8, align)):
+                        counts["answered"] += 1
+                        break
+            except (ConnectionResetError, BrokenPipeError):
+                counts["refused"] += 1
+                client.sock.close()
+                client = None
+            except TimeoutError:  # waits for the rest of a message it was promised: the session's own time
+                counts["stalled"] += 1
+                client.sock.close()
+                client = None
+            if server.proc.poll() is not None:
+                counts["crash"] += 1
+                break
+            if trial % 15 == 14:
+                outcome = _round_trip_outcome(rw, server.endpoint)
+                counts["wrong" if outcome.startswith("wrong") else "hang"] += outcome != "ok"
+        if client is not None:
+            client.sock.close()
+    finally:
+        code, err = server.stop()
+    print("rpc messages:", counts)
+    assert counts["crash"] == counts["hang"] == counts["wrong"] == 0, (counts, err[-3000:])
+    assert counts["refused"] > 20 and counts["answered"] > 5, counts  # both paths exercised
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+
+
+def _round_trip_outcome(rw, endpoint: str) -> str:
+    """A real client's allocate-write-add-read on the server: "ok", "wrong: ...", or no service ("hang")."""
+    result = []
+
+    def run():
+        try:
+            rw.round_trip(endpoint)
+            result.append("ok")
+        except AssertionError as exc:
+            result.append(f"wrong: {exc}")
+        except OSError as exc:
+            result.append(f"hang (no service: {exc})")
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)  # a bound against a hang, not a timing check
+    return result[0] if result else "hang"
+
+
+RPC_ANSWERS_SCRIPT = textwrap.dedent(r'''
+    import sys
+    import numpy as np
+    from pyggml import BackendParams
+    from pyggml.backend import Backend
+    from pyggml.rpc import RPCError
+    for endpoint in sys.argv[1:]:
+        try:
+            backend = Backend(BackendParams(n_threads=1, rpc=[endpoint], tensor_split=[1, 1]))
+            try:
+                backend.config = type(backend.config)({"general.architecture": "t", "t.block_count": 2})
+                w = backend.alloc_persistent("q8_0", (32, 8), layer=1)
+                f = backend.alloc_persistent("f32", (4, 8), layer=1)
+                with backend.new_context() as ctx:
+                    out = f.rows(ctx.from_numpy(np.array([1, 0], np.int32))) * 2.0
+                    ctx.compute(out)
+                    out.numpy()
+                print("outcome ok", flush=True)
+            finally:
+                backend.close()
+        except (RPCError, MemoryError, ValueError) as exc:
+            print("outcome refused", type(exc).__name__, str(exc)[:200], flush=True)
+    print("done", flush=True)
+''')
+
+
+def test_rpc_mutated_answers_never_crash_the_client():
+    """A fake server answers one command wrongly per trial (edge values, wrong lengths, junk): the client
+    process raises or carries on, never aborts or hangs (ggml's client aborts on many of these by itself)."""
+    import numpy as np
+    from pyggml._ggml import lib
+
+    from pyggml import rpc
+
+    from . import rpc_wire as rw
+
+    if not lib.PYGGML_HAS_RPC:
+        pytest.skip("pyggml built without ggml RPC (PYGGML_RPC=OFF)")
+    rng = np.random.default_rng(4)
+    answered = [rpc.CMD_DEVICE_COUNT, rpc.CMD_GET_ALIGNMENT, rpc.CMD_GET_MAX_SIZE, rpc.CMD_GET_DEVICE_MEMORY,
+                rpc.CMD_ALLOC_BUFFER, rpc.CMD_BUFFER_GET_BASE, rpc.CMD_GET_ALLOC_SIZE, rpc.CMD_GET_TENSOR,
+                rpc.CMD_HELLO]
+    edges = [0, 1, 3, 15, 16, 48, 2**20, 2**31, 2**32 - 1, 2**63, 2**64 - 8, 2**64 - 1]
+    fakes = []
+    for trial in range(36):
+        cmd = answered[trial % len(answered)]
+        kind = int(rng.integers(3))
+        value = int(edges[int(rng.integers(len(edges)))])
+
+        def answer(request, cmd=cmd, kind=kind, value=value):
+            normal = rw.normal_answer(cmd, request)
+            if kind == 0:  # an edge value in the first field
+                width = 4 if len(normal) == 4 else 8
+                return (value % (1 << 8 * width)).to_bytes(width, "little") + normal[width:]
+            if kind == 1:  # the wrong length
+                return normal[:len(normal) // 2] if value % 2 else normal + bytes(8)
+            return bytes(rng.integers(0, 256, len(normal), dtype=np.uint8))
+        fakes.append(rw.FakeServer({cmd: answer}))
+    try:
+        proc = subprocess.run([sys.executable, "-c", RPC_ANSWERS_SCRIPT, *(f.endpoint for f in fakes)],
+                              capture_output=True, text=True, timeout=280, env=dict(os.environ, GGML_NO_BACKTRACE="1",
+                                                                                     PYGGML_RPC_TIMEOUT="5"))
+        crash = proc.returncode != 0
+    except subprocess.TimeoutExpired as exc:
+        proc, crash = exc, False
+    finally:
+        for f in fakes:
+            f.close()
+    out = proc.stdout if isinstance(proc.stdout, str) else (proc.stdout or b"").decode()
+    counts = dict(tried=len(fakes), ok=out.count("outcome ok"), refused=out.count("outcome refused"),
+                  crash=int(crash), hang=int(isinstance(proc, subprocess.TimeoutExpired)))
+    print("rpc answers:", counts)
+    assert not crash and not counts["hang"] and "done" in out, (counts, out[-2000:], str(proc.stderr)[-3000:])
+    assert counts["ok"] + counts["refused"] == len(fakes), out[-3000:]
+    assert counts["refused"] > 5, counts

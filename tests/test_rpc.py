@@ -26,71 +26,18 @@ from pyggml._ggml import lib
 
 import pyggml
 from pyggml import BackendParams, models
-from pyggml.rpc import RPCError, hello
+from pyggml import rpc as wire
+from pyggml.rpc import RPCError
 from pyggml.runner import CompletionRequest, Runner
 from pyggml.synthetic import write_synthetic
 
+from . import rpc_wire as rw
 from .conftest import SHARED_MODELS
+from .rpc_wire import VERSION, Server, cli, free_port
 
 pytestmark = pytest.mark.skipif(not lib.PYGGML_HAS_RPC, reason="pyggml built without ggml RPC (PYGGML_RPC=OFF)")
 
 STORIES = SHARED_MODELS / "stories260K.gguf"
-ROOT = Path(__file__).resolve().parents[1]
-VERSION = (lib.RPC_PROTO_MAJOR_VERSION, lib.RPC_PROTO_MINOR_VERSION, lib.RPC_PROTO_PATCH_VERSION)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child: be killed if the test process dies first (Linux), so no server outlives a crash."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def cli(*args: str, **kwargs) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-               GGML_NO_BACKTRACE="1")
-    preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    return subprocess.Popen([sys.executable, "-m", "pyggml.cli", *args], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, preexec_fn=preexec, **kwargs)
-
-
-class Server:
-    """A `pyggml rpc-server` subprocess on a free loopback port."""
-
-    def __init__(self):
-        for _ in range(3):  # another process may take the free port first
-            self.port = free_port()
-            self.endpoint = f"127.0.0.1:{self.port}"
-            self.proc = cli("rpc-server", "--port", str(self.port), "--threads", "1")
-            for _ in range(300):  # up to ~60 s on a loaded machine
-                if self.proc.poll() is not None:
-                    break
-                try:
-                    hello(self.endpoint, VERSION, timeout=2.0)
-                    return
-                except RPCError:
-                    time.sleep(0.2)
-            self.stop()
-        raise RuntimeError("could not start a pyggml rpc-server")
-
-    def stop(self, sig: int = signal.SIGTERM) -> tuple[int, str]:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, sig)
-        try:
-            _, err = self.proc.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            _, err = self.proc.communicate(timeout=30)
-        return self.proc.returncode, err
 
 
 @pytest.fixture(scope="module")
@@ -505,3 +452,290 @@ def test_the_server_stops_cleanly_on_a_signal(sig):
     code, err = server.stop(sig)
     assert code == 0, err
     assert "pyggml rpc-server: stopped" in err and "Traceback" not in err
+
+
+# ---- a hostile client: each message that crashed ggml's server, sent to a live `pyggml rpc-server` ----------
+def _alloc_size(ne0: int) -> bytes:
+    return struct.pack("<I", 0) + rw.tensor(ne=(ne0,) * 4) + bytes(wire.RPC_TENSOR_SIZE * 10)
+
+
+def _chain(depth: int, ptr: int, base: int) -> bytes:
+    """A graph whose one node sits at the end of a chain of ``depth`` views (ggml recurses along it)."""
+    tensors = [rw.tensor(1, buffer=ptr, data=base, ne=(4,))]
+    tensors += [rw.tensor(i, buffer=ptr, data=base, ne=(4,), op=1, src=(i - 1,)) for i in range(2, depth + 1)]
+    return rw.graph([depth], tensors)
+
+
+def _vec(i: int, ptr: int, base: int, **kw) -> bytes:
+    return rw.tensor(i, buffer=ptr, data=base + 256 * (i - 1), ne=(64,), **kw)
+
+
+# name -> (what to send, given the connection and a fresh 4 KiB buffer at ptr/base): each is refused and
+# closes its connection. The first ten aborted or crashed ggml's server (issue 25, item 4).
+HOSTILE = {
+    "SET_TENSOR data past its buffer": lambda c, p, b: c.set(rw.tensor(buffer=p, data=b + 8192, ne=(16,)), bytes(64)),
+    "GET_TENSOR data before its buffer": lambda c, p, b: c.send(
+        wire.CMD_GET_TENSOR, rw.tensor(buffer=p, data=b - 4096, ne=(16,)) + struct.pack("<QQ", 0, 64)),
+    "SET_TENSOR ne=2^32-1": lambda c, p, b: c.set(rw.tensor(buffer=p, data=b, ne=(2**32 - 1,)), bytes(64)),
+    "GET_TENSOR ne=2^32-1 in every dimension": lambda c, p, b: c.send(
+        wire.CMD_GET_TENSOR, rw.tensor(buffer=p, data=b, ne=(2**32 - 1,) * 4) + struct.pack("<QQ", 0, 4)),
+    "COPY_TENSOR overrunning its destination": lambda c, p, b: c.send(
+        wire.CMD_COPY_TENSOR, rw.tensor(1, buffer=p, data=b, ne=(1024,)) + rw.tensor(2, buffer=p, data=b + 2048)),
+    "GET_ALLOC_SIZE overflowing": lambda c, p, b: c.send(wire.CMD_GET_ALLOC_SIZE, _alloc_size(2**32 - 1)),
+    "graph node with op >= GGML_OP_COUNT": lambda c, p, b: c.send(
+        wire.CMD_GRAPH_COMPUTE, rw.graph([1], [_vec(1, p, b, op=rw.OP_COUNT + 99)])),
+    "graph node list [0]": lambda c, p, b: c.send(wire.CMD_GRAPH_COMPUTE, rw.graph([0], [_vec(1, p, b)])),
+    "200,000-deep source chain": lambda c, p, b: c.send(wire.CMD_GRAPH_COMPUTE, _chain(200_000, p, b)),
+    "GET_TENSOR data at 2^64-8": lambda c, p, b: c.send(
+        wire.CMD_GET_TENSOR, rw.tensor(buffer=p, data=2**64 - 8) + struct.pack("<QQ", 0, 4)),
+    "SET_TENSOR offset wrapping past 2^64": lambda c, p, b: c.set(rw.tensor(buffer=p, data=b, ne=(16,)), bytes(4),
+                                                                  offset=2**64 - 2),
+    "GET_TENSOR size past its tensor": lambda c, p, b: c.send(
+        wire.CMD_GET_TENSOR, rw.tensor(buffer=p, data=b, ne=(16,)) + struct.pack("<QQ", 0, 2**63)),
+    "MEMSET_TENSOR past its tensor": lambda c, p, b: c.send(
+        wire.CMD_MEMSET_TENSOR, rw.tensor(buffer=p, data=b, ne=(16,)) + struct.pack("<QQB", 32, 64, 7)),
+    "COPY_TENSOR with data at 2^64-8": lambda c, p, b: c.send(
+        wire.CMD_COPY_TENSOR, rw.tensor(1, buffer=p, data=b) + rw.tensor(2, buffer=p, data=2**64 - 8)),
+    "graph with a cycle": lambda c, p, b: c.send(
+        wire.CMD_GRAPH_COMPUTE, rw.graph([1], [_vec(1, p, b, op=rw.OP_ADD, src=(2, 2)),
+                                               _vec(2, p, b, op=rw.OP_ADD, src=(1, 1))])),
+    "graph source not in the message": lambda c, p, b: c.send(
+        wire.CMD_GRAPH_COMPUTE, rw.graph([1], [_vec(1, p, b, op=rw.OP_ADD, src=(7, 8))])),
+    "graph node listed twice": lambda c, p, b: c.send(wire.CMD_GRAPH_COMPUTE, rw.graph([1, 1], [_vec(1, p, b)])),
+    "graph tensor without a buffer": lambda c, p, b: c.send(
+        wire.CMD_GRAPH_COMPUTE, rw.graph([1], [rw.tensor(1, data=b, ne=(64,))])),
+    "graph counts larger than the message": lambda c, p, b: c.send(
+        wire.CMD_GRAPH_COMPUTE, struct.pack("<II", 0, 2**32 - 1) + bytes(8)),
+    "GRAPH_RECOMPUTE before any graph": lambda c, p, b: c.send(wire.CMD_GRAPH_RECOMPUTE, struct.pack("<I", 0)),
+    "tensor type 200": lambda c, p, b: c.set(rw.tensor(buffer=p, data=b, type=200), bytes(4)),
+    "a removed tensor type (4)": lambda c, p, b: c.set(rw.tensor(buffer=p, data=b, type=4, nb=(18, 18, 18, 18)),
+                                                        bytes(4)),
+    "Q4_0 row not a whole block": lambda c, p, b: c.set(rw.tensor(buffer=p, data=b, type=2, ne=(17,),
+                                                                  nb=(18, 18, 18, 18)), bytes(4)),
+    "a buffer of another connection": lambda c, p, b: c.send(wire.CMD_FREE_BUFFER, struct.pack("<Q", p + 64)),
+    "device 9": lambda c, p, b: c.send(wire.CMD_ALLOC_BUFFER, struct.pack("<IQ", 9, 64)),
+    "unknown command 200": lambda c, p, b: c.send(200, b""),
+    "a second HELLO": lambda c, p, b: c.send(wire.CMD_HELLO, bytes(wire.CONN_CAPS_SIZE)),
+    "SET_TENSOR shorter than its head": lambda c, p, b: c.send(wire.CMD_SET_TENSOR, bytes(10)),
+    "BUFFER_CLEAR of the wrong size": lambda c, p, b: c.send(wire.CMD_BUFFER_CLEAR, struct.pack("<Q", p)),
+    "GRAPH_COMPUTE header announcing 1 GiB": lambda c, p, b: c.sock.sendall(
+        bytes([wire.CMD_GRAPH_COMPUTE]) + struct.pack("<Q", 1 << 30)),
+    "SET_TENSOR of 1 GiB into 4 KiB": lambda c, p, b: c.sock.sendall(
+        bytes([wire.CMD_SET_TENSOR]) + struct.pack("<Q", 1 << 30) + rw.tensor(buffer=p, data=b, ne=(1024,))
+        + bytes(9)),
+    # no check foresees every kernel's shape assertion: the session's worker dies (noticed at the next
+    # command), the server lives on
+    "MUL_MAT of mismatched shapes": lambda c, p, b: c.send(
+        wire.CMD_GRAPH_COMPUTE, rw.graph([3], [_vec(1, p, b), rw.tensor(2, buffer=p, data=b + 256, ne=(3,)),
+                                               _vec(3, p, b, op=rw.OP_MUL_MAT, src=(1, 2))]))
+    or c.send(wire.CMD_GET_ALIGNMENT, bytes(4)),
+}
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    server = Server("--max-memory", "64M")
+    yield server
+    server.stop()
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _alive_and_serving(server: Server) -> None:
+    assert server.proc.poll() is None, "the rpc-server died"
+    failed = []
+
+    def client():
+        try:
+            rw.round_trip(server.endpoint)
+        except BaseException as exc:
+            failed.append(exc)
+
+    done = threading.Thread(target=client, daemon=True)
+    done.start()
+    done.join(60)  # a bound against a hang, not a timing check
+    assert not done.is_alive(), "a real client got no service"
+    assert not failed, failed
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_message_is_refused_and_the_server_serves_on(guarded, case):
+    with rw.RawClient(guarded.endpoint, timeout=60) as c:
+        ptr, _, base = c.alloc(4096)
+        HOSTILE[case](c, ptr, base)
+        assert c.closed_by_server(), "the connection should close"
+    _alive_and_serving(guarded)
+
+
+def test_allocations_stop_at_max_memory_and_free_with_the_connection(guarded):
+    def alloc(c, size):
+        return struct.unpack("<QQ", c.call(wire.CMD_ALLOC_BUFFER, struct.pack("<IQ", 0, size), 16))
+
+    with rw.RawClient(guarded.endpoint) as c:
+        assert alloc(c, 48 << 20)[0] != 0
+        assert alloc(c, 32 << 20) == (0, 0)  # over --max-memory 64M: a failed allocation, the connection lives
+        with rw.RawClient(guarded.endpoint) as other:
+            assert alloc(other, 32 << 20) == (0, 0)  # the limit holds for all clients together
+        assert alloc(c, 1 << 20)[0] != 0
+    with rw.RawClient(guarded.endpoint) as c:  # the first connection's buffers went with it
+        for _ in range(100):  # its session ends just after the close (bounded wait, not a timing check)
+            if alloc(c, 48 << 20)[0] != 0:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the buffers of a closed connection were not freed")
+
+
+def test_idle_and_stalled_connections_do_not_block_other_clients(guarded):
+    silent = socket.create_connection(("127.0.0.1", guarded.port), timeout=30)  # no HELLO
+    idle = rw.RawClient(guarded.endpoint)  # greeted, then nothing
+    idle.alloc(4096)
+    stalled = rw.RawClient(guarded.endpoint)  # a message begun and never finished
+    stalled.sock.sendall(bytes([wire.CMD_SET_TENSOR]) + struct.pack("<Q", 4096) + bytes(100))
+    try:
+        _alive_and_serving(guarded)
+    finally:
+        for s in (silent, idle.sock, stalled.sock):
+            s.close()
+
+
+def test_header_sizes_are_bounded_before_allocating(guarded):
+    if not Path(f"/proc/{guarded.proc.pid}/status").exists():
+        pytest.skip("needs /proc to read the server's memory")
+    before = _rss(guarded.proc.pid)
+    clients = []
+    try:
+        for cmd in (wire.CMD_SET_TENSOR, wire.CMD_GRAPH_COMPUTE, wire.CMD_GET_ALLOC_SIZE, wire.CMD_SET_TENSOR):
+            c = rw.RawClient(guarded.endpoint)
+            c.sock.sendall(bytes([cmd]) + struct.pack("<Q", 1 << 30))  # 9 bytes announcing 1 GiB
+            clients.append(c)
+        rw.round_trip(guarded.endpoint)
+        assert _rss(guarded.proc.pid) - before < 64 << 20
+    finally:
+        for c in clients:
+            c.sock.close()
+    _alive_and_serving(guarded)
+
+
+# ---- a hostile server: answers that made ggml's client abort -------------------------------------------------
+CLIENT_SCRIPT = """
+import sys
+from pyggml import BackendParams
+from pyggml.backend import Backend
+from pyggml.rpc import RPCError
+try:
+    backend = Backend(BackendParams(n_threads=1, rpc=[sys.argv[1]], tensor_split=[1, 1]))
+    backend.config = type(backend.config)({"general.architecture": "t", "t.block_count": 2})
+    backend.alloc_persistent("q8_0", (32, 8), layer=1)  # its size is asked of the server (GET_ALLOC_SIZE)
+    with backend.new_context() as ctx:
+        x = ctx.from_numpy(__import__("numpy").ones(8, "float32"))
+        ctx.compute(x * 2.0)
+    print("NO ERROR")
+except RPCError as exc:
+    print("RPCError:", exc)
+"""
+
+
+@pytest.mark.parametrize("cmd, answer, message", [
+    (wire.CMD_DEVICE_COUNT, struct.pack("<I", 16), "16 devices"),
+    (wire.CMD_DEVICE_COUNT, struct.pack("<I", 2**32 - 1), "devices"),
+    (wire.CMD_ALLOC_BUFFER, None, "buffer of"),  # half the size asked for
+    (wire.CMD_BUFFER_GET_BASE, struct.pack("<Q", 0), "buffer base of 0x0"),
+    (wire.CMD_BUFFER_GET_BASE, struct.pack("<Q", 2**64 - 8), "buffer base of 0xfffffffffffffff8"),
+    (wire.CMD_GET_ALIGNMENT, struct.pack("<Q", 0), "alignment of 0"),
+    (wire.CMD_GET_ALIGNMENT, struct.pack("<Q", 48), "alignment of 48"),
+    (wire.CMD_GET_MAX_SIZE, struct.pack("<Q", 0), "maximum buffer size of 0"),
+    (wire.CMD_GET_ALLOC_SIZE, struct.pack("<Q", 2**64 - 1), "allocation size of 18446744073709551615"),
+])
+def test_a_hostile_server_answer_is_a_clean_error(cmd, answer, message):
+    if answer is None:
+        def reply(request):
+            return struct.pack("<QQ", 0x1000, struct.unpack_from("<Q", request, 4)[0] // 2)
+    else:
+        def reply(request):
+            return answer
+    fake = rw.FakeServer({cmd: reply})
+    try:
+        proc = subprocess.run([sys.executable, "-c", CLIENT_SCRIPT, fake.endpoint], capture_output=True, text=True,
+                              timeout=120, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    finally:
+        fake.close()
+    assert proc.returncode == 0, f"the client died ({proc.returncode}): {proc.stderr[-2000:]}"
+    assert proc.stdout.startswith("RPCError:") and message in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_a_graph_as_deep_as_the_limit_computes_and_one_deeper_is_refused(guarded):
+    from pyggml.rpc_server import Limits
+
+    depth = Limits(max_memory=0).max_graph_depth  # what ggml's recursion must survive in the worker
+    with rw.RawClient(guarded.endpoint, timeout=120) as c:
+        ptr, _, base = c.alloc(4096)
+        c.send(wire.CMD_GRAPH_COMPUTE, _chain(depth, ptr, base))
+        assert c.call(wire.CMD_GET_ALIGNMENT, bytes(4), 8)  # the worker lived through it
+        c.send(wire.CMD_GRAPH_COMPUTE, _chain(depth + 1, ptr, base))
+        assert c.closed_by_server()
+    _alive_and_serving(guarded)
+
+
+def test_rpc_server_limits_are_checked():
+    from pyggml.cli import _memory_size
+
+    assert _memory_size("8G") == 8 << 30 and _memory_size("512MiB") == 512 << 20 and _memory_size("1000") == 1000
+    for bad in (["--max-memory", "lots"], ["--max-memory", "0"], ["--max-clients", "0"], ["--idle-timeout", "-1"]):
+        proc = cli("rpc-server", "--port", str(free_port()), *bad)
+        try:
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.communicate(timeout=30)
+        assert proc.returncode != 0 and bad[0] in err, err
+
+
+def _fnv(data: bytes) -> int:
+    h = 0xcbf29ce484222325
+    for byte in data:
+        h = ((h ^ byte) * 0x100000001b3) % 2**64
+    return h
+
+
+def test_the_tensor_cache_is_used_and_its_files_are_checked_against_the_tensor(tmp_path):
+    server = Server("--cache", str(tmp_path))
+    data = bytes(range(256))
+    try:
+        with rw.RawClient(server.endpoint) as c:
+            ptr, _, base = c.alloc(1024)
+            small, whole = rw.tensor(1, buffer=ptr, data=base, ne=(16,)), rw.tensor(2, buffer=ptr, data=base, ne=(64,))
+            hash_of = struct.pack("<QQ", 0, _fnv(data))
+            assert c.call(wire.CMD_SET_TENSOR_HASH, whole + hash_of, 1) == b"\x00"  # not cached yet
+            c.sock.sendall(rw.message(wire.CMD_SET_TENSOR, whole + b"\x01" + struct.pack("<Q", 0) + data))
+            assert c.get(whole, 256) == data and (tmp_path / f"{_fnv(data):016x}").stat().st_size == 256
+            c.send(wire.CMD_BUFFER_CLEAR, struct.pack("<QB", ptr, 0))
+            assert c.get(whole, 256) == bytes(256)
+            assert c.call(wire.CMD_SET_TENSOR_HASH, whole + hash_of, 1) == b"\x01"  # from the cache
+            assert c.get(whole, 256) == data
+            c.send(wire.CMD_SET_TENSOR_HASH, small + hash_of)  # 256 cached bytes into a 64-byte tensor
+            assert c.closed_by_server()
+        _alive_and_serving(server)
+    finally:
+        server.stop()
+
+
+def test_more_devices_than_the_scheduler_takes_is_a_clean_error():
+    script = ("import sys\nfrom pyggml import BackendParams\nfrom pyggml.backend import Backend\n"
+              "try:\n    Backend(BackendParams(n_threads=1, rpc=sys.argv[1:]))\n    print('NO ERROR')\n"
+              "except ValueError as exc:\n    print('ValueError:', exc)\n")
+    fakes = [rw.FakeServer({wire.CMD_DEVICE_COUNT: lambda request: struct.pack("<I", 8)}) for _ in range(2)]
+    try:
+        proc = subprocess.run([sys.executable, "-c", script, *(f.endpoint for f in fakes)], capture_output=True,
+                              text=True, timeout=120, env=dict(os.environ, GGML_NO_BACKTRACE="1"))
+    finally:
+        for f in fakes:
+            f.close()
+    assert proc.returncode == 0, f"the client died ({proc.returncode}): {proc.stderr[-2000:]}"
+    assert proc.stdout.startswith("ValueError: 17 devices"), proc.stdout + proc.stderr[-2000:]

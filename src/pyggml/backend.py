@@ -229,9 +229,10 @@ def add_rpc_server(endpoint: str) -> list[Any]:
             _rpc.hello(endpoint, rpc_version())
         devs = _RPC_SERVERS.get(endpoint)
         if devs is None:
+            relay.last_failure = None
             reg = lib.ggml_backend_rpc_add_server(relay.address.encode())
-            if relay.error is not None:
-                raise RPCError(f"rpc server {endpoint}: {relay.error}")
+            if (relay.error or relay.last_failure) is not None:  # ggml may have closed the failed connection
+                raise RPCError(f"rpc server {endpoint}: {relay.error or relay.last_failure}")
             if reg == NULL or lib.ggml_backend_reg_dev_count(reg) == 0:
                 raise RPCError(f"rpc server {endpoint} offers no devices")
             devs = [lib.ggml_backend_reg_dev_get(reg, i) for i in range(lib.ggml_backend_reg_dev_count(reg))]
@@ -630,6 +631,9 @@ class Backend:
             self._check_remotes()
         # the scheduler wants the CPU last
         self._backends = [*self._gpus, *self._remotes, self._cpu]
+        if len(self._backends) > 16:  # GGML_SCHED_MAX_BACKENDS: ggml aborts past it
+            raise ValueError(f"{len(self._backends)} devices (with the RPC servers' devices): ggml's scheduler "
+                             "takes at most 16; name fewer servers")
         # Only CPU_REPACK: weights in the AMX buffer type crashed in compute on these (virtualised)
         # Xeons, and repacking gives the AVX-512 kernels most of the speed-up anyway.
         extra = ffi.new("ggml_backend_buffer_type_t[]", 8)
@@ -935,6 +939,7 @@ class Backend:
             size += lib.ggml_backend_buft_get_alloc_size(buft, t)
         buf = lib.ggml_backend_buft_alloc_buffer(buft, max(size, 1))
         if buf == NULL:
+            self._check_remotes()  # a remote server that answered wrongly is an RPCError, not lack of memory
             name = ffi.string(lib.ggml_backend_buft_name(buft)).decode()
             raise MemoryError(_with_log(f"could not allocate {size / 2**20:.1f} MiB of {purpose} on {name}"))
         base = ffi.cast("char *", lib.ggml_backend_buffer_get_base(buf))

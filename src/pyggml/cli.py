@@ -595,9 +595,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     rpc = sub.add_parser("rpc-server", help="lend this machine's devices to other pyggml/llama.cpp clients (ggml RPC)",
-                         description="Run ggml's RPC server in the foreground until SIGINT/SIGTERM. The protocol has "
-                                     "no authentication or encryption: whoever can connect can use this machine's "
-                                     "memory and compute. Listens on 127.0.0.1 unless --allow-remote.")
+                         description="Run ggml's RPC server in the foreground until SIGINT/SIGTERM, behind a guard "
+                                     "that checks every message first and gives each client its own worker process. "
+                                     "The protocol has no authentication or encryption: whoever can connect can use "
+                                     "this machine's memory and compute. Listens on 127.0.0.1 unless --allow-remote.")
     rpc.add_argument("--host", default="127.0.0.1", help="IPv4 address to listen on (default: 127.0.0.1)")
     rpc.add_argument("--port", type=int, default=50052, help="default: 50052")
     rpc.add_argument("--threads", type=int, default=None, help="CPU threads (default: physical cores)")
@@ -672,6 +673,8 @@ def cmd_rpc_server(args: argparse.Namespace) -> int:
     print(f"pyggml rpc-server: listening on {endpoint} (RPC protocol {'.'.join(map(str, rpc_version()))}, "
           f"{threads} threads, at most {max_memory / 2**30:.2f} GiB and {args.max_clients} clients"
           f"{f', cache {cache}' if cache else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
+    for d in local:
+        print(f"  {d.name}: {d.description} ({d.memory_total / 2**20:.0f} MiB)", file=sys.stderr, flush=True)
     while not stop.is_set() and server.is_alive():
         stop.wait(0.5)
     guard.stop()

@@ -9,14 +9,17 @@ keeps the protocol's framing and knows which commands are answered and how long 
 server is gone (reset, closed, silent past the timeout) the relay marks its connection failed and from
 then on answers every command itself with a well-formed dummy reply: ggml finishes what it was doing
 without aborting, and ``Backend`` raises :class:`RPCError` after the compute instead of using the
-garbage results. The relay also counts the bytes each way (``traffic()``), which is how the transfer per
-decode step is measured.
+garbage results. The same happens when the server answers something that would make ggml's client abort
+or place tensors wrongly (:func:`check_answer`: a device count past the scheduler's limit, a buffer smaller
+than asked, a base address of 0 or one that wraps). The relay also counts the bytes each way
+(``traffic()``), which is how the transfer per decode step is measured.
 
 Before ggml first connects to a server, :func:`hello` checks it from Python with a bounded timeout:
 unreachable, not an RPC server, or another protocol version raise :class:`RPCError` with the reason.
 
 This module speaks only sockets; the ggml side (registering devices, the server loop) is in
-``pyggml.backend``. The protocol facts below are those of the pinned ggml (protocol 7.0.0); check them
+``pyggml.backend``, and ``pyggml rpc-server``'s guard, which checks clients' messages, in
+``pyggml.rpc_server``. The protocol facts below are those of the pinned ggml (protocol 7.0.0); check them
 against ``ggml/src/ggml-rpc/ggml-rpc.cpp`` when the pin moves.
 """
 
@@ -114,6 +117,88 @@ _ANSWER_SIZE: dict[int, int | None] = {
 _UNANSWERED = {CMD_FREE_BUFFER, CMD_BUFFER_CLEAR, CMD_SET_TENSOR, CMD_GRAPH_COMPUTE, CMD_INIT_TENSOR,
                CMD_GRAPH_RECOMPUTE, CMD_MEMSET_TENSOR}
 _GET_TENSOR_SIZE_AT = RPC_TENSOR_SIZE + 8  # rpc_msg_get_tensor_req: tensor, offset, size
+MAX_DEVICES = 15  # per server: ggml's scheduler takes at most 16 backends, and the local CPU is one
+MAX_ALIGNMENT = 1 << 20
+_U64 = struct.Struct("<Q")
+TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")  # rpc_tensor, packed
+assert TENSOR.size == RPC_TENSOR_SIZE
+
+
+@dataclass
+class Tensor:
+    """The fields of a serialised ggml tensor that decide where its bytes are and what computes it."""
+    id: int
+    type: int
+    buffer: int
+    ne: tuple[int, ...]
+    nb: tuple[int, ...]
+    op: int
+    src: tuple[int, ...]
+    view_src: int
+    data: int
+
+
+def parse_tensor(data: bytes | memoryview, offset: int = 0) -> Tensor:
+    f = TENSOR.unpack_from(data, offset)
+    return Tensor(f[0], f[1], f[2], f[3:7], f[7:11], f[11], f[29:39], f[39], f[41])
+
+
+_TYPES: dict[int, tuple[int, int]] = {}  # ggml type -> (block size, bytes per block); removed types absent
+
+
+def type_table() -> dict[int, tuple[int, int]]:
+    if not _TYPES:
+        from pyggml._ggml import lib
+
+        for t in range(lib.GGML_TYPE_COUNT):
+            blck = lib.ggml_blck_size(t)
+            if blck > 0:  # removed types keep their number with a block size of 0
+                _TYPES[t] = (blck, lib.ggml_type_size(t))
+    return _TYPES
+
+
+def nbytes(t: Tensor) -> int:
+    """ggml_nbytes in Python integers (no wrap-around); the type must be in :func:`type_table`."""
+    blck, size = type_table()[t.type]
+    if any(n == 0 for n in t.ne):
+        return 0
+    if blck == 1:
+        return size + sum((n - 1) * s for n, s in zip(t.ne, t.nb, strict=True))
+    return t.ne[0] * t.nb[0] // blck + sum((n - 1) * s for n, s in zip(t.ne[1:], t.nb[1:], strict=True))
+
+
+def check_answer(cmd: int, request: bytes, answer: bytes, buffers: dict[int, int]) -> str | None:
+    """Why a server's answer to ``request`` would make ggml abort or compute wrongly, or None. ``buffers``
+    (remote pointer -> size) is updated from allocations."""
+    if cmd == CMD_DEVICE_COUNT:
+        (n,) = struct.unpack("<I", answer)
+        return f"reports {n} devices (at most {MAX_DEVICES} are usable)" if n > MAX_DEVICES else None
+    if cmd == CMD_ALLOC_BUFFER:
+        ptr, size = struct.unpack("<QQ", answer)
+        (asked,) = _U64.unpack_from(request, 4)
+        if ptr != 0 and not asked <= size < 1 << 62:
+            return f"answered an allocation of {asked} bytes with a buffer of {size}"
+        if ptr != 0:
+            buffers[ptr] = size
+        return None
+    if cmd == CMD_BUFFER_GET_BASE:
+        (base,) = _U64.unpack(answer)
+        size = buffers.get(_U64.unpack(request)[0], 0)
+        if base == 0 or base + size >= 1 << 63:
+            return f"answered a buffer base of {base:#x} for a buffer of {size} bytes"
+        return None
+    if cmd == CMD_GET_ALIGNMENT:
+        (align,) = _U64.unpack(answer)
+        if not 0 < align <= MAX_ALIGNMENT or align & (align - 1):
+            return f"answered an alignment of {align} (a power of two up to {MAX_ALIGNMENT} is expected)"
+        return None
+    if cmd == CMD_GET_MAX_SIZE:
+        return "answered a maximum buffer size of 0" if _U64.unpack(answer)[0] == 0 else None
+    if cmd == CMD_GET_ALLOC_SIZE:
+        (size,) = _U64.unpack(answer)  # ggml's client raises a smaller one to the tensor's size itself
+        if size >= 1 << 62:
+            return f"answered an allocation size of {size}"
+    return None
 
 
 def _dummy_answer(cmd: int, size: int, version: tuple[int, int, int]) -> bytes:
@@ -193,10 +278,11 @@ class _Connection:
         self.upstream: socket.socket | None = None
         self.failure: str | None = None
         self.buffer = bytearray(_CHUNK)
+        self.buffers: dict[int, int] = {}  # remote pointer -> size, from the server's allocations
 
     def fail(self, what: str) -> None:
         if self.failure is None:
-            self.failure = what
+            self.failure = self.relay.last_failure = what
             log.error("rpc server %s: %s", self.relay.endpoint, what)
             if self.upstream is not None:
                 try:
@@ -293,10 +379,10 @@ class _Connection:
         if answer_size is None:  # GET_TENSOR
             answer_size = struct.unpack_from("<Q", payload, _GET_TENSOR_SIZE_AT)[0] if len(payload) >= \
                 _GET_TENSOR_SIZE_AT + 8 else 0
-        self._answer(cmd, answer_size)
+        self._answer(cmd, answer_size, payload)
         return True
 
-    def _answer(self, cmd: int, size: int) -> None:
+    def _answer(self, cmd: int, size: int, request: bytes) -> None:
         client = self.client
         head = self._up_recv(8)
         if head is not None and struct.unpack("<Q", head)[0] != size:
@@ -304,6 +390,10 @@ class _Connection:
             head = None
         if head is None or size <= _SMALL:
             body = self._up_recv(size) if head is not None else None
+            wrong = check_answer(cmd, request, body, self.buffers) if body is not None else None
+            if wrong is not None:  # ggml would abort on it, or place tensors wrongly: the server is unusable
+                self.fail(f"{COMMAND_NAMES[cmd]}: {wrong}")
+                body = None
             if body is None:
                 body = _dummy_answer(cmd, size, self.relay.version)
             client.sendall(struct.pack("<Q", size) + body)
@@ -352,6 +442,7 @@ class Relay:
         self.received = 0
         self.messages = 0
         self.commands: dict[str, list[int]] = {}
+        self.last_failure: str | None = None  # also after ggml closed the connection that failed
         self._lock = threading.Lock()
         self._connections: list[_Connection] = []
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -405,6 +496,7 @@ class Direct:
         self.sent = self.received = self.messages = 0
         self.connected = False
         self.error: str | None = None
+        self.last_failure: str | None = None
 
     def traffic(self) -> Traffic:
         return Traffic(0, 0, 0)

@@ -57,14 +57,16 @@ from pyggml.rpc import (
     COMMAND_NAMES,
     CONN_CAPS_SIZE,
     RPC_TENSOR_SIZE,
+    Tensor,
+    nbytes,
+    parse_tensor,
+    type_table,
 )
 
 log = logging.getLogger("pyggml.rpc_server")
 
 GGML_OP_COUNT = 101  # ggml-rpc.h pins it for protocol 7.0.0 (a static_assert there)
 MAX_SRC = 10
-TENSOR = struct.Struct("<QIQ4I4II16ii10QQQQ64si")  # rpc_tensor, packed
-assert TENSOR.size == RPC_TENSOR_SIZE
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _CHUNK = 1 << 20
 _MAX_BYTES = 1 << 62  # no tensor or region may come near where ggml's size_t arithmetic wraps
@@ -96,49 +98,6 @@ class Limits:
     max_graph_depth: int = 20_000  # ggml builds a graph recursively; the worker's thread has a large stack
 
 
-# ---- tensors -------------------------------------------------------------------------------------
-@dataclass
-class Tensor:
-    id: int
-    type: int
-    buffer: int
-    ne: tuple[int, ...]
-    nb: tuple[int, ...]
-    op: int
-    src: tuple[int, ...]
-    view_src: int
-    data: int
-
-
-def parse_tensor(data: bytes | memoryview, offset: int = 0) -> Tensor:
-    f = TENSOR.unpack_from(data, offset)
-    return Tensor(f[0], f[1], f[2], f[3:7], f[7:11], f[11], f[29:39], f[39], f[41])
-
-
-_TYPES: dict[int, tuple[int, int]] = {}  # ggml type -> (block size, bytes per block); deprecated types absent
-
-
-def _type_table() -> dict[int, tuple[int, int]]:
-    if not _TYPES:
-        from pyggml._ggml import lib
-
-        for t in range(lib.GGML_TYPE_COUNT):
-            blck = lib.ggml_blck_size(t)
-            if blck > 0:  # removed types keep their number with a block size of 0
-                _TYPES[t] = (blck, lib.ggml_type_size(t))
-    return _TYPES
-
-
-def nbytes(t: Tensor) -> int:
-    """ggml_nbytes, in Python integers (no wrap-around)."""
-    blck, size = _type_table()[t.type]
-    if any(n == 0 for n in t.ne):
-        return 0
-    if blck == 1:
-        return size + sum((n - 1) * s for n, s in zip(t.ne, t.nb, strict=True))
-    return t.ne[0] * t.nb[0] // blck + sum((n - 1) * s for n, s in zip(t.ne[1:], t.nb[1:], strict=True))
-
-
 @dataclass
 class Buffer:
     device: int
@@ -157,6 +116,14 @@ class Session:
         self.worker: Worker | None = None
         self.buffers: dict[int, Buffer] = {}
         self.graph_ready: set[int] = set()  # devices whose last graph the worker keeps (GRAPH_RECOMPUTE)
+        # what passed the checks while the buffers stay the same (a new graph mostly repeats the last ones)
+        self.checked_tensors: dict[bytes, Tensor] = {}
+        self.checked_graphs: dict[bytes, None] = {}  # the last few whole GRAPH_COMPUTE payloads
+
+    def buffers_changed(self) -> None:
+        self.graph_ready.clear()  # ggml drops every kept graph when a buffer goes
+        self.checked_tensors.clear()
+        self.checked_graphs.clear()
 
     # -- client I/O
     def _recv(self, n: int, timeout: float | None) -> bytes:
@@ -225,15 +192,13 @@ class Session:
         if fixed is not None and size != fixed:
             raise Refused(f"{COMMAND_NAMES[cmd]} with {size} bytes (it has {fixed})")
         if cmd == CMD_GRAPH_COMPUTE and not 12 <= size <= limits.max_graph_bytes:
-            raise Refused(f"GRAPH_COMPUTE of {size} bytes (limit {limits.max_graph_bytes}, --max-graph-bytes)")
+            raise Refused(f"GRAPH_COMPUTE of {size} bytes (1 node takes 12, the limit is {limits.max_graph_bytes})")
         if cmd == CMD_SET_TENSOR:  # its data is streamed once the head is checked
+            if size < _SET_TENSOR_HEAD:
+                raise Refused(f"SET_TENSOR of {size} bytes (its head alone takes {_SET_TENSOR_HEAD})")
             handler(self, self._recv(_SET_TENSOR_HEAD, limits.message_timeout), size)
             return True
-        if size > 0:
-            payload = self._recv(size, limits.message_timeout)
-        else:
-            payload = b""
-        handler(self, payload)
+        handler(self, self._recv(size, limits.message_timeout) if size else b"")
         return True
 
     # -- the worker
@@ -263,7 +228,7 @@ class Session:
 
     def tensor(self, t: Tensor, need_buffer: bool) -> int:
         """Check one tensor as ggml's server will use it; returns its byte size."""
-        types = _type_table()
+        types = type_table()
         if t.type not in types:
             raise Refused(f"tensor type {t.type}")
         blck = types[t.type][0]
@@ -304,17 +269,21 @@ def _alloc_buffer(s: Session, payload: bytes) -> None:
                     s.peer, size, s.guard.allocated, s.guard.limits.max_memory)
         s._answer(bytes(16))  # a failed allocation: the client reports it
         return
-    ptr, got = struct.unpack("<QQ", s.forward(CMD_ALLOC_BUFFER, payload, 16))
+    try:
+        ptr, got = struct.unpack("<QQ", s.forward(CMD_ALLOC_BUFFER, payload, 16))
+    except BaseException:
+        s.guard.release(size)
+        raise
     if ptr == 0:
         s.guard.release(size)
         s._answer(bytes(16))
         return
-    (base,) = _U64.unpack(s.forward(CMD_BUFFER_GET_BASE, _U64.pack(ptr), 8))
-    s.buffers[ptr] = Buffer(dev, base, size)  # freed with the session from here on
-    if got < size or base == 0 or base + got >= 1 << 64:
-        raise ConnectionError(f"the worker answered an allocation of {size} with {got} bytes at {base:#x}")
+    buf = s.buffers[ptr] = Buffer(dev, 0, size)  # from here on released with the session
+    (buf.base,) = _U64.unpack(s.forward(CMD_BUFFER_GET_BASE, _U64.pack(ptr), 8))
+    if got < size or buf.base == 0 or buf.base + got >= 1 << 64:
+        raise ConnectionError(f"the worker answered an allocation of {size} with {got} bytes at {buf.base:#x}")
     s.guard.reserve(got - size, force=True)
-    s.buffers[ptr].size = got
+    buf.size = got
     s._answer(struct.pack("<QQ", ptr, got))
 
 
@@ -339,7 +308,7 @@ def _free_buffer(s: Session, payload: bytes) -> None:
     s.forward(CMD_FREE_BUFFER, payload)
     del s.buffers[ptr]
     s.guard.release(buf.size)
-    s.graph_ready.clear()  # ggml drops every kept graph when a buffer goes
+    s.buffers_changed()
 
 
 def _buffer_clear(s: Session, payload: bytes) -> None:
@@ -429,6 +398,16 @@ def _memset_tensor(s: Session, payload: bytes) -> None:
 def _graph_compute(s: Session, payload: bytes) -> None:
     # device (u32) | n_nodes (u32) | node ids (u64 each) | n_tensors (u32) | rpc_tensor each
     dev = s.device(payload)
+    if payload not in s.checked_graphs:
+        _check_graph(s, payload)
+        if len(s.checked_graphs) >= 8:
+            del s.checked_graphs[next(iter(s.checked_graphs))]
+        s.checked_graphs[payload] = None
+    s.forward(CMD_GRAPH_COMPUTE, payload)
+    s.graph_ready.add(dev)
+
+
+def _check_graph(s: Session, payload: bytes) -> None:
     (n_nodes,) = _U32.unpack_from(payload, 4)
     at = 8 + 8 * n_nodes
     if n_nodes == 0 or at + 4 > len(payload):
@@ -436,52 +415,56 @@ def _graph_compute(s: Session, payload: bytes) -> None:
     (n_tensors,) = _U32.unpack_from(payload, at)
     if at + 4 + n_tensors * RPC_TENSOR_SIZE != len(payload):
         raise Refused(f"GRAPH_COMPUTE of {len(payload)} bytes does not hold {n_nodes} nodes and {n_tensors} tensors")
+    if len(s.checked_tensors) > 1 << 18:
+        s.checked_tensors.clear()
     tensors: dict[int, Tensor] = {}
-    for i in range(n_tensors):
-        t = parse_tensor(payload, at + 4 + i * RPC_TENSOR_SIZE)
+    for start in range(at + 4, len(payload), RPC_TENSOR_SIZE):
+        record = payload[start:start + RPC_TENSOR_SIZE]
+        t = s.checked_tensors.get(record)
+        if t is None:
+            t = parse_tensor(record)
+            s.tensor(t, need_buffer=True)
+            s.checked_tensors[record] = t
         if t.id == 0 or t.id in tensors:
             raise Refused(f"graph tensor id {t.id:#x} is 0 or repeated")
-        s.tensor(t, need_buffer=True)
         tensors[t.id] = t
     nodes = struct.unpack_from(f"<{n_nodes}Q", payload, 8)
     if len(set(nodes)) != n_nodes or not all(n in tensors for n in nodes):
         raise Refused("graph nodes must be distinct tensors of the message (no 0, no unknown id)")
     _check_graph_depth(tensors, nodes, s.guard.limits.max_graph_depth)
-    s.forward(CMD_GRAPH_COMPUTE, payload)
-    s.graph_ready.add(dev)
 
 
 def _check_graph_depth(tensors: dict[int, Tensor], nodes: tuple[int, ...], limit: int) -> None:
-    """Every source exists, there is no cycle, and no chain is deeper than ``limit`` (ggml recurses along it)."""
-    depth: dict[int, int] = {}
+    """Walk the sources as ggml's server will (depth first, from each node in order): every source exists,
+    there is no cycle, and the walk never goes deeper than ``limit`` (ggml recurses once per step)."""
+    done: set[int] = set()
+
+    def sources(tid: int):
+        t = tensors[tid]
+        return iter([i for i in (*t.src, t.view_src) if i != 0 and i not in done])
+
     for root in nodes:
-        if root in depth:
+        if root in done:
             continue
-        stack = [(root, False)]
-        on_path: set[int] = set()
+        path, stack = {root}, [(root, sources(root))]
         while stack:
-            tid, done = stack.pop()
-            t = tensors[tid]
-            links = [i for i in (*t.src, t.view_src) if i != 0]
-            if done:
-                on_path.discard(tid)
-                depth[tid] = 1 + max((depth[i] for i in links), default=0)
-                if depth[tid] > limit:
-                    raise Refused(f"a graph chain deeper than {limit} tensors")
-                continue
-            if tid in depth:
-                continue
-            on_path.add(tid)
-            stack.append((tid, True))
-            for i in links:
+            tid, pending = stack[-1]
+            for i in pending:
+                if i in done:
+                    continue
                 if i not in tensors:
                     raise Refused(f"graph tensor {tid:#x} names an unknown source {i:#x}")
-                if i in on_path:
+                if i in path:
                     raise Refused("the graph has a cycle")
-                if i not in depth:
-                    stack.append((i, False))
-            if len(on_path) > limit:
-                raise Refused(f"a graph chain deeper than {limit} tensors")
+                if len(stack) >= limit:
+                    raise Refused(f"a graph chain deeper than {limit} tensors")
+                path.add(i)
+                stack.append((i, sources(i)))
+                break
+            else:
+                stack.pop()
+                path.discard(tid)
+                done.add(tid)
 
 
 def _graph_recompute(s: Session, payload: bytes) -> None:
@@ -599,8 +582,13 @@ class Guard:
 
     def serve_forever(self) -> None:
         while True:
-            client, peer = self._listener.accept()
-            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                client, peer = self._listener.accept()
+                client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as exc:  # out of file descriptors, a client gone at once: keep accepting
+                log.error("rpc-server: accepting a connection failed: %s", exc)
+                time.sleep(0.1)
+                continue
             name = f"{peer[0]}:{peer[1]}"
             with self._lock:
                 full = len(self._sessions) >= self.limits.max_clients
