@@ -151,6 +151,11 @@ BUGS = [
         "            return _grouped_attention(query, groups, scale, flash, softcap, None)",
         ("tests/test_gptoss.py::test_logits_match_with_several_sequence_slots",),
         "attention with several sequence slots drops gpt-oss's sinks"),
+    Bug("swa-window-one-wider", "src/pyggml/kvcache/cells.py",
+        "            visible &= tok_pos - cell_pos < self.swa_window",
+        "            visible &= tok_pos - cell_pos <= self.swa_window",
+        ("tests/test_gptoss.py::test_greedy_decoding_past_the_window_matches_transformers",),
+        "the sliding window shows one position more than transformers' and llama.cpp's (issue 25 item 7)"),
     Bug("argsort-stale-plan", "src/pyggml/backend.py",
         "                if not lib.ggml_backend_sched_reserve(sched, state.graph):\n"
         "                    raise MemoryError(_with_log(\"could not reserve memory for the graph\"))\n"
