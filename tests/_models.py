@@ -179,3 +179,23 @@ def with_chat_template(src: str | Path, dst: str | Path, template: str) -> Path:
     head += b"\0" * (-len(head) % alignment)
     Path(dst).write_bytes(head + data[data_start:])
     return Path(dst)
+
+
+# ---- several sequence slots at once -------------------------------------------------------------------
+
+def logits_in_slots(path: Path, prompts: list[list[int]], batch_size: int = 4) -> list[np.ndarray]:
+    """Each prompt's logits (len(prompt), vocab), all scored at once by a Runner with one sequence slot
+    per prompt: its batches hold several sequences, whose attention the cache serves in per-sequence
+    groups (``serve`` runs four slots by default; ``LLM`` runs one)."""
+    from pyggml import BackendParams, models
+    from pyggml.runner import CompletionRequest, Runner
+
+    model = models.load(path, BackendParams(n_threads=2))
+    try:
+        with Runner(model, parallel=len(prompts), num_ctx=64, batch_size=batch_size, cache_type="f32",
+                    background=False) as runner:
+            streams = [runner.completion(CompletionRequest(prompt=p, max_tokens=0, prompt_logits=True))
+                       for p in prompts]
+            return [list(stream)[-1].prompt_logits for stream in streams]
+    finally:
+        model.close()

@@ -86,6 +86,22 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token_past_the_wind
     assert scaled_error(steps, ref) <= 1e-3
 
 
+def test_logits_match_with_several_sequence_slots(converted):
+    """Three sequences scored at once (the cache's per-sequence groups, as ``serve`` runs them), past the
+    window: each gives what it gives alone, and the first transformers' logits (soft-capping included)."""
+    import pyggml
+
+    from ._models import logits_in_slots
+
+    arch, path, tokens, ref = converted
+    prompts = [tokens, tokens[3:], tokens[:-4]]
+    together = logits_in_slots(path, prompts)
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        for prompt, logits in zip(prompts, together, strict=True):
+            assert scaled_error(logits, llm.logits(prompt)) <= 1e-3
+    assert scaled_error(together[0], ref) <= 1e-3
+
+
 def test_the_window_masks(converted):
     """The same file with a window as wide as the prompt gives other logits past the window, so the
     parity above really checks the sliding window."""

@@ -90,6 +90,57 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token_past_the_wind
     assert scaled_error(steps, ref) <= 1e-3
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_greedy_decoding_past_the_window_matches_transformers(tmp_path, seed):
+    """Other random models, decoded token by token from a short prompt to three windows past it
+    (issue 25 item 7: reported to diverge at the first token whose window leaves position 0 out).
+    Transformers' sliding mask keeps ``kv > q - window`` (the token and the window - 1 before it), as
+    llama.cpp's ``p1 - p0 >= n_swa`` hides the rest and pyggml's cells do: every reported logprob
+    equals transformers' over the same tokens."""
+    from pyggml import BackendParams, models
+    from pyggml.convert import convert_hf
+    from pyggml.runner import CompletionRequest, Runner
+
+    from ._models import log_softmax
+
+    hf_dir, model = make_tiny_gptoss(tmp_path, seed)
+    path = convert_hf(hf_dir, tmp_path / "model.gguf", "f32")
+    m = models.load(path, BackendParams(n_threads=2))
+    try:
+        prompt = m.tokenizer.encode("Which way", add_special=True)[:2]  # shorter than the window
+        banned = {t: -1e9 for t in m.tokenizer.vocab.eog}  # never ends early
+        with Runner(m, parallel=1, num_ctx=64, batch_size=8, cache_type="f32") as runner:
+            chunks = list(runner.completion(CompletionRequest(prompt, max_tokens=4 * WINDOW, temperature=0.0,
+                                                              logprobs=5, logit_bias=banned)))
+    finally:
+        m.close()
+    generated = [t for c in chunks for t in c.tokens]
+    reported = [lp for c in chunks for lp in c.logprobs or ()]
+    assert len(prompt) < WINDOW and len(generated) == len(reported) == 4 * WINDOW
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + generated])).logits[0].numpy()
+    for i, lp in enumerate(reported):
+        expected = log_softmax(ref[len(prompt) - 1 + i])
+        for token, value in lp.top:
+            assert value == pytest.approx(expected[token], abs=1e-4), f"seed {seed}, token {i}"
+
+
+def test_logits_match_with_several_sequence_slots(converted):
+    """Three sequences scored at once (the cache's per-sequence groups, as ``serve`` runs them), past the
+    window: each gives what it gives alone, and the first transformers' logits (the sinks included)."""
+    import pyggml
+
+    from ._models import logits_in_slots
+
+    path, tokens, ref = converted
+    prompts = [tokens, tokens[3:], tokens[:-4]]
+    together = logits_in_slots(path, prompts)
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        for prompt, logits in zip(prompts, together, strict=True):
+            assert scaled_error(logits, llm.logits(prompt)) <= 1e-3
+    assert scaled_error(together[0], ref) <= 1e-3
+
+
 def test_the_o200k_tokenizer_splits_like_transformers(converted):
     """The file names its pre-tokenizer ``gpt-4o`` (as llama.cpp's converter does) and pyggml splits
     text as the Hugging Face tokenizer does, non-ASCII letters and case changes included."""

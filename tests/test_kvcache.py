@@ -531,6 +531,23 @@ def test_streams_attend_like_one_pool_of_cells(flash):
         backend.close()
 
 
+@pytest.mark.parametrize("flash", [False, True])
+def test_a_group_attends_over_its_longest_stream(flash):
+    """A decode step whose first sequence is the shortest: the group's width is its longest stream's
+    (issue 25 item 8: the first stream's width cut the others' histories). Padding 1, so that the widths
+    differ."""
+    backend = Backend(BackendParams(n_threads=1, flash_attention=flash))
+    try:
+        steps = [[(0, 0)], [(1, p) for p in range(6)], [(0, 1), (1, 6)], [(0, 2), (1, 7), (2, 0)]]
+        caches = [make(backend, max_sequences=3, capacity=16, unified=unified) for unified in (False, True)]
+        assert caches[0].cells.per_sequence and not caches[1].cells.per_sequence
+        got, want = (attention_outputs(c, backend, steps, flash) for c in caches)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    finally:
+        backend.close()
+
+
 def test_groups_cut_the_batch_by_consecutive_sequences(cpu):
     cache = Causal(rope_shift)
     cache.init(cpu, DType.F32, max_sequences=4, capacity=8, max_batch=8)

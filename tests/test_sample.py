@@ -87,6 +87,16 @@ def test_min_p_keeps_tokens_above_a_fraction_of_the_best():
     assert support(s(1.0), logits) == {0}
 
 
+def test_min_p_judges_the_probabilities_before_temperature():
+    # token 1 has e^-1 = 0.37 of the best's probability: kept under min_p 0.3, as llama.cpp's chain
+    # (min_p, then temperature) does; judged after a temperature of 0.5 it would have e^-2 = 0.14 and go
+    logits = np.array([0.0, -1.0], np.float32)
+    assert support(Sampler(temperature=0.5, top_k=0, top_p=1.0, min_p=0.3, seed=0), logits) == {0, 1}
+    # and a hot sampler cannot bring back what min_p dropped: e^-3 = 0.05 < 0.3
+    assert support(Sampler(temperature=4.0, top_k=0, top_p=1.0, min_p=0.3, seed=0),
+                   np.array([0.0, -3.0], np.float32)) == {0}
+
+
 def test_typical_keeps_tokens_closest_to_entropy():
     probs = np.array([0.6, 0.2, 0.1, 0.05, 0.05])
     entropy = -(probs * np.log(probs)).sum()
@@ -114,6 +124,9 @@ def test_repeat_presence_and_frequency_penalties():
     assert Sampler(**greedy, repeat_penalty=2.0, repeat_last_n=5).sample(logits, hist) == 0
     assert Sampler(**greedy, repeat_penalty=2.0, repeat_last_n=-1).sample(logits, hist) == 1
     assert Sampler(**greedy, repeat_penalty=2.0, repeat_last_n=0).sample(logits, hist) == 0
+    # exactly the last n: token 0 is the sixth most recent
+    assert Sampler(**greedy, repeat_penalty=2.0, repeat_last_n=5).sample(logits, [0] + [3] * 5) == 0
+    assert Sampler(**greedy, repeat_penalty=2.0, repeat_last_n=6).sample(logits, [0] + [3] * 5) == 1
     # negative logits are pushed further down (multiplied), not towards zero
     neg = np.array([-1.0, -1.05], dtype=np.float32)
     assert Sampler(**greedy, repeat_penalty=1.2).sample(neg, history=[0]) == 1

@@ -121,6 +121,16 @@ def test_hugging_face_cache(stores, gguf):
         store.resolve("org/two-GGUF")
 
 
+def test_hugging_face_cache_prefers_the_exact_file_name(stores, gguf):
+    """``org/repo:FILE`` names one file even when other names contain it (model-Q4_K is in model-Q4_K_M)."""
+    make_hf(stores["hf"], gguf, repo="org/m-GGUF", files=("model-Q4_K.gguf", "model-Q4_K_M.gguf"))
+    assert store.resolve("org/m-GGUF:model-Q4_K").path.name == "model-Q4_K.gguf"
+    assert store.resolve("org/m-GGUF:model-Q4_K.gguf").path.name == "model-Q4_K.gguf"
+    assert store.resolve("org/m-GGUF:Q4_K_M").path.name == "model-Q4_K_M.gguf"
+    with pytest.raises(store.ModelNotFoundError, match="several files"):
+        store.resolve("org/m-GGUF:Q4_K")  # a tag that is no file's name: both contain it
+
+
 def test_list_models_and_the_list_command(stores, gguf, capsys):
     from pyggml.cli import main
 

@@ -280,6 +280,12 @@ import llama_cpp
 import numpy as np
 path, out, tokens, threads = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 n = max(64, len(tokens))
+defaults = llama_cpp.llama_cpp.llama_model_default_params
+def plain_kernels():  # no extra buffer types: llama.cpp's AMX kernels die with SIGILL on some virtual Xeons
+    params = defaults()
+    params.use_extra_bufts = False
+    return params
+llama_cpp.llama_cpp.llama_model_default_params = plain_kernels
 llm = llama_cpp.Llama(model_path=path, n_ctx=n, n_batch=n, n_ubatch=n, n_threads=threads, logits_all=True,
                       type_k=0, type_v=0, verbose=False)  # an F32 cache, as pyggml's side uses
 llm.eval(tokens)
