@@ -84,6 +84,17 @@ def test_several_sequences_at_once_match_transformers(case, converted):
         assert error(ours, reference(model, tokens)) < TOLERANCE
 
 
+def test_a_q8_0_file_keeps_its_kernels_f32_and_stays_close_to_transformers(converted):
+    path, model, tokenizer = converted("conv-attn-tied", "q8_0")
+    tokens = tokenizer.encode(TEXTS[0])
+    with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+        types = {n: t.dtype.name for n, t in llm.model.backend.tensors().items()}
+        assert types["blk.0.shortconv.conv.weight"] == "F32" and types["blk.0.shortconv.in_proj.weight"] == "Q8_0"
+        # Q8_0 rounding of weights and activations (compare's Q8_0 tolerance); llama.cpp 0.3.36 dies (SIGILL) on
+        # quantized lfm2 files, its own llama-quantize output included, so it is compared on F32 and F16 only
+        assert error(llm.logits(tokens), reference(model, tokens)) < 5e-2
+
+
 @needs_llama_cpp
 @pytest.mark.parametrize("case", list(CASES))
 def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, converted):
