@@ -1,6 +1,6 @@
-"""LFM2 (GGUF ``lfm2``): converted tiny random checkpoints against transformers and llama.cpp, the runner
-on a recurrent-state model (greedy generation, a prompt that extends an earlier one, a context
-overflow), and malformed files."""
+"""LFM2 (GGUF ``lfm2``, and ``lfm2moe``): converted tiny random checkpoints against transformers and
+llama.cpp, the runner on a recurrent-state model (greedy generation, a prompt that extends an earlier
+one, a context overflow), and malformed files."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
 
 CASES = {"conv-attn-tied": dict(),  # conv, attention, conv, conv; 3 taps
          "attn-first-untied-4-taps": dict(layer_types=("full_attention", "conv", "conv", "full_attention"),
-                                          conv_taps=4, tie=False, auto_adjust_ff=True, n_kv_heads=4, seed=1)}
-# max |ours - theirs| / max |theirs| over the logits; measured 5.3e-7 .. 7.8e-7 against transformers (F32 cache)
+                                          conv_taps=4, tie=False, auto_adjust_ff=True, n_kv_heads=4, seed=1),
+         "moe-dense-first": dict(moe=True, seed=2)}  # lfm2moe: layer 0 dense, then 8 experts (2 chosen)
+# max |ours - theirs| / max |theirs| over the logits; measured 4.9e-7 .. 7.8e-7 against transformers (F32 cache)
 TOLERANCE = 1e-3
 
 
@@ -299,3 +300,16 @@ def test_parallel_generation_and_forked_slots_equal_each_sequence_alone(tiny_pat
     finally:
         model.close()
     assert forks == [1, 7]
+
+
+def test_lfm2moe_bad_files_are_named(tmp_path):
+    from pyggml.backend import Config
+    from pyggml.models.lfm2moe import Options
+    from pyggml.synthetic import metadata
+
+    path = write_model(tmp_path / "moe.gguf", "lfm2moe", TINY["lfm2moe"], "f32", omit={"blk.1.exp_probs_b.bias"})
+    with pytest.raises(ModelError, match=r"blk\.1\.exp_probs_b\.bias"):
+        models.load(path)
+    for key, value in (("expert_gating_func", 1), ("expert_used_count", 5), ("expert_weights_scale", 2.5)):
+        with pytest.raises(ModelError, match=key):
+            Options.from_config(Config(metadata("lfm2moe", {**TINY["lfm2moe"], key: value})))
