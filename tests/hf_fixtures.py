@@ -214,32 +214,45 @@ def make_tiny_llama(
 
 def make_tiny_lfm2(tmp_path: Path, *, layer_types: tuple[str, ...] = ("conv", "full_attention", "conv", "conv"),
                    n_kv_heads: int = 2, conv_taps: int = 3, tie: bool = True, auto_adjust_ff: bool = False,
-                   seed: int = 0) -> tuple[Path, Any]:
+                   moe: bool = False, seed: int = 0) -> tuple[Path, Any]:
     """Build and save a random LFM2 model (64 wide, 4 heads of 16, convolution and attention layers as
     ``layer_types``) with a BPE tokenizer. Returns ``(hf_dir, hf_model)`` (float32, eval mode). Norm
     weights are randomised around 1. ``auto_adjust_ff``: the MLP width is derived from ``block_ff_dim``
-    (2/3 of it, rounded up to ``block_multiple_of``) as in the released checkpoints."""
+    (2/3 of it, rounded up to ``block_multiple_of``) as in the released checkpoints. ``moe``: an LFM2-MoE
+    model (the first layer dense, then 8 experts of 32, 2 chosen per token, a random expert bias)."""
     import torch
     import transformers
 
-    hf_dir = Path(tmp_path) / f"tiny-lfm2-{''.join(t[0] for t in layer_types)}-k{conv_taps}-s{seed}"
+    kinds = "".join(t[0] for t in layer_types)
+    hf_dir = Path(tmp_path) / f"tiny-lfm2{'moe' if moe else ''}-{kinds}-k{conv_taps}-s{seed}"
     hf_dir.mkdir(parents=True, exist_ok=True)
     n_tokens = make_bpe_tokenizer(hf_dir, seed)
-    config = transformers.Lfm2Config(
-        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=144 if auto_adjust_ff else 96,
-        num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=n_kv_heads,
-        max_position_embeddings=256, norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        layer_types=list(layer_types), conv_L_cache=conv_taps, block_auto_adjust_ff_dim=auto_adjust_ff,
-        block_multiple_of=32, block_ffn_dim_multiplier=1.0, initializer_range=0.05, tie_word_embeddings=tie,
-        bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    common = dict(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, num_hidden_layers=len(layer_types), num_attention_heads=4,
+        num_key_value_heads=n_kv_heads, max_position_embeddings=256, norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, layer_types=list(layer_types),
+        conv_L_cache=conv_taps, initializer_range=0.05, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1,
+        pad_token_id=2)
+    if moe:
+        config = transformers.Lfm2MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                                            num_experts_per_tok=2, num_dense_layers=1, **common)
+        model = transformers.Lfm2MoeForCausalLM
+    else:
+        config = transformers.Lfm2Config(intermediate_size=144 if auto_adjust_ff else 96,
+                                         block_auto_adjust_ff_dim=auto_adjust_ff, block_multiple_of=32,
+                                         block_ffn_dim_multiplier=1.0, **common)
+        model = transformers.Lfm2ForCausalLM
     torch.manual_seed(seed)
-    model = transformers.Lfm2ForCausalLM(config).float().eval()
+    model = model(config).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("conv.conv.weight"):  # taps of either sign and size, so that a misplaced one shows
                 p.copy_(0.5 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # large enough to change which experts are chosen
+                b.copy_(0.5 * torch.randn_like(b))
     model.save_pretrained(hf_dir)
     return hf_dir, model
 

@@ -1,6 +1,6 @@
-"""LFM2 (GGUF ``lfm2``): converted tiny random checkpoints against transformers and llama.cpp, the runner
-on a recurrent-state model (greedy generation, a prompt that extends an earlier one, a context
-overflow), and malformed files."""
+"""LFM2 (GGUF ``lfm2``, and ``lfm2moe``): converted tiny random checkpoints against transformers and
+llama.cpp, the runner on a recurrent-state model (greedy generation, a prompt that extends an earlier
+one, a context overflow), and malformed files."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
 
 CASES = {"conv-attn-tied": dict(),  # conv, attention, conv, conv; 3 taps
          "attn-first-untied-4-taps": dict(layer_types=("full_attention", "conv", "conv", "full_attention"),
-                                          conv_taps=4, tie=False, auto_adjust_ff=True, n_kv_heads=4, seed=1)}
-# max |ours - theirs| / max |theirs| over the logits; measured 5.3e-7 .. 7.8e-7 against transformers (F32 cache)
+                                          conv_taps=4, tie=False, auto_adjust_ff=True, n_kv_heads=4, seed=1),
+         "moe-dense-first": dict(moe=True, seed=2)}  # lfm2moe: layer 0 dense, then 8 experts (2 chosen)
+# max |ours - theirs| / max |theirs| over the logits; measured 4.9e-7 .. 7.8e-7 against transformers (F32 cache)
 TOLERANCE = 1e-3
 
 
@@ -82,6 +83,17 @@ def test_several_sequences_at_once_match_transformers(case, converted):
     llm.close()
     for tokens, ours in zip(prompts, results, strict=True):
         assert error(ours, reference(model, tokens)) < TOLERANCE
+
+
+def test_a_q8_0_file_keeps_its_kernels_f32_and_stays_close_to_transformers(converted):
+    path, model, tokenizer = converted("conv-attn-tied", "q8_0")
+    tokens = tokenizer.encode(TEXTS[0])
+    with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+        types = {n: t.dtype.name for n, t in llm.model.backend.tensors().items()}
+        assert types["blk.0.shortconv.conv.weight"] == "F32" and types["blk.0.shortconv.in_proj.weight"] == "Q8_0"
+        # Q8_0 rounding of weights and activations (compare's Q8_0 tolerance); llama.cpp 0.3.36 dies (SIGILL) on
+        # quantized lfm2 files, its own llama-quantize output included, so it is compared on F32 and F16 only
+        assert error(llm.logits(tokens), reference(model, tokens)) < 5e-2
 
 
 @needs_llama_cpp
@@ -254,31 +266,50 @@ def test_compare_taps_every_layer_kind(converted):
 
 
 def test_parallel_generation_and_forked_slots_equal_each_sequence_alone(tiny_path):
-    """Two sequences decoding in the same batches, then a prompt sharing part of a slot's history
-    (multi-user cache: the slot is forked, and a state that is not at the shared prefix's end
-    makes the fork start over): each output is the one the sequence gets alone."""
+    """Two sequences decoding in the same batches; then, one request at a time (multi-user cache),
+    prompts that share part of another slot's history: the slot is forked (``copy_prefix``), and a
+    state that is not at the shared prefix's end makes the fork start over. Each output is the one the
+    sequence gets alone."""
     prompts = [PROMPT, [1, 80, 81, 82, 83, 84], PROMPT[:7] + [200, 201, 202]]
     with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as alone:
         bias = no_end_tokens(alone)
         expected = [greedy_from_logits(alone, p, 8, bias) for p in prompts]
+
+    def run(runner, prompt: list[int]) -> tuple[list[int], int]:
+        chunks = list(runner.completion(CompletionRequest(prompt, max_tokens=8, temperature=0.0, logit_bias=bias)))
+        return [t for c in chunks for t in c.tokens], chunks[-1].cached_tokens
+
     model = models.load(tiny_path, BackendParams(n_threads=2))
     forks, copy_prefix = [], model.states.copy_prefix
     model.states.copy_prefix = lambda *args: (forks.append(args[2]), copy_prefix(*args))
     try:
         with Runner(model, parallel=2, num_ctx=64, batch_size=8, cache_type="f32", multi_user_cache=True) as runner:
-            def run(prompt: list[int]) -> tuple[list[int], int]:
-                chunks = list(runner.completion(CompletionRequest(prompt, max_tokens=8, temperature=0.0,
-                                                                  logit_bias=bias)))
-                return [t for c in chunks for t in c.tokens], chunks[-1].cached_tokens
-
             results: list = [None, None]
-            threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(prompts[i]))) for i in (0, 1)]
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(runner, prompts[i])))
+                       for i in (0, 1)]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join(120)
-            forked = run(prompts[2])
+        assert [r[0] for r in results] == expected[:2]
+        forks.clear()  # (the two above may fork each other's first token, depending on who came first)
+        with Runner(model, parallel=2, num_ctx=64, batch_size=8, cache_type="f32", multi_user_cache=True) as runner:
+            # slot 0 takes prompts[1]; PROMPT shares its first token (slot 0 forked into slot 1 for 1
+            # token); prompts[2] shares 7 with slot 1, forked into slot 0, the least recently used
+            assert [run(runner, prompts[i]) for i in (1, 0, 2)] == [(expected[i], 0) for i in (1, 0, 2)]
     finally:
         model.close()
-    assert [r[0] for r in results] == expected[:2]
-    assert forked == (expected[2], 0) and forks == [7]
+    assert forks == [1, 7]
+
+
+def test_lfm2moe_bad_files_are_named(tmp_path):
+    from pyggml.backend import Config
+    from pyggml.models.lfm2moe import Options
+    from pyggml.synthetic import metadata
+
+    path = write_model(tmp_path / "moe.gguf", "lfm2moe", TINY["lfm2moe"], "f32", omit={"blk.1.exp_probs_b.bias"})
+    with pytest.raises(ModelError, match=r"blk\.1\.exp_probs_b\.bias"):
+        models.load(path)
+    for key, value in (("expert_gating_func", 1), ("expert_used_count", 5), ("expert_weights_scale", 2.5)):
+        with pytest.raises(ModelError, match=key):
+            Options.from_config(Config(metadata("lfm2moe", {**TINY["lfm2moe"], key: value})))

@@ -1,8 +1,10 @@
 """LFM2 / LFM2.5 (GGUF ``lfm2``): short-convolution and attention layers; ``head_count_kv`` per layer
-(0 marks a convolution layer), the convolution's taps as ``shortconv.l_cache``, its kernel 2-d."""
+(0 marks a convolution layer), the convolution's taps as ``shortconv.l_cache``, its kernel 2-d; and
+LFM2-MoE (GGUF ``lfm2moe``), the same layers with experts."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import gguf
@@ -65,16 +67,11 @@ class Lfm2(Architecture):
             yield gguf_name, out
 
     def expected(self) -> dict[str, tuple[int, ...]]:
-        embd, ff, vocab, head = self.n_embd, self.n_ff, self.n_vocab, self.head_dim
-        shapes = {
-            "token_embd.weight": (vocab, embd),
-            "blk.{bid}.attn_norm.weight": (embd,),
-            "blk.{bid}.ffn_norm.weight": (embd,),
-            "blk.{bid}.ffn_gate.weight": (ff, embd),
-            "blk.{bid}.ffn_up.weight": (ff, embd),
-            "blk.{bid}.ffn_down.weight": (embd, ff),
-        }
+        embd, vocab, head = self.n_embd, self.n_vocab, self.head_dim
+        shapes = {"token_embd.weight": (vocab, embd), "blk.{bid}.attn_norm.weight": (embd,),
+                  "blk.{bid}.ffn_norm.weight": (embd,)}
         for i, kind in enumerate(self.layer_types):
+            shapes |= self.feed_forward_shapes(i)
             if kind == "conv":
                 shapes |= {f"blk.{i}.shortconv.conv.weight": (embd, self.conv_taps),
                            f"blk.{i}.shortconv.in_proj.weight": (3 * embd, embd),
@@ -89,3 +86,58 @@ class Lfm2(Architecture):
         if not self.tied:
             shapes["output.weight"] = (vocab, embd)
         return shapes
+
+    def feed_forward_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """The tensors of a layer's MLP."""
+        ff, embd = self.n_ff, self.n_embd
+        return {f"blk.{layer}.ffn_gate.weight": (ff, embd), f"blk.{layer}.ffn_up.weight": (ff, embd),
+                f"blk.{layer}.ffn_down.weight": (embd, ff)}
+
+
+# one expert's matrix, as LFM2-MoE checkpoints store them
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.feed_forward\.experts\.(\d+)\.(w[123])\.weight$")
+
+
+@register("Lfm2MoeForCausalLM", model_types=("lfm2_moe",))
+class Lfm2Moe(Lfm2):
+    """LFM2-MoE (GGUF ``lfm2moe``): experts after ``num_dense_layers`` plain MLP layers, a sigmoid router
+    whose per-expert bias (``exp_probs_b``) only chooses, the chosen weights renormalised."""
+
+    gguf_arch = "lfm2moe"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.n_ff = self.hparam("intermediate_size")  # the dense layers' MLP, as stated
+        self.n_experts: int = self.hparam("num_experts")
+        self.n_experts_used: int = self.hparam("num_experts_per_tok")
+        self.n_ff_exp: int = self.hparam("moe_intermediate_size")
+        self.n_dense: int = self.config.get("num_dense_layers", 2)
+        for key, value in (("norm_topk_prob", True), ("use_expert_bias", True), ("routed_scaling_factor", 1.0)):
+            if self.config.get(key, value) != value:
+                raise ValueError(f"config.json has {key}={self.config[key]}; GGUF lfm2moe supports only {value}")
+
+    def metadata(self, w: gguf.GGUFWriter) -> None:
+        super().metadata(w)
+        w.add_expert_count(self.n_experts)
+        w.add_expert_used_count(self.n_experts_used)
+        w.add_expert_feed_forward_length(self.n_ff_exp)
+        w.add_leading_dense_block_count(self.n_dense)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        if m := _EXPERT.match(name):  # stacked once the layer's last expert arrives
+            experts = self.gather(f"layers.{m[1]}.feed_forward.experts.{m[3]}", int(m[2]), self.n_experts, source)
+            if experts:
+                yield from super().tensors(f"layers.{m[1]}.feed_forward.experts.{m[3]}.weight", Source.stack(experts))
+        elif name.endswith(".feed_forward.expert_bias"):
+            yield from super().tensors(name + ".bias", source)
+        else:
+            yield from super().tensors(name, source)
+
+    def feed_forward_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        if layer < self.n_dense:
+            return super().feed_forward_shapes(layer)
+        n, ff, embd = self.n_experts, self.n_ff_exp, self.n_embd
+        return {f"blk.{layer}.ffn_gate_inp.weight": (n, embd), f"blk.{layer}.exp_probs_b.bias": (n,),
+                f"blk.{layer}.ffn_gate_exps.weight": (n, ff, embd), f"blk.{layer}.ffn_up_exps.weight": (n, ff, embd),
+                f"blk.{layer}.ffn_down_exps.weight": (n, embd, ff)}

@@ -72,7 +72,7 @@ class Recurrent(Cache):
         size attention caches, not states)."""
         if max_sequences < 1:
             raise ValueError("Recurrent.init: max_sequences must be positive")
-        self.backend, self.max_sequences, self.max_batch = backend, max_sequences, max_batch
+        self.backend, self.max_sequences = backend, max_sequences
         self.positions = np.zeros(max_sequences, np.int64)
         self.conv_states, self.scan_states = {}, {}  # allocated at a layer's first use; the last slot stays 0
         self._pass = None

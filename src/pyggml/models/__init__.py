@@ -175,7 +175,20 @@ def registry() -> dict[str, type[Model]]:
 
 def _import_builtin() -> None:
     import pyggml.models.mllama  # noqa: F401  (registers itself)
-    from pyggml.models import bert, gemma2, gemma3, gptoss, lfm2, llama, nomic_bert, phi3, qwen2, qwen3, qwen3moe  # noqa: F401  (register themselves)
+    from pyggml.models import (  # noqa: F401  (register themselves)
+        bert,
+        gemma2,
+        gemma3,
+        gptoss,
+        lfm2,
+        lfm2moe,
+        llama,
+        nomic_bert,
+        phi3,
+        qwen2,
+        qwen3,
+        qwen3moe,
+    )
 
 
 def load(path: str | os.PathLike, params: BackendParams | None = None, progress: ProgressFn | None = None,

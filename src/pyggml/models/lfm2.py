@@ -42,7 +42,8 @@ class Options:
     rope: nn.Rope
 
     @classmethod
-    def from_config(cls, config) -> Options:
+    def from_config(cls, config, **extra) -> Options:
+        """The options of a file; ``extra``: the fields a subclass adds (read by its own from_config)."""
         arch = config.architecture
         hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
         n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
@@ -75,7 +76,7 @@ class Options:
             context_length=config.uint("context_length", 128000, min=1, max=MAX_CONTEXT),
             eps=config.float("attention.layer_norm_rms_epsilon", 1e-5, min=0.0, max=1.0),
             shortconv_l_cache=l_cache, layer_kinds=tuple(CONV if k == 0 else ATTENTION for k in kv),
-            rope=nn.Rope.from_config(config, head_dim, RopeType.NEOX),
+            rope=nn.Rope.from_config(config, head_dim, RopeType.NEOX), **extra,
         )
 
 
@@ -115,14 +116,21 @@ class ShortConv(nn.Module):
         return nn.tap(f"blk.{layer}.shortconv.out_proj", self.out_proj(y))
 
 
+class MLP(nn.Module):
+    ffn_gate: nn.Linear = nn.shape("hidden_size", "ffn_size")
+    ffn_up: nn.Linear = nn.shape("hidden_size", "ffn_size")
+    ffn_down: nn.Linear = nn.shape("ffn_size", "hidden_size")
+
+    def __call__(self, x: Tensor, opts: Options, layer: int) -> Tensor:
+        return self.ffn_down(self.ffn_gate(x).silu(self.ffn_up(x)))
+
+
 class Layer(nn.Module):
     attn_norm: nn.RMSNorm = nn.shape("hidden_size")
     attention: SelfAttention
     shortconv: ShortConv
     ffn_norm: nn.RMSNorm = nn.shape("hidden_size")
-    ffn_gate: nn.Linear = nn.shape("hidden_size", "ffn_size")
-    ffn_up: nn.Linear = nn.shape("hidden_size", "ffn_size")
-    ffn_down: nn.Linear = nn.shape("ffn_size", "hidden_size")
+    mlp: MLP
 
     def __call__(self, ctx: Context, h: Tensor, positions: Tensor, outputs: Tensor | None, cache: Wrapper,
                  states: Recurrent, opts: Options, layer: int) -> Tensor:
@@ -134,8 +142,7 @@ class Layer(nn.Module):
         if outputs is not None:  # last layer: only the rows whose logits are wanted go on
             x, h = x.rows(outputs), h.rows(outputs)
         h = h + x
-        x = self.ffn_norm(h, opts.eps)
-        return h + self.ffn_down(self.ffn_gate(x).silu(self.ffn_up(x)))
+        return h + self.mlp(self.ffn_norm(h, opts.eps), opts, layer)
 
 
 class Weights(nn.Module):

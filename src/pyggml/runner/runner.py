@@ -86,8 +86,6 @@ class Runner:
     serves ``embedding``/``embeddings`` instead, one forward pass at a time, with no KV cache; a
     model that only embeds refuses completions. One runner per model; close it before the model.
     ``device_sampling``: graphs end in a sampling head, and steps whose sequences all sample plainly
-    read each row's K largest logits instead of every logit (``Engine``; the same tokens).
-    ``device_sampling``: graphs end in a sampling head, and steps whose sequences all sample plainly
     read each row's K largest logits instead of every logit (``Engine``; the same tokens)."""
 
     def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
