@@ -329,6 +329,15 @@ def _adjust(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequence
         logits[r, c] = np.where(old > 0, old / repeat, old * repeat) - counts * frequency - presence
         changes.append((r, c, old))
     biased = [i for i in biased if i not in errors]
+    if len(biased) == 1 and not kept:  # one row (P = 1): no arrays of rows to build
+        i = biased[0]
+        ids = samplers[i]._bias_ids
+        old = logits[i, ids]
+        logits[i, ids] = old + samplers[i]._bias_values
+
+        def undo_one() -> None:
+            logits[i, ids] = old
+        return undo_one
     if biased:
         r = np.repeat(biased, [samplers[i]._bias_ids.size for i in biased])
         c = np.concatenate([samplers[i]._bias_ids for i in biased])
@@ -487,8 +496,8 @@ def _draw_pool(samplers: Sequence[Sampler], pool: _Pool, tokens: np.ndarray) -> 
     if len(pool.rows) == 1 and (pool.keep is None or pool.n_keep is not None):
         s = samplers[pool.rows[0]]
         n = pool.vals.shape[1] if pool.n_keep is None else int(pool.n_keep[0])
-        index = np.array([_draw_one(pool.vals[0, :n], s.temperature, s._rng.random())])
-        tokens[pool.rows] = index if pool.ids is None else pool.ids[0, index]
+        index = _draw_one(pool.vals[0, :n], s.temperature, s._rng.random())
+        tokens[pool.rows[0]] = index if pool.ids is None else pool.ids[0, index]
         return
     temps = np.array([samplers[i].temperature for i in pool.rows], np.float32)
     u = np.array([samplers[i]._rng.random() for i in pool.rows])
