@@ -351,8 +351,6 @@ class Config(Mapping[str, Any]):
         last = key.rsplit(".", 1)[-1]
         if last in _FAMILY_MAX:
             return _FAMILY_MAX[last]
-        if last.endswith("_token_id"):
-            return MAX_VOCAB
         return MAX_WIDTH if key.startswith((f"{self.architecture}.", "clip.")) else None
 
     def _typed(self, key: str, default: Any, check: Callable[[Any], bool], kind: str, lo: Any = None,
