@@ -305,3 +305,17 @@ def test_an_mmproj_files_counts_are_bounded_too(tmp_path):
         write_variant(tmp_path / "mmproj.gguf", tmp_path / "bad.gguf", key, value)
         with pytest.raises(GGUFError, match=key.replace(".", r"\.")):
             pyggml.load(text, mmproj=tmp_path / "bad.gguf", n_threads=1, num_ctx=64)
+
+
+def test_real_files_read_within_the_bounds(shared_models):
+    """The bounds refuse nothing a real file holds (token ids of 0xFFFFFFFF for "none" included)."""
+    from pyggml import Backend, BackendParams
+
+    files = sorted(shared_models.glob("*.gguf")) + sorted((shared_models / "vocab").glob("*.gguf"))
+    assert files
+    for path in files:
+        with Backend.load(path, BackendParams(n_threads=1)) as backend:
+            c = backend.config
+            for key, value in c.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    assert (c.uint(key) if value >= 0 else c.int(key)) == value, (path.name, key)
