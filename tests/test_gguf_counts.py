@@ -275,3 +275,47 @@ def test_vision_counts_are_bounded_by_config_alone():
             config.uint(key)
     assert config.uint("general.parameter_count") == 2**40  # not a hyper-parameter: as stored
     assert config.uint("clip.vision.block_count", max=MAX_LAYERS + 1) == MAX_LAYERS + 1  # a reader's own bound
+
+
+def test_an_mmproj_files_counts_are_bounded_too(tmp_path):
+    """A llama.cpp ``mmproj`` file (architecture ``clip``) beside a text gemma3 file: its counts meet the same
+    bounds (the vision part's layer count against its own tensors, every size by its family)."""
+    import pyggml
+    from pyggml.backend import GGUFError
+
+    text = write_model(tmp_path / "text.gguf", "gemma3", defaults("gemma3"))
+    meta = {"general.architecture": "clip", "clip.projector_type": "gemma3", **GEMMA3_VISION}
+    hidden = int(defaults("gemma3")["embedding_length"])
+    writer = gguf.GGUFWriter(tmp_path / "mmproj.gguf", "clip")
+    for key, value in meta.items():
+        if key != "general.architecture":
+            _add(writer, key, value)
+    rng = np.random.default_rng(0)
+    for t in vision_tensors("gemma3", meta, hidden):
+        writer.add_tensor(t.name, (0.1 * rng.standard_normal(tuple(reversed(t.shape)))).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    llm = pyggml.load(text, mmproj=tmp_path / "mmproj.gguf", n_threads=1, num_ctx=64)
+    assert llm.model.takes_images
+    llm.close()
+    for key, value in (("clip.vision.block_count", 2**31), ("clip.vision.image_size", 2**32 - 1),
+                       ("clip.vision.embedding_length", 2**63)):
+        write_variant(tmp_path / "mmproj.gguf", tmp_path / "bad.gguf", key, value)
+        with pytest.raises(GGUFError, match=key.replace(".", r"\.")):
+            pyggml.load(text, mmproj=tmp_path / "bad.gguf", n_threads=1, num_ctx=64)
+
+
+def test_real_files_read_within_the_bounds(shared_models):
+    """The bounds refuse nothing a real file holds (token ids of 0xFFFFFFFF for "none" included)."""
+    from pyggml import Backend, BackendParams
+
+    files = sorted(shared_models.glob("*.gguf")) + sorted((shared_models / "vocab").glob("*.gguf"))
+    assert files
+    for path in files:
+        with Backend.load(path, BackendParams(n_threads=1)) as backend:
+            c = backend.config
+            for key, value in c.items():
+                if isinstance(value, int) and not isinstance(value, bool):
+                    assert (c.uint(key) if value >= 0 else c.int(key)) == value, (path.name, key)

@@ -354,8 +354,6 @@ class Config(Mapping[str, Any]):
         last = key.rsplit(".", 1)[-1]
         if last in _FAMILY_MAX:
             return _FAMILY_MAX[last]
-        if last.endswith("_token_id"):
-            return MAX_VOCAB
         return MAX_WIDTH if key.startswith((f"{self.architecture}.", "clip.")) else None
 
     def _typed(self, key: str, default: Any, check: Callable[[Any], bool], kind: str, lo: Any = None,
@@ -1312,12 +1310,14 @@ def _unsplit_graph(state: _GraphState) -> None:
 
 
 _uncleared = ffi.new_allocator(should_clear_after_alloc=False)
+_SCHED_MAX_SPLIT_INPUTS = 30  # GGML_SCHED_MAX_SPLIT_INPUTS in ggml-backend.cpp
 
 
 def _check_sched_memory(graph_size: int) -> None:
     """ggml_backend_sched_new mallocs a context buffer of ~20 KB per graph slot unchecked and aborts when its
     split fails to get it: try that allocation here first, so running out of memory is a MemoryError."""
-    need = graph_size * 60 * lib.ggml_tensor_overhead() + lib.ggml_graph_overhead_custom(graph_size, False)
+    need = graph_size * 2 * _SCHED_MAX_SPLIT_INPUTS * lib.ggml_tensor_overhead() + \
+        lib.ggml_graph_overhead_custom(graph_size, False)
     try:
         _uncleared(f"char[{need}]")  # malloc'ed, untouched, freed at once
     except MemoryError:
@@ -1340,10 +1340,11 @@ class _GraphState:
         mem = lib.ggml_tensor_overhead() * (max_nodes + 16) + lib.ggml_graph_overhead_custom(self.graph_size, False)
         # allocated here, not by ggml_init: a failed malloc there aborts the process, here it is a MemoryError
         try:
-            self.mem = _uncleared(f"char[{mem}]")  # malloc'ed: aligned to 16 (GGML_MEM_ALIGN)
+            self.mem = _uncleared(f"char[{mem + 64}]")
         except MemoryError:
             raise MemoryError(f"could not allocate {mem:,} bytes for a graph of up to {max_nodes:,} nodes") from None
-        self.ptr = lib.ggml_init({"mem_size": mem, "mem_buffer": self.mem, "no_alloc": True})
+        aligned = ffi.cast("char *", self.mem) + (-int(ffi.cast("uintptr_t", self.mem)) % 64)  # ggml asserts it
+        self.ptr = lib.ggml_init({"mem_size": mem, "mem_buffer": aligned, "no_alloc": True})
         if self.ptr == NULL:
             raise MemoryError("could not create a ggml context")
         self.graph = lib.ggml_new_graph_custom(self.ptr, self.graph_size, False)
