@@ -523,13 +523,16 @@ HOSTILE = {
     "SET_TENSOR of 1 GiB into 4 KiB": lambda c, p, b: c.sock.sendall(
         bytes([wire.CMD_SET_TENSOR]) + struct.pack("<Q", 1 << 30) + rw.tensor(buffer=p, data=b, ne=(1024,))
         + bytes(9)),
-    # no check foresees every kernel's shape assertion: the session's worker dies (noticed at the next
-    # command), the server lives on
-    "MUL_MAT of mismatched shapes": lambda c, p, b: c.send(
-        wire.CMD_GRAPH_COMPUTE, rw.graph([3], [_vec(1, p, b), rw.tensor(2, buffer=p, data=b + 256, ne=(3,)),
-                                               _vec(3, p, b, op=rw.OP_MUL_MAT, src=(1, 2))]))
-    or c.send(wire.CMD_GET_ALIGNMENT, bytes(4)),
+    "MUL_MAT of mismatched shapes": lambda c, p, b: _mul_mat_of_mismatched_shapes(c, p, b),
 }
+
+
+def _mul_mat_of_mismatched_shapes(c: rw.RawClient, p: int, b: int) -> None:
+    """No check foresees every kernel's shape assertion: the session's worker dies (noticed at the next
+    command), the server lives on."""
+    a, x = _vec(1, p, b), rw.tensor(2, buffer=p, data=b + 256, ne=(3,))
+    c.send(wire.CMD_GRAPH_COMPUTE, rw.graph([3], [a, x, _vec(3, p, b, op=rw.OP_MUL_MAT, src=(1, 2))]))
+    c.send(wire.CMD_GET_ALIGNMENT, bytes(4))
 
 
 @pytest.fixture(scope="module")
