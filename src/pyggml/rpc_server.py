@@ -619,7 +619,7 @@ class Guard:
     def _start_spare(self) -> None:
         try:
             worker = Worker(self.threads, self.cache, self.version, self.limits.reply_timeout)
-        except (OSError, ConnectionError) as exc:
+        except Exception as exc:  # whatever it was, take_worker tries again and reports
             log.error("rpc-server: could not start a ggml worker: %s", exc)
             worker = None
         with self._lock:
