@@ -742,3 +742,16 @@ def test_more_devices_than_the_scheduler_takes_is_a_clean_error():
             f.close()
     assert proc.returncode == 0, f"the client died ({proc.returncode}): {proc.stderr[-2000:]}"
     assert proc.stdout.startswith("ValueError: 17 devices"), proc.stdout + proc.stderr[-2000:]
+
+
+def test_idle_timeout_closes_a_silent_client_and_frees_its_memory():
+    server = Server("--idle-timeout", "1", "--max-memory", "16M")
+    try:
+        with rw.RawClient(server.endpoint, timeout=60) as idle:
+            idle.alloc(12 << 20)
+            assert idle.closed_by_server()  # after --idle-timeout (the 60 s here only bounds the wait)
+        with rw.RawClient(server.endpoint) as c:
+            c.alloc(12 << 20)  # the idle client's buffer went with it
+        _alive_and_serving(server)
+    finally:
+        server.stop()

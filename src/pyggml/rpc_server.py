@@ -80,6 +80,7 @@ _FIXED = {
     CMD_GRAPH_RECOMPUTE: 4, CMD_MEMSET_TENSOR: RPC_TENSOR_SIZE + 17,
 }
 _SET_TENSOR_HEAD = RPC_TENSOR_SIZE + 9  # rpc_tensor | cache flag (u8) | offset (u64) | data
+_GRAPH_KEPT_BYTES, _TENSORS_KEPT = 4 << 20, 1 << 15  # per session: what is remembered as already checked
 
 
 class Refused(Exception):
@@ -94,7 +95,7 @@ class Limits:
     message_timeout: float = 60.0  # between the pieces of one started message
     idle_timeout: float | None = None  # between commands (None: a loaded model may idle for hours)
     reply_timeout: float = 600.0  # for a worker's answer (a long graph computes meanwhile)
-    max_graph_bytes: int = 256 << 20
+    max_graph_bytes: int = 64 << 20  # about 220,000 tensors; a large model's decode graph has a few thousand
     max_graph_depth: int = 20_000  # ggml builds a graph recursively; the worker's thread has a large stack
 
 
@@ -400,9 +401,10 @@ def _graph_compute(s: Session, payload: bytes) -> None:
     dev = s.device(payload)
     if payload not in s.checked_graphs:
         _check_graph(s, payload)
-        if len(s.checked_graphs) >= 8:
-            del s.checked_graphs[next(iter(s.checked_graphs))]
-        s.checked_graphs[payload] = None
+        if len(payload) <= _GRAPH_KEPT_BYTES:  # kept whole: the comparison is exact
+            if len(s.checked_graphs) >= 4:
+                del s.checked_graphs[next(iter(s.checked_graphs))]
+            s.checked_graphs[payload] = None
     s.forward(CMD_GRAPH_COMPUTE, payload)
     s.graph_ready.add(dev)
 
@@ -413,9 +415,9 @@ def _check_graph(s: Session, payload: bytes) -> None:
     if n_nodes == 0 or at + 4 > len(payload):
         raise Refused(f"GRAPH_COMPUTE with {n_nodes} nodes in {len(payload)} bytes")
     (n_tensors,) = _U32.unpack_from(payload, at)
-    if at + 4 + n_tensors * RPC_TENSOR_SIZE != len(payload):
+    if n_nodes > n_tensors or at + 4 + n_tensors * RPC_TENSOR_SIZE != len(payload):
         raise Refused(f"GRAPH_COMPUTE of {len(payload)} bytes does not hold {n_nodes} nodes and {n_tensors} tensors")
-    if len(s.checked_tensors) > 1 << 18:
+    if len(s.checked_tensors) > _TENSORS_KEPT:
         s.checked_tensors.clear()
     tensors: dict[int, Tensor] = {}
     for start in range(at + 4, len(payload), RPC_TENSOR_SIZE):
@@ -617,7 +619,7 @@ class Guard:
     def _start_spare(self) -> None:
         try:
             worker = Worker(self.threads, self.cache, self.version, self.limits.reply_timeout)
-        except (OSError, ConnectionError) as exc:
+        except Exception as exc:  # whatever it was, take_worker tries again and reports
             log.error("rpc-server: could not start a ggml worker: %s", exc)
             worker = None
         with self._lock:
