@@ -147,9 +147,8 @@ class Runner:
         self.parallel, self.num_ctx = parallel, num_ctx
         self.batch_size = min(batch_size, num_ctx)
         self.embedder = Embedder(model, num_ctx, batch_size) if model.pooling is not None else None
-        # off by default until issue 25's stale compute-buffer bug (argsort after an in-place op) is fixed:
-        # a graph reserved with the head made its top_k return garbage ids (tests/test_device_sampling.py);
-        # then the default is meant to be model.backend.has_gpu (a CPU computes the head slower than numpy)
+        # opt-in until measured on a GPU (then meant to default to model.backend.has_gpu; on a CPU the
+        # head computes slower than numpy samples)
         self.engine = Engine(model, keep=2, sample_head=SAMPLE_HEAD_K if device_sampling else 0)
         # an image's inputs go in one batch (same_batch): one longer than batch_size gets a batch that
         # grows to hold it (as Ollama's runner does), up to max_batch, reserved below
@@ -214,9 +213,10 @@ class Runner:
         try:
             with backend.new_context() as ctx:
                 self.model.cache.start_forward(ctx, batch, reserve=True)
-                ctx.forward(self.model.forward(ctx, batch))
+                logits = self.model.forward(ctx, batch)
+                head = self.engine.head(ctx, logits) if self.engine.sample_head else ()
                 in_place = _reads_in_place(ctx, batch.tokens)
-                ctx.reserve()
+                ctx.reserve(logits, *head)  # flagged as computes flag them (see Context.reserve)
         except MemoryError as exc:
             raise MemoryError(f"not enough memory for {self.parallel} sequences of {self.num_ctx} tokens and "
                               f"batches of {n}: lower parallel, num_ctx or batch_size ({exc})") from exc
