@@ -214,9 +214,11 @@ class Runner:
             with backend.new_context() as ctx:
                 self.model.cache.start_forward(ctx, batch, reserve=True)
                 logits = self.model.forward(ctx, batch)
-                head = self.engine.head(ctx, logits) if self.engine.sample_head else ()
+                ctx.forward(logits)
+                # the sampling head's outputs flagged as computes flag them (see Context.reserve)
+                outputs = (logits, *self.engine.head(ctx, logits)) if self.engine.sample_head else ()
                 in_place = _reads_in_place(ctx, batch.tokens)
-                ctx.reserve(logits, *head)  # flagged as computes flag them (see Context.reserve)
+                ctx.reserve(*outputs)
         except MemoryError as exc:
             raise MemoryError(f"not enough memory for {self.parallel} sequences of {self.num_ctx} tokens and "
                               f"batches of {n}: lower parallel, num_ctx or batch_size ({exc})") from exc
