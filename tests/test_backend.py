@@ -268,3 +268,21 @@ def test_gpu_layers_on_a_build_without_gpu_says_so(tmp_path, caplog):
     plain = Backend.load(path, BackendParams(n_threads=1))
     assert plain.cpu_fallback is None
     plain.close()
+
+
+def test_reserve_flags_the_outputs_later_computes_read(cpu):
+    """ggml keeps the buffer plan of a reserve for any later graph with as many nodes whose tensors fit;
+    a tensor read after compute (here top_k's ids, consumed by a later get_rows) must be flagged in the
+    reserve too, or a later node (sum_rows) is placed over it. Context.reserve(*outputs) flags them."""
+    def build(ctx, n):
+        x = ctx.from_numpy(np.arange(n * 64, dtype=np.float32).reshape(n, 64))
+        ids = x.top_k(8)
+        return ids, x.reshape(1, 64, n).rows(ids), x.sum_rows()
+
+    with cpu.new_context() as ctx:
+        ctx.reserve(*build(ctx, 16))
+    with cpu.new_context() as ctx:
+        ids, vals, sums = build(ctx, 4)
+        ctx.compute(ids, vals, sums)
+        assert np.array_equal(np.sort(ids.numpy(), axis=1), np.tile(np.arange(56, 64), (4, 1)))
+        assert np.array_equal(sums.numpy().reshape(-1), np.arange(4 * 64).reshape(4, 64).sum(axis=1))

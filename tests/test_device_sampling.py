@@ -1,7 +1,8 @@
 """Sampling on the device (``Runner(device_sampling=True)``): graphs end in each row's K largest logits;
 a step whose sequences all sample plainly reads only those, and every request gets the tokens it gets
 from the full logits (greedy and seeded sampling; grammars, logprobs and penalties read the full rows).
-On a CPU-only build the head runs on the CPU, which checks the same logic."""
+On a CPU-only build the head runs on the CPU, which checks the same logic; with PYGGML_TEST_DEVICE=gpu
+every layer and the head run on the GPU (the check to pass before ``device_sampling`` defaults to on there)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import pytest
 from pyggml import BackendParams, models
 from pyggml.runner import CompletionRequest, Runner
 from pyggml.synthetic import write_synthetic
+from tests.conftest import TEST_DEVICE, gpu_present
+
+if TEST_DEVICE == "gpu":
+    pytestmark = pytest.mark.ci_may_skip
 
 PLAIN = [dict(temperature=0.0), dict(seed=1), dict(temperature=1.5, top_k=5, min_p=0.05, seed=2),
          dict(temperature=0.9, top_k=40, top_p=0.5, seed=3), dict(temperature=1.0, top_k=63, top_p=1.0, seed=4)]
@@ -19,8 +24,10 @@ FULL = [dict(temperature=1.0, top_k=0, top_p=1.0, seed=5), dict(repeat_penalty=1
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
+    if TEST_DEVICE == "gpu" and not gpu_present():
+        pytest.skip("PYGGML_TEST_DEVICE=gpu but this build of pyggml sees no GPU")
     path = write_synthetic(tmp_path_factory.mktemp("device-sampling") / "tiny.gguf", "tiny", "f32", seed=3)
-    m = models.load(path, BackendParams(n_threads=2))
+    m = models.load(path, BackendParams(n_threads=2, gpu_layers="all" if TEST_DEVICE == "gpu" else 0))
     yield m
     m.close()
 

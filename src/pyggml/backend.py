@@ -1590,8 +1590,14 @@ class Context:
         self.backend._compute(self._state)
         return self
 
-    def reserve(self) -> Context:
-        """Allocate the worst-case compute memory for the graph built so far; compute nothing."""
+    def reserve(self, *outputs: Tensor) -> Context:
+        """Allocate the worst-case compute memory for the graph built so far; compute nothing.
+        ``outputs``: the tensors the real computes will read, flagged as ``compute`` flags them. ggml
+        keeps the buffer plan it makes here for any later graph with as many nodes whose tensors fit,
+        and a plan made without those flags lets later nodes overwrite them."""
+        for t in outputs:
+            lib.ggml_set_output(t._p)
+        self.forward(*outputs)
         self.backend._compute(self._state, reserve_only=True)
         return self
 

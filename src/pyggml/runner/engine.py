@@ -183,9 +183,12 @@ class Engine:
         ``batch.tokens`` in place (what building ahead needs: ids written after the graph is built)."""
         with self.model.backend.new_context() as ctx:
             self.model.cache.start_forward(ctx, batch, reserve=True)
-            ctx.forward(self.model.forward(ctx, batch))
+            logits = self.model.forward(ctx, batch)
+            ctx.forward(logits)
+            # the sampling head's outputs flagged as computes flag them (see Context.reserve)
+            outputs = (logits, *self.head(ctx, logits)) if self.sample_head else ()
             in_place = reads_in_place(ctx, batch.tokens)
-            ctx.reserve()
+            ctx.reserve(*outputs)
         return in_place
 
     def drop(self, busy: Graph | None = None) -> None:
