@@ -159,7 +159,7 @@ BUGS = [
         "the sliding window shows one position more than transformers' and llama.cpp's (issue 25 item 7)"),
     Bug("argsort-stale-plan", "src/pyggml/backend.py",
         "                if not lib.ggml_backend_sched_reserve(sched, state.graph):\n"
-        "                    raise MemoryError(_with_log(\"could not reserve memory for the graph\"))\n"
+        "                    raise MemoryError(with_ggml_log(\"could not reserve memory for the graph\"))\n"
         "                if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):",
         "                if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):",
         ("tests/test_graph_plans.py",), "a new graph computes with the last graph's memory plan (issue 25 item 5)"),

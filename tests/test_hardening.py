@@ -327,11 +327,11 @@ def test_poll_level_checked_and_any_level_computes():
 def test_free_cores_follows_the_busy_processes(monkeypatch):
     """FreeCores: a core that other processes kept busy half of a window or more is taken (the
     median of the last SAMPLES windows); never fewer than 1 thread, never more than asked."""
-    import pyggml.backend as backend_module
+    import pyggml.hardware as hardware
 
     busy = 0.0
-    monkeypatch.setattr(backend_module, "cpu_busy_seconds", lambda cpus: busy)
-    free = backend_module.FreeCores(2)  # its first window starts here
+    monkeypatch.setattr(hardware, "cpu_busy_seconds", lambda cpus: busy)
+    free = hardware.FreeCores(2)  # its first window starts here
     free.cpus = [0, 1]
     assert free() == 2 and free() == 2  # too soon: no window has ended yet
     seen = []
@@ -340,14 +340,14 @@ def test_free_cores_follows_the_busy_processes(monkeypatch):
         busy += load  # ...in which other processes kept `load` cores busy
         seen.append(free())
     assert seen == [1, 1, 1, 2, 2, 2, 1, 1, 1, 1], seen
-    monkeypatch.setattr(backend_module, "cpu_busy_seconds", lambda cpus: None)  # no /proc/stat: all threads
-    free = backend_module.FreeCores(2)
+    monkeypatch.setattr(hardware, "cpu_busy_seconds", lambda cpus: None)  # no /proc/stat: all threads
+    free = hardware.FreeCores(2)
     assert free() == 2 and free() == 2
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
 def test_free_cores_sees_busy_processes():
-    from pyggml.backend import FreeCores
+    from pyggml.hardware import FreeCores
 
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
@@ -362,14 +362,14 @@ def test_free_cores_sees_busy_processes():
 
 
 def test_a_busy_machine_computes_with_fewer_threads_and_the_same_result(monkeypatch):
-    import pyggml.backend as backend_module
+    import pyggml.hardware as hardware
 
     with pytest.raises(ValueError, match="adapt_threads must be True or False"):
         Backend(BackendParams(n_threads=2, adapt_threads="yes"))
-    monkeypatch.setattr(backend_module.FreeCores, "SAMPLE_S", 0.0)
-    monkeypatch.setattr(backend_module.FreeCores, "FIRST_S", 0.0)
+    monkeypatch.setattr(hardware.FreeCores, "SAMPLE_S", 0.0)
+    monkeypatch.setattr(hardware.FreeCores, "FIRST_S", 0.0)
     busy = iter(range(0, 10**9, 10**6))  # every window: a million seconds of other processes' work
-    monkeypatch.setattr(backend_module, "cpu_busy_seconds", lambda cpus: next(busy))
+    monkeypatch.setattr(hardware, "cpu_busy_seconds", lambda cpus: next(busy))
     results = {}
     for adapt in (False, True):
         with Backend(BackendParams(n_threads=2, adapt_threads=adapt)) as b, b.new_context() as ctx:

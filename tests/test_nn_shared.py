@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from pyggml import nn
-from pyggml.backend import Backend, Config
+from pyggml.backend import Backend
+from pyggml.metadata import Config
 
 
 def _config(pattern=None) -> Config:

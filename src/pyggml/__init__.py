@@ -18,10 +18,10 @@ _LAZY = {
     "Backend": "pyggml.backend",
     "BackendParams": "pyggml.backend",
     "Context": "pyggml.backend",
-    "Device": "pyggml.backend",
-    "devices": "pyggml.backend",
-    "ggml_version": "pyggml.backend",
-    "GGUFError": "pyggml.backend",
+    "Device": "pyggml.hardware",
+    "devices": "pyggml.hardware",
+    "ggml_version": "pyggml.hardware",
+    "GGUFError": "pyggml.metadata",
     "Tensor": "pyggml.tensor",
     "DType": "pyggml.tensor",
     "load": "pyggml.llm",
@@ -31,8 +31,8 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-_SUBMODULES = {"backend", "bench", "chat", "convert", "kvcache", "llm", "models", "nn", "rpc", "runner", "sample",
-               "server", "synthetic", "tensor", "tiny", "tokenizer"}
+_SUBMODULES = {"backend", "bench", "chat", "convert", "hardware", "kvcache", "llm", "metadata", "models", "nn", "rpc",
+               "runner", "sample", "server", "synthetic", "tensor", "tiny", "tokenizer"}
 
 
 def __getattr__(name: str) -> Any:

@@ -1,9 +1,10 @@
-"""Backend (weights on devices), Context (one graph), devices, and GGUF metadata.
+"""Backend (weights on devices) and Context (one graph).
 
 A ``Backend`` owns ggml backends (CPU, plus GPUs when built with them), a ``ggml_backend_sched``
 that splits graphs across them, and the model weights read from a GGUF file. A ``Context`` builds
 one graph: tensors made in it are nodes, data given with ``from_numpy`` is uploaded at
-``compute``, and results stay readable until the backend computes another graph.
+``compute``, and results stay readable until the backend computes another graph. The GGUF metadata
+(``Config``) is ``pyggml.metadata``; devices, threads and RPC devices are ``pyggml.hardware``.
 """
 
 from __future__ import annotations
@@ -14,22 +15,31 @@ import mmap
 import os
 import re
 import threading
-import time
 import weakref
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort must not fork gdb first
-
-from pyggml import rpc as _rpc  # noqa: E402
-from pyggml._ggml import ffi, lib  # noqa: E402
-from pyggml.rpc import RPCError  # noqa: E402
-from pyggml.tensor import (  # noqa: E402
+from pyggml import rpc as _rpc
+from pyggml._ggml import ffi, lib
+from pyggml.hardware import (
+    NULL,
+    FreeCores,
+    GGMLError,
+    add_rpc_server,
+    device_info,
+    device_memory,
+    max_threads,
+    physical_cores,
+    rpc_relay,
+    with_ggml_log,
+)
+from pyggml.metadata import Config, GGUFError, read_metadata
+from pyggml.rpc import RPCError
+from pyggml.tensor import (
     _INTERMEDIATE,
     DType,
     Tensor,
@@ -38,382 +48,6 @@ from pyggml.tensor import (  # noqa: E402
     dtype_of_numpy,
     index_source,
 )
-
-NULL = ffi.NULL
-_LOG_LEVELS = {"none": 0, "debug": 1, "info": 2, "warn": 3, "error": 4}
-lib.pyggml_log_install(_LOG_LEVELS.get(os.environ.get("PYGGML_LOG", "none").lower(), 0))
-
-
-class GGMLError(RuntimeError):
-    """ggml reported a failure (allocation, compute); the message includes ggml's own log."""
-
-
-class GGUFError(ValueError):
-    """A GGUF file is missing, truncated, corrupt or of an unsupported version."""
-
-
-def _ggml_log() -> str:
-    buf = ffi.new("char[]", 8192)
-    n = lib.pyggml_log_take(buf, 8192)
-    return ffi.unpack(buf, n).decode("utf-8", "replace").strip()
-
-
-def _with_log(message: str) -> str:
-    log = _ggml_log()
-    return f"{message}\nggml: {log}" if log else message
-
-
-def ggml_version() -> str:
-    """Version of the ggml sources pyggml was built from."""
-    return ffi.string(lib.ggml_version()).decode()
-
-
-def physical_cores() -> int:
-    """Physical cores available to this process (hyper-threads counted once)."""
-    available = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    cores = set()
-    for cpu in available:
-        try:
-            base = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-            cores.add(((base / "physical_package_id").read_text(), (base / "core_id").read_text()))
-        except OSError:
-            return max(1, len(available))
-    return max(1, len(cores))
-
-
-def max_threads() -> int:
-    """The most compute threads a backend may have: 4 per logical CPU (more only adds scheduling cost; ggml's
-    own ceiling is 512)."""
-    return max(1, min(512, 4 * (os.cpu_count() or 1)))
-
-
-class FreeCores:
-    """How many compute threads are worth using now: ``n_threads``, or fewer while other processes
-    keep cores busy. A graph has a barrier per node and every one waits for a descheduled thread,
-    so with a core taken a thread fewer is many times faster (docs/server.md, "Threads under
-    contention"). Measured on Linux from the CPU time this process's CPUs spent on other processes
-    (/proc/stat less ``time.process_time()``) over windows of at least SAMPLE_S: a core busy half a
-    window or more counts as taken, judged by the median of the last SAMPLES windows. Elsewhere
-    always ``n_threads``."""
-
-    SAMPLE_S = 0.2
-    FIRST_S = 0.05  # the first window may be shorter (/proc/stat counts 10 ms ticks: ~0.2 cores' error)
-    SAMPLES = 3
-
-    def __init__(self, n_threads: int):
-        self.n_threads = self.threads = n_threads
-        self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self.busy: deque[float] = deque(maxlen=self.SAMPLES)  # cores' worth of other processes' work
-        self._last: tuple[float, float, float] | None = None  # (monotonic, busy s, own s)
-        self._on = n_threads > 1 and bool(self.cpus)
-        if self._on:  # the first window starts now: by the first compute (after loading) it can tell
-            busy = cpu_busy_seconds(self.cpus)
-            self._on = busy is not None
-            self._last = (time.monotonic(), busy, time.process_time()) if self._on else None
-
-    def __call__(self) -> int:
-        if not self._on:
-            return self.n_threads
-        now = time.monotonic()
-        if now < self._last[0] + (self.SAMPLE_S if self.busy else self.FIRST_S):
-            return self.threads
-        busy = cpu_busy_seconds(self.cpus)
-        if busy is None:  # /proc/stat went away: keep every thread
-            self._on, self.threads = False, self.n_threads
-            return self.threads
-        own = time.process_time()
-        then, busy_then, own_then = self._last
-        self.busy.append(max(0.0, (busy - busy_then) - (own - own_then)) / (now - then))
-        taken = int(sorted(self.busy)[(len(self.busy) - 1) // 2] + 0.5)
-        self.threads = max(1, min(self.n_threads, len(self.cpus) - taken))
-        self._last = (now, busy, own)
-        return self.threads
-
-
-_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def cpu_busy_seconds(cpus: Sequence[int]) -> float | None:
-    """Seconds the given CPUs have spent not idle since boot (Linux /proc/stat), or None."""
-    wanted = {f"cpu{c}" for c in cpus}
-    total = 0
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                if not line.startswith("cpu"):
-                    break
-                fields = line.split()
-                if fields[0] in wanted:  # user nice system idle iowait irq softirq steal (guest: in user)
-                    ticks = [int(x) for x in fields[1:9]]
-                    total += sum(ticks) - ticks[3] - ticks[4]
-    except (OSError, ValueError, IndexError):
-        return None
-    return total / _TICK
-
-
-# ---- devices ------------------------------------------------------------------------------------
-_KINDS = {lib.GGML_BACKEND_DEVICE_TYPE_CPU: "cpu", lib.GGML_BACKEND_DEVICE_TYPE_GPU: "gpu",
-          lib.GGML_BACKEND_DEVICE_TYPE_IGPU: "igpu", lib.GGML_BACKEND_DEVICE_TYPE_ACCEL: "accel"}
-
-
-@dataclass(frozen=True)
-class Device:
-    name: str
-    description: str
-    kind: str  # "cpu" | "gpu" | "igpu" | "accel" | "rpc" (a device of a remote `pyggml rpc-server`)
-    memory_free: int
-    memory_total: int
-
-
-def _device_info(dev: Any) -> Device:
-    name = ffi.string(lib.ggml_backend_dev_name(dev)).decode()
-    remote = _RPC_DEVICES.get(_address(dev))
-    if remote is not None:
-        endpoint, relay = remote
-        # ask only over a live connection: a fresh one would wait while the server serves another client
-        if relay.connected and relay.error is None:
-            _RPC_MEMORY[endpoint] = _dev_memory(dev)
-        free, total = _RPC_MEMORY.get(endpoint, (0, 0))
-        return Device(name, f"RPC server {endpoint}", "rpc", free, total)
-    free, total = _dev_memory(dev)
-    return Device(name, ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
-                  _KINDS.get(lib.ggml_backend_dev_type(dev), "other"), free, total)
-
-
-def _dev_memory(dev: Any) -> tuple[int, int]:
-    free, total = ffi.new("size_t *"), ffi.new("size_t *")
-    lib.ggml_backend_dev_memory(dev, free, total)
-    return int(free[0]), int(total[0])
-
-
-def _address(p: Any) -> int:
-    return int(ffi.cast("uintptr_t", p))
-
-
-def devices() -> list[Device]:
-    """The compute devices ggml can use, GPUs first if any; remote (RPC) devices once a model or
-    ``add_rpc_server`` has used their server in this process. A build without a GPU backend lists
-    only the CPU (``gpu_layers`` then runs on the CPU: ``Backend.cpu_fallback`` says so)."""
-    return [_device_info(lib.ggml_backend_dev_get(i)) for i in range(lib.ggml_backend_dev_count())]
-
-
-# ---- remote devices (ggml RPC through pyggml.rpc's relays) -------------------------------------------
-_RPC_LOCK = threading.Lock()
-_RPC_SERVERS: dict[str, list[Any]] = {}  # endpoint -> its ggml devices (registered once per process)
-_RPC_DEVICES: dict[int, tuple[str, _rpc.Relay]] = {}  # device address -> (endpoint, relay)
-_RPC_MEMORY: dict[str, tuple[int, int]] = {}  # endpoint -> last known (free, total)
-
-
-def rpc_version() -> tuple[int, int, int]:
-    """The ggml RPC protocol version of this build ((0, 0, 0) when built without RPC)."""
-    return (lib.RPC_PROTO_MAJOR_VERSION, lib.RPC_PROTO_MINOR_VERSION, lib.RPC_PROTO_PATCH_VERSION)
-
-
-def add_rpc_server(endpoint: str) -> list[Any]:
-    """Register the devices of the RPC server at ``endpoint`` ("host:port") with ggml; returns them.
-
-    Checked from Python first (reachable, same protocol), so that ggml, which aborts on such errors,
-    only ever talks to the server's relay in this process."""
-    (endpoint,) = _rpc.normalize_endpoints([endpoint])
-    if not lib.PYGGML_HAS_RPC:
-        raise RPCError("this pyggml was built without ggml's RPC backend (CMake option PYGGML_RPC=OFF)")
-    with _RPC_LOCK:
-        relay = _rpc.relay_for(endpoint, rpc_version())
-        if os.environ.get("PYGGML_RPC_DIRECT") == "1":  # measuring the relay's cost only (see pyggml/rpc.py)
-            relay = _rpc.Direct(endpoint)
-        if relay.connected:
-            if relay.error is not None:
-                raise RPCError(f"rpc server {endpoint} was lost earlier in this process ({relay.error}); close the "
-                               "models that use it, then load again")
-        else:
-            _rpc.hello(endpoint, rpc_version())
-        devs = _RPC_SERVERS.get(endpoint)
-        if devs is None:
-            relay.last_failure = None
-            reg = lib.ggml_backend_rpc_add_server(relay.address.encode())
-            if (relay.error or relay.last_failure) is not None:  # ggml may have closed the failed connection
-                raise RPCError(f"rpc server {endpoint}: {relay.error or relay.last_failure}")
-            if reg == NULL or lib.ggml_backend_reg_dev_count(reg) == 0:
-                raise RPCError(f"rpc server {endpoint} offers no devices")
-            devs = [lib.ggml_backend_reg_dev_get(reg, i) for i in range(lib.ggml_backend_reg_dev_count(reg))]
-            lib.ggml_backend_register(reg)  # now listed by devices()
-            _RPC_SERVERS[endpoint] = devs
-            for dev in devs:
-                _RPC_DEVICES[_address(dev)] = (endpoint, relay)
-        return list(devs)
-
-
-def rpc_traffic() -> dict[str, _rpc.Traffic]:
-    """Bytes this process sent to / received from each RPC server so far."""
-    return _rpc.traffic()
-
-
-def serve_rpc(endpoint: str, cache_dir: str | None, n_threads: int) -> None:
-    """Run ggml's RPC server on this machine's devices (CPU, and GPUs when built with them); blocks.
-    ``endpoint`` must be an IPv4 address and port (checked by the caller, ``pyggml rpc-server``)."""
-    if not lib.PYGGML_HAS_RPC:
-        raise RPCError("this pyggml was built without ggml's RPC backend (CMake option PYGGML_RPC=OFF)")
-    rpc_reg = lib.ggml_backend_rpc_reg()
-    local = []
-    for i in range(lib.ggml_backend_dev_count()):
-        dev = lib.ggml_backend_dev_get(i)
-        if lib.ggml_backend_dev_backend_reg(dev) != rpc_reg:  # never re-export remote devices
-            local.append(dev)
-    # GPUs first, the CPU last, as ggml lists them
-    devs = ffi.new("ggml_backend_dev_t[]", local)
-    cache = ffi.new("char[]", cache_dir.encode()) if cache_dir else NULL
-    lib.ggml_backend_rpc_start_server(endpoint.encode(), cache, n_threads, len(local), devs)
-
-
-# ---- GGUF metadata -------------------------------------------------------------------------------
-_SCALAR_GETTERS = {
-    lib.GGUF_TYPE_UINT8: lib.gguf_get_val_u8, lib.GGUF_TYPE_INT8: lib.gguf_get_val_i8,
-    lib.GGUF_TYPE_UINT16: lib.gguf_get_val_u16, lib.GGUF_TYPE_INT16: lib.gguf_get_val_i16,
-    lib.GGUF_TYPE_UINT32: lib.gguf_get_val_u32, lib.GGUF_TYPE_INT32: lib.gguf_get_val_i32,
-    lib.GGUF_TYPE_UINT64: lib.gguf_get_val_u64, lib.GGUF_TYPE_INT64: lib.gguf_get_val_i64,
-    lib.GGUF_TYPE_FLOAT32: lib.gguf_get_val_f32, lib.GGUF_TYPE_FLOAT64: lib.gguf_get_val_f64,
-    lib.GGUF_TYPE_BOOL: lib.gguf_get_val_bool,
-}
-_ARRAY_DTYPES = {
-    lib.GGUF_TYPE_UINT8: np.uint8, lib.GGUF_TYPE_INT8: np.int8, lib.GGUF_TYPE_UINT16: np.uint16,
-    lib.GGUF_TYPE_INT16: np.int16, lib.GGUF_TYPE_UINT32: np.uint32, lib.GGUF_TYPE_INT32: np.int32,
-    lib.GGUF_TYPE_UINT64: np.uint64, lib.GGUF_TYPE_INT64: np.int64, lib.GGUF_TYPE_FLOAT32: np.float32,
-    lib.GGUF_TYPE_FLOAT64: np.float64, lib.GGUF_TYPE_BOOL: np.bool_,
-}
-
-
-def _read_kv(gguf: Any) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for i in range(lib.gguf_get_n_kv(gguf)):
-        key = ffi.string(lib.gguf_get_key(gguf, i)).decode("utf-8", "replace")
-        kind = lib.gguf_get_kv_type(gguf, i)
-        if kind == lib.GGUF_TYPE_STRING:
-            values[key] = ffi.string(lib.gguf_get_val_str(gguf, i)).decode("utf-8", "replace")
-        elif kind == lib.GGUF_TYPE_ARRAY:
-            n = lib.gguf_get_arr_n(gguf, i)
-            item = lib.gguf_get_arr_type(gguf, i)
-            if item == lib.GGUF_TYPE_STRING:
-                get = lib.gguf_get_arr_str
-                values[key] = [ffi.string(get(gguf, i, j)).decode("utf-8", "replace") for j in range(n)]
-            elif item in _ARRAY_DTYPES:
-                dtype = np.dtype(_ARRAY_DTYPES[item])
-                data = ffi.buffer(lib.gguf_get_arr_data(gguf, i), n * dtype.itemsize) if n else b""
-                values[key] = np.frombuffer(data, dtype=dtype).tolist()
-            # arrays of arrays have no getter in gguf.h; they are skipped
-        elif kind in _SCALAR_GETTERS:
-            value = _SCALAR_GETTERS[kind](gguf, i)
-            values[key] = bool(value) if kind == lib.GGUF_TYPE_BOOL else value
-    return values
-
-
-# Bounds for hyper-parameters read with Config's range-checked getters (Options.from_config of each model):
-# far beyond any real model, small enough that no size computed from them overflows ggml's arithmetic
-MAX_LAYERS = 1 << 12
-MAX_WIDTH = 1 << 20  # embedding, feed-forward, head and vocabulary-independent sizes
-MAX_CONTEXT = 2**31 - 1  # ggml takes context lengths and positions as int32
-MAX_VOCAB = 2**31 - 1  # token ids are int32
-MAX_EXPERTS = 1 << 12
-# a graph's tensors: a large model's decode graph has ~10**4; ggml's scheduler mallocs ~20 KB per graph slot
-MAX_GRAPH_NODES = 1 << 18
-# Every integer hyper-parameter a model reads is bounded, so no count walks a loader through 2**31 layers:
-# by the key's last part where it names a family, else (a key of the architecture's or of a vision/projector
-# part) MAX_WIDTH: widths, heads, image and patch sizes, ... Other metadata (general.*, ...) reads as stored.
-_FAMILY_MAX = {"block_count": MAX_LAYERS, "cross_attention_layers": MAX_LAYERS,
-               "intermediate_layers_indices": MAX_LAYERS, "expert_count": MAX_EXPERTS,
-               "expert_used_count": MAX_EXPERTS, "expert_shared_count": MAX_EXPERTS,
-               "context_length": MAX_CONTEXT, "original_context_length": MAX_CONTEXT, "sliding_window": MAX_CONTEXT,
-               "vocab_size": MAX_VOCAB, "token_type_count": MAX_VOCAB}
-
-
-class Config(Mapping[str, Any]):
-    """Typed, read-only GGUF metadata. Keys may omit the ``<architecture>.`` prefix:
-    ``config.uint("block_count")`` reads ``llama.block_count`` for a llama file."""
-
-    def __init__(self, values: dict[str, Any]):
-        self._values = values
-        self.architecture: str = str(values.get("general.architecture", ""))
-
-    def __getitem__(self, key: str) -> Any:
-        return self._values[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._values)
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def _lookup(self, key: str) -> tuple[str, Any]:
-        """(the key as stored, its value or None)."""
-        if key in self._values:
-            return key, self._values[key]
-        full = f"{self.architecture}.{key}"
-        return full, self._values.get(full)
-
-    def count_bound(self, key: str) -> int | None:
-        """The largest value the integer key (as stored) may hold unless a reader says otherwise, or None."""
-        last = key.rsplit(".", 1)[-1]
-        if last in _FAMILY_MAX:
-            return _FAMILY_MAX[last]
-        return MAX_WIDTH if key.startswith((f"{self.architecture}.", "clip.")) else None
-
-    def _typed(self, key: str, default: Any, check: Callable[[Any], bool], kind: str, lo: Any = None,
-               hi: Any = None, counted: bool = False) -> Any:
-        """The value of ``key`` (``default`` when absent), refused when ``check`` fails or when a value lies
-        outside [lo, hi] (NaN always does); ``counted``: an integer, whose bounds default to ``count_bound``."""
-        key, value = self._lookup(key)
-        if value is None:
-            return default
-        if counted and hi is None and (hi := self.count_bound(key)) is not None and lo is None:
-            lo = -hi
-        if not check(value):
-            raise GGUFError(f"metadata {key!r} should be {kind}, found {type(value).__name__} {value!r:.80}")
-        if lo is not None or hi is not None:
-            for v in value if isinstance(value, list) else [value]:
-                if v != v or (lo is not None and v < lo) or (hi is not None and v > hi):
-                    bounds = " and ".join(x for x in (f">= {lo}" if lo is not None else "",
-                                                      f"<= {hi}" if hi is not None else "") if x)
-                    raise GGUFError(f"metadata {key!r} = {v!r:.80} is out of range: it must be {bounds}")
-        return value
-
-    # ``min``/``max`` (keyword-only) bound a value that is present; a missing key gives ``default`` unchecked.
-    # Integers without ``max`` are bounded by ``count_bound`` (and from below by its negative).
-    def uint(self, key: str, default: int | None = 0, *, min: int | None = None,  # noqa: A002
-             max: int | None = None) -> int | None:  # noqa: A002
-        return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
-                           "an unsigned integer", min, max, counted=True)
-
-    def int(self, key: str, default: int | None = 0, *, min: int | None = None,  # noqa: A002
-            max: int | None = None) -> int | None:  # noqa: A002
-        return self._typed(key, default, lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer",
-                           min, max, counted=True)
-
-    def float(self, key: str, default: float | None = 0.0, *, min: float | None = None,  # noqa: A002
-              max: float | None = None) -> float | None:  # noqa: A002
-        """A number; with bounds, NaN and (unless a bound is infinite) infinities are refused too."""
-        value = self._typed(key, default, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-                            "a number", min, max)
-        return None if value is None else float(value)
-
-    def bool(self, key: str, default: bool | None = False) -> bool | None:
-        return self._typed(key, default, lambda v: isinstance(v, bool), "a boolean")
-
-    def string(self, key: str, default: str | None = "") -> str | None:
-        return self._typed(key, default, lambda v: isinstance(v, str), "a string")
-
-    def strings(self, key: str, default: list[str] | None = None) -> list[str] | None:
-        return self._typed(key, default, lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
-                           "a list of strings")
-
-    def uints(self, key: str, default: list[int] | None = None, *, min: int | None = None,  # noqa: A002
-              max: int | None = None) -> list[int] | None:  # noqa: A002
-        return self._typed(key, default, lambda v: isinstance(v, list) and all(isinstance(x, int) for x in v),
-                           "a list of integers", min, max, counted=True)
-
-    def floats(self, key: str, default: list[float] | None = None, *, min: float | None = None,  # noqa: A002
-               max: float | None = None) -> list[float] | None:  # noqa: A002
-        value = self._typed(key, default, lambda v: isinstance(v, list) and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) for x in v), "a list of numbers", min, max)
-        return None if value is None else [float(x) for x in value]
 
 
 # ---- parameters ----------------------------------------------------------------------------------
@@ -483,6 +117,8 @@ ProgressFn = Callable[[int, int], None]
 _READ_BY_ROWS = re.compile(r"(?:^|\.)(?:\w*_embd|token_types)\.weight$")
 _LAYER_RE = re.compile(r"^(?:blk|layers|enc\.blk|dec\.blk|v\.blk)\.(\d+)\.")
 _MAX_GPUS = 16
+# a graph's tensors: a large model's decode graph has ~10**4; ggml's scheduler mallocs ~20 KB per graph slot
+MAX_GRAPH_NODES = 1 << 18
 
 
 def _pad(n: int, align: int) -> int:
@@ -590,7 +226,7 @@ class Backend:
         self._gpu_devs = gpus
         self._cpu = lib.ggml_backend_dev_init(cpu_dev, NULL)
         if self._cpu == NULL:
-            raise GGMLError(_with_log("could not start the CPU backend"))
+            raise GGMLError(with_ggml_log("could not start the CPU backend"))
         self._backends = [self._cpu]
         tp_params = lib.ggml_threadpool_params_default(self.n_threads)
         tp_params.poll = self.params.poll
@@ -611,7 +247,7 @@ class Backend:
             for dev in self._gpu_devs:
                 be = lib.ggml_backend_dev_init(dev, NULL)
                 if be == NULL:
-                    raise GGMLError(_with_log(f"could not start {_device_info(dev).name}"))
+                    raise GGMLError(with_ggml_log(f"could not start {device_info(dev).name}"))
                 self._gpus.append(be)
                 self._backends = [*self._gpus, self._cpu]
         if self.params.rpc:
@@ -621,11 +257,11 @@ class Backend:
                 for dev in add_rpc_server(endpoint):
                     be = lib.ggml_backend_dev_init(dev, NULL)
                     if be == NULL:
-                        raise RPCError(_with_log(f"could not start a backend on rpc server {endpoint}"))
+                        raise RPCError(with_ggml_log(f"could not start a backend on rpc server {endpoint}"))
                     self._remotes.append(be)
                     self._remote_devs.append(dev)
                     self._backends = [*self._gpus, *self._remotes, self._cpu]  # close() frees what exists
-                self._relays.append(_RPC_DEVICES[_address(self._remote_devs[-1])][1])
+                self._relays.append(rpc_relay(self._remote_devs[-1])[1])
             self._check_remotes()
         # the scheduler wants the CPU last
         self._backends = [*self._gpus, *self._remotes, self._cpu]
@@ -650,7 +286,7 @@ class Backend:
         self._sched = lib.ggml_backend_sched_new(backends, bufts, len(self._backends), size, False,
                                                  bool(self._gpus))
         if self._sched == NULL:
-            raise GGMLError(_with_log("could not create the backend scheduler"))
+            raise GGMLError(with_ggml_log("could not create the backend scheduler"))
         self._sched_size = size
         self._allocated = None
 
@@ -677,9 +313,9 @@ class Backend:
         meta_ctx = ffi.new("struct ggml_context **")
         gguf = lib.gguf_init_from_file(str(path).encode(), {"no_alloc": True, "ctx": meta_ctx})
         if gguf == NULL:
-            raise GGUFError(_with_log(f"{path} is not a valid GGUF file (corrupt or truncated)"))
+            raise GGUFError(with_ggml_log(f"{path} is not a valid GGUF file (corrupt or truncated)"))
         self._gguf, self._meta_ctx = gguf, meta_ctx[0]
-        self.config = Config(_read_kv(gguf))
+        self.config = Config(read_metadata(gguf))
         self._check_tensors(path, file_size)
         self._check_layer_count(path)
         self._place_weights(path, file_size, progress)
@@ -755,7 +391,7 @@ class Backend:
         indices = [cpu_index, *range(len(self._gpus), len(self._gpus) + len(self._remotes))]
         split = self.params.tensor_split
         if split is None:
-            split = [_dev_memory(self._cpu_dev)[0]] + [_dev_memory(d)[0] for d in self._remote_devs]
+            split = [device_memory(self._cpu_dev)[0]] + [device_memory(d)[0] for d in self._remote_devs]
             self._check_remotes()
             if sum(split) <= 0:
                 split = [1.0] * len(indices)
@@ -785,7 +421,7 @@ class Backend:
             be = self._backends[self._layer_backend(f"blk.{i}.")]
             dev = lib.ggml_backend_get_device(be)
             label = ffi.string(lib.ggml_backend_dev_name(dev)).decode()
-            remote = _RPC_DEVICES.get(_address(dev))
+            remote = rpc_relay(dev)
             if remote is not None:
                 label = f"{label} ({remote[0]})"
             out.setdefault(label, []).append(i)
@@ -868,7 +504,7 @@ class Backend:
             buf = lib.ggml_backend_dev_buffer_from_host_ptr(self._cpu_dev, base, file_size,
                                                             max(size for _, _, size in zero_copy))
             if buf == NULL:
-                raise GGMLError(_with_log("could not wrap the mapped model file in a CPU buffer"))
+                raise GGMLError(with_ggml_log("could not wrap the mapped model file in a CPU buffer"))
             lib.ggml_backend_buffer_set_usage(buf, lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
             storage.buffers.append(buf)
             for t, offset, size in zero_copy:
@@ -939,7 +575,7 @@ class Backend:
         if buf == NULL:
             self._check_remotes()  # a remote server that answered wrongly is an RPCError, not lack of memory
             name = ffi.string(lib.ggml_backend_buft_name(buft)).decode()
-            raise MemoryError(_with_log(f"could not allocate {size / 2**20:.1f} MiB of {purpose} on {name}"))
+            raise MemoryError(with_ggml_log(f"could not allocate {size / 2**20:.1f} MiB of {purpose} on {name}"))
         base = ffi.cast("char *", lib.ggml_backend_buffer_get_base(buf))
         for t, off in zip(tensors, offsets, strict=True):
             self._check_status(lib.ggml_backend_tensor_alloc(buf, t, base + off), f"place {purpose}")
@@ -958,7 +594,8 @@ class Backend:
     @staticmethod
     def _check_status(status: int, what: str) -> None:
         if status != lib.GGML_STATUS_SUCCESS:
-            raise GGMLError(_with_log(f"could not {what}: {ffi.string(lib.ggml_status_to_string(status)).decode()}"))
+            reason = ffi.string(lib.ggml_status_to_string(status)).decode()
+            raise GGMLError(with_ggml_log(f"could not {what}: {reason}"))
 
     # ---- public API -------------------------------------------------------------------------
     @property
@@ -1159,7 +796,7 @@ class Backend:
                     lib.ggml_backend_sched_set_tensor_backend(sched, ptr, self._backends[index])
             if reserve_only:
                 if not lib.ggml_backend_sched_reserve(sched, state.graph):
-                    raise MemoryError(_with_log("could not reserve memory for the graph"))
+                    raise MemoryError(with_ggml_log("could not reserve memory for the graph"))
                 return
             self._check_indices(state)
             if not reuse:
@@ -1168,9 +805,9 @@ class Backend:
                 # liveness choices (an argsort written over its own input, say); it also sizes leaves
                 # read back as outputs, which reusing a plan does not check
                 if not lib.ggml_backend_sched_reserve(sched, state.graph):
-                    raise MemoryError(_with_log("could not reserve memory for the graph"))
+                    raise MemoryError(with_ggml_log("could not reserve memory for the graph"))
                 if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):
-                    raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
+                    raise MemoryError(with_ggml_log("could not allocate the graph's compute buffers"))
             self._run(state, sched)
             self._allocated = allocated
 
@@ -1200,7 +837,7 @@ class Backend:
             if self._relays:
                 self._check_remotes()
             if not reserved:
-                raise MemoryError(_with_log("could not reserve memory for the graph"))
+                raise MemoryError(with_ggml_log("could not reserve memory for the graph"))
             return
         self._check_indices(state)
         if not state.split_nodes:
@@ -1217,7 +854,7 @@ class Backend:
             if not reserved or not lib.ggml_backend_sched_alloc_graph(state.sched, state.graph):
                 if self._relays:
                     self._check_remotes()
-                raise MemoryError(_with_log("could not allocate the graph's compute buffers"))
+                raise MemoryError(with_ggml_log("could not allocate the graph's compute buffers"))
             state.split_nodes = n_nodes
         self._run(state, state.sched)
 
@@ -1261,7 +898,7 @@ class Backend:
         _check_sched_memory(size)
         sched = lib.ggml_backend_sched_new(backends, bufts, len(self._backends), size, False, bool(self._gpus))
         if sched == NULL:
-            raise GGMLError(_with_log("could not create a backend scheduler"))
+            raise GGMLError(with_ggml_log("could not create a backend scheduler"))
         return sched
 
     def _place(self, state: _GraphState, sched: Any) -> None:
@@ -1291,7 +928,7 @@ class Backend:
         if self._relays:
             self._check_remotes()  # a lost server's relay answered with zeros: the results are garbage
         if status != lib.GGML_STATUS_SUCCESS:
-            raise GGMLError(_with_log(f"compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}"))
+            raise GGMLError(with_ggml_log(f"compute failed: {ffi.string(lib.ggml_status_to_string(status)).decode()}"))
         self._epoch += 1
         state.epoch = self._epoch
 

@@ -301,7 +301,7 @@ def llama_cpp_logits(gguf_path: str | os.PathLike, tokens: Sequence[int], n_thre
     import sys
     import tempfile
 
-    from pyggml.backend import physical_cores
+    from pyggml.hardware import physical_cores
 
     if importlib.util.find_spec("llama_cpp") is None:
         raise ImportError("the llama.cpp check needs llama-cpp-python (pip install 'pyggml[bench]')")

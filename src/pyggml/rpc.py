@@ -18,7 +18,7 @@ Before ggml first connects to a server, :func:`hello` checks it from Python with
 unreachable, not an RPC server, or another protocol version raise :class:`RPCError` with the reason.
 
 This module speaks only sockets; the ggml side (registering devices, the server loop) is in
-``pyggml.backend``, and ``pyggml rpc-server``'s guard, which checks clients' messages, in
+``pyggml.hardware``, and ``pyggml rpc-server``'s guard, which checks clients' messages, in
 ``pyggml.rpc_server``. The protocol facts below are those of the pinned ggml (protocol 7.0.0); check them
 against ``ggml/src/ggml-rpc/ggml-rpc.cpp`` when the pin moves.
 """

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyggml import nn
-from pyggml.backend import MAX_LAYERS, Backend, Context
+from pyggml.backend import Backend, Context
 from pyggml.kvcache import Causal, Encoder, Wrapper
+from pyggml.metadata import MAX_LAYERS
 from pyggml.models import Batch, ModelError, llama, mllama_vision, register
 from pyggml.tensor import DType, Tensor
 
