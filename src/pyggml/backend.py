@@ -282,6 +282,14 @@ _ARRAY_DTYPES = {
 }
 
 
+def _refused_gguf(path: str | os.PathLike) -> GGUFError:
+    """gguf_init_from_file refused ``path``: the reasons ggml logged, on the same line (a second "ggml:"
+    line read as a second error), without the C functions' names."""
+    reasons = [re.sub(r"^\w+: ", "", line.strip()) for line in _ggml_log().splitlines() if line.strip()]
+    return GGUFError(f"{os.fspath(path)} is not a valid GGUF file (corrupt or truncated)"
+                     + (f": {'; '.join(reasons)}" if reasons else ""))
+
+
 def _read_kv(gguf: Any, lengths: dict[str, int] | None = None) -> dict[str, Any]:
     """Every key's value; with ``lengths``, arrays are not read: their lengths go there instead."""
     values: dict[str, Any] = {}
@@ -327,7 +335,7 @@ def read_gguf_summary(path: str | os.PathLike) -> GGUFSummary:
     """The ``GGUFSummary`` of a file, read by ggml's own GGUF parser; ``GGUFError`` for a file it refuses."""
     gguf = lib.gguf_init_from_file(os.fsencode(path), {"no_alloc": True, "ctx": NULL})
     if gguf == NULL:
-        raise GGUFError(_with_log(f"{os.fspath(path)} is not a valid GGUF file (corrupt or truncated)"))
+        raise _refused_gguf(path)
     try:
         lengths: dict[str, int] = {}
         config = Config(_read_kv(gguf, lengths))
@@ -716,7 +724,7 @@ class Backend:
         meta_ctx = ffi.new("struct ggml_context **")
         gguf = lib.gguf_init_from_file(str(path).encode(), {"no_alloc": True, "ctx": meta_ctx})
         if gguf == NULL:
-            raise GGUFError(_with_log(f"{path} is not a valid GGUF file (corrupt or truncated)"))
+            raise _refused_gguf(path)
         self._gguf, self._meta_ctx = gguf, meta_ctx[0]
         self.config = Config(_read_kv(gguf))
         self._check_tensors(path, file_size)

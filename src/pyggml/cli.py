@@ -238,16 +238,28 @@ def _structured(args: argparse.Namespace) -> dict:
         if args.format == "json":
             out["format"] = "json"
         else:
-            with open(args.format) as f:
-                out["format"] = json.load(f)
+            try:
+                out["format"] = json.loads(_read_flag_file("--format", args.format))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--format {args.format}: not a JSON schema ({exc}); --format takes json or "
+                                 "a file holding a JSON schema") from None
     if args.grammar:
-        with open(args.grammar) as f:
-            out["grammar"] = f.read()
+        out["grammar"] = _read_flag_file("--grammar", args.grammar)
     if args.regex:
         if "grammar" in out:
             raise ValueError("give --grammar or --regex, not both")
         out["grammar"] = Grammar.regex(args.regex)
     return out
+
+
+def _read_flag_file(flag: str, path: str) -> str:
+    """The text of the file a flag names; ValueError naming the flag when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"{flag} {path}: cannot read it ({reason})") from None
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -369,8 +381,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise SystemExit("pyggml compare: give --prompt or --tokens, not both")
     options = {"prompt": args.prompt, "tokens": args.tokens, "tolerance": args.tolerance, "n_threads": args.threads,
                "llama_cpp": args.llama_cpp, "modules": dict(args.module) or None}
+    start = time.perf_counter()
+
+    def progress(step: str) -> None:  # a comparison runs for minutes: say what it is doing
+        print(f"pyggml compare: [{time.perf_counter() - start:5.1f} s] {step}...", file=sys.stderr, flush=True)
+
     try:
-        result = porting.compare(args.hf_dir, _model_path(args.gguf),
+        result = porting.compare(args.hf_dir, _model_path(args.gguf), progress=progress,
                                  **{k: v for k, v in options.items() if v is not None})
     except (ImportError, RuntimeError) as exc:  # torch/transformers/llama-cpp-python absent; llama.cpp failed
         raise SystemExit(f"pyggml: {exc}") from exc
@@ -695,7 +712,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from pyggml.server import serve
         from pyggml.server.guard import split_list
     except ImportError as exc:
-        raise SystemExit(f"pyggml serve needs starlette and uvicorn (pip install starlette uvicorn): {exc}") from exc
+        raise SystemExit(f"pyggml serve needs the server extra: pip install \"pyggml[server]\" ({exc})") from exc
     from pyggml.repl import parse_duration
     from pyggml.server.app import ServerConfig
     from pyggml.server.models import DEFAULT_KEEP_ALIVE
@@ -888,7 +905,19 @@ def environment_defaults(args: argparse.Namespace, environ: Any = None) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Parses the command line, then fills what it left out from the environment (``environment_defaults``)."""
+    """Parses the command line, then fills what it left out from the environment (``environment_defaults``);
+    a mistyped command or choice gets a suggestion."""
+
+    def error(self, message: str) -> Any:
+        import difflib
+        import re
+
+        typo = re.search(r"invalid choice: '?([^',]*)'? \(choose from (.*)\)", message)
+        if typo:
+            choices = [c.strip().strip("'") for c in typo.group(2).split(",")]
+            close = difflib.get_close_matches(typo.group(1), choices, n=1, cutoff=0.6)
+            message += f" (did you mean {close[0]}?)" if close else ""
+        super().error(message)
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, extra = super().parse_known_args(args, namespace)
@@ -903,10 +932,16 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    # argparse leaves a positional that follows an option unparsed: `run MODEL --image PATH "prompt"`,
+    # `embed MODEL --pooling mean "text" ...`; give it to the command's trailing positional
     if extra and getattr(args, "prompt", "") is None and len(extra) == 1 and not extra[0].startswith("-"):
-        args.prompt = extra[0]  # `run MODEL --image PATH "prompt"`: argparse leaves a prompt after options
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.prompt = extra.pop()
+    elif extra and isinstance(getattr(args, "texts", None), list) and not any(e.startswith("-") for e in extra):
+        args.texts += extra
+        extra = []
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{_did_you_mean(sub, extra)}")
     try:
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C while loading or generating: stop quietly
@@ -918,6 +953,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, TypeError, NotImplementedError, MemoryError) as e:
         print(f"pyggml: error: {cli_hint(str(e), args.command)}", file=sys.stderr)
         return 1
+
+
+def _did_you_mean(command: argparse.ArgumentParser, extra: list[str]) -> str:
+    """" (did you mean --temperature?)" for the first unknown flag close to one of the command's."""
+    import difflib
+
+    flags = [flag for action in command._actions for flag in action.option_strings if flag.startswith("--")]
+    for word in extra:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 # API words in error messages -> the flags of the command that was typed
@@ -932,6 +980,14 @@ _HINTS: list[tuple[str, str, str]] = [  # (command or "*", API text, CLI text)
       for name in ("top_k", "top_p", "min_p", "repeat_penalty", "temperature")),
     ("embed", "embeddings need an embedding model such as BERT",
      "`pyggml embed` needs an embedding model such as BERT; use `pyggml run` to generate text"),
+    ("embed", "pass pooling='mean', 'cls' or 'last'", "pass --pooling mean, cls or last"),
+    ("convert", "(pass pooling=... to override)", "(pass --pooling to override)"),
+    ("serve", "lower parallel, num_ctx or batch_size", "lower --parallel, --ctx or --batch-size"),
+    ("*", "lower parallel, num_ctx or batch_size", "lower --ctx"),
+    ("serve", "use flash attention, or a smaller num_ctx or parallel", "use --flash-attn on, or a smaller --ctx "
+                                                                        "or --parallel"),
+    ("*", "use flash attention, or a smaller num_ctx or parallel", "use --flash-attn on, or a smaller --ctx"),
+    ("*", "n_threads=", "--threads "),
 ]
 
 
