@@ -921,7 +921,7 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, extra = super().parse_known_args(args, namespace)
-        if getattr(parsed, "command", None) is not None and self.prog == "pyggml":
+        if self._subparsers is not None and getattr(parsed, "command", None) is not None:  # the top level only
             try:
                 environment_defaults(parsed)
             except ValueError as exc:
