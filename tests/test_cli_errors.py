@@ -208,3 +208,123 @@ def test_serve_one_stored_model_by_name_keeps_its_ollama_layers(tmp_path):
     finally:
         err = _stop(proc)
     assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+# ---- frictions of issue 29 (item 10) ---------------------------------------------------------------
+def test_texts_after_an_option_are_embedded(tmp_path):
+    from pyggml.synthetic import write_model
+
+    bert = write_model(tmp_path / "bert.gguf", "bert")
+    out = cli(tmp_path, "embed", str(bert), "first", "--pooling", "mean", "second", "third")
+    clean(out, 0)
+    assert len(out.stdout.splitlines()) == 3
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["run", "demo", "hi", "--temprature", "0"], ["pyggml run: error", "(did you mean --temperature?)"]),
+    (["serve", "--paralel", "2"], ["pyggml serve: error", "(did you mean --parallel?)"]),
+    (["rnu", "demo"], ["(did you mean run?)"]),
+    (["embed", "m.gguf", "--pooling", "maen", "x"], ["(did you mean mean?)"]),
+])
+def test_a_typo_gets_a_suggestion(capsys, argv, words):
+    from pyggml.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    for word in words:
+        assert word in err, err
+
+
+def test_errors_name_flags_not_python_keywords(tmp_path):
+    from pyggml.cli import cli_hint
+
+    memory = "not enough memory for 4 sequences of 100000000 tokens and batches of 512: lower parallel, num_ctx or " \
+             "batch_size (Unable to allocate 763. GiB)"
+    assert "lower --ctx (" in cli_hint(memory, "run") and "num_ctx" not in cli_hint(memory, "run")
+    assert "lower --parallel, --ctx or --batch-size" in cli_hint(memory, "serve")
+    pooling = "the model's pooling gives no single vector per text; pass pooling='mean', 'cls' or 'last'"
+    assert cli_hint(pooling, "embed").endswith("pass --pooling mean, cls or last")
+    assert cli_hint("a Q8_0 cache needs more (use flash attention, or a smaller num_ctx or parallel)", "run") \
+        .endswith("(use --flash-attn on, or a smaller --ctx)")
+    out = cli(tmp_path, "run", "demo", "hi", "--threads", "100000")
+    clean(out, 1, "--threads 100000 is more than")
+    assert "n_threads" not in out.stderr
+
+
+def test_format_and_grammar_files_name_their_flag(tmp_path):
+    from pyggml.cli import _structured, build_parser
+
+    def structured(*flags):
+        return _structured(build_parser().parse_args(["run", "m.gguf", "hi", *flags]))
+
+    with pytest.raises(ValueError, match=r"^--format nosuch\.json: cannot read it \(No such file"):
+        structured("--format", "nosuch.json")
+    (tmp_path / "bad.json").write_text("{bad")
+    with pytest.raises(ValueError, match=r"^--format .*bad\.json: not a JSON schema"):
+        structured("--format", str(tmp_path / "bad.json"))
+    with pytest.raises(ValueError, match=r"^--grammar .*: cannot read it"):
+        structured("--grammar", str(tmp_path))
+    (tmp_path / "ok.json").write_text('{"type": "object"}')
+    assert structured("--format", str(tmp_path / "ok.json")) == {"format": {"type": "object"}}
+
+
+def test_a_truncated_gguf_is_one_line(tmp_path):
+    source = SHARED_MODELS / "stories260K.gguf"
+    if not source.exists():
+        from pyggml.synthetic import write_synthetic
+
+        source = write_synthetic(tmp_path / "tiny.gguf", "tiny", "f32")
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(source.read_bytes()[:5000])  # inside the vocabulary
+    out = cli(tmp_path, "run", str(truncated), "hi")
+    clean(out, 1, "is not a valid GGUF file (corrupt or truncated): failed to read key-value pairs")
+    assert out.stderr.count("\n") == 1 and "\nggml:" not in out.stderr, out.stderr
+
+
+def test_verbose_total_includes_the_load():
+    """`ollama run --verbose`'s total covers the load of the reply that loaded the model (which happens
+    before the reply's own clock starts)."""
+    import io
+
+    from pyggml.llm import Stats
+    from pyggml.repl import print_stats
+
+    out = io.StringIO()
+    print_stats(Stats(load_seconds=2.0, prompt_seconds=0.1, generate_seconds=0.3), 0.5, out)
+    assert "total duration:       2.500s" in out.getvalue() and "load duration:        2.000s" in out.getvalue()
+
+
+def test_only_the_first_reply_after_a_load_counts_the_load():
+    from pyggml import LLM
+    from pyggml.tiny import default_model_path
+
+    with LLM.load(default_model_path(), n_threads=1) as llm:
+        assert llm.stats.load_seconds > 0
+        llm.generate("hi", max_tokens=1)
+        assert llm.stats.load_seconds > 0
+        llm.generate("hi", max_tokens=1)
+        assert llm.stats.load_seconds == 0.0
+
+
+def test_serve_without_the_server_extra_names_it(monkeypatch):
+    from pyggml.cli import main
+
+    monkeypatch.setitem(sys.modules, "pyggml.server", None)  # as if starlette/uvicorn were absent
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "demo"])
+    assert 'pip install "pyggml[server]"' in str(exc.value)
+
+
+def test_llguidance_loads_only_when_a_format_is_asked(tmp_path):
+    pytest.importorskip("llguidance")
+    code = ("import sys\nfrom pyggml.cli import main\n"
+            "main(['run', 'demo', 'hi', '--max-tokens', '2', '--threads', '1'])\n"
+            "print('plain', any(m.startswith('llguidance') for m in sys.modules))\n"
+            "main(['run', 'demo', 'hi', '--max-tokens', '2', '--threads', '1', '--format', 'json'])\n"
+            "print('format', any(m.startswith('llguidance') for m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=env_for(tmp_path))
+    assert out.returncode == 0, out.stderr
+    assert "plain False" in out.stdout and "format True" in out.stdout, out.stdout

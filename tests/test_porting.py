@@ -291,6 +291,23 @@ def test_compare_cli(tiny_llama, tmp_path, capsys):
 
 
 @needs_reference
+def test_compare_reports_progress_on_stderr(tiny_llama, capsys):
+    """A comparison of a real model runs for minutes: each step is announced as it starts."""
+    from pyggml import porting
+    from pyggml.cli import main
+
+    hf_dir, gguf_path = tiny_llama
+    steps = []
+    porting.compare(hf_dir, gguf_path, PROMPT, n_threads=2, progress=steps.append)
+    assert steps == ["importing torch and transformers", f"running {gguf_path} in pyggml",
+                     f"loading {hf_dir} in transformers and running it"]
+    assert main(["compare", str(hf_dir), str(gguf_path), "--threads", "2", "--json"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split("] ", 1)[1] for line in err] == [f"{step}..." for step in steps]
+    assert all(line.startswith("pyggml compare: [") for line in err)
+
+
+@needs_reference
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
                     reason="needs llama-cpp-python==0.3.36 (the `bench` extra)")
 def test_llama_cpp_logits_of_the_same_file(tiny_llama, tmp_path, capsys):

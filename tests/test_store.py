@@ -160,3 +160,64 @@ def test_run_and_load_by_name(stores, gguf, capsys):
         assert llm.model.config.architecture == "llama"
     assert main(["run", "tiny", "hello", "--threads", "1", "--raw"]) == 0
     assert capsys.readouterr().out.strip()
+
+
+def _vocabulary_file(path, n_tokens: int):
+    import gguf as gguf_py
+
+    writer = gguf_py.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(n_tokens)])
+    writer.add_uint32("llama.context_length", 4096)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_header_checks_never_parse_the_vocabulary_in_python(tmp_path, gguf, monkeypatch):
+    """The checks before every load and the listings read the header natively and skip the arrays:
+    Python's GGUFReader (8.5 s for a 128k vocabulary) must not run, and a 150k-token array's strings
+    are never decoded, only its length read."""
+    import gguf as gguf_py
+
+    from pyggml import metadata
+    from pyggml.server import models as served
+    from pyggml.synthetic import SHAPES
+
+    n_params = sum(t.nelements for t in _tensors(gguf).values())  # the full load, before the patches
+
+    def no_python_parser(*args, **kwargs):
+        raise AssertionError("the GGUF header was parsed in Python")
+
+    monkeypatch.setattr(gguf_py, "GGUFReader", no_python_parser)
+    decoded = []
+    real_read_kv = metadata.read_metadata
+    monkeypatch.setattr(metadata, "read_metadata", lambda g, lengths=None: decoded.append(lengths is None) or
+                        real_read_kv(g, lengths))
+    vocab = _vocabulary_file(tmp_path / "vocab.gguf", 150_000)
+    with pytest.raises(ValueError, match="holds only a vocabulary of 150000 tokens"):
+        store.check_has_weights(vocab)
+    summary = metadata.read_gguf_summary(vocab)
+    assert summary.array_lengths["tokenizer.ggml.tokens"] == 150_000
+    assert "tokenizer.ggml.tokens" not in summary.config and summary.config.uint("context_length") == 4096
+    store.check_has_weights(gguf)  # a model: no error
+    assert store.file_facts(gguf) == ("llama", "F32")
+    ref = store.ModelRef("tiny", gguf, "file")
+    shape = SHAPES["tiny"]
+    assert served._parameter_count(ref) == n_params
+    layers, width, heads, kv_heads = shape.n_layers, shape.hidden, shape.n_heads, shape.n_kv_heads
+    assert served.estimate_memory(ref, 100) == ref.size + 2 * layers * 100 * width * kv_heads // heads * 2
+    assert store.file_facts(tmp_path / "missing.gguf") == ("?", "?")
+    assert decoded and not any(decoded)  # every read skipped the arrays' contents
+
+
+def _tensors(path):
+    from pyggml.backend import Backend, BackendParams
+
+    backend = Backend.load(path, BackendParams(repack=False))
+    try:
+        return dict(backend.tensors())
+    finally:
+        backend.close()

@@ -37,7 +37,7 @@ from pyggml.hardware import (
     rpc_relay,
     with_ggml_log,
 )
-from pyggml.metadata import Config, GGUFError, read_metadata
+from pyggml.metadata import Config, GGUFError, read_metadata, refused_gguf
 from pyggml.rpc import RPCError
 from pyggml.tensor import (
     _INTERMEDIATE,
@@ -313,7 +313,7 @@ class Backend:
         meta_ctx = ffi.new("struct ggml_context **")
         gguf = lib.gguf_init_from_file(str(path).encode(), {"no_alloc": True, "ctx": meta_ctx})
         if gguf == NULL:
-            raise GGUFError(with_ggml_log(f"{path} is not a valid GGUF file (corrupt or truncated)"))
+            raise refused_gguf(path)
         self._gguf, self._meta_ctx = gguf, meta_ctx[0]
         self.config = Config(read_metadata(gguf))
         self._check_tensors(path, file_size)

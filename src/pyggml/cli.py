@@ -238,16 +238,28 @@ def _structured(args: argparse.Namespace) -> dict:
         if args.format == "json":
             out["format"] = "json"
         else:
-            with open(args.format) as f:
-                out["format"] = json.load(f)
+            try:
+                out["format"] = json.loads(_read_flag_file("--format", args.format))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--format {args.format}: not a JSON schema ({exc}); --format takes json or "
+                                 "a file holding a JSON schema") from None
     if args.grammar:
-        with open(args.grammar) as f:
-            out["grammar"] = f.read()
+        out["grammar"] = _read_flag_file("--grammar", args.grammar)
     if args.regex:
         if "grammar" in out:
             raise ValueError("give --grammar or --regex, not both")
         out["grammar"] = Grammar.regex(args.regex)
     return out
+
+
+def _read_flag_file(flag: str, path: str) -> str:
+    """The text of the file a flag names; ValueError naming the flag when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ValueError(f"{flag} {path}: cannot read it ({reason})") from None
 
 
 def cmd_embed(args: argparse.Namespace) -> int:
@@ -369,8 +381,13 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise SystemExit("pyggml compare: give --prompt or --tokens, not both")
     options = {"prompt": args.prompt, "tokens": args.tokens, "tolerance": args.tolerance, "n_threads": args.threads,
                "llama_cpp": args.llama_cpp, "modules": dict(args.module) or None}
+    start = time.perf_counter()
+
+    def progress(step: str) -> None:  # a comparison runs for minutes: say what it is doing
+        print(f"pyggml compare: [{time.perf_counter() - start:5.1f} s] {step}...", file=sys.stderr, flush=True)
+
     try:
-        result = porting.compare(args.hf_dir, _model_path(args.gguf),
+        result = porting.compare(args.hf_dir, _model_path(args.gguf), progress=progress,
                                  **{k: v for k, v in options.items() if v is not None})
     except (ImportError, RuntimeError) as exc:  # torch/transformers/llama-cpp-python absent; llama.cpp failed
         raise SystemExit(f"pyggml: {exc}") from exc
@@ -391,7 +408,7 @@ def _add_run_parser(sub: Any) -> None:
     run.add_argument("--threads", type=_positive("--threads"), default=None,
                      help="CPU threads (default: physical cores)")
     run.add_argument("--ctx", type=_positive("--ctx", 2), default=None,
-                     help="context length (default: min(4096, trained))")
+                     help="context length (default: $OLLAMA_CONTEXT_LENGTH, else min(4096, trained))")
     run.add_argument("--temperature", type=_temperature, default=None, help="0 for greedy decoding (default: 0.8)")
     run.add_argument("--max-tokens", type=_positive("--max-tokens", 0), default=None,
                      help="most tokens per reply (default: 128)")
@@ -406,7 +423,8 @@ def _add_run_parser(sub: Any) -> None:
     run.add_argument("--system", default=None, help="system message")
     run.add_argument("--raw", action="store_true", help="plain completion: no chat template, no history")
     run.add_argument("--keep-alive", default=None, metavar="DURATION",
-                     help="unload the model after this long idle at the prompt (e.g. 5m, 30s; default: never)")
+                     help="unload the model after this long idle at the prompt (e.g. 5m, 30s; default: "
+                          "$OLLAMA_KEEP_ALIVE, else never)")
     run.add_argument("--gpu-layers", type=_gpu_layers, default=None, metavar="N|all",
                      help="layers placed on the GPU (default: 0)")
     run.add_argument("--flash-attn", choices=["on", "off", "auto"], default=None,
@@ -478,7 +496,7 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pyggml", description="Run GGUF language models with ggml from Python.")
+    parser = _Parser(prog="pyggml", description="Run GGUF language models with ggml from Python.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     _add_run_parser(sub)
@@ -548,17 +566,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", default=None,
                        help=f"GGUF file or model name, or '{DEMO}'; none: every model `pyggml list` finds, "
                             "loaded on demand by the requests' model names")
-    serve.add_argument("--host", default=os.environ.get("PYGGML_HOST") or "127.0.0.1",
-                       help="address to listen on, or HOST:PORT (default: $PYGGML_HOST, else 127.0.0.1: this "
-                            "machine only)")
+    serve.add_argument("--host", default=None,
+                       help="address to listen on, or HOST:PORT (default: $PYGGML_HOST, else $OLLAMA_HOST, else "
+                            "127.0.0.1: this machine only)")
     serve.add_argument("--port", type=_port, default=None, help="default: 11434, Ollama's")
     serve.add_argument("--mmproj", default=None, metavar="PATH", help="llama.cpp mmproj file: the vision part")
-    serve.add_argument("--parallel", type=_positive("--parallel"), default=4,
-                       help="sequences generated at once per model (default: 4)")
+    serve.add_argument("--parallel", type=_positive("--parallel"), default=None,
+                       help="sequences generated at once per model (default: $OLLAMA_NUM_PARALLEL, else 4)")
     serve.add_argument("--queue", type=_non_negative("--queue"), default=None,
                        help="requests that may wait for a free sequence (default: 512, as Ollama); more get 503")
     serve.add_argument("--ctx", type=_positive("--ctx", 2), default=None,
-                       help="context per sequence (default: min(4096, trained))")
+                       help="context per sequence (default: $OLLAMA_CONTEXT_LENGTH, else min(4096, trained))")
     serve.add_argument("--threads", type=_positive("--threads"), default=None,
                        help="CPU threads (default: physical cores); while other processes keep cores busy, a "
                             "thread fewer per busy core is used (see --fixed-threads and docs/server.md)")
@@ -577,16 +595,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--queue-timeout", type=_seconds("--queue-timeout"), default=60.0,
                        help="seconds a request may wait for a free sequence before a 503 (default: 60)")
     serve.add_argument("--max-loaded", type=_positive("--max-loaded"), default=None,
-                       help="without a model argument: most models loaded at once (default: 1 on CPU, 3 with a GPU)")
-    serve.add_argument("--keep-alive", default="5m", metavar="DURATION",
-                       help="without a model argument: unload a model idle this long (default 5m; 0: at once, "
-                            "-1: never); a request's keep_alive overrides it")
+                       help="without a model argument: most models loaded at once (default: "
+                            "$OLLAMA_MAX_LOADED_MODELS, else 1 on CPU, 3 with a GPU)")
+    serve.add_argument("--keep-alive", default=None, metavar="DURATION",
+                       help="without a model argument: unload a model idle this long (default: $OLLAMA_KEEP_ALIVE, "
+                            "else 5m; 0: at once, -1: never); a request's keep_alive overrides it")
     serve.add_argument("--allowed-hosts", default=None,
                        help="comma-separated Host names to answer besides local ones ('*': any; default: "
                             "$PYGGML_ALLOWED_HOSTS; a server bound to a non-loopback address answers any)")
     serve.add_argument("--origins", default=None,
                        help="comma-separated extra browser Origins allowed, '*' wildcards as OLLAMA_ORIGINS "
-                            "(default: $PYGGML_ORIGINS; local origins are always allowed)")
+                            "(default: $PYGGML_ORIGINS, else $OLLAMA_ORIGINS; local origins are always allowed)")
     add_rpc_arguments(serve)
     serve.add_argument("--draft", default=None, metavar="GGUF",
                        help="speculative decoding: a smaller model with the same vocabulary drafts tokens")
@@ -693,27 +712,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from pyggml.server import serve
         from pyggml.server.guard import split_list
     except ImportError as exc:
-        raise SystemExit(f"pyggml serve needs starlette and uvicorn (pip install starlette uvicorn): {exc}") from exc
+        raise SystemExit(f"pyggml serve needs the server extra: pip install \"pyggml[server]\" ({exc})") from exc
     from pyggml.repl import parse_duration
     from pyggml.server.app import ServerConfig
+    from pyggml.server.models import DEFAULT_KEEP_ALIVE
 
     try:
-        keep_alive = parse_duration(args.keep_alive)
+        keep_alive = DEFAULT_KEEP_ALIVE if args.keep_alive is None else parse_duration(args.keep_alive)
     except ValueError as exc:
         raise SystemExit(f"pyggml serve: --keep-alive: {exc}") from None
-    host, port = _listen_address(args.host, args.port)
-    allowed = args.allowed_hosts if args.allowed_hosts is not None else os.environ.get("PYGGML_ALLOWED_HOSTS")
-    origins = args.origins if args.origins is not None else os.environ.get("PYGGML_ORIGINS", "")
+    try:  # a value from the environment was checked already: a bad one here is the flag's
+        host, port = _listen_address(args.host, args.port)
+    except ValueError as exc:
+        raise SystemExit(f"pyggml serve: --host: {exc}") from None
+    try:
+        origins = _origin_list(args.origins or "")
+    except ValueError as exc:
+        raise SystemExit(f"pyggml serve: --origins: {exc}") from None
+    allowed = args.allowed_hosts
     ref = _resolve(args.model) if args.model is not None else None
     name = args.model if ref is not None and not Path(args.model).is_file() else None
     server = ServerConfig(host=host, port=port, name=name, model_ref=ref, queue=args.queue,
                           queue_timeout=args.queue_timeout, max_predict=args.max_predict,
-                          allowed_hosts=split_list(allowed) if allowed else None, origins=split_list(origins),
+                          allowed_hosts=split_list(allowed) if allowed else None, origins=origins,
                           max_loaded=args.max_loaded, keep_alive=keep_alive)
     try:
         return serve(_engine_config(args, ref.path if ref is not None else None, args.mmproj), server)
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C it caught
         return 0
+
+
+def _origin_list(text: str) -> list[str]:
+    """Comma-separated browser origins (``scheme://host[:port]``, ``*`` wildcards; ``*`` alone: any)."""
+    origins = [item.strip() for item in text.split(",") if item.strip()]
+    for origin in origins:
+        if origin not in ("*", "null") and "://" not in origin:  # null: what a file:// page sends
+            raise ValueError(f"{origin!r} is not an origin: write scheme://host[:port], e.g. https://app.example "
+                             "or http://localhost:*")
+    return origins
 
 
 def _listen_address(value: str, port: int | None) -> tuple[str, int]:
@@ -726,7 +762,7 @@ def _listen_address(value: str, port: int | None) -> tuple[str, int]:
     elif value.count(":") == 1:
         host, tail = value.split(":")
     if tail and not (tail.isdigit() and int(tail) <= 65535):
-        raise SystemExit(f"pyggml serve: bad port in {value!r} (a port is a number from 0 to 65535)")
+        raise ValueError(f"bad port in {value!r} (a port is a number from 0 to 65535)")
     return host or "127.0.0.1", (int(tail) if tail else 11434) if port is None else port
 
 
@@ -804,13 +840,108 @@ def _non_negative(flag: str) -> Any:
     return _positive(flag, 0)
 
 
+# ---- settings from the environment --------------------------------------------------------------
+#
+# A flag left out takes its value from the environment: pyggml's variable first, then Ollama's of the same
+# meaning (a machine set up for Ollama serves alike), then the built-in default. A bad value is an error
+# naming the variable. (PYGGML_MODELS and OLLAMA_MODELS name two stores, both searched: pyggml.store.)
+
+def _checked(check: Any) -> Any:
+    """An environment parser: ``check(text)`` raises ValueError for a bad value; the text is kept."""
+    def parse(name: str) -> Any:
+        def run(text: str) -> str:
+            check(text)
+            return text
+        return run
+    return parse
+
+
+def _keep_alive_text(text: str) -> None:
+    from pyggml.repl import parse_duration
+
+    parse_duration(text)
+
+
+def _max_loaded(name: str) -> Any:
+    """Ollama's OLLAMA_MAX_LOADED_MODELS: 0 leaves the choice to the server (None)."""
+    def parse(text: str) -> int | None:
+        return _positive(name, 0)(text) or None
+    return parse
+
+
+# flag's dest: (commands, variables in order of precedence, parser factory taking the variable's name)
+ENVIRONMENT: dict[str, tuple[tuple[str, ...], tuple[str, ...], Any]] = {
+    "host": (("serve",), ("PYGGML_HOST", "OLLAMA_HOST"), _checked(lambda text: _listen_address(text, None))),
+    "ctx": (("run", "serve"), ("OLLAMA_CONTEXT_LENGTH",), lambda name: _positive(name, 2)),
+    "keep_alive": (("run", "serve"), ("OLLAMA_KEEP_ALIVE",), _checked(_keep_alive_text)),
+    "parallel": (("serve",), ("OLLAMA_NUM_PARALLEL",), _positive),
+    "max_loaded": (("serve",), ("OLLAMA_MAX_LOADED_MODELS",), _max_loaded),
+    "allowed_hosts": (("serve",), ("PYGGML_ALLOWED_HOSTS",), _checked(str)),
+    "origins": (("serve",), ("PYGGML_ORIGINS", "OLLAMA_ORIGINS"), _checked(_origin_list)),
+}
+_BUILT_IN = {"host": "127.0.0.1"}  # the other flags stay None: the engine's, server's or REPL's own default
+
+
+def environment_defaults(args: argparse.Namespace, environ: Any = None) -> None:
+    """Fill ``args``' flags that were left out (None) from the environment (``ENVIRONMENT``), else the
+    built-in default. ValueError names the variable of a bad value."""
+    environ = os.environ if environ is None else environ
+    command = getattr(args, "command", None)
+    for dest, (commands, names, parser) in ENVIRONMENT.items():
+        if command not in commands or getattr(args, dest, None) is not None:
+            continue
+        name = next((n for n in names if environ.get(n, "").strip()), None)
+        if name is not None:
+            try:
+                setattr(args, dest, parser(name)(environ[name].strip()))
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise ValueError(str(exc) if name in str(exc) else f"{name}={environ[name]!r}: {exc}") from None
+        else:
+            setattr(args, dest, _BUILT_IN.get(dest))
+    for name in ("PYGGML_MODELS", "OLLAMA_MODELS"):
+        folder = environ.get(name, "").strip()
+        if folder and os.path.exists(os.path.expanduser(folder)) and not os.path.isdir(os.path.expanduser(folder)):
+            raise ValueError(f"{name}={folder!r} is not a directory (it names a model store)")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Parses the command line, then fills what it left out from the environment (``environment_defaults``);
+    a mistyped command or choice gets a suggestion."""
+
+    def error(self, message: str) -> Any:
+        import difflib
+        import re
+
+        typo = re.search(r"invalid choice: '?([^',]*)'? \(choose from (.*)\)", message)
+        if typo:
+            choices = [c.strip().strip("'") for c in typo.group(2).split(",")]
+            close = difflib.get_close_matches(typo.group(1), choices, n=1, cutoff=0.6)
+            message += f" (did you mean {close[0]}?)" if close else ""
+        super().error(message)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = super().parse_known_args(args, namespace)
+        if self._subparsers is not None and getattr(parsed, "command", None) is not None:  # the top level only
+            try:
+                environment_defaults(parsed)
+            except ValueError as exc:
+                self.exit(2, f"pyggml {parsed.command}: error: {exc}\n")
+        return parsed, extra
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    # argparse leaves a positional that follows an option unparsed: `run MODEL --image PATH "prompt"`,
+    # `embed MODEL --pooling mean "text" ...`; give it to the command's trailing positional
     if extra and getattr(args, "prompt", "") is None and len(extra) == 1 and not extra[0].startswith("-"):
-        args.prompt = extra[0]  # `run MODEL --image PATH "prompt"`: argparse leaves a prompt after options
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.prompt = extra.pop()
+    elif extra and isinstance(getattr(args, "texts", None), list) and not any(e.startswith("-") for e in extra):
+        args.texts += extra
+        extra = []
+    if extra:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[args.command]
+        sub.error(f"unrecognized arguments: {' '.join(extra)}{_did_you_mean(sub, extra)}")
     try:
         return args.func(args)
     except KeyboardInterrupt:  # Ctrl-C while loading or generating: stop quietly
@@ -822,6 +953,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, TypeError, NotImplementedError, MemoryError) as e:
         print(f"pyggml: error: {cli_hint(str(e), args.command)}", file=sys.stderr)
         return 1
+
+
+def _did_you_mean(command: argparse.ArgumentParser, extra: list[str]) -> str:
+    """" (did you mean --temperature?)" for the first unknown flag close to one of the command's."""
+    import difflib
+
+    flags = [flag for action in command._actions for flag in action.option_strings if flag.startswith("--")]
+    for word in extra:
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
 
 
 # API words in error messages -> the flags of the command that was typed
@@ -836,6 +980,14 @@ _HINTS: list[tuple[str, str, str]] = [  # (command or "*", API text, CLI text)
       for name in ("top_k", "top_p", "min_p", "repeat_penalty", "temperature")),
     ("embed", "embeddings need an embedding model such as BERT",
      "`pyggml embed` needs an embedding model such as BERT; use `pyggml run` to generate text"),
+    ("embed", "pass pooling='mean', 'cls' or 'last'", "pass --pooling mean, cls or last"),
+    ("convert", "(pass pooling=... to override)", "(pass --pooling to override)"),
+    ("serve", "lower parallel, num_ctx or batch_size", "lower --parallel, --ctx or --batch-size"),
+    ("*", "lower parallel, num_ctx or batch_size", "lower --ctx"),
+    ("serve", "use flash attention, or a smaller num_ctx or parallel", "use --flash-attn on, or a smaller --ctx "
+                                                                        "or --parallel"),
+    ("*", "use flash attention, or a smaller num_ctx or parallel", "use --flash-attn on, or a smaller --ctx"),
+    ("*", "n_threads=", "--threads "),
 ]
 
 

@@ -33,12 +33,6 @@ import numpy as np
 
 from pyggml.tokenizer.vocab import TokenType
 
-try:
-    import llguidance
-except ImportError:  # pragma: no cover - llguidance is a dependency; this keeps the import light
-    llguidance = None
-
-
 # tokens llguidance treats as special (never text): control and unknown ones. User-defined tokens
 # (Qwen's <tool_call>) are text, as our tokenizer matches them in text.
 _MARKED = frozenset({TokenType.CONTROL, TokenType.UNKNOWN})
@@ -104,8 +98,7 @@ class Grammar:
 
     def compile(self) -> str:
         """llguidance's grammar text (raises ``ConstraintError`` for a source it cannot read)."""
-        _need()
-        m = llguidance.LLMatcher
+        m = _llguidance().LLMatcher
         kind, source = self.kind, self.source
         try:
             if kind == "json_schema":
@@ -313,7 +306,7 @@ _LOCK = threading.Lock()
 
 def ll_tokenizer(tokenizer) -> Any:
     """llguidance's tokenizer for one of ours (built once per tokenizer: a pass over the vocabulary)."""
-    _need()
+    _llguidance()
     with _LOCK:
         found = _TOKENIZERS.get(tokenizer)
         if found is None:
@@ -344,6 +337,7 @@ class _Wrapper:
 def _build_tokenizer(tokenizer) -> Any:
     wrapper = _Wrapper(tokenizer)
     eog = sorted(tokenizer.vocab.eog) or [wrapper.eos_token_id]
+    llguidance = _llguidance()
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(wrapper), n_vocab=tokenizer.vocab_size,
                                   eos_token=eog)
 
@@ -355,7 +349,7 @@ def check(grammar: Grammar, tokenizer) -> str:
     see ``pyggml.grammar_worker``)."""
     from pyggml import grammar_worker
 
-    _need()
+    _llguidance()
     grammar.check_size()
     return grammar_worker.check(grammar, tokenizer)
 
@@ -363,7 +357,7 @@ def check(grammar: Grammar, tokenizer) -> str:
 def compile_here(grammar: Grammar, tokenizer) -> str:
     """What ``check`` does after the size bounds, in this process (the grammar worker's side)."""
     text = grammar.compile()
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer(tokenizer))
+    is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(text, ll_tokenizer(tokenizer))
     if is_error:
         raise ConstraintError(grammar.where(f"invalid {grammar.kind} grammar: "
                                             f"{messages[0] if messages else 'unknown error'}"))
@@ -384,7 +378,7 @@ class Constraint:
         self.grammar = grammar
         if text is None:  # compiled and checked (``check``) unless given
             text = check(grammar, tokenizer)
-        self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), text, log_level=0)
+        self.matcher = _llguidance().LLMatcher(ll_tokenizer(tokenizer), text, log_level=0)
         if self.matcher.is_error():
             raise ConstraintError(grammar.where(f"invalid {grammar.kind} grammar: {self.matcher.get_error()}"))
         self.vocab_size = tokenizer.vocab_size
@@ -469,6 +463,10 @@ class Constraint:
         return self.matcher.is_accepting()
 
 
-def _need() -> None:
-    if llguidance is None:
-        raise ConstraintError("constrained decoding needs the llguidance package: pip install llguidance")
+def _llguidance() -> Any:
+    """llguidance, imported on first use: a run without a grammar never loads it (~60 ms)."""
+    try:
+        import llguidance
+    except ImportError:  # pragma: no cover - llguidance is a dependency
+        raise ConstraintError("constrained decoding needs the llguidance package: pip install llguidance") from None
+    return llguidance

@@ -31,14 +31,14 @@ class GGMLError(RuntimeError):
     """ggml reported a failure (allocation, compute); the message includes ggml's own log."""
 
 
-def _ggml_log() -> str:
+def ggml_log() -> str:
     buf = ffi.new("char[]", 8192)
     n = lib.pyggml_log_take(buf, 8192)
     return ffi.unpack(buf, n).decode("utf-8", "replace").strip()
 
 
 def with_ggml_log(message: str) -> str:
-    log = _ggml_log()
+    log = ggml_log()
     return f"{message}\nggml: {log}" if log else message
 
 

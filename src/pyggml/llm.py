@@ -31,7 +31,7 @@ _OPTIONS = {"num_ctx", "batch_size", "cache_type", "num_keep", "draft", "draft_m
 class Stats:
     """Timings of the last call, for ``--verbose`` and benchmarks."""
 
-    load_seconds: float = 0.0
+    load_seconds: float = 0.0  # loading the model: counted in the first call after the load only
     prompt_tokens: int = 0  # prompt tokens evaluated (not counting the cached prefix)
     prompt_seconds: float = 0.0
     cached_tokens: int = 0
@@ -59,6 +59,7 @@ class LLM:
         self.num_ctx, self.batch_size = runner.num_ctx, runner.batch_size
         self.num_keep = num_keep
         self.stats = Stats()
+        self._load_to_report = 0.0  # the load's seconds, until the first call's Stats report them
         self._template = None  # the model's chat template, compiled on first chat()
 
     @classmethod
@@ -79,7 +80,7 @@ class LLM:
         start = time.perf_counter()
         config = dataclasses.replace(config, parallel=1, multi_user_cache=False, background=False)
         llm = cls(open_engine(config, progress), num_keep=num_keep)
-        llm.stats.load_seconds = time.perf_counter() - start
+        llm.stats.load_seconds = llm._load_to_report = time.perf_counter() - start
         return llm
 
     # ---- text <-> tokens -------------------------------------------------------------------
@@ -162,7 +163,8 @@ class LLM:
                                       truncate=truncate, pooling=pooling)
 
     def _pieces(self, completion: CompletionStream) -> Iterator[str]:
-        stats = self.stats = Stats(load_seconds=self.stats.load_seconds)
+        stats = self.stats = Stats(load_seconds=self._load_to_report)
+        self._load_to_report = 0.0
         try:
             for chunk in completion:
                 stats.tokens.extend(chunk.tokens)

@@ -4,12 +4,17 @@ hyper-parameters against, and ``GGUFError``."""
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from pyggml._ggml import ffi, lib
+from pyggml.hardware import NULL, ggml_log
+from pyggml.tensor import DType
 
 
 class GGUFError(ValueError):
@@ -34,14 +39,25 @@ _ARRAY_DTYPES = {
 }
 
 
-def read_metadata(gguf: Any) -> dict[str, Any]:
-    """Every key/value of an open GGUF file (``gguf_context``), as Python values."""
+def refused_gguf(path: str | os.PathLike) -> GGUFError:
+    """gguf_init_from_file refused ``path``: the reasons ggml logged, on the same line (a second "ggml:"
+    line read as a second error), without the C functions' names."""
+    reasons = [re.sub(r"^\w+: ", "", line.strip()) for line in ggml_log().splitlines() if line.strip()]
+    return GGUFError(f"{os.fspath(path)} is not a valid GGUF file (corrupt or truncated)"
+                     + (f": {'; '.join(reasons)}" if reasons else ""))
+
+
+def read_metadata(gguf: Any, lengths: dict[str, int] | None = None) -> dict[str, Any]:
+    """Every key/value of an open GGUF file (``gguf_context``), as Python values; with ``lengths``,
+    arrays are not read: their lengths go there instead."""
     values: dict[str, Any] = {}
     for i in range(lib.gguf_get_n_kv(gguf)):
         key = ffi.string(lib.gguf_get_key(gguf, i)).decode("utf-8", "replace")
         kind = lib.gguf_get_kv_type(gguf, i)
         if kind == lib.GGUF_TYPE_STRING:
             values[key] = ffi.string(lib.gguf_get_val_str(gguf, i)).decode("utf-8", "replace")
+        elif kind == lib.GGUF_TYPE_ARRAY and lengths is not None:
+            lengths[key] = lib.gguf_get_arr_n(gguf, i)
         elif kind == lib.GGUF_TYPE_ARRAY:
             n = lib.gguf_get_arr_n(gguf, i)
             item = lib.gguf_get_arr_type(gguf, i)
@@ -165,3 +181,39 @@ class Config(Mapping[str, Any]):
         value = self._typed(key, default, lambda v: isinstance(v, list) and all(
             isinstance(x, (int, float)) and not isinstance(x, bool) for x in v), "a list of numbers", min, max)
         return None if value is None else [float(x) for x in value]
+
+
+@dataclass(frozen=True)
+class GGUFSummary:
+    """A GGUF header without its arrays' contents (a vocabulary is 10**5 strings) and without loading
+    anything: what listing a model or checking it before a load needs."""
+
+    config: Config  # the scalar and string metadata; arrays are left out
+    array_lengths: dict[str, int]
+    elements_by_type: dict[str, int]  # tensor elements per ggml type name ("Q8_0", "F32", ...)
+
+    @property
+    def n_parameters(self) -> int:
+        return sum(self.elements_by_type.values())
+
+
+def read_gguf_summary(path: str | os.PathLike) -> GGUFSummary:
+    """The ``GGUFSummary`` of a file, read by ggml's own GGUF parser; ``GGUFError`` for a file it refuses."""
+    gguf = lib.gguf_init_from_file(os.fsencode(path), {"no_alloc": True, "ctx": NULL})
+    if gguf == NULL:
+        raise refused_gguf(path)
+    try:
+        lengths: dict[str, int] = {}
+        config = Config(read_metadata(gguf, lengths))
+        by_type: dict[str, int] = {}
+        known = {int(d) for d in DType}
+        for i in range(lib.gguf_get_n_tensors(gguf)):
+            kind = lib.gguf_get_tensor_type(gguf, i)
+            dtype = DType(kind) if kind in known else None
+            name = dtype.name if dtype is not None else f"type {kind}"
+            size = lib.gguf_get_tensor_size(gguf, i)
+            n = size // dtype.type_size * dtype.block_size if dtype is not None and dtype.type_size else 0
+            by_type[name] = by_type.get(name, 0) + n
+        return GGUFSummary(config, lengths, by_type)
+    finally:
+        lib.gguf_free(gguf)

@@ -22,7 +22,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,16 +137,20 @@ def _short(value: float) -> str:
 
 def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str = DEFAULT_PROMPT, *,
             tokens: Sequence[int] | None = None, tolerance: float | None = None, n_threads: int | None = None,
-            modules: Mapping[str, str] | None = None, llama_cpp: bool = False) -> Comparison:
+            modules: Mapping[str, str] | None = None, llama_cpp: bool = False,
+            progress: Callable[[str], None] | None = None) -> Comparison:
     """Run both models on ``prompt`` (tokenized by the GGUF file's tokenizer, or the ids in
     ``tokens``) and compare every tapped hidden state. ``tolerance`` defaults by the file's main
     weight type (``TOLERANCES``). ``modules`` maps a tap name to the Hugging Face module whose
     output is its reference (``{"output_norm": "model.final_norm"}``), for names the ``gguf``
     tensor map does not know. ``llama_cpp``: also compare llama.cpp's logits for the same file and
-    ids (llama-cpp-python, run in a subprocess) with transformers', for generating models."""
+    ids (llama-cpp-python, run in a subprocess) with transformers', for generating models. ``progress(step)``
+    is told each step as it starts (a comparison takes minutes on a real model)."""
+    step = progress or (lambda what: None)
     if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))
                                   or not tolerance > 0):
         raise ValueError(f"compare: tolerance must be a positive number, got {tolerance!r}")
+    step("importing torch and transformers")
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -155,9 +159,11 @@ def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str
                           f"{exc}") from exc
     if os.path.isdir(hf_dir) and not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise ValueError(f"compare: {hf_dir} has no config.json (give a Hugging Face model directory)")
+    step(f"running {os.fspath(gguf_path)} in pyggml")
     ours = _pyggml_states(gguf_path, prompt, tokens, n_threads)
     ids = ours.tokens
     notes = [] if tokens is not None else _tokenizer_notes(hf_dir, prompt, ids)
+    step(f"loading {os.fspath(hf_dir)} in transformers and running it")
     refs, where = _reference_states(hf_dir, ids, ours.architecture, ours.n_blocks, ours.states, modules or {})
     layers, unmatched = [], []
     for name, state in ours.states.items():
@@ -169,6 +175,7 @@ def compare(hf_dir: str | os.PathLike, gguf_path: str | os.PathLike, prompt: str
     if llama_cpp and LOGITS not in refs:
         notes.append("llama.cpp not compared: the reference model gives no logits (an embedding model)")
     elif llama_cpp:
+        step("running the GGUF in llama.cpp")
         state = llama_cpp_logits(gguf_path, ids, n_threads)
         theirs = _layer_error(LOGITS, state, _vocab_rows(LOGITS, state, refs[LOGITS], []), where[LOGITS])
     if tolerance is None:

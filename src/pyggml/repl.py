@@ -419,10 +419,11 @@ def check_temperature(value: float) -> float:
     return value
 
 
-def print_stats(stats: Any, total_seconds: float, out: TextIO) -> None:
-    """Timings as ``ollama run --verbose`` prints them."""
+def print_stats(stats: Any, reply_seconds: float, out: TextIO) -> None:
+    """Timings as ``ollama run --verbose`` prints them: the total is the reply's time and the load's
+    when this reply loaded the model (``stats.load_seconds``; the load happens before the reply)."""
     rows = [
-        ("total duration", _duration(total_seconds)),
+        ("total duration", _duration(reply_seconds + stats.load_seconds)),
         ("load duration", _duration(stats.load_seconds)),
         ("prompt eval count", f"{stats.prompt_tokens} token(s)"),
         ("prompt eval duration", _duration(stats.prompt_seconds)),

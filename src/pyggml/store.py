@@ -329,32 +329,29 @@ def _inside(path: Path, root: Path) -> bool:
 def file_facts(path: Path) -> tuple[str, str]:
     """(architecture, main weight type) read from a GGUF header without loading it; ("?", "?")
     for a file that cannot be read."""
-    try:
-        from gguf import GGUFReader
+    from pyggml.metadata import GGUFError, read_gguf_summary
 
-        reader = GGUFReader(path, "r")
-        field = reader.fields.get("general.architecture")
-        arch = bytes(field.parts[field.data[0]]).decode("utf-8", "replace") if field else "-"
-        by_type: dict[str, int] = {}
-        for t in reader.tensors:
-            by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_elements)
-        return arch, max(by_type, key=by_type.get) if by_type else "-"
-    except Exception:  # noqa: BLE001 - a broken file is listed, not fatal
+    try:
+        summary = read_gguf_summary(path)
+    except (GGUFError, OSError):  # a broken file is listed, not fatal
         return "?", "?"
+    by_type = summary.elements_by_type
+    return summary.config.architecture or "-", max(by_type, key=by_type.get) if by_type else "-"
 
 
 def check_has_weights(path: Path) -> None:
     """``ValueError`` for a GGUF with a vocabulary and no tensors (llama.cpp's ggml-vocab-*.gguf
-    files), which would otherwise fail listing every weight the architecture needs."""
-    try:
-        from gguf import GGUFReader
+    files), which would otherwise fail listing every weight the architecture needs. Reads the header
+    natively, skipping the arrays: it runs before every load."""
+    from pyggml.metadata import GGUFError, read_gguf_summary
 
-        reader = GGUFReader(path, "r")
-    except Exception:  # noqa: BLE001 - not readable here: the loader reports it properly
+    try:
+        summary = read_gguf_summary(path)
+    except (GGUFError, OSError):  # not readable here: the loader reports it properly
         return
-    if not reader.tensors:
-        tokens = reader.fields.get("tokenizer.ggml.tokens")
-        what = f"a vocabulary of {len(tokens.data)} tokens" if tokens is not None else "metadata"
+    if not summary.elements_by_type:
+        n_tokens = summary.array_lengths.get("tokenizer.ggml.tokens")
+        what = f"a vocabulary of {n_tokens} tokens" if n_tokens is not None else "metadata"
         raise ValueError(f"{path} holds only {what} and no weights: it is a tokenizer file (such as llama.cpp's "
                          "ggml-vocab-*.gguf), not a model that can run")
 

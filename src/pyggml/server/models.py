@@ -327,11 +327,11 @@ def _ref_entry(ref: ModelRef) -> dict[str, Any]:
 
 
 def _parameter_count(ref: ModelRef) -> int:
-    try:
-        from gguf import GGUFReader
+    from pyggml.metadata import GGUFError, read_gguf_summary
 
-        return sum(int(t.n_elements) for t in GGUFReader(ref.path, "r").tensors)
-    except Exception:  # noqa: BLE001 - a broken file is listed, not fatal
+    try:
+        return read_gguf_summary(ref.path).n_parameters
+    except (GGUFError, OSError):  # a broken file is listed, not fatal
         return 0
 
 
@@ -355,23 +355,22 @@ def available_memory() -> int | None:
 def estimate_memory(ref: ModelRef, num_ctx_total: int = 4096 * 4) -> int:
     """Bytes a model needs loaded: its weights (the file) and an F16 KV cache of ``num_ctx_total``
     tokens, from the header's dimensions (weights only when they are unknown)."""
-    size = ref.size
+    from pyggml.metadata import GGUFError, read_gguf_summary
+
     try:
-        from gguf import GGUFReader
+        config = read_gguf_summary(ref.path).config
+    except (GGUFError, OSError):  # unknown dimensions: the weights alone
+        return ref.size
 
-        fields = GGUFReader(ref.path, "r").fields
-        arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    def value(key: str) -> int:  # 0 where absent or not one integer (a per-layer list is left out)
+        found = config.get(f"{config.architecture}.{key}")
+        return found if isinstance(found, int) and not isinstance(found, bool) and found > 0 else 0
 
-        def value(key: str) -> int:
-            field = fields.get(f"{arch}.{key}")
-            return int(field.parts[-1][0]) if field is not None and len(field.parts[-1]) == 1 else 0
-
-        layers, embd = value("block_count"), value("embedding_length")
-        heads, kv_heads = value("attention.head_count") or 1, value("attention.head_count_kv") or value(
-            "attention.head_count") or 1
-        kv = 2 * layers * num_ctx_total * embd * kv_heads // heads * 2
-    except Exception:  # noqa: BLE001 - unknown dimensions: the weights alone
-        kv = 0
+    layers, embd = value("block_count"), value("embedding_length")
+    heads = value("attention.head_count") or 1
+    kv_heads = value("attention.head_count_kv") or heads
+    kv = 2 * layers * num_ctx_total * embd * kv_heads // heads * 2
+    size = ref.size
     return size + kv
 
 
