@@ -99,7 +99,7 @@ class InputCache:
         num_past = min(num_past, len(prompt) - 1)  # leave one input to get logits from
         if self.cache is not None:
             if num_past > 0 and not self.cache.can_resume(slot.id, num_past):
-                num_past = 0
+                num_past = self.cache.resumable(slot.id, num_past)  # a recurrent state's checkpoint, or 0
             try:
                 self.cache.remove(slot.id, num_past)
             except NotSupportedError:  # some caches cannot drop a tail: start the slot over
