@@ -116,6 +116,7 @@ class Cache(abc.ABC):
     def checkpoint(self, seq: int, pos: int) -> None:
         """``seq``'s stored history is computed up to ``pos``: keep what resuming there later needs. Only a
         cache that cannot drop a tail (``rewinds`` False) keeps anything; the others can rewind anyway."""
+        return  # nothing to keep: any tail can be removed
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
         """Forget positions [begin, end) of ``seq`` (``None``: to the end); later positions shift
