@@ -271,25 +271,29 @@ def test_a_prompt_that_extends_an_earlier_one_with_another_ending_resumes_from_a
     same_logprobs(got, expected)
 
 
-def test_long_prompts_keep_checkpoints_every_few_positions_within_a_bound(tiny_path):
-    """Checkpoints also fall every ``every`` positions of a prompt computed in chunks (a prompt that
-    shares 18 of its 20 tokens resumes at 16), and a slot keeps at most ``checkpoints`` of them."""
+def test_long_prompts_keep_checkpoints_before_their_last_input_and_every_few_positions(tiny_path):
+    """Checkpoints fall before a prompt's last input (the same prompt again resumes there: one input
+    is always left to compute) and every ``every`` positions of a prompt computed in chunks (a prompt
+    that shares 18 of its 20 tokens resumes at 16); a slot keeps at most ``checkpoints`` of them.
+    Each output (tokens and logprobs) is a fresh run's."""
     prompt = [1 + (7 * i) % 190 for i in range(20)]
+    other = prompt[:18] + [3, 4, 5]
     model = models.load(tiny_path, BackendParams(n_threads=2))
     try:
         with Runner(model, parallel=1, num_ctx=64, batch_size=4, cache_type="f32") as runner:
             runner.plugins[0].every = 8
             bias = no_end_tokens(runner)
-            run_logprobs(runner, prompt, 12, bias)
+            first, _ = run_logprobs(runner, prompt, 12, bias)
             saved = sorted(model.states.saved[0].values())
-            assert len(saved) == model.states.checkpoints == 4 and {8, 16, 20} <= set(saved)
-            other = prompt[:18] + [3, 4, 5]
+            assert len(saved) == model.states.checkpoints == 4 and {8, 16, 19} <= set(saved)
+            again, again_last = run_logprobs(runner, prompt, 12, bias)
             got, last = run_logprobs(runner, other, 6, bias)
         with Runner(model, parallel=1, num_ctx=64, batch_size=4, cache_type="f32") as runner:
             expected, _ = run_logprobs(runner, other, 6, bias)
     finally:
         model.close()
-    assert last.cached_tokens == 16
+    assert again_last.cached_tokens == 19 and last.cached_tokens == 16
+    same_logprobs(again, first)
     same_logprobs(got, expected)
 
 

@@ -2,10 +2,13 @@
 state holds one position only) still reuses prompt prefixes.
 
 After a step computes, ``Checkpoints`` asks the cache to keep each sequence's state where its prompt
-ended and every ``every`` positions (``Cache.checkpoint``; the cache bounds how many it keeps per
-slot). A later prompt that shares a prefix with the slot's inputs then resumes from the longest
-checkpoint at or before the common prefix (``InputCache.load_cache_slot`` asks ``Cache.resumable``)
-and recomputes the rest. Speculative decoding snapshots the same way before verifying drafts
+ended, just before the prompt's last input and every ``every`` positions (``Cache.checkpoint``; the
+cache bounds how many it keeps per slot). A later prompt that shares a prefix with the slot's inputs
+then resumes from the longest checkpoint at or before the common prefix (``InputCache.load_cache_slot``
+asks ``Cache.resumable``) and recomputes the rest. The one before the last input is what the same
+prompt again needs (regenerating an answer): one input is always left to compute, for its logits; to
+have a state there, the prompt's batches end there (``Scheduler.stops``), which costs one more pass of
+one input per prompt. Speculative decoding snapshots the same way before verifying drafts
 (speculative.py): rejected drafts roll back to that checkpoint and the accepted ones are recomputed.
 """
 
@@ -20,29 +23,45 @@ from pyggml.runner.plugins import StepPlugin
 if TYPE_CHECKING:
     from pyggml.runner.runner import Runner
     from pyggml.runner.scheduler import Step
+    from pyggml.runner.sequence import RunningSequence
 
 CHECKPOINT_EVERY = 256  # positions between two checkpoints of a long prompt or generation
 
 
 class Checkpoints(StepPlugin):
-    """Checkpoint each sequence of a computed step where its prompt ended (a chunk of several inputs
-    ending in a logits row to sample) and where it crossed a multiple of ``every`` positions. Drafted
-    steps are left to speculation (their tail may be rolled back)."""
+    """Checkpoint each sequence of a computed step where its prompt ended (its first token is sampled
+    from the step), before its prompt's last input, and where it crossed a multiple of ``every``
+    positions. Drafted steps are left to speculation (their tail may be rolled back)."""
 
     def __init__(self, runner: Runner, every: int = CHECKPOINT_EVERY):
         if every < 1:
             raise ValueError(f"Checkpoints: every must be >= 1, got {every}")
         self.runner, self.every = runner, every
+        self._before_last: dict[int, tuple[RunningSequence, int]] = {}  # slot id -> (prompt's sequence, position)
+
+    def before_build(self) -> None:
+        """End a new prompt's batches before its last input (``Scheduler.stops``): a state to resume
+        the same prompt from. Not for image inputs (they must share a batch)."""
+        for seq in self.runner.active:
+            slot, pending = seq.slot, seq.pending
+            marked = self._before_last.get(slot.id)
+            if seq.generated or len(pending) < 2 or (marked and marked[0] is seq) or \
+                    any(inp.multimodal for inp in pending):
+                continue
+            pos = len(slot.inputs) + len(pending) - 1
+            self._before_last[slot.id] = (seq, pos)
+            self.runner.scheduler.stops[slot.id] = pos
 
     def after_logits(self, step: Step, logits: np.ndarray | None) -> None:
         starts, ends = {}, {}
         for slot, pos in zip(step.sequences, step.positions, strict=True):
             starts.setdefault(slot, pos)
             ends[slot] = pos + 1
-        sampled = {seq.slot.id for _, seq in step.rows}
+        prompt_ends = {seq.slot.id for _, seq in step.rows if not seq.generated}
         drafted = {seq.slot.id for _, seq in step.spec}
         cache = self.runner.model.cache
         for slot, end in ends.items():
-            prompt_end = slot in sampled and end - starts[slot] > 1
-            if slot not in drafted and (prompt_end or end // self.every > starts[slot] // self.every):
+            before_last = self._before_last.get(slot, (None, -1))[1] == end
+            crossed = end // self.every > starts[slot] // self.every
+            if slot not in drafted and (slot in prompt_ends or before_last or crossed):
                 cache.checkpoint(slot, end)
