@@ -155,7 +155,7 @@ class Recurrent(Cache):
         names = [f"{self._prefix}.{kind}" for kind in ("state", "slots")]
         for store in self.conv_states.values():
             width = store.shape[1] // self.units + 1
-            names += [f"{self._prefix}.taps{width}", f"{self._prefix}.keep{width}"]
+            names += [f"{self._prefix}.{kind}{width}" for kind in ("past", "taps", "keep", "dst")]
         names = [name for name in names if ctx.input_shape(name) is not None]
         previous = self.snapshot()
         self.start_forward(ctx, batch)
@@ -181,9 +181,10 @@ class Recurrent(Cache):
             raise ValueError(f"Recurrent.conv: x {x.shape} must be (dim, n_tokens) = ({dim}, {p.sequences.size}) "
                              f"for kernel {kernel.shape} (width >= 2, dim)")
         store = self._conv_store(dim, width)
-        rows, m = store.shape[1], self.max_sequences
-        # one table of rows: every unit's state (slots, the zero unit, checkpoints), then the batch's inputs
-        table = store.view(0, (dim, rows), ctx=ctx).concat(x if x.dtype == DType.F32 else x.cast(DType.F32), 1)
+        # one table of rows: the stored inputs each sequence continues (as many blocks as a batch of n can
+        # have sequences, padded with the zero unit: the shape depends on n only), then the batch's inputs
+        past = store.rows(self._input(ctx, f"{self._prefix}.past{width}", p), ctx=ctx)
+        table = past.concat(x if x.dtype == DType.F32 else x.cast(DType.F32), 1)
         taps = table.rows(self._input(ctx, f"{self._prefix}.taps{width}", p))  # (dim, width * n), tap-major
         weights = kernel.reshape(width, dim, ctx=ctx).transpose()  # (dim, width): tap j's weights are row j
         weights = weights.contiguous() if kernel.dtype == DType.F32 else weights.cast(DType.F32)
@@ -192,8 +193,8 @@ class Recurrent(Cache):
             term = taps.view(j * n * taps.strides[1], (dim, n), ctx=ctx) * \
                 weights.view(j * weights.strides[1], (dim, 1), ctx=ctx)
             out = term if out is None else out + term
-        state = table.rows(self._input(ctx, f"{self._prefix}.keep{width}", p))  # every slot's new state
-        ctx.forward(state.copy(store.view(0, (dim, m * (width - 1)), ctx=ctx)))
+        state = table.rows(self._input(ctx, f"{self._prefix}.keep{width}", p))  # each sequence's new state
+        ctx.forward(store.set_rows(state, self._input(ctx, f"{self._prefix}.dst{width}", p), ctx=ctx))
         return out
 
     def get_state(self, ctx: Context, size: int) -> Tensor:
@@ -241,19 +242,27 @@ class Recurrent(Cache):
             return np.array([slot[s] for s in p.seqs], np.int32)
         if kind == "slots":
             return np.array(p.seqs, np.int32)
-        keep = kind.startswith("keep")
-        width = int(kind[4:])
-        d, n, m = width - 1, p.sequences.size, self.max_sequences
-        # each sequence's history as rows of the table: its state's rows, then its batch rows
-        history = {seq: [slot[seq] * d + k for k in range(d)] for seq in p.seqs}
+        width = int(kind[len(kind.rstrip("0123456789")):])
+        kind = kind.rstrip("0123456789")
+        d, n = width - 1, p.sequences.size
+        blocks = min(n, self.max_sequences)  # the table's state blocks: the batch's sequences, then zero units
+        pad = blocks - len(p.seqs)
+        units = [slot[s] for s in p.seqs] + [self.max_sequences] * pad
+        block_rows = np.arange(blocks * d).reshape(blocks, d)
+        if kind == "past":
+            return (np.array(units)[:, None] * d + np.arange(d)).reshape(-1).astype(np.int32)
+        if kind == "dst":  # each sequence's slot (reserving: the units read, rewritten unchanged); padding: zero
+            targets = units if p.reserve else list(p.seqs) + [self.max_sequences] * pad
+            return (np.array(targets)[:, None] * d + np.arange(d)).reshape(-1).astype(np.int32)
+        # each sequence's history as rows of the table: its block, then its batch rows
+        history = {seq: block_rows[i].tolist() for i, seq in enumerate(p.seqs)}
         for row in range(n):
-            history[int(p.sequences[row])].append(self.units * d + row)
-        if keep:  # every slot's new state: the last d rows of its history, or itself when not in the batch
-            out = np.arange(m * d).reshape(m, d)
+            history[int(p.sequences[row])].append(blocks * d + row)
+        if kind == "keep":  # the last d rows of each history (reserving: the blocks themselves); padding: zero
             if not p.reserve:
-                for seq, rows in history.items():
-                    out[seq] = rows[-d:]
-            return out.reshape(-1).astype(np.int32)
+                for i, seq in enumerate(p.seqs):
+                    block_rows[i] = history[seq][-d:]
+            return block_rows.reshape(-1).astype(np.int32)
         taps = np.empty((width, n), np.int32)
         for row in range(n):
             rows = history[int(p.sequences[row])]
