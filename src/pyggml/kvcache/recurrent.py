@@ -8,8 +8,9 @@ delta-rule matrix), in persistent F32 tensors sized at ``init``: ``num_ctx`` doe
 
 The layer's graph reads and writes them through index inputs only (rows of the stored states and of
 the batch), so a graph's topology depends on the batch's shape alone and is refilled for the next
-batch of that shape. A state is valid at exactly one position, the one after the last token it
-consumed: a sequence resumes there (``can_resume``), or at position 0 (the state is cleared).
+batch of that shape; it reads and writes only the states of the batch's sequences. A state is valid
+at exactly one position, the one after the last token it consumed: a sequence resumes there
+(``can_resume``), or at position 0 (the state is cleared).
 
 **Checkpoints** give a state earlier positions to go back to: ``checkpoint(seq, pos)`` copies the
 slot's states (at ``pos``) into one of its ``checkpoints`` spare units (bounded memory: when all are
@@ -18,11 +19,13 @@ taken, the one closest after another is dropped, so they stay spread over the hi
 sequence back to a checkpoint at ``pos`` (its next pass reads the checkpoint's states instead of its
 own: no copy), and ``copy_prefix`` forks from the longest checkpoint within the prefix. Any other
 removal but the whole sequence raises ``NotSupportedError``, so that the runner re-evaluates instead
-of trusting a wrong state. The runner checkpoints at the end of each prompt and every few hundred
-tokens (prefix reuse) and before verifying drafts (speculative rollback), runner/checkpoints.py.
+of trusting a wrong state. The runner checkpoints where prompts end, before their last input and every
+few hundred positions (prefix reuse: runner/checkpoints.py) and before verifying drafts (speculative
+rollback: runner/speculative.py).
 
 Storage per layer: units of states, ``max_sequences`` slots, then one that stays zero (a fresh
-sequence reads it), then ``checkpoints`` per slot.
+sequence reads it), then ``checkpoints`` per slot (``checkpoints + 1`` times the memory of the
+slots' states alone).
 """
 
 from __future__ import annotations
