@@ -281,7 +281,7 @@ def test_long_prompts_keep_checkpoints_before_their_last_input_and_every_few_pos
     model = models.load(tiny_path, BackendParams(n_threads=2))
     try:
         with Runner(model, parallel=1, num_ctx=64, batch_size=4, cache_type="f32") as runner:
-            runner.plugins[0].every = 8
+            runner.plugins[0].every, runner.plugins[0].split_after = 8, 16
             bias = no_end_tokens(runner)
             first, _ = run_logprobs(runner, prompt, 12, bias)
             saved = sorted(model.states.saved[0].values())

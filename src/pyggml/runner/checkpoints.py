@@ -7,9 +7,11 @@ cache bounds how many it keeps per slot). A later prompt that shares a prefix wi
 then resumes from the longest checkpoint at or before the common prefix (``InputCache.load_cache_slot``
 asks ``Cache.resumable``) and recomputes the rest. The one before the last input is what the same
 prompt again needs (regenerating an answer): one input is always left to compute, for its logits; to
-have a state there, the prompt's batches end there (``Scheduler.stops``), which costs one more pass of
-one input per prompt. Speculative decoding snapshots the same way before verifying drafts
-(speculative.py): rejected drafts roll back to that checkpoint and the accepted ones are recomputed.
+have a state there, the batches of a prompt with at least ``SPLIT_AFTER`` new inputs end there
+(``Scheduler.stops``), which costs one more pass of one input (a shorter one is cheap to recompute
+from an earlier checkpoint; a draft model's prompts are that short). Speculative decoding snapshots
+the same way before verifying drafts (speculative.py): rejected drafts roll back to that checkpoint
+and the accepted ones are recomputed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from pyggml.runner.sequence import RunningSequence
 
 CHECKPOINT_EVERY = 256  # positions between two checkpoints of a long prompt or generation
+SPLIT_AFTER = 32  # new prompt inputs from which a checkpoint is taken before the last one
 
 
 class Checkpoints(StepPlugin):
@@ -33,19 +36,19 @@ class Checkpoints(StepPlugin):
     from the step), before its prompt's last input, and where it crossed a multiple of ``every``
     positions. Drafted steps are left to speculation (their tail may be rolled back)."""
 
-    def __init__(self, runner: Runner, every: int = CHECKPOINT_EVERY):
-        if every < 1:
-            raise ValueError(f"Checkpoints: every must be >= 1, got {every}")
-        self.runner, self.every = runner, every
+    def __init__(self, runner: Runner, every: int = CHECKPOINT_EVERY, split_after: int = SPLIT_AFTER):
+        if every < 1 or split_after < 2:
+            raise ValueError(f"Checkpoints: every must be >= 1 and split_after >= 2, got {every}, {split_after}")
+        self.runner, self.every, self.split_after = runner, every, split_after
         self._before_last: dict[int, tuple[RunningSequence, int]] = {}  # slot id -> (prompt's sequence, position)
 
     def before_build(self) -> None:
         """End a new prompt's batches before its last input (``Scheduler.stops``): a state to resume
-        the same prompt from. Not for image inputs (they must share a batch)."""
+        the same prompt from. Not for a short one, nor for image inputs (they must share a batch)."""
         for seq in self.runner.active:
             slot, pending = seq.slot, seq.pending
             marked = self._before_last.get(slot.id)
-            if seq.generated or len(pending) < 2 or (marked and marked[0] is seq) or \
+            if seq.generated or len(pending) < self.split_after or (marked and marked[0] is seq) or \
                     any(inp.multimodal for inp in pending):
                 continue
             pos = len(slot.inputs) + len(pending) - 1
