@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from pyggml.runner.engine import TopLogits
 from pyggml.runner.plugins import StepPlugin
 
 if TYPE_CHECKING:
@@ -62,9 +63,10 @@ class Checkpoints(StepPlugin):
             ends[slot] = pos + 1
         prompt_ends = {seq.slot.id for _, seq in step.rows if not seq.generated}
         drafted = {seq.slot.id for _, seq in step.spec}
-        cache = self.runner.model.cache
-        for slot, end in ends.items():
-            before_last = self._before_last.get(slot, (None, -1))[1] == end
-            crossed = end // self.every > starts[slot] // self.every
-            if slot not in drafted and (slot in prompt_ends or before_last or crossed):
-                cache.checkpoint(slot, end)
+        due = [(slot, end) for slot, end in ends.items() if slot not in drafted and (
+            slot in prompt_ends or self._before_last.get(slot, (None, -1))[1] == end
+            or end // self.every > starts[slot] // self.every)]
+        if due and isinstance(logits, TopLogits):
+            logits.full()  # a copy computes on the backend: read the step's logits while they are there
+        for slot, end in due:
+            self.runner.model.cache.checkpoint(slot, end)
