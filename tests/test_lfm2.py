@@ -297,6 +297,22 @@ def test_long_prompts_keep_checkpoints_before_their_last_input_and_every_few_pos
     same_logprobs(got, expected)
 
 
+def test_the_same_prompt_in_another_slot_forks_the_checkpoint_before_its_last_input(tiny_path):
+    """Many users: the same prompt again goes to the least recently used slot, forked from the first
+    one's checkpoint before the prompt's last input (not its end: one input is left to compute)."""
+    prompt = [1 + (7 * i) % 190 for i in range(40)]
+    model = models.load(tiny_path, BackendParams(n_threads=2))
+    try:
+        with Runner(model, parallel=2, num_ctx=64, batch_size=8, cache_type="f32", multi_user_cache=True) as runner:
+            bias = no_end_tokens(runner)
+            first, first_last = run_logprobs(runner, prompt, 8, bias)
+            again, again_last = run_logprobs(runner, prompt, 8, bias)
+    finally:
+        model.close()
+    assert (first_last.cached_tokens, again_last.cached_tokens) == (0, 39)
+    same_logprobs(again, first)
+
+
 def test_prompt_lookup_on_a_recurrent_model_rolls_rejected_drafts_back(tiny_path):
     """Speculative decoding on a recurrent model: the state is checkpointed before each verification,
     a rejection rolls it back and recomputes the accepted drafts. Drafts are accepted and rejected,

@@ -145,7 +145,8 @@ class InputCache:
             log.debug("forking slot %d into %d: %d inputs", longest_slot.id, oldest.id, longest)
             oldest.inputs = list(longest_slot.inputs[:longest])
             if self.cache is not None:
-                self.cache.copy_prefix(longest_slot.id, oldest.id, longest)
+                # one input is left to compute (load_cache_slot): a recurrent state forks where it resumes
+                self.cache.copy_prefix(longest_slot.id, oldest.id, min(longest, len(prompt) - 1))
         return oldest, longest
 
     # ---- context shift ------------------------------------------------------------------------
