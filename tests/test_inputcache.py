@@ -30,6 +30,9 @@ class FakeCache:
         self.calls.append(("can_resume", seq, pos))
         return self.resume
 
+    def resumable(self, seq, pos):
+        return pos if self.resume else 0
+
 
 def inputs(*tokens: int) -> list[Input]:
     return [Input(token=t) for t in tokens]

@@ -203,3 +203,95 @@ def test_wrapper_with_causal_removes_in_both_or_neither(cpu):
     assert cache.can_resume(0, 3) and not cache.can_resume(0, 2)
     cache.remove(0, 0)
     assert states.positions.tolist() == [0] and (causal.cells.cell_positions < 0).all()
+
+
+# ---- checkpoints: prefix reuse and speculative rollback ---------------------------------------------------
+def test_a_checkpoint_is_resumed_and_rolled_back_to(cpu):
+    cache = make(cpu)
+    conv(cache, cpu, (0, 0), (0, 1), (0, 2))
+    cache.checkpoint(0, 3)
+    assert conv(cache, cpu, (0, 3), (0, 4)) == [20304, 30405]
+    assert [cache.resumable(0, p) for p in range(7)] == [0, 0, 0, 3, 3, 5, 5]
+    assert cache.can_resume(0, 3) and not cache.can_resume(0, 4)
+    with pytest.raises(NotSupportedError, match="checkpoint"):
+        cache.remove(0, 4)  # no checkpoint there
+    cache.remove(0, 3)
+    assert cache.positions.tolist() == [3, 0]
+    assert conv(cache, cpu, (0, 3)) == [20304]  # the checkpoint's inputs 1 and 2, not the later 3 and 4
+    assert conv(cache, cpu, (0, 4), (0, 5)) == [30405, 40506]  # then its own state again
+    cache.remove(0, 0)
+    assert cache.resumable(0, 3) == 0  # the whole sequence went, and its checkpoints with it
+
+
+def test_a_checkpoint_keeps_the_scan_state_too(cpu):
+    cache = make(cpu)
+
+    def step(pos: int, new: float) -> list[float]:
+        with cpu.new_context() as ctx:
+            cache.start_forward(ctx, batch_of([(0, pos)]))
+            old = cache.get_state(ctx, 2)
+            cache.put_state(ctx, ctx.from_numpy(np.array([[new, new + 1]], np.float32)))
+            ctx.compute(old)
+            return old.numpy()[0].tolist()
+
+    step(0, 11)
+    cache.checkpoint(0, 1)
+    assert step(1, 21) == [11, 12]
+    cache.remove(0, 1)
+    assert step(1, 31) == [11, 12]  # not 21, 22
+    assert step(2, 41) == [31, 32]
+
+
+def test_checkpoints_are_bounded_and_stay_spread(cpu):
+    cache = Recurrent(checkpoints=3)
+    cache.init(cpu, DType.F32, max_sequences=2, capacity=32, max_batch=8)
+    ends = [5, 6, 7, 12, 13]
+    pos = 0
+    for end in ends:
+        conv(cache, cpu, *[(1, p) for p in range(pos, end)])
+        cache.checkpoint(1, end)
+        pos = end
+    # 5, 6, 7 fill the 3 units; 12 drops 6 (1 after 5), then 13 drops 7 (2 after 5, the closest left)
+    assert sorted(cache.saved[1].values()) == [5, 12, 13] and not cache.saved[0]
+    cache.remove(1, 5)
+    assert conv(cache, cpu, (1, 5)) == [141516]
+    with pytest.raises(ValueError, match="position"):
+        cache.checkpoint(1, 9)  # the state is at 6
+
+
+def test_copy_prefix_forks_from_the_longest_checkpoint_within_the_prefix(cpu):
+    cache = make(cpu, max_sequences=3)
+    conv(cache, cpu, (0, 0), (0, 1), (0, 2))
+    cache.checkpoint(0, 3)
+    conv(cache, cpu, (0, 3), (0, 4))
+    cache.checkpoint(2, 0)  # nothing to keep at position 0
+    cache.copy_prefix(0, 1, 4)
+    assert cache.positions.tolist() == [5, 3, 0] and cache.can_resume(1, 3)
+    assert conv(cache, cpu, (1, 3)) == [20314]  # sequence 0's inputs 1 and 2, then its own
+    cache.copy_prefix(0, 2, 2)  # no checkpoint within 2: empty
+    assert cache.positions.tolist() == [5, 4, 0]
+
+
+def test_wrapper_resumes_where_every_cache_can(cpu):
+    causal = Causal(lambda ctx, layer, key, shift: key, unified=True)
+    causal.set_config(CacheConfig(padding=1))
+    states = Recurrent()
+    cache = Wrapper(causal, states, layer_types=[1, 0])
+    cache.init(cpu, DType.F32, max_sequences=1, capacity=8, max_batch=8)
+
+    def forward(pairs):
+        with cpu.new_context() as ctx:
+            cache.start_forward(ctx, batch_of(pairs))
+            cache.set_layer(0)
+            out = states.conv(ctx, ctx.from_numpy(coded(pairs)), ctx.from_numpy(KERNEL))
+            cache.set_layer(1)
+            kv = ctx.from_numpy(np.ones((len(pairs), 1, 4), np.float32))
+            cache.put(ctx, kv, kv)
+            ctx.compute(out)
+
+    forward([(0, 0), (0, 1)])
+    cache.checkpoint(0, 2)
+    forward([(0, 2), (0, 3), (0, 4)])
+    assert [cache.resumable(0, p) for p in (1, 2, 4, 5)] == [0, 2, 2, 5]
+    cache.remove(0, cache.resumable(0, 4))
+    assert states.positions.tolist() == [2] and causal.cells.cell_positions.max() == 1

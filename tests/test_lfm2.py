@@ -241,17 +241,90 @@ def test_the_converter_refuses_what_the_file_cannot_express(config, words, tmp_p
         convert_hf(hf_dir, tmp_path / "out.gguf", "f32")
 
 
-def test_prompt_lookup_on_a_recurrent_model_decodes_plainly(tiny_path):
-    """Rejected drafts cannot leave a recurrent state (no checkpoints yet): the runner does not draft,
-    and the output is plain greedy decoding's."""
+def run_logprobs(runner, prompt: list[int], n: int, bias: dict[int, float], **options) -> tuple[list, object]:
+    """``n`` greedy tokens with their top-5 logprobs through ``runner``, and the last chunk."""
+    chunks = list(runner.completion(CompletionRequest(prompt, max_tokens=n, temperature=0.0, logit_bias=bias,
+                                                      logprobs=5, **options)))
+    return [lp for c in chunks for lp in c.logprobs or ()], chunks[-1]
+
+
+def same_logprobs(got: list, expected: list) -> None:
+    assert [lp.token for lp in got] == [lp.token for lp in expected]
+    for a, b in zip(got, expected, strict=True):
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+        np.testing.assert_allclose([v for _, v in a.top], [v for _, v in b.top], rtol=0, atol=1e-4)
+
+
+def test_a_prompt_that_extends_an_earlier_one_with_another_ending_resumes_from_a_checkpoint(tiny_path):
+    """The slot's state is past the new prompt's divergence (it went on generating), so the exact
+    position does not apply: the checkpoint kept where the first prompt ended does, and the rest is
+    recomputed. The output (tokens and logprobs) is a fresh run's."""
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        bias = no_end_tokens(llm)
+        first, _ = complete(llm, PROMPT, 6, bias)
+        ending = [11, 12, 13] if first[0] != 11 else [12, 13, 14]
+        other = PROMPT + ending  # shares the prompt with the slot, not its first sampled token
+        got, last = run_logprobs(llm.runner, other, 6, bias)
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as fresh:
+        expected, fresh_last = run_logprobs(fresh.runner, other, 6, bias)
+    assert last.cached_tokens == len(PROMPT) and fresh_last.cached_tokens == 0
+    same_logprobs(got, expected)
+
+
+def test_long_prompts_keep_checkpoints_before_their_last_input_and_every_few_positions(tiny_path):
+    """Checkpoints fall before a prompt's last input (the same prompt again resumes there: one input
+    is always left to compute) and every ``every`` positions of a prompt computed in chunks (a prompt
+    that shares 18 of its 20 tokens resumes at 16); a slot keeps at most ``checkpoints`` of them.
+    Each output (tokens and logprobs) is a fresh run's."""
+    prompt = [1 + (7 * i) % 190 for i in range(20)]
+    other = prompt[:18] + [3, 4, 5]
+    model = models.load(tiny_path, BackendParams(n_threads=2))
+    try:
+        with Runner(model, parallel=1, num_ctx=64, batch_size=4, cache_type="f32") as runner:
+            runner.plugins[0].every, runner.plugins[0].split_after = 8, 16
+            bias = no_end_tokens(runner)
+            first, _ = run_logprobs(runner, prompt, 12, bias)
+            saved = sorted(model.states.saved[0].values())
+            assert len(saved) == model.states.checkpoints == 4 and {8, 16, 19} <= set(saved)
+            again, again_last = run_logprobs(runner, prompt, 12, bias)
+            got, last = run_logprobs(runner, other, 6, bias)
+        with Runner(model, parallel=1, num_ctx=64, batch_size=4, cache_type="f32") as runner:
+            expected, _ = run_logprobs(runner, other, 6, bias)
+    finally:
+        model.close()
+    assert again_last.cached_tokens == 19 and last.cached_tokens == 16
+    same_logprobs(again, first)
+    same_logprobs(got, expected)
+
+
+def test_the_same_prompt_in_another_slot_forks_the_checkpoint_before_its_last_input(tiny_path):
+    """Many users: the same prompt again goes to the least recently used slot, forked from the first
+    one's checkpoint before the prompt's last input (not its end: one input is left to compute)."""
+    prompt = [1 + (7 * i) % 190 for i in range(40)]
+    model = models.load(tiny_path, BackendParams(n_threads=2))
+    try:
+        with Runner(model, parallel=2, num_ctx=64, batch_size=8, cache_type="f32", multi_user_cache=True) as runner:
+            bias = no_end_tokens(runner)
+            first, first_last = run_logprobs(runner, prompt, 8, bias)
+            again, again_last = run_logprobs(runner, prompt, 8, bias)
+    finally:
+        model.close()
+    assert (first_last.cached_tokens, again_last.cached_tokens) == (0, 39)
+    same_logprobs(again, first)
+
+
+def test_prompt_lookup_on_a_recurrent_model_rolls_rejected_drafts_back(tiny_path):
+    """Speculative decoding on a recurrent model: the state is checkpointed before each verification,
+    a rejection rolls it back and recomputes the accepted drafts. Drafts are accepted and rejected,
+    and the output (tokens and logprobs) is plain greedy decoding's."""
     prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
     with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
         bias = no_end_tokens(llm)
-        plain, _ = complete(llm, prompt, 16, bias)
-        chunks = list(llm.runner.completion(CompletionRequest(prompt, max_tokens=16, temperature=0.0, logit_bias=bias,
-                                                              prompt_lookup=3)))
-    assert [t for c in chunks for t in c.tokens] == plain
-    assert chunks[-1].draft_tokens == 0 and chunks[-1].finish_reason == "length"
+        plain, _ = run_logprobs(llm.runner, prompt, 24, bias, cache_prompt=False)
+        drafted, last = run_logprobs(llm.runner, prompt, 24, bias, cache_prompt=False, prompt_lookup=3)
+    same_logprobs(drafted, plain)
+    assert last.finish_reason == "length"
+    assert 0 < last.accepted_tokens < last.draft_tokens
 
 
 def test_compare_taps_every_layer_kind(converted):

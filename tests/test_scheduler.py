@@ -146,3 +146,16 @@ def test_wants_input_says_which_sequences_the_context_shift_must_serve():
     assert not scheduler.wants_input(seq(0, []), build_ahead=False)
     assert scheduler.wants_input(seq(0, [], outputs_in_flight=1), build_ahead=True)  # a placeholder comes
     assert not scheduler.wants_input(seq(0, [1], paused=True), build_ahead=False)
+
+
+def test_a_stop_ends_the_batch_there_once():
+    """``stops``: a plug-in asks for a batch boundary at a slot position (a recurrent state is
+    checkpointed there); the next batch goes on from it, and a stop reached at a batch's start costs nothing."""
+    s, t = seq(0, range(6), cached=2), seq(1, range(10, 14))
+    scheduler = Scheduler(batch_size=16, num_ctx=32)
+    scheduler.stops.update({0: 7, 1: 0})
+    steps = [scheduler.schedule([s, t], build_ahead=False) for _ in range(2)]
+    assert [st.tokens for st in steps] == [[0, 1, 2, 3, 4, 10, 11, 12, 13], [5]]
+    assert steps[0].positions[:5] == [2, 3, 4, 5, 6] and steps[1].positions == [7]
+    assert [s_ for _, s_ in steps[0].rows] == [t] and [s_ for _, s_ in steps[1].rows] == [s]  # no row before the stop
+    assert scheduler.stops == {}

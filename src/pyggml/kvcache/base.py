@@ -96,8 +96,8 @@ class Cache(abc.ABC):
 
     @property
     def rewinds(self) -> bool:
-        """Whether ``remove`` can drop a sequence's tail (what speculative decoding's rollback needs);
-        a recurrent state cannot."""
+        """Whether ``remove`` can drop any tail of a sequence; a recurrent state can only go back to the
+        positions ``resumable`` names (its checkpoints)."""
         return True
 
     @abc.abstractmethod
@@ -107,6 +107,16 @@ class Cache(abc.ABC):
     @abc.abstractmethod
     def can_resume(self, seq: int, pos: int) -> bool:
         """Whether ``seq`` can continue from ``pos`` with what is stored."""
+
+    def resumable(self, seq: int, pos: int) -> int:
+        """The longest position up to ``pos`` that ``seq`` can continue from (0: start over); a
+        recurrent state answers its checkpoints' positions (kvcache.Recurrent)."""
+        return pos if self.can_resume(seq, pos) else 0
+
+    def checkpoint(self, seq: int, pos: int) -> None:
+        """``seq``'s stored history is computed up to ``pos``: keep what resuming there later needs. Only a
+        cache that cannot drop a tail (``rewinds`` False) keeps anything; the others can rewind anyway."""
+        return  # nothing to keep: any tail can be removed
 
     def remove(self, seq: int, begin: int, end: int | None = None) -> None:
         """Forget positions [begin, end) of ``seq`` (``None``: to the end); later positions shift

@@ -8,11 +8,24 @@ delta-rule matrix), in persistent F32 tensors sized at ``init``: ``num_ctx`` doe
 
 The layer's graph reads and writes them through index inputs only (rows of the stored states and of
 the batch), so a graph's topology depends on the batch's shape alone and is refilled for the next
-batch of that shape. A state is valid at exactly one position, the one after the last token it
-consumed: a sequence resumes there only (``can_resume``), a batch may start a sequence over at
-position 0 (the state is cleared), ``copy_prefix`` copies a state whose position is the prefix's
-length, and ``remove`` can drop a whole sequence (or nothing, at its end) but no tail, raising
-``NotSupportedError`` so that the runner re-evaluates instead of trusting a wrong state.
+batch of that shape; it reads and writes only the states of the batch's sequences. A state is valid
+at exactly one position, the one after the last token it consumed: a sequence resumes there
+(``can_resume``), or at position 0 (the state is cleared).
+
+**Checkpoints** give a state earlier positions to go back to: ``checkpoint(seq, pos)`` copies the
+slot's states (at ``pos``) into one of its ``checkpoints`` spare units (bounded memory: when all are
+taken, the one closest after another is dropped, so they stay spread over the history). Then
+``resumable``/``can_resume`` also answer a checkpoint's position, ``remove(seq, pos)`` rolls the
+sequence back to a checkpoint at ``pos`` (its next pass reads the checkpoint's states instead of its
+own: no copy), and ``copy_prefix`` forks from the longest checkpoint within the prefix. Any other
+removal but the whole sequence raises ``NotSupportedError``, so that the runner re-evaluates instead
+of trusting a wrong state. The runner checkpoints where prompts end, before their last input and every
+few hundred positions (prefix reuse: runner/checkpoints.py) and before verifying drafts (speculative
+rollback: runner/speculative.py).
+
+Storage per layer: units of states, ``max_sequences`` slots, then one that stays zero (a fresh
+sequence reads it), then ``checkpoints`` per slot (``checkpoints + 1`` times the memory of the
+slots' states alone).
 """
 
 from __future__ import annotations
@@ -36,12 +49,15 @@ _instances = itertools.count()  # each cache names its graph inputs apart, so ca
 
 class _Pass:
     """One forward pass: each batch row's sequence and index among its sequence's rows, the
-    sequences in order of first appearance, and which of them start over (position 0)."""
+    sequences in order of first appearance, which of them start over (position 0), and the unit
+    each reads its states from."""
 
-    __slots__ = ("sequences", "order", "seqs", "fresh", "reserve", "inputs")
+    __slots__ = ("sequences", "order", "seqs", "fresh", "reserve", "reads", "inputs")
 
-    def __init__(self, sequences: np.ndarray, order: np.ndarray, seqs: list[int], fresh: set[int], reserve: bool):
+    def __init__(self, sequences: np.ndarray, order: np.ndarray, seqs: list[int], fresh: set[int], reserve: bool,
+                 reads: dict[int, int]):
         self.sequences, self.order, self.seqs, self.fresh, self.reserve = sequences, order, seqs, fresh, reserve
+        self.reads = reads  # per sequence: the unit whose states it continues (its slot, zero, a checkpoint)
         self.inputs: dict[str, Tensor] = {}  # index inputs made so far in this graph, by name
 
 
@@ -54,12 +70,18 @@ class Recurrent(Cache):
     beside a ``Causal`` in a ``Wrapper`` and gives each layer the one of its kind.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, checkpoints: int = 4) -> None:
+        if not isinstance(checkpoints, int) or checkpoints < 0:
+            raise ValueError(f"Recurrent: checkpoints must be an int >= 0 (per slot), got {checkpoints!r}")
+        self.checkpoints = checkpoints
         self.backend: Backend | None = None
         self.max_sequences = 0
+        self.units = 0  # state units per layer: slots, the zero unit, checkpoints
         self.positions: np.ndarray | None = None  # per slot: the position its states are at (0: empty)
-        self.conv_states: dict[int, Tensor] = {}  # layer -> (dim, (width - 1) * (max_sequences + 1))
-        self.scan_states: dict[int, Tensor] = {}  # layer -> (size, max_sequences + 1)
+        self.sources: np.ndarray | None = None  # per slot: the unit its next pass reads (itself, or a checkpoint)
+        self.saved: list[dict[int, int]] = []  # per slot: checkpoint unit -> the position it holds
+        self.conv_states: dict[int, Tensor] = {}  # layer -> (dim, (width - 1) * units)
+        self.scan_states: dict[int, Tensor] = {}  # layer -> (size, units)
         self._layer = 0
         self._pass: _Pass | None = None
         n = next(_instances)
@@ -73,7 +95,10 @@ class Recurrent(Cache):
         if max_sequences < 1:
             raise ValueError("Recurrent.init: max_sequences must be positive")
         self.backend, self.max_sequences = backend, max_sequences
+        self.units = max_sequences * (1 + self.checkpoints) + 1
         self.positions = np.zeros(max_sequences, np.int64)
+        self.sources = np.arange(max_sequences)
+        self.saved = [{} for _ in range(max_sequences)]
         self.conv_states, self.scan_states = {}, {}  # allocated at a layer's first use; the last slot stays 0
         self._pass = None
 
@@ -121,17 +146,19 @@ class Recurrent(Cache):
             if pos[0] == 0:
                 fresh.add(seq)
             ends[seq] = int(pos[-1]) + 1
-        self._pass = _Pass(sequences, order, seqs, fresh, reserve)
+        self._pass = _Pass(sequences, order, seqs, fresh, reserve,
+                           {seq: self.max_sequences if seq in fresh else int(self.sources[seq]) for seq in seqs})
         for seq, end in ends.items():
             self.positions[seq] = end
+            self.sources[seq] = seq  # a restored checkpoint is read by this pass only
 
     def refill(self, ctx: Context, batch: Batch) -> bool:
         """Graph reuse: place ``batch`` and rewrite the index inputs this cache made in ``ctx``.
         False (nothing placed) when the graph read per-sequence states of another number of sequences."""
         names = [f"{self._prefix}.{kind}" for kind in ("state", "slots")]
         for store in self.conv_states.values():
-            width = store.shape[1] // (self.max_sequences + 1) + 1
-            names += [f"{self._prefix}.taps{width}", f"{self._prefix}.keep{width}"]
+            width = store.shape[1] // self.units + 1
+            names += [f"{self._prefix}.{kind}{width}" for kind in ("past", "taps", "keep", "dst")]
         names = [name for name in names if ctx.input_shape(name) is not None]
         previous = self.snapshot()
         self.start_forward(ctx, batch)
@@ -157,9 +184,10 @@ class Recurrent(Cache):
             raise ValueError(f"Recurrent.conv: x {x.shape} must be (dim, n_tokens) = ({dim}, {p.sequences.size}) "
                              f"for kernel {kernel.shape} (width >= 2, dim)")
         store = self._conv_store(dim, width)
-        rows = store.shape[1]
-        # one table of rows: every slot's state (and the zero slot), then the batch's inputs
-        table = store.view(0, (dim, rows), ctx=ctx).concat(x if x.dtype == DType.F32 else x.cast(DType.F32), 1)
+        # one table of rows: the stored inputs each sequence continues (as many blocks as a batch of n can
+        # have sequences, padded with the zero unit: the shape depends on n only), then the batch's inputs
+        past = store.rows(self._input(ctx, f"{self._prefix}.past{width}", p), ctx=ctx)
+        table = past.concat(x if x.dtype == DType.F32 else x.cast(DType.F32), 1)
         taps = table.rows(self._input(ctx, f"{self._prefix}.taps{width}", p))  # (dim, width * n), tap-major
         weights = kernel.reshape(width, dim, ctx=ctx).transpose()  # (dim, width): tap j's weights are row j
         weights = weights.contiguous() if kernel.dtype == DType.F32 else weights.cast(DType.F32)
@@ -168,8 +196,8 @@ class Recurrent(Cache):
             term = taps.view(j * n * taps.strides[1], (dim, n), ctx=ctx) * \
                 weights.view(j * weights.strides[1], (dim, 1), ctx=ctx)
             out = term if out is None else out + term
-        state = table.rows(self._input(ctx, f"{self._prefix}.keep{width}", p))  # every slot's new state
-        ctx.forward(state.copy(store.view(0, (dim, rows - width + 1), ctx=ctx)))
+        state = table.rows(self._input(ctx, f"{self._prefix}.keep{width}", p))  # each sequence's new state
+        ctx.forward(store.set_rows(state, self._input(ctx, f"{self._prefix}.dst{width}", p), ctx=ctx))
         return out
 
     def get_state(self, ctx: Context, size: int) -> Tensor:
@@ -212,25 +240,32 @@ class Recurrent(Cache):
     def _index(self, name: str, p: _Pass) -> np.ndarray:
         """The index array an input named ``name`` holds for pass ``p``."""
         kind = name[len(self._prefix) + 1:]
-        zero = self.max_sequences  # the slot that is never written
-        slot = {seq: zero if seq in p.fresh else seq for seq in p.seqs}
+        slot = p.reads
         if kind == "state":
             return np.array([slot[s] for s in p.seqs], np.int32)
         if kind == "slots":
             return np.array(p.seqs, np.int32)
-        keep = kind.startswith("keep")
-        width = int(kind[4:])
-        d, n, m = width - 1, p.sequences.size, self.max_sequences
-        # each sequence's history as rows of the table: its state's rows, then its batch rows
-        history = {seq: [slot[seq] * d + k for k in range(d)] for seq in p.seqs}
+        width = int(kind[len(kind.rstrip("0123456789")):])
+        kind = kind.rstrip("0123456789")
+        d, n = width - 1, p.sequences.size
+        blocks = min(n, self.max_sequences)  # the table's state blocks: the batch's sequences, then zero units
+        pad = blocks - len(p.seqs)
+        units = [slot[s] for s in p.seqs] + [self.max_sequences] * pad
+        block_rows = np.arange(blocks * d).reshape(blocks, d)
+        if kind == "past":
+            return (np.array(units)[:, None] * d + np.arange(d)).reshape(-1).astype(np.int32)
+        if kind == "dst":  # each sequence's slot (reserving: the units read, rewritten unchanged); padding: zero
+            targets = units if p.reserve else list(p.seqs) + [self.max_sequences] * pad
+            return (np.array(targets)[:, None] * d + np.arange(d)).reshape(-1).astype(np.int32)
+        # each sequence's history as rows of the table: its block, then its batch rows
+        history = {seq: block_rows[i].tolist() for i, seq in enumerate(p.seqs)}
         for row in range(n):
-            history[int(p.sequences[row])].append((m + 1) * d + row)
-        if keep:  # every slot's new state: the last d rows of its history, or itself when not in the batch
-            out = np.arange(m * d).reshape(m, d)
+            history[int(p.sequences[row])].append(blocks * d + row)
+        if kind == "keep":  # the last d rows of each history (reserving: the blocks themselves); padding: zero
             if not p.reserve:
-                for seq, rows in history.items():
-                    out[seq] = rows[-d:]
-            return out.reshape(-1).astype(np.int32)
+                for i, seq in enumerate(p.seqs):
+                    block_rows[i] = history[seq][-d:]
+            return block_rows.reshape(-1).astype(np.int32)
         taps = np.empty((width, n), np.int32)
         for row in range(n):
             rows = history[int(p.sequences[row])]
@@ -244,9 +279,9 @@ class Recurrent(Cache):
         store = self.conv_states.get(layer)
         if store is None:
             store = self.conv_states[layer] = self.backend.alloc_persistent(
-                DType.F32, (dim, d * (self.max_sequences + 1)), layer=layer, name=f"conv_state_l{layer}")
-        elif store.shape != (dim, d * (self.max_sequences + 1)):
-            stored = store.shape[1] // (self.max_sequences + 1)
+                DType.F32, (dim, d * self.units), layer=layer, name=f"conv_state_l{layer}")
+        elif store.shape != (dim, d * self.units):
+            stored = store.shape[1] // self.units
             raise ValueError(f"Recurrent.conv: layer {layer} stores a convolution state of {stored} inputs of "
                              f"{store.shape[0]}, not {d} of {dim}")
         return store
@@ -256,74 +291,118 @@ class Recurrent(Cache):
         store = self.scan_states.get(layer)
         if store is None:
             store = self.scan_states[layer] = self.backend.alloc_persistent(
-                DType.F32, (size, self.max_sequences + 1), layer=layer, name=f"scan_state_l{layer}")
+                DType.F32, (size, self.units), layer=layer, name=f"scan_state_l{layer}")
         elif store.shape[0] != size:
             raise ValueError(f"Recurrent: layer {layer} stores scan states of {store.shape[0]} floats, not {size}")
         return store
 
     # ---- sequence management ----------------------------------------------------------------------
     def copy_prefix(self, src_seq: int, dst_seq: int, length: int) -> None:
-        """``dst_seq`` gets ``src_seq``'s states when ``length`` is their position; any other
-        length leaves ``dst_seq`` empty (a state holds no earlier position), so it resumes at 0 only."""
+        """``dst_seq`` gets ``src_seq``'s states at the longest position up to ``length`` that
+        ``src_seq`` can resume from (its own position, or a checkpoint's), else starts empty; its
+        checkpoints are dropped (they belonged to its old history). ``can_resume``/``resumable`` on
+        ``dst_seq`` then say where it continues."""
         self._check_seq("copy_prefix", src_seq, dst_seq)
         if src_seq == dst_seq:
             return
-        if length == 0 or length != self.positions[src_seq]:
-            self.positions[dst_seq] = 0
-            return
-        self._copy_slot(src_seq, dst_seq)
-        self.positions[dst_seq] = length
+        at = self.resumable(src_seq, length)
+        unit = int(self.sources[src_seq]) if at == self.positions[src_seq] else self._unit_at(src_seq, at)
+        self.saved[dst_seq].clear()
+        self.sources[dst_seq], self.positions[dst_seq] = dst_seq, 0
+        if at > 0 and unit is not None:
+            self._copy_unit(unit, dst_seq)
+            self.positions[dst_seq] = at
 
     @property
     def rewinds(self) -> bool:
-        return False  # no tail can leave a state (checkpoints to roll back to are not kept yet)
+        return False  # a tail leaves a state only back to a checkpoint (``resumable``), not anywhere
 
     def can_resume(self, seq: int, pos: int) -> bool:
         self._check_seq("can_resume", seq)
-        return pos == 0 or pos == self.positions[seq]
+        return pos == 0 or pos == self.positions[seq] or self._unit_at(seq, pos) is not None
+
+    def resumable(self, seq: int, pos: int) -> int:
+        """The longest position up to ``pos`` that ``seq`` can resume from: its state's, or a checkpoint's."""
+        self._check_seq("resumable", seq)
+        held = [int(self.positions[seq]), *self.saved[seq].values()]
+        return max((p for p in held if p <= pos), default=0)
+
+    def checkpoint(self, seq: int, pos: int) -> None:
+        """Keep a copy of ``seq``'s states, which the caller knows are at position ``pos`` (computed,
+        and no later pass of ``seq`` computed yet), so that ``seq`` can resume at ``pos`` again later.
+        With all of the slot's units taken, the older checkpoint closest after its predecessor is
+        dropped: they stay spread over the history (a prompt's end outlives a run of decode steps')."""
+        self._check_seq("checkpoint", seq)
+        if pos > self.positions[seq]:
+            raise ValueError(f"Recurrent.checkpoint: sequence {seq}'s state is at position "
+                             f"{int(self.positions[seq])}, not {pos}")
+        saved = self.saved[seq]
+        if self.checkpoints == 0 or pos <= 0 or pos in saved.values():
+            return
+        free = [u for u in self._units_of(seq) if u not in saved]
+        if not free:
+            entries = sorted([(p, u) for u, p in saved.items()] + [(pos, -1)])
+            gaps = np.diff([0] + [p for p, _ in entries])
+            candidates = [i for i, (_, u) in enumerate(entries) if u not in (-1, self.sources[seq])]
+            if not candidates:
+                return  # the only other one is about to be read
+            drop = entries[min(candidates, key=lambda i: gaps[i])][1]
+            del saved[drop]
+            free = [drop]
+        self._copy_unit(seq, free[0])
+        saved[free[0]] = pos
 
     def plan_remove(self, seq: int, begin: int, end: int | None = None) -> Callable[[], None]:
-        """Only removals a state can express: the whole sequence (from 0 to its end), or nothing (from
-        its end on). Anything else raises NotSupportedError, the cache unchanged."""
+        """Only removals a state can express: the whole sequence (from 0 to its end), nothing (from
+        its end on), or the tail after a checkpoint (back to the checkpoint at ``begin``). Anything
+        else raises NotSupportedError, the cache unchanged. Checkpoints past ``begin`` are dropped."""
         self._check_seq("remove", seq)
         at = int(self.positions[seq])
         if begin < 0 or (end is not None and end < begin):
             raise ValueError(f"Recurrent.remove: bad range ({begin}, {end})")
         if end is not None and end <= begin or begin >= at:
             return lambda: None  # nothing stored there
-        if begin == 0 and (end is None or end >= at):
-            def clear() -> None:
-                self.positions[seq] = 0
-            return clear
+        unit = self._unit_at(seq, begin)
+        if (begin == 0 or unit is not None) and (end is None or end >= at):
+            def roll_back() -> None:
+                self.positions[seq] = begin
+                self.sources[seq] = seq if begin == 0 else unit  # the next pass continues the checkpoint
+                self.saved[seq] = {u: p for u, p in self.saved[seq].items() if p <= begin}
+            return roll_back
         raise NotSupportedError(f"Recurrent.remove: sequence {seq}'s state is at position {at}; a recurrent state "
                                 f"cannot drop positions {begin}..{'end' if end is None else end} (only the whole "
-                                "sequence)")
+                                "sequence, or back to a checkpoint)")
 
     def snapshot(self) -> object:
         self._check_init("snapshot")
-        return self.positions.copy()
+        return self.positions.copy(), self.sources.copy(), [dict(s) for s in self.saved]
 
     def restore(self, snapshot: object) -> None:
-        self.positions = np.array(snapshot, np.int64)
+        positions, sources, saved = snapshot
+        self.positions, self.sources = positions.copy(), sources.copy()
+        self.saved = [dict(s) for s in saved]
         self._pass = None
 
-    def _copy_slot(self, src: int, dst: int) -> None:
-        """Copy slot ``src``'s convolution and scan states to slot ``dst`` in every layer."""
+    def _units_of(self, seq: int) -> range:
+        first = self.max_sequences + 1 + seq * self.checkpoints
+        return range(first, first + self.checkpoints)
+
+    def _unit_at(self, seq: int, pos: int) -> int | None:
+        """The checkpoint unit of ``seq`` holding position ``pos``, if any."""
+        return next((u for u, p in self.saved[seq].items() if p == pos), None)
+
+    def _copy_unit(self, src: int, dst: int) -> None:
+        """Copy unit ``src``'s convolution and scan states to unit ``dst`` in every layer."""
         if not self.conv_states and not self.scan_states:
             return
         with self.backend.new_context() as ctx:
-            outputs = []
-            for store in self.conv_states.values():
-                d = store.shape[1] // (self.max_sequences + 1)
-                rows = ctx.from_numpy(np.arange(src * d, src * d + d, dtype=np.int32), DType.I32)
-                outputs.append(store.set_rows(store.rows(rows, ctx=ctx),
-                                              ctx.from_numpy(np.arange(dst * d, dst * d + d, dtype=np.int32),
-                                                             DType.I32), ctx=ctx))
-            for store in self.scan_states.values():
-                outputs.append(store.set_rows(store.rows(ctx.from_numpy(np.array([src], np.int32), DType.I32), ctx=ctx),
-                                              ctx.from_numpy(np.array([dst], np.int32), DType.I32), ctx=ctx))
-            ctx.compute(*outputs)
+            def rows(unit: int, d: int) -> Tensor:
+                return ctx.from_numpy(np.arange(unit * d, unit * d + d, dtype=np.int32), DType.I32)
 
+            outputs = [store.set_rows(store.rows(rows(src, d), ctx=ctx), rows(dst, d), ctx=ctx)
+                       for store, d in [(s, s.shape[1] // self.units) for s in self.conv_states.values()]
+                       + [(s, 1) for s in self.scan_states.values()]]
+            ctx.compute(*outputs)
     def _started(self, op: str) -> _Pass:
         if self._pass is None:
             raise ValueError(f"Recurrent.{op}: call start_forward first")

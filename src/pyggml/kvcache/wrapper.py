@@ -113,6 +113,18 @@ class Wrapper(Cache):
     def can_resume(self, seq: int, pos: int) -> bool:
         return all(cache.can_resume(seq, pos) for cache in self.caches)
 
+    def resumable(self, seq: int, pos: int) -> int:
+        """The longest position up to ``pos`` that every cache can resume ``seq`` from."""
+        while True:
+            at = min(cache.resumable(seq, pos) for cache in self.caches)
+            if at == pos:
+                return pos
+            pos = at
+
+    def checkpoint(self, seq: int, pos: int) -> None:
+        for cache in self.caches:
+            cache.checkpoint(seq, pos)
+
     def plan_remove(self, seq: int, begin: int, end: int | None = None) -> Callable[[], None]:
         """Check the removal in every cache (raising changes nothing); returns the function that
         does it in all."""

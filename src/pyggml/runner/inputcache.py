@@ -99,7 +99,7 @@ class InputCache:
         num_past = min(num_past, len(prompt) - 1)  # leave one input to get logits from
         if self.cache is not None:
             if num_past > 0 and not self.cache.can_resume(slot.id, num_past):
-                num_past = 0
+                num_past = self.cache.resumable(slot.id, num_past)  # a recurrent state's checkpoint, or 0
             try:
                 self.cache.remove(slot.id, num_past)
             except NotSupportedError:  # some caches cannot drop a tail: start the slot over
@@ -145,7 +145,8 @@ class InputCache:
             log.debug("forking slot %d into %d: %d inputs", longest_slot.id, oldest.id, longest)
             oldest.inputs = list(longest_slot.inputs[:longest])
             if self.cache is not None:
-                self.cache.copy_prefix(longest_slot.id, oldest.id, longest)
+                # one input is left to compute (load_cache_slot): a recurrent state forks where it resumes
+                self.cache.copy_prefix(longest_slot.id, oldest.id, min(longest, len(prompt) - 1))
         return oldest, longest
 
     # ---- context shift ------------------------------------------------------------------------

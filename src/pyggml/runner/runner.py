@@ -44,6 +44,7 @@ import numpy as np
 
 from pyggml.input import Input
 from pyggml.models import Model, ModelError, Pooling
+from pyggml.runner.checkpoints import Checkpoints
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
 from pyggml.runner.engine import SAMPLE_HEAD_K, Engine, reads_in_place
 from pyggml.runner.images import Images
@@ -131,6 +132,8 @@ class Runner:
         # in hook order: masks are ready before drafts are verified; drafts queue before full slots shift
         self.plugins: list[StepPlugin] = [Constraints(), self.speculation, ContextShift(self),
                                           *([self.images] if self.images is not None else [])]
+        if model.generates and not model.cache.rewinds:  # a recurrent state: prefix reuse needs checkpoints
+            self.plugins.insert(0, Checkpoints(self))
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-compute") if self.build_ahead else None
         self._thread = None

@@ -12,7 +12,8 @@ last pending input), at every drafted position (speculation), and at every promp
 What needs a model happens around it, in the runner's step plug-ins: drafts are queued and full slots
 shifted before it packs, images encoded before their inputs are packed. With build-ahead, a sequence
 whose next token is still being sampled gets a placeholder input (token ``UNSET``) whose id is
-written into the batch's token array once sampled, just before the batch computes.
+written into the batch's token array once sampled, just before the batch computes. A plug-in may ask
+for a batch boundary at a slot position (``stops``: a recurrent state is checkpointed there).
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class Scheduler:
 
     def __init__(self, batch_size: int, num_ctx: int):
         self.batch_size, self.num_ctx = batch_size, num_ctx
+        self.stops: dict[int, int] = {}  # slot id -> a position a batch must end at (once), e.g. a checkpoint
 
     @staticmethod
     def feeds(seq: RunningSequence) -> bool:
@@ -153,6 +155,10 @@ class Scheduler:
             inp = seq.pending[0]
             if len(slot.inputs) >= self.num_ctx or not encoded(inp):
                 break
+            if self.stops.get(slot.id) == len(slot.inputs):
+                del self.stops[slot.id]
+                if taken:  # the batch ends at the stop; the next one goes on from it
+                    break
             if inp.same_batch:  # an image's inputs go in one batch: this one, the next one, or after a shift
                 if len(slot.inputs) + inp.same_batch >= self.num_ctx:
                     break

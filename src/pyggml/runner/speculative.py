@@ -8,7 +8,9 @@ token ``d`` with the target's probability ``p(d)`` and on rejection draws from `
 (renormalised), which leaves the output distribution exactly ``p`` (the drafts here are
 deterministic, so the usual ``min(1, p/q)`` rule with ``q(d) = 1`` is this). The first rejected
 position gives the correction token, a fully accepted draft a bonus token from the last row; the
-runner removes the rejected positions from the KV cache.
+runner removes the rejected positions from the KV cache. A recurrent state cannot drop a tail: before
+the verification batch its state is checkpointed (checkpoints.py), a rejection rolls it back there,
+and the decode input and accepted drafts are computed again (in front of the correction token).
 
 Drafts come from prompt lookup (``lookup_draft``: the continuation of the latest earlier
 occurrence of the last n tokens of prompt + output; no second model), or from a draft model (greedy
@@ -91,6 +93,12 @@ class Speculation(StepPlugin):
         if r.in_flight is not None and self.drafts_after(r.in_flight):
             r.complete_in_flight()  # the next batch's drafts follow the tokens it samples
         self._draft_all()
+        if not r.model.cache.rewinds:  # a recurrent state: keep where the drafts start, to roll back to
+            drafting = [s for s in r.active if s.drafts and not s.outputs_in_flight]
+            if drafting:
+                r.wait_in_flight()  # the copy computes on the cache
+            for seq in drafting:
+                r.model.cache.checkpoint(seq.slot.id, len(seq.slot.inputs))
 
     def after_logits(self, step: Step, logits: np.ndarray | None) -> None:
         for first, seq in step.spec:
@@ -101,10 +109,9 @@ class Speculation(StepPlugin):
             self.drafter.close()
 
     def speculates(self, seq: RunningSequence) -> bool:
-        """Whether ``seq`` drafts its next tokens (prompt lookup, or the runner's draft model); never
-        when the cache cannot roll rejected drafts back (a recurrent state): plain decoding then."""
+        """Whether ``seq`` drafts its next tokens (prompt lookup, or the runner's draft model)."""
         return not seq.done and not seq.cancelled and seq.scores is None and \
-            bool(seq.request.prompt_lookup or self.drafter is not None) and self.runner.model.cache.rewinds
+            bool(seq.request.prompt_lookup or self.drafter is not None)
 
     def drafts_after(self, step: Step) -> bool:
         """Whether a sequence sampled in ``step`` (in flight) drafts next. Its draft continues the
@@ -174,8 +181,11 @@ class Speculation(StepPlugin):
         accepted, reason, token = _accept_drafts(logits, first, seq, drafts)
         seq.accepted_tokens += accepted
         if accepted < len(drafts):  # the rejected positions leave the cache
-            self.runner.model.cache.remove(slot.id, base + accepted)
-            del slot.inputs[base + accepted:]
+            cache, keep = self.runner.model.cache, base + accepted
+            at = cache.resumable(slot.id, keep)  # a recurrent state: the checkpoint before the drafts
+            cache.remove(slot.id, at)
+            seq.pending.extend(slot.inputs[at:keep])  # computed again, before the token that follows
+            del slot.inputs[at:]
         if isinstance(reason, Exception):
             self.runner.release(seq, error=reason)
         elif reason:
