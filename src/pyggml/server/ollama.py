@@ -18,10 +18,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import pyggml
-from pyggml.chat import validate_messages
-from pyggml.image import image_bytes, split_chat_images
+from pyggml.image import image_bytes
 from pyggml.repl import parse_duration
 from pyggml.runner import CompletionChunk, CompletionRequest
+from pyggml.server.chat import chat_prompt
 from pyggml.server.models import served_for
 from pyggml.server.params import (
     APIError,
@@ -33,7 +33,6 @@ from pyggml.server.params import (
     runner_logprobs,
 )
 from pyggml.server.service import Job, ServedModel, stream_response
-from pyggml.tools import ToolOutput, check_tools, detect_format, normalize_messages
 
 NDJSON = "application/x-ndjson"
 _COMMON = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs", "grammar"}
@@ -125,22 +124,11 @@ async def chat(request: Request) -> Response:
         return JSONResponse({"model": served.name, "created_at": _now(),
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": await _load_or_unload(request, body)})
-    try:
-        messages, images = split_chat_images(raw_messages)
-        messages = normalize_messages(validate_messages(messages))
-        tools = check_tools(tools) or None
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    if served.system and not any(m["role"] == "system" for m in messages):  # the model's default system message
-        messages.insert(0, {"role": "system", "content": served.system})
-
-    def prepare() -> CompletionRequest:
-        text = served.render(messages, tools=tools)
-        if images:
-            return served.image_request(text, True, images, logprobs=runner_logprobs(logprobs), **options)
-        return served.request(served.prompt_ids(text, True), logprobs=runner_logprobs(logprobs), **options)
-
-    tool_output = ToolOutput(detect_format(served.template.source), served.tokenizer) if tools else None
+    prompt = chat_prompt(served, raw_messages, tools)
+    if served.system and not any(m["role"] == "system" for m in prompt.messages):  # the model's default system message
+        prompt.messages.insert(0, {"role": "system", "content": served.system})
+    prepare = prompt.prepare(options.pop("max_tokens", None), options, logprobs)
+    tool_output = prompt.tool_output()
 
     def piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
         calls = []

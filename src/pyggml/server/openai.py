@@ -21,9 +21,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import pyggml
-from pyggml.chat import validate_messages
-from pyggml.image import split_chat_images
 from pyggml.runner import CompletionChunk, CompletionRequest, TokenLogprob
+from pyggml.server.chat import chat_prompt
 from pyggml.server.models import served_for
 from pyggml.server.params import (
     OPENAI_COMMON,
@@ -39,14 +38,6 @@ from pyggml.server.params import (
     stream_usage,
 )
 from pyggml.server.service import ServedModel, stream_response
-from pyggml.tools import (
-    ToolOutput,
-    check_tools,
-    detect_format,
-    forced_grammar,
-    normalize_messages,
-    tool_choice_name,
-)
 
 COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "echo", "suffix", "best_of", "grammar"}
 CHAT_FIELDS = OPENAI_COMMON | {
@@ -185,22 +176,7 @@ async def chat_completions(request: Request) -> Response:
     served = await served_for(request, body.get("model"))
     f.unsupported("modalities", (["text"],), 'is not supported beyond ["text"]')
     f.unsupported("reasoning_effort", what="is not supported: the model does not reason")
-    tool_choice = body.get("tool_choice")
-    try:
-        forced, forced_name = tool_choice_name(tool_choice)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tool_choice") from None
-    try:
-        tools = check_tools(f.array("tools")) if tool_choice != "none" else None
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tools") from None
-    try:
-        raw = body.get("messages")
-        messages, images = split_chat_images(raw) if isinstance(raw, list) else (raw, [])
-        messages = normalize_messages(validate_messages(messages))
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    fmt = detect_format(served.template.source)
+    prompt = chat_prompt(served, body.get("messages"), f.array("tools"), body.get("tool_choice"))
     want = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", low=0, high=20)
     if top is not None and not want:
@@ -209,25 +185,12 @@ async def chat_completions(request: Request) -> Response:
     sampling = openai_sampling(f)
     sampling.update(openai_response_format(f))
     ignore_eos(f, served.tokenizer, sampling)
-    if forced:
-        if "format" in sampling or "grammar" in sampling:
-            raise APIError(400, "a forced tool call (tool_choice) cannot have a response_format or grammar too",
-                           param="tool_choice")
-        try:
-            sampling["grammar"] = forced_grammar(fmt, tools or [], forced_name).named("tools")
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="tool_choice") from None
+    sampling = prompt.sampling(sampling)
     max_tokens = openai_max_tokens(f, "max_completion_tokens", "max_tokens")
     stream = f.boolean("stream", False)
     usage = stream_usage(f)
-
-    def prepare() -> CompletionRequest:
-        text = served.render(messages, tools=tools or None)
-        if images:
-            return served.image_request(text, True, images, max_tokens, logprobs=runner_logprobs(top), **sampling)
-        return served.request(served.prompt_ids(text, True), max_tokens, logprobs=runner_logprobs(top), **sampling)
-
-    tool_output = ToolOutput(fmt, served.tokenizer) if tools else None
+    prepare = prompt.prepare(max_tokens, sampling, top)
+    tool_output = prompt.tool_output()
 
     def choice(chunk: CompletionChunk, text: str, lps: list[TokenLogprob], streaming: bool) -> dict[str, Any]:
         logprobs = None
