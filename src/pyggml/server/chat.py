@@ -36,6 +36,11 @@ class ChatPrompt:
     images: list[bytes]
     tools: list[dict[str, Any]] | None
     forced: Any = None
+    prefill: str = ""  # the start of the answer, which the model continues
+
+    def text(self) -> str:
+        """The prompt: the rendered messages, then the prefill."""
+        return self.served.render(self.messages, tools=self.tools) + self.prefill
 
     def sampling(self, options: dict[str, Any]) -> dict[str, Any]:
         """``options`` with the forced call's grammar (400 beside an output format or grammar of the request's)."""
@@ -52,7 +57,7 @@ class ChatPrompt:
         served, lp = self.served, runner_logprobs(logprobs)
 
         def prepare() -> CompletionRequest:
-            text = served.render(self.messages, tools=self.tools)
+            text = self.text()
             if self.images:
                 return served.image_request(text, True, self.images, max_tokens, logprobs=lp, **options)
             return served.request(served.prompt_ids(text, True), max_tokens, logprobs=lp, **options)
@@ -66,8 +71,10 @@ class ChatPrompt:
         return ToolOutput(detect_format(self.served.template.source), self.served.tokenizer)
 
 
-def chat_prompt(served: ServedModel, messages: Any, tools: Any = None, tool_choice: Any = None) -> ChatPrompt:
-    """``messages``, ``tools`` and ``tool_choice`` in OpenAI's chat shape, checked (400 naming the field)."""
+def chat_prompt(served: ServedModel, messages: Any, tools: Any = None, tool_choice: Any = None,
+                prefill: str = "") -> ChatPrompt:
+    """``messages``, ``tools`` and ``tool_choice`` in OpenAI's chat shape, checked (400 naming the field);
+    ``prefill``: the start of the answer."""
     try:
         forced, name = tool_choice_name(tool_choice)
     except ValueError as exc:
@@ -87,4 +94,4 @@ def chat_prompt(served: ServedModel, messages: Any, tools: Any = None, tool_choi
             grammar = forced_grammar(detect_format(served.template.source), tools, name).named("tools")
         except ValueError as exc:
             raise APIError(400, str(exc), param="tool_choice") from None
-    return ChatPrompt(served, messages, images, tools or None, grammar)
+    return ChatPrompt(served, messages, images, tools or None, grammar, prefill)

@@ -6,7 +6,6 @@ are ``{"error": "..."}`` (also as the last line of a stream that fails midway).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -160,10 +159,8 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
         return out
 
     if not stream:
-        chunks = await job.collect(request)
-        lps = [lp for c in chunks for lp in c.logprobs or ()]
-        last = dataclasses.replace(chunks[-1], tokens=[t for c in chunks for t in c.tokens])  # all of them
-        return JSONResponse(render(last, "".join(c.text for c in chunks), lps))
+        last = await job.result(request)
+        return JSONResponse(render(last, last.text, last.logprobs or []))
 
     async def lines() -> AsyncIterator[str]:
         try:

@@ -8,7 +8,6 @@ OpenAI sends it. Errors are ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import time
 import uuid
@@ -37,7 +36,7 @@ from pyggml.server.params import (
     runner_logprobs,
     stream_usage,
 )
-from pyggml.server.service import ServedModel, stream_response
+from pyggml.server.service import ServedModel, sse, stream_response
 
 COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "echo", "suffix", "best_of", "grammar"}
 CHAT_FIELDS = OPENAI_COMMON | {
@@ -46,10 +45,6 @@ CHAT_FIELDS = OPENAI_COMMON | {
 }
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 FINGERPRINT = f"pyggml-{pyggml.__version__}"
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
 
 
 def _usage(chunk: CompletionChunk) -> dict[str, Any]:
@@ -81,10 +76,8 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": kind,
             "created": int(time.time()), "model": served.name, "system_fingerprint": FINGERPRINT}
     if not stream:
-        chunks = await job.collect(request)
-        lps = [lp for c in chunks for lp in c.logprobs or ()]
-        last = dataclasses.replace(chunks[-1], tokens=[t for c in chunks for t in c.tokens])  # all of them
-        answer = choice(last, "".join(c.text for c in chunks), lps, False)
+        last = await job.result(request)
+        answer = choice(last, last.text, last.logprobs or [], False)
         return JSONResponse({**head, "choices": [answer], "usage": _usage(last)})
 
     if chat:
@@ -97,14 +90,14 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
     async def events() -> AsyncIterator[str]:
         try:
             if first is not None:
-                yield _sse({**head, "choices": [first], **extra})
+                yield sse({**head, "choices": [first], **extra})
             async for chunk in job.chunks():
                 if chunk.text or chunk.done or chunk.logprobs:
                     yield before + json.dumps(choice(chunk, chunk.text, chunk.logprobs or [], True)) + after
                 if chunk.done and usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(chunk)})
+                    yield sse({**head, "choices": [], "usage": _usage(chunk)})
         except APIError as exc:
-            yield _sse(_error_body(exc))
+            yield sse(_error_body(exc))
         yield "data: [DONE]\n\n"
 
     return stream_response(job, events(), "text/event-stream")

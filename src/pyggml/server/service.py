@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hashlib
+import json
 import os
 import threading
 import weakref
@@ -472,6 +474,14 @@ class Job:
             await work
         raise APIError(499, "client disconnected")
 
+    async def result(self, request: Any) -> CompletionChunk:
+        """The whole completion as one chunk: all its text, tokens and logprobs, and the last chunk's
+        finish reason and counts (``collect``'s cancellation on disconnect)."""
+        chunks = await self.collect(request)
+        logprobs = [lp for c in chunks for lp in c.logprobs or ()]
+        return dataclasses.replace(chunks[-1], text="".join(c.text for c in chunks),
+                                   tokens=[t for c in chunks for t in c.tokens], logprobs=logprobs or None)
+
     def close(self) -> None:
         """Cancel the completion (a no-op once it is done); its slot frees in the runner's loop."""
         self._closed = True
@@ -500,6 +510,11 @@ class _JobResponse(StreamingResponse):
 
 def stream_response(job: Job, content: AsyncIterator[str], media_type: str) -> StreamingResponse:
     return _JobResponse(job, content, media_type)
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event: ``data`` as JSON, under the ``event`` name where the API names its events."""
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data)}\n\n"
 
 
 def _as_api_error(exc: BaseException) -> APIError:
