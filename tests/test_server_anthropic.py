@@ -173,6 +173,23 @@ def test_count_tokens_equals_the_prompt_a_message_reads(server):
     assert counted.input_tokens == chat.usage.prompt_tokens
 
 
+def test_consecutive_turns_are_combined(server):
+    """As Anthropic does (many templates insist that roles alternate): two user turns read as one."""
+    claude, oai, name = clients(server)
+    message = claude.messages.create(model=name, max_tokens=6, extra_body=GREEDY, messages=[
+        {"role": "user", "content": "Hello."}, {"role": "user", "content": [{"type": "text", "text": "Again."}]}])
+    chat = oai.chat.completions.create(model=name, max_tokens=6, messages=[
+        {"role": "user", "content": "Hello.\nAgain."}], **GREEDY)
+    assert text_of(message) == chat.choices[0].message.content
+
+
+def test_count_tokens_refuses_images(server):
+    claude, _, name = clients(server)
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}}
+    with pytest.raises(anthropic.BadRequestError, match="cannot count images"):
+        claude.messages.count_tokens(model=name, messages=[{"role": "user", "content": [image]}])
+
+
 def test_prefill_is_continued(server):
     """A last assistant message is the start of the answer: the text equals a raw completion of the
     rendered conversation followed by the prefill."""

@@ -12,6 +12,7 @@ Errors are ``{"type": "error", "error": {"type", "message"}}``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -95,11 +96,17 @@ async def messages(request: Request) -> Response:
 
 
 async def count_tokens(request: Request) -> Response:
-    """The prompt's tokens (images not counted: they are measured only when the model reads them)."""
+    """The prompt's tokens, counted in a thread (the event loop never tokenizes); a 400 with images, whose
+    tokens are known only once the model reads them."""
     body = await read_json(request)
     f = Fields(body, "the request", COUNT_FIELDS)
     served = await served_for(request, body.get("model"))
-    return JSONResponse({"input_tokens": len(served.prompt_ids(_prompt(f, served).text(), True))})
+    prompt = _prompt(f, served)
+    if prompt.images:
+        raise APIError(400, "count_tokens cannot count images (their tokens are known only when the model "
+                       "reads them); count the text without them", param="messages")
+    ids = await asyncio.to_thread(lambda: served.prompt_ids(prompt.text(), True))
+    return JSONResponse({"input_tokens": len(ids)})
 
 
 def _event(kind: str, **fields: Any) -> str:
@@ -140,7 +147,7 @@ def _prompt(f: Fields, served: Any) -> ChatPrompt:
     raw = f.array("messages")
     if not raw:
         raise APIError(400, "messages must be a non-empty array", param="messages")
-    chat = _system(f.data.get("system")) + [m for i, message in enumerate(raw) for m in _message(message, i)]
+    chat = _system(f.data.get("system")) + _joined([m for i, message in enumerate(raw) for m in _message(message, i)])
     prefill = ""
     if raw[-1].get("role") == "assistant":
         last = chat.pop()
@@ -162,6 +169,25 @@ def _output_format(f: Fields) -> dict[str, Any]:
     if Fields(fmt, "output_config.format", {"type", "schema"}).string("type") != "json_schema":
         raise APIError(400, 'output_config.format.type must be "json_schema"', param="output_config")
     return json_output(fmt.get("schema"), "output_config.format.schema")
+
+
+def _joined(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consecutive user turns as one, and an assistant's text followed by another assistant turn, as
+    Anthropic combines them (many chat templates insist that roles alternate)."""
+    out: list[dict[str, Any]] = []
+    for message in chat:
+        last = out[-1] if out else {}
+        if last.get("role") == message["role"] == "user":
+            last["content"] = _parts(last["content"]) + _parts(message["content"])
+        elif last.get("role") == message["role"] == "assistant" and not last.get("tool_calls"):
+            out[-1] = {**message, "content": last["content"] + (message["content"] or "")}
+        else:
+            out.append(message)
+    return out
+
+
+def _parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
 def _system(system: Any) -> list[dict[str, Any]]:
