@@ -56,11 +56,12 @@ async def messages(request: Request) -> Response:
     job = served.start(prompt.prepare(max_tokens, sampling))
     await job.started()
     head = {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant", "model": served.name}
-    tool_output = prompt.tool_output()
+    output = prompt.output()
     if not f.boolean("stream", False):
         last = await job.result(request)
-        text, calls = tool_output.feed(last, last.text) if tool_output else (last.text, [])
-        content = ([{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
+        thinking, text, calls = output.feed(last, last.text)
+        content = ([_thinking_block(thinking)] if thinking else []) + \
+            ([{"type": "text", "text": text}] if text else []) + [_tool_use(c) for c in calls]
         return JSONResponse({**head, "content": content, **_stop(last, calls), "usage": _usage(last)})
 
     async def events() -> AsyncIterator[str]:
@@ -69,20 +70,26 @@ async def messages(request: Request) -> Response:
                  "usage": {"input_tokens": len(prompt_ids), "output_tokens": 0}}
         yield sse({"type": "message_start", "message": start}, "message_start")
         yield sse({"type": "ping"}, "ping")
-        blocks = 0  # content blocks opened
+        opened: list[str] = []  # the kinds of the content blocks opened, the last one still open
         try:
             async for chunk in job.chunks():
-                text, calls = tool_output.feed(chunk, chunk.text) if tool_output else (chunk.text, [])
-                if text:
-                    if not blocks:
-                        yield _event("content_block_start", index=0, content_block={"type": "text", "text": ""})
-                        blocks = 1
-                    yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
+                thinking, text, calls = output.feed(chunk, chunk.text)
+                for kind, piece in (("thinking", thinking), ("text", text)):
+                    if not piece:
+                        continue
+                    if not opened or opened[-1] != kind:  # a new block: close the one before
+                        if opened:
+                            yield _event("content_block_stop", index=len(opened) - 1)
+                        opened.append(kind)
+                        block = _thinking_block("") if kind == "thinking" else {"type": "text", "text": ""}
+                        yield _event("content_block_start", index=len(opened) - 1, content_block=block)
+                    yield _event("content_block_delta", index=len(opened) - 1,
+                                 delta={"type": f"{kind}_delta", kind: piece})
                 if not chunk.done:
                     continue
-                if blocks:
-                    yield _event("content_block_stop", index=0)
-                for index, call in enumerate(calls, start=blocks):
+                if opened:
+                    yield _event("content_block_stop", index=len(opened) - 1)
+                for index, call in enumerate(calls, start=len(opened)):
                     yield _event("content_block_start", index=index, content_block={**_tool_use(call), "input": {}})
                     yield _event("content_block_delta", index=index,
                                  delta={"type": "input_json_delta", "partial_json": json.dumps(call.arguments)})
@@ -113,6 +120,11 @@ def _event(kind: str, **fields: Any) -> str:
     return sse({"type": kind, **fields}, kind)
 
 
+def _thinking_block(thinking: str) -> dict[str, Any]:
+    """A model's reasoning (unsigned: the signature is Anthropic's own, for its models)."""
+    return {"type": "thinking", "thinking": thinking, "signature": ""}
+
+
 def _tool_use(call: ToolCall) -> dict[str, Any]:
     return {"type": "tool_use", "id": f"toolu_{call.id.removeprefix('call_')}", "name": call.name,
             "input": call.arguments}
@@ -137,10 +149,9 @@ def _usage(chunk: CompletionChunk) -> dict[str, Any]:
 # ---- the request in chat-template terms -------------------------------------------------------------
 def _prompt(f: Fields, served: Any) -> ChatPrompt:
     """The chat request of a Messages body; a last assistant message is its prefill."""
-    thinking = f.mapping("thinking")
-    if thinking is not None and thinking.get("type") not in ("disabled", "adaptive"):  # adaptive: the model decides
-        raise APIError(400, 'thinking is not supported: the model does not think (use {"type": "disabled"})',
-                       param="thinking")
+    thinking = Fields(f.mapping("thinking") or {}, "thinking", {"type", "budget_tokens", "display"}).string("type")
+    if thinking not in (None, "enabled", "disabled", "adaptive"):
+        raise APIError(400, 'thinking.type must be "enabled", "disabled" or "adaptive"', param="thinking")
     f.unsupported("container", what="is not supported by this server")
     f.unsupported("mcp_servers", what="(remote MCP servers) are not supported by this server")
     f.unsupported("context_management", what="is not supported by this server")
@@ -156,7 +167,8 @@ def _prompt(f: Fields, served: Any) -> ChatPrompt:
                            "message of tool_result blocks", param="messages")
         prefill = last["content"]
     tools = [_tool(t, i) for i, t in enumerate(f.array("tools") or [])]
-    return chat_prompt(served, chat, tools, _tool_choice(f.mapping("tool_choice")), prefill)
+    think = {"enabled": True, "disabled": False}.get(thinking)  # adaptive: as the template does by default
+    return chat_prompt(served, chat, tools, _tool_choice(f.mapping("tool_choice")), prefill, think)
 
 
 def _output_format(f: Fields) -> dict[str, Any]:

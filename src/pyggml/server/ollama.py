@@ -45,7 +45,18 @@ def _now() -> str:
 
 
 def _check_generation_fields(f: Fields) -> None:
-    f.unsupported("think", (False,), "is not supported: the model does not think")
+    f.unsupported("think", (False,), "is supported on /api/chat only")
+
+
+def _think(f: Fields) -> bool | None:
+    """Ollama's ``think``: true or false (the levels are gpt-oss's, whose channels are not read)."""
+    value = f.data.get("think")
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("low", "medium", "high"):
+        raise APIError(400, f"think {value!r}: levels are for gpt-oss, which this server does not read; "
+                       "give true or false", param="think")
+    raise APIError(400, f"think must be true or false, got {value!r:.40}", param="think")
 
 
 async def generate(request: Request) -> Response:
@@ -115,7 +126,7 @@ async def chat(request: Request) -> Response:
     body = await read_json(request)
     f = Fields(body, "the request", CHAT_FIELDS)
     served = await served_for(request, body.get("model"), body.get("keep_alive"))
-    _check_generation_fields(f)
+    think = _think(f)
     options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
     options.update(ollama_format(f))
     raw_messages, tools = f.array("messages"), f.array("tools")
@@ -123,17 +134,17 @@ async def chat(request: Request) -> Response:
         return JSONResponse({"model": served.name, "created_at": _now(),
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": await _load_or_unload(request, body)})
-    prompt = chat_prompt(served, raw_messages, tools)
+    prompt = chat_prompt(served, raw_messages, tools, think=think)
     if served.system and not any(m["role"] == "system" for m in prompt.messages):  # the model's default system message
         prompt.messages.insert(0, {"role": "system", "content": served.system})
     prepare = prompt.prepare(options.pop("max_tokens", None), options, logprobs)
-    tool_output = prompt.tool_output()
+    output = prompt.output()
 
     def piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
-        calls = []
-        if tool_output is not None:
-            text, calls = tool_output.feed(chunk, text)
+        thinking, text, calls = output.feed(chunk, text)
         message = {"role": "assistant", "content": text}
+        if thinking and think is not False:  # think: false drops what a model thinks anyway, as Ollama does
+            message["thinking"] = thinking
         if calls:
             message["tool_calls"] = [c.ollama() for c in calls]
         return {"model": served.name, "created_at": _now(), "message": message, "done": chunk.done}

@@ -21,7 +21,7 @@ from starlette.routing import Route
 
 import pyggml
 from pyggml.runner import CompletionChunk, CompletionRequest, TokenLogprob
-from pyggml.server.chat import chat_prompt
+from pyggml.server.chat import chat_prompt, effort_think
 from pyggml.server.models import served_for
 from pyggml.server.params import (
     OPENAI_COMMON,
@@ -168,8 +168,8 @@ async def chat_completions(request: Request) -> Response:
     f = Fields(body, "the request", CHAT_FIELDS)
     served = await served_for(request, body.get("model"))
     f.unsupported("modalities", (["text"],), 'is not supported beyond ["text"]')
-    f.unsupported("reasoning_effort", what="is not supported: the model does not reason")
-    prompt = chat_prompt(served, body.get("messages"), f.array("tools"), body.get("tool_choice"))
+    think = effort_think(served, f.string("reasoning_effort"), "reasoning_effort")
+    prompt = chat_prompt(served, body.get("messages"), f.array("tools"), body.get("tool_choice"), think=think)
     want = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", low=0, high=20)
     if top is not None and not want:
@@ -183,18 +183,18 @@ async def chat_completions(request: Request) -> Response:
     stream = f.boolean("stream", False)
     usage = stream_usage(f)
     prepare = prompt.prepare(max_tokens, sampling, top)
-    tool_output = prompt.tool_output()
+    output = prompt.output()
 
     def choice(chunk: CompletionChunk, text: str, lps: list[TokenLogprob], streaming: bool) -> dict[str, Any]:
         logprobs = None
         if top is not None:
             logprobs = {"content": [_chat_logprob(served, lp, top) for lp in lps]}
-        calls = []
-        if tool_output is not None:
-            text, calls = tool_output.feed(chunk, text)
+        thinking, text, calls = output.feed(chunk, text)
         message = {"content": text} if streaming else {"role": "assistant", "content": text}
         if streaming and chunk.done and not text:
             message = {}
+        if thinking:  # llama-server's and DeepSeek's field for the reasoning
+            message["reasoning_content"] = thinking
         if calls:
             if not streaming:
                 message["content"] = text or None

@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pyggml.runner import CompletionChunk
-from pyggml.server.chat import ChatPrompt, chat_prompt
+from pyggml.server.chat import ChatPrompt, chat_prompt, effort_think
 from pyggml.server.models import served_for
 from pyggml.server.params import (
     PYGGML_OPTIONS,
@@ -53,14 +53,14 @@ async def responses(request: Request) -> Response:
     f = Fields(body, "the request", RESPONSE_FIELDS)
     served = await served_for(request, body.get("model"))
     _check_fields(f)
-    prompt = _prompt(f, served)
+    reasoning = Fields(f.mapping("reasoning") or {}, "reasoning", {"effort", "summary", "generate_summary"})
+    prompt = _prompt(f, served, effort_think(served, reasoning.string("effort"), "reasoning.effort"))
     sampling = openai_sampling(f)
     sampling.update(_text_format(f))
     sampling = prompt.sampling(sampling)
     max_tokens = openai_max_tokens(f, "max_output_tokens")
     job = served.start(prompt.prepare(max_tokens, sampling))
     await job.started()
-    tool_output = prompt.tool_output()
     snapshot = {
         "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()), "status": "in_progress",
         "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
@@ -71,20 +71,21 @@ async def responses(request: Request) -> Response:
         "tools": body.get("tools") or [], "top_p": sampling.get("top_p"), "truncation": "disabled", "usage": None,
         "user": body.get("user"), "metadata": body.get("metadata") or {},
     }
-    message_id = f"msg_{uuid.uuid4().hex}"
+    ids = {"reasoning": f"rs_{uuid.uuid4().hex}", "message": f"msg_{uuid.uuid4().hex}"}
+    output = prompt.output()
 
-    def finished(chunk: CompletionChunk, text: str, calls: list[ToolCall]) -> dict[str, Any]:
+    def finished(chunk: CompletionChunk, thinking: str, text: str, calls: list[ToolCall]) -> dict[str, Any]:
         """The response once ``chunk`` ends it."""
         incomplete = chunk.finish_reason == "length" and not calls
-        output = [_message(message_id, text, incomplete)] if text or not calls else []
+        items = [_reasoning(ids["reasoning"], thinking)] if thinking else []
+        items += [_message(ids["message"], text, incomplete)] if text or not calls else []
         return {**snapshot, "status": "incomplete" if incomplete else "completed",
                 "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-                "output": output + [_function_call(c) for c in calls], "usage": _usage(chunk)}
+                "output": items + [_function_call(c) for c in calls], "usage": _usage(chunk)}
 
     if not f.boolean("stream", False):
         last = await job.result(request)
-        text, calls = tool_output.feed(last, last.text) if tool_output else (last.text, [])
-        return JSONResponse(finished(last, text, calls))
+        return JSONResponse(finished(last, *output.feed(last, last.text)))
 
     async def events() -> AsyncIterator[str]:
         numbers = iter(range(1 << 62))
@@ -92,38 +93,65 @@ async def responses(request: Request) -> Response:
         def event(kind: str, **fields: Any) -> str:
             return sse({"type": kind, "sequence_number": next(numbers), **fields}, kind)
 
-        yield event("response.created", response=snapshot)
-        yield event("response.in_progress", response=snapshot)
-        text_so_far, opened = "", False
-        where = {"item_id": message_id, "output_index": 0, "content_index": 0}
-
-        def open_message() -> list[str]:
-            return [event("response.output_item.added", output_index=0,
-                          item={**_message(message_id, "", False), "status": "in_progress", "content": []}),
+        def begin(kind: str, index: int) -> list[str]:
+            """The events that open the item of ``kind`` (reasoning or message) at ``index``."""
+            where = {"item_id": ids[kind], "output_index": index, "content_index": 0}
+            if kind == "reasoning":
+                return [event("response.output_item.added", output_index=index,
+                              item={**_reasoning(ids[kind], ""), "content": [], "status": "in_progress"})]
+            return [event("response.output_item.added", output_index=index,
+                          item={**_message(ids[kind], "", False), "status": "in_progress", "content": []}),
                     event("response.content_part.added", **where, part=_text_part(""))]
 
+        def delta(kind: str, index: int, piece: str) -> str:
+            where = {"item_id": ids[kind], "output_index": index, "content_index": 0}
+            if kind == "reasoning":
+                return event("response.reasoning_text.delta", **where, delta=piece)
+            return event("response.output_text.delta", **where, delta=piece, logprobs=[])
+
+        def end(item: dict[str, Any], index: int) -> list[str]:
+            """The events that close ``item`` (as the response holds it) at ``index``."""
+            where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+            text = item["content"][0]["text"]
+            if item["type"] == "reasoning":
+                done = [event("response.reasoning_text.done", **where, text=text)]
+            else:
+                done = [event("response.output_text.done", **where, text=text, logprobs=[]),
+                        event("response.content_part.done", **where, part=item["content"][0])]
+            return [*done, event("response.output_item.done", output_index=index, item=item)]
+
+        yield event("response.created", response=snapshot)
+        yield event("response.in_progress", response=snapshot)
+        opened: list[str] = []  # the kinds of the items opened, the last one still open
+        said = {"reasoning": "", "message": ""}
         try:
             async for chunk in job.chunks():
-                text, calls = tool_output.feed(chunk, chunk.text) if tool_output else (chunk.text, [])
-                if text:
-                    if not opened:
-                        for e in open_message():
+                thinking, text, calls = output.feed(chunk, chunk.text)
+                for kind, piece in (("reasoning", thinking), ("message", text)):
+                    if not piece:
+                        continue
+                    if not opened or opened[-1] != kind:
+                        for e in [*(end(_reasoning(ids["reasoning"], said["reasoning"]), 0) if opened else []),
+                                  *begin(kind, len(opened))]:
                             yield e
-                        opened = True
-                    text_so_far += text
-                    yield event("response.output_text.delta", **where, delta=text, logprobs=[])
+                        opened.append(kind)
+                    said[kind] += piece
+                    yield delta(kind, len(opened) - 1, piece)
                 if not chunk.done:
                     continue
-                answer = finished(chunk, text_so_far, calls)
-                if answer["output"] and answer["output"][0]["type"] == "message":
-                    if not opened:
-                        for e in open_message():
-                            yield e
-                    yield event("response.output_text.done", **where, text=text_so_far, logprobs=[])
-                    yield event("response.content_part.done", **where, part=_text_part(text_so_far))
-                    yield event("response.output_item.done", output_index=0, item=answer["output"][0])
-                first = 1 if answer["output"] and answer["output"][0]["type"] == "message" else 0
-                for index, item in enumerate(answer["output"][first:], start=first):
+                answer = finished(chunk, said["reasoning"], said["message"], calls)
+                items = answer["output"]
+                for index, item in enumerate(items):
+                    kind = item["type"]
+                    if kind in ("reasoning", "message"):
+                        if index >= len(opened):  # an item with no text streamed (an empty answer)
+                            for e in begin(kind, index):
+                                yield e
+                            opened.append(kind)
+                        if index == len(opened) - 1:  # the one still open
+                            for e in end(item, index):
+                                yield e
+                        continue
                     at = {"item_id": item["id"], "output_index": index}
                     yield event("response.output_item.added", output_index=index,
                                 item={**item, "arguments": "", "status": "in_progress"})
@@ -136,6 +164,12 @@ async def responses(request: Request) -> Response:
             yield event("error", code=exc.code, message=exc.message, param=exc.param)
 
     return stream_response(job, events(), "text/event-stream")
+
+
+def _reasoning(item_id: str, text: str) -> dict[str, Any]:
+    """A model's thinking (its own words, not a summary)."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": "completed",
+            "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def _text_part(text: str) -> dict[str, Any]:
@@ -168,8 +202,6 @@ def _check_fields(f: Fields) -> None:
                   "conversation as input items")
     f.unsupported("prompt", what="(stored prompt templates) is not supported by this server")
     f.unsupported("background", (False,), "is not supported: responses are answered in the request")
-    f.unsupported("reasoning", ({}, {"effort": None}, {"effort": None, "summary": None}),
-                  "is not supported: the model does not reason")
     f.unsupported("include", what="is not supported by this server (no reasoning, logprobs or tool outputs "
                   "to include)")
     f.unsupported("top_logprobs", (0,), "is not supported on /v1/responses; use /v1/chat/completions")
@@ -178,7 +210,7 @@ def _check_fields(f: Fields) -> None:
 
 
 # ---- the request in chat-template terms -------------------------------------------------------------
-def _prompt(f: Fields, served: Any) -> ChatPrompt:
+def _prompt(f: Fields, served: Any, think: bool | None) -> ChatPrompt:
     instructions = f.string("instructions")
     messages = [{"role": "system", "content": instructions}] if instructions else []
     value = f.data.get("input")
@@ -190,7 +222,7 @@ def _prompt(f: Fields, served: Any) -> ChatPrompt:
     else:
         raise APIError(400, "input must be a non-empty string or a non-empty array of input items", param="input")
     tools = [_tool(t, i) for i, t in enumerate(f.array("tools") or [])]
-    return chat_prompt(served, messages, tools, _tool_choice(f.data.get("tool_choice")))
+    return chat_prompt(served, messages, tools, _tool_choice(f.data.get("tool_choice")), think=think)
 
 
 def _item(messages: list[dict[str, Any]], item: Any, where: str) -> None:

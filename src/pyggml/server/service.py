@@ -42,6 +42,7 @@ from pyggml.chat import MIN_TEMPLATE_CHARS, ChatTemplate, encode_prompt
 from pyggml.image import ImageBusyError
 from pyggml.runner import CompletionChunk, CompletionRequest, Runner, RunnerClosedError
 from pyggml.server.params import APIError
+from pyggml.thinking import template_thinks
 
 RETRY_AFTER_SECONDS = 1
 DEFAULT_QUEUE = 512  # Ollama's OLLAMA_MAX_QUEUE
@@ -106,7 +107,8 @@ class ServedModel:
         if not self.runner.generates:
             return ["embedding"]
         tools = ["tools"] if "tools" in self.template.source else []
-        return ["completion", *tools, *(["vision"] if self.model.takes_images else [])]
+        thinking = ["thinking"] if template_thinks(self.template.source) else []
+        return ["completion", *tools, *(["vision"] if self.model.takes_images else []), *thinking]
 
     def close(self) -> None:
         """Close the runner, then the model (and its draft model) it was given."""
