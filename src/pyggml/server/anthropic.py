@@ -25,7 +25,15 @@ from starlette.routing import Route
 from pyggml.runner import CompletionChunk
 from pyggml.server.chat import ChatPrompt, chat_prompt
 from pyggml.server.models import served_for
-from pyggml.server.params import OPENAI_DEFAULTS, APIError, Fields, json_output, read_json, sampling_values
+from pyggml.server.params import (
+    OPENAI_DEFAULTS,
+    APIError,
+    Fields,
+    grammar_extension,
+    json_output,
+    read_json,
+    sampling_values,
+)
 from pyggml.server.service import sse, stream_response
 from pyggml.tools import ToolCall
 
@@ -33,7 +41,7 @@ _COMMON = {"model", "messages", "system", "tools", "tool_choice", "thinking", "o
            "service_tier", "speed", "inference_geo", "cache_control", "diagnostics", "container", "mcp_servers",
            "context_management"}
 # temperature, top_p and top_k: no longer in the client's own parameters (send them in extra_body)
-MESSAGES_FIELDS = _COMMON | {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k"}
+MESSAGES_FIELDS = _COMMON | {"max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k", "grammar"}
 COUNT_FIELDS = _COMMON
 BOUNDS = {"temperature": (0.0, 1.0), "top_p": (0.0, 1.0)}  # Anthropic's ranges
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -172,12 +180,14 @@ def _prompt(f: Fields, served: Any) -> ChatPrompt:
 
 
 def _output_format(f: Fields) -> dict[str, Any]:
-    """``output_config.format`` (structured outputs: ``{"type": "json_schema", "schema": ...}``) as a grammar;
-    ``output_config.effort`` is a hint this server has no use for."""
+    """``output_config.format`` (structured outputs: ``{"type": "json_schema", "schema": ...}``) as a grammar,
+    or pyggml's ``grammar``; ``output_config.effort`` is a hint this server has no use for."""
     config = Fields(f.mapping("output_config") or {}, "output_config", {"effort", "format"})
     fmt = config.mapping("format")
     if fmt is None:
-        return {}
+        return grammar_extension(f)
+    if f.has("grammar"):
+        raise APIError(400, "give output_config.format or grammar, not both", param="grammar")
     if Fields(fmt, "output_config.format", {"type", "schema"}).string("type") != "json_schema":
         raise APIError(400, 'output_config.format.type must be "json_schema"', param="output_config")
     return json_output(fmt.get("schema"), "output_config.format.schema")
