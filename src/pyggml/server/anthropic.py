@@ -5,7 +5,8 @@ A request's ``system``, ``messages`` (text, base64 images, ``tool_use`` and ``to
 completions do. A last assistant message is a prefill: the answer continues it. Streams are
 server-sent events named as Anthropic names them (message_start, content_block_start/delta/stop,
 message_delta, message_stop); tool calls are read from the output as it ends, so a ``tool_use`` block
-streams after the text, its input as one ``input_json_delta``. Usage: ``input_tokens`` are the prompt
+streams after the text, its input as one ``input_json_delta``; a thinking model's reasoning comes first,
+as a ``thinking`` block (``pyggml.thinking``). Usage: ``input_tokens`` are the prompt
 tokens computed, ``cache_read_input_tokens`` those reused from the cache (their sum is the prompt).
 Errors are ``{"type": "error", "error": {"type", "message"}}``.
 """

@@ -7,7 +7,8 @@ as ``response_format`` does. Nothing is stored: ``previous_response_id`` is refu
 conversation), and the answer says ``store: false``. Streams are server-sent events named by their
 ``type`` (response.created, response.output_item.added, response.output_text.delta, ...,
 response.completed or response.incomplete); tool calls are read from the output as it ends, so
-``function_call`` items stream after the message. Errors are OpenAI's ``{"error": {...}}``; one in a
+``function_call`` items stream after the message; a thinking model's reasoning is a ``reasoning`` item
+before it (``pyggml.thinking``). Errors are OpenAI's ``{"error": {...}}``; one in a
 stream is an ``error`` event.
 """
 
