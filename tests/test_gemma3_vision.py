@@ -287,6 +287,35 @@ def test_server_takes_images_through_both_apis_and_refuses_bad_ones(tiny):
         assert again["response"] == gen["response"]  # the slot was freed and works
 
 
+def test_anthropic_and_responses_images_read_like_chat_completions(tiny):
+    """Issue 29: an image block (Anthropic) and an input_image part (Responses) take the image path of
+    chat completions: the same prompt (image tokens included) and the same greedy text."""
+    import base64
+
+    from ._server import post, running_server
+
+    _, _, path, _ = tiny
+    b64 = base64.b64encode(png(9)).decode()
+    url = f"data:image/png;base64,{b64}"
+    with running_server(path, parallel=1, num_ctx=128) as server:
+        chat = post(server, "/v1/chat/completions", {"max_tokens": 3, "temperature": 0, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                         {"type": "image_url", "image_url": {"url": url}}]}]})
+        claude = post(server, "/v1/messages", {"max_tokens": 3, "temperature": 0, "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                      "data": b64}}]}]})
+        response = post(server, "/v1/responses", {"max_output_tokens": 3, "temperature": 0, "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "what is this?"},
+                                         {"type": "input_image", "image_url": url}]}]})
+    text = chat["choices"][0]["message"]["content"]
+    assert "".join(b["text"] for b in claude["content"] if b["type"] == "text") == text
+    assert response["output"][0]["content"][0]["text"] == text
+    prompt = chat["usage"]["prompt_tokens"]
+    assert prompt > TOKENS and response["usage"]["input_tokens"] == prompt
+    assert claude["usage"]["input_tokens"] + claude["usage"]["cache_read_input_tokens"] == prompt
+
+
 def test_the_server_decodes_each_image_once(tiny, monkeypatch):
     """An image is decoded once per request: the runner's completion decodes and preprocesses it (a bad one is
     still a 400 before any work, above); neither the server nor the encoder decodes it again."""

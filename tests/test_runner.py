@@ -216,6 +216,20 @@ def test_stop_string_split_across_tokens_is_held_back_and_cut(stories):
         assert text == whole[:whole.index("Lily")]
 
 
+def test_the_final_chunk_names_the_stop_string_that_ended_it(stories):
+    """``stop_sequence`` (Anthropic's stop_reason "stop_sequence" needs it): the stop that ended the
+    output, None for an end-of-generation token or the length limit."""
+    with Runner(stories, parallel=1, num_ctx=128, batch_size=32) as runner:
+        _, chunks = run(runner, "Once upon a time", max_tokens=40, stop=["zzz", "girl named", "girl"])
+        assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_sequence == "girl"
+        _, chunks = run(runner, "Once upon a time", max_tokens=40, stop=["zzz", " named"])
+        assert chunks[-1].stop_sequence == " named"
+        _, chunks = run(runner, "Once upon a time", max_tokens=4, stop=["zzz"])
+        assert chunks[-1].finish_reason == "length" and chunks[-1].stop_sequence is None
+        _, chunks = run(runner, "Once upon a time", max_tokens=4, logit_bias={stories.tokenizer.eos: 1000.0})
+        assert chunks[-1].finish_reason == "stop" and chunks[-1].stop_sequence is None
+
+
 def test_end_of_generation_token_stops(model_path):
     model = load(model_path)
     eos = model.tokenizer.eos

@@ -90,6 +90,7 @@ class CompletionChunk:
     logprobs: list[TokenLogprob] | None = None
     done: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    stop_sequence: str | None = None  # the stop string that ended the output ("stop"), if one did
     prompt_tokens: int = 0
     cached_tokens: int = 0
     generated_tokens: int = 0
@@ -296,6 +297,7 @@ class RunningSequence:
         self.finished = threading.Event()
         self._notify_due = False
         self._text = ""  # decoded text held back (it may begin a stop string)
+        self.stop_sequence: str | None = None  # the stop string that ended the output
         self._tokens: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self.t_queued = time.perf_counter()
@@ -348,14 +350,14 @@ class RunningSequence:
         cut = self.matcher.feed(piece, len(self._text))
         self._text += piece
         if cut is not None:
-            self._text = self._text[:cut]
+            self._cut_at_stop(cut)
             return "stop"
         if self.constraint is not None and self.constraint.stopped:  # the grammar is complete
             piece = self.decoder.flush()
             cut = self.matcher.feed(piece, len(self._text))
             self._text += piece
             if cut is not None:
-                self._text = self._text[:cut]
+                self._cut_at_stop(cut)
             return "stop"
         emit = len(self._text) - self.matcher.partial
         if emit:
@@ -373,12 +375,13 @@ class RunningSequence:
             cut = self.matcher.feed(piece, len(self._text))
             self._text += piece
             if cut is not None:
-                self._text, reason = self._text[:cut], "stop"
+                self._cut_at_stop(cut)
+                reason = "stop"
         now = time.perf_counter()
         start = self.t_start or now
         first = self.t_first or now
         chunk = self._chunk(self._text)
-        chunk.done, chunk.finish_reason = True, reason
+        chunk.done, chunk.finish_reason, chunk.stop_sequence = True, reason, self.stop_sequence
         chunk.prompt_tokens, chunk.cached_tokens = len(self.prompt), self.cached_tokens
         chunk.generated_tokens = self.generated
         chunk.draft_tokens, chunk.accepted_tokens = self.draft_tokens, self.accepted_tokens
@@ -408,6 +411,12 @@ class RunningSequence:
         if self.notify is not None and self.due is not None and not self._notify_due:
             self._notify_due = True
             self.due.append(self)
+
+    def _cut_at_stop(self, cut: int) -> None:
+        """Drop the held text from where a stop string begins (the matcher found one ending in it),
+        remembering which stop it was (the first to end: the shortest there)."""
+        self.stop_sequence = min((s for s in self.stops if self._text.startswith(s, cut)), key=len)
+        self._text = self._text[:cut]
 
     def _chunk(self, text: str) -> CompletionChunk:
         chunk = CompletionChunk(text=text, tokens=self._tokens,

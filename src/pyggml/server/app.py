@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from pyggml.repl import params_to_options
 from pyggml.runner.config import DEFAULT_CONTEXT, EngineConfig, close_engine, open_engine
-from pyggml.server import ollama, openai
+from pyggml.server import anthropic, ollama, openai, responses
 from pyggml.server.guard import Guard
 from pyggml.server.models import DEFAULT_KEEP_ALIVE, ModelManager, SingleModel, estimate_memory
 from pyggml.server.params import APIError
@@ -43,14 +43,16 @@ log = logging.getLogger(__name__)
 def create_app(served: ServedModel | ModelManager | SingleModel, *, bind_host: str = "127.0.0.1",
                allowed_hosts: Iterable[str] | None = None, origins: Iterable[str] = ()) -> Starlette:
     """The app serving ``served`` (one loaded model, or a ``ModelManager`` loading models by name):
-    Ollama's ``/api``, OpenAI's ``/v1``, ``/health`` and ``/``, behind the Host/Origin/Content-Type
-    checks of ``pyggml.server.guard`` (``bind_host`` is the address the server listens on: loopback
-    allows local Host names only)."""
+    Ollama's ``/api``, OpenAI's ``/v1`` (with Responses), Anthropic's ``/v1/messages``, ``/health`` and
+    ``/``, behind the Host/Origin/Content-Type checks of ``pyggml.server.guard`` (``bind_host`` is the
+    address the server listens on: loopback allows local Host names only)."""
     routes = [
         Route("/", _root, methods=["GET", "HEAD"]),
         Route("/health", _health, methods=["GET"]),
         *ollama.routes,
         *openai.routes,
+        *anthropic.routes,
+        *responses.routes,
     ]
     manager = SingleModel(served) if isinstance(served, ServedModel) else served
 
@@ -77,6 +79,8 @@ async def _health(request: Request) -> Response:
 
 
 def _error(request: Request, exc: APIError) -> Response:
+    if request.url.path.startswith("/v1/messages"):
+        return anthropic.error_response(exc)
     if request.url.path.startswith("/v1/"):
         return openai.error_response(exc)
     return JSONResponse({"error": exc.message}, status_code=exc.status, headers=exc.headers)

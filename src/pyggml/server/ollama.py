@@ -6,7 +6,6 @@ are ``{"error": "..."}`` (also as the last line of a stream that fails midway).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -18,10 +17,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import pyggml
-from pyggml.chat import validate_messages
-from pyggml.image import image_bytes, split_chat_images
+from pyggml.image import image_bytes
 from pyggml.repl import parse_duration
 from pyggml.runner import CompletionChunk, CompletionRequest
+from pyggml.server.chat import chat_prompt
 from pyggml.server.models import served_for
 from pyggml.server.params import (
     APIError,
@@ -33,7 +32,6 @@ from pyggml.server.params import (
     runner_logprobs,
 )
 from pyggml.server.service import Job, ServedModel, stream_response
-from pyggml.tools import ToolOutput, check_tools, detect_format, normalize_messages
 
 NDJSON = "application/x-ndjson"
 _COMMON = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs", "grammar"}
@@ -47,7 +45,18 @@ def _now() -> str:
 
 
 def _check_generation_fields(f: Fields) -> None:
-    f.unsupported("think", (False,), "is not supported: the model does not think")
+    f.unsupported("think", (False,), "is supported on /api/chat only")
+
+
+def _think(f: Fields) -> bool | None:
+    """Ollama's ``think``: true or false (the levels are gpt-oss's, whose channels are not read)."""
+    value = f.data.get("think")
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("low", "medium", "high"):
+        raise APIError(400, f"think {value!r}: levels are for gpt-oss, which this server does not read; "
+                       "give true or false", param="think")
+    raise APIError(400, f"think must be true or false, got {value!r:.40}", param="think")
 
 
 async def generate(request: Request) -> Response:
@@ -117,7 +126,7 @@ async def chat(request: Request) -> Response:
     body = await read_json(request)
     f = Fields(body, "the request", CHAT_FIELDS)
     served = await served_for(request, body.get("model"), body.get("keep_alive"))
-    _check_generation_fields(f)
+    think = _think(f)
     options, logprobs = ollama_options(body.get("options")), ollama_logprobs(f)
     options.update(ollama_format(f))
     raw_messages, tools = f.array("messages"), f.array("tools")
@@ -125,28 +134,17 @@ async def chat(request: Request) -> Response:
         return JSONResponse({"model": served.name, "created_at": _now(),
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": await _load_or_unload(request, body)})
-    try:
-        messages, images = split_chat_images(raw_messages)
-        messages = normalize_messages(validate_messages(messages))
-        tools = check_tools(tools) or None
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    if served.system and not any(m["role"] == "system" for m in messages):  # the model's default system message
-        messages.insert(0, {"role": "system", "content": served.system})
-
-    def prepare() -> CompletionRequest:
-        text = served.render(messages, tools=tools)
-        if images:
-            return served.image_request(text, True, images, logprobs=runner_logprobs(logprobs), **options)
-        return served.request(served.prompt_ids(text, True), logprobs=runner_logprobs(logprobs), **options)
-
-    tool_output = ToolOutput(detect_format(served.template.source), served.tokenizer) if tools else None
+    prompt = chat_prompt(served, raw_messages, tools, think=think)
+    if served.system and not any(m["role"] == "system" for m in prompt.messages):  # the model's default system message
+        prompt.messages.insert(0, {"role": "system", "content": served.system})
+    prepare = prompt.prepare(options.pop("max_tokens", None), options, logprobs)
+    output = prompt.output()
 
     def piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
-        calls = []
-        if tool_output is not None:
-            text, calls = tool_output.feed(chunk, text)
+        thinking, text, calls = output.feed(chunk, text)
         message = {"role": "assistant", "content": text}
+        if thinking and think is not False:  # think: false drops what a model thinks anyway, as Ollama does
+            message["thinking"] = thinking
         if calls:
             message["tool_calls"] = [c.ollama() for c in calls]
         return {"model": served.name, "created_at": _now(), "message": message, "done": chunk.done}
@@ -172,10 +170,8 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
         return out
 
     if not stream:
-        chunks = await job.collect(request)
-        lps = [lp for c in chunks for lp in c.logprobs or ()]
-        last = dataclasses.replace(chunks[-1], tokens=[t for c in chunks for t in c.tokens])  # all of them
-        return JSONResponse(render(last, "".join(c.text for c in chunks), lps))
+        last = await job.result(request)
+        return JSONResponse(render(last, last.text, last.logprobs or []))
 
     async def lines() -> AsyncIterator[str]:
         try:

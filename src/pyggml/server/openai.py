@@ -8,7 +8,6 @@ OpenAI sends it. Errors are ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import time
 import uuid
@@ -21,9 +20,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import pyggml
-from pyggml.chat import validate_messages
-from pyggml.image import split_chat_images
 from pyggml.runner import CompletionChunk, CompletionRequest, TokenLogprob
+from pyggml.server.chat import chat_prompt, effort_think
 from pyggml.server.models import served_for
 from pyggml.server.params import (
     OPENAI_COMMON,
@@ -38,15 +36,7 @@ from pyggml.server.params import (
     runner_logprobs,
     stream_usage,
 )
-from pyggml.server.service import ServedModel, stream_response
-from pyggml.tools import (
-    ToolOutput,
-    check_tools,
-    detect_format,
-    forced_grammar,
-    normalize_messages,
-    tool_choice_name,
-)
+from pyggml.server.service import ServedModel, sse, stream_response
 
 COMPLETION_FIELDS = OPENAI_COMMON | {"prompt", "echo", "suffix", "best_of", "grammar"}
 CHAT_FIELDS = OPENAI_COMMON | {
@@ -55,10 +45,6 @@ CHAT_FIELDS = OPENAI_COMMON | {
 }
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 FINGERPRINT = f"pyggml-{pyggml.__version__}"
-
-
-def _sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
 
 
 def _usage(chunk: CompletionChunk) -> dict[str, Any]:
@@ -90,10 +76,8 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
     head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": kind,
             "created": int(time.time()), "model": served.name, "system_fingerprint": FINGERPRINT}
     if not stream:
-        chunks = await job.collect(request)
-        lps = [lp for c in chunks for lp in c.logprobs or ()]
-        last = dataclasses.replace(chunks[-1], tokens=[t for c in chunks for t in c.tokens])  # all of them
-        answer = choice(last, "".join(c.text for c in chunks), lps, False)
+        last = await job.result(request)
+        answer = choice(last, last.text, last.logprobs or [], False)
         return JSONResponse({**head, "choices": [answer], "usage": _usage(last)})
 
     if chat:
@@ -106,14 +90,14 @@ async def _complete(request: Request, served: ServedModel, prepare: Callable[[],
     async def events() -> AsyncIterator[str]:
         try:
             if first is not None:
-                yield _sse({**head, "choices": [first], **extra})
+                yield sse({**head, "choices": [first], **extra})
             async for chunk in job.chunks():
                 if chunk.text or chunk.done or chunk.logprobs:
                     yield before + json.dumps(choice(chunk, chunk.text, chunk.logprobs or [], True)) + after
                 if chunk.done and usage:
-                    yield _sse({**head, "choices": [], "usage": _usage(chunk)})
+                    yield sse({**head, "choices": [], "usage": _usage(chunk)})
         except APIError as exc:
-            yield _sse(_error_body(exc))
+            yield sse(_error_body(exc))
         yield "data: [DONE]\n\n"
 
     return stream_response(job, events(), "text/event-stream")
@@ -184,23 +168,8 @@ async def chat_completions(request: Request) -> Response:
     f = Fields(body, "the request", CHAT_FIELDS)
     served = await served_for(request, body.get("model"))
     f.unsupported("modalities", (["text"],), 'is not supported beyond ["text"]')
-    f.unsupported("reasoning_effort", what="is not supported: the model does not reason")
-    tool_choice = body.get("tool_choice")
-    try:
-        forced, forced_name = tool_choice_name(tool_choice)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tool_choice") from None
-    try:
-        tools = check_tools(f.array("tools")) if tool_choice != "none" else None
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tools") from None
-    try:
-        raw = body.get("messages")
-        messages, images = split_chat_images(raw) if isinstance(raw, list) else (raw, [])
-        messages = normalize_messages(validate_messages(messages))
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from None
-    fmt = detect_format(served.template.source)
+    think = effort_think(served, f.string("reasoning_effort"), "reasoning_effort")
+    prompt = chat_prompt(served, body.get("messages"), f.array("tools"), body.get("tool_choice"), think=think)
     want = f.boolean("logprobs", False)
     top = f.integer("top_logprobs", low=0, high=20)
     if top is not None and not want:
@@ -209,36 +178,23 @@ async def chat_completions(request: Request) -> Response:
     sampling = openai_sampling(f)
     sampling.update(openai_response_format(f))
     ignore_eos(f, served.tokenizer, sampling)
-    if forced:
-        if "format" in sampling or "grammar" in sampling:
-            raise APIError(400, "a forced tool call (tool_choice) cannot have a response_format or grammar too",
-                           param="tool_choice")
-        try:
-            sampling["grammar"] = forced_grammar(fmt, tools or [], forced_name).named("tools")
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="tool_choice") from None
+    sampling = prompt.sampling(sampling)
     max_tokens = openai_max_tokens(f, "max_completion_tokens", "max_tokens")
     stream = f.boolean("stream", False)
     usage = stream_usage(f)
-
-    def prepare() -> CompletionRequest:
-        text = served.render(messages, tools=tools or None)
-        if images:
-            return served.image_request(text, True, images, max_tokens, logprobs=runner_logprobs(top), **sampling)
-        return served.request(served.prompt_ids(text, True), max_tokens, logprobs=runner_logprobs(top), **sampling)
-
-    tool_output = ToolOutput(fmt, served.tokenizer) if tools else None
+    prepare = prompt.prepare(max_tokens, sampling, top)
+    output = prompt.output()
 
     def choice(chunk: CompletionChunk, text: str, lps: list[TokenLogprob], streaming: bool) -> dict[str, Any]:
         logprobs = None
         if top is not None:
             logprobs = {"content": [_chat_logprob(served, lp, top) for lp in lps]}
-        calls = []
-        if tool_output is not None:
-            text, calls = tool_output.feed(chunk, text)
+        thinking, text, calls = output.feed(chunk, text)
         message = {"content": text} if streaming else {"role": "assistant", "content": text}
         if streaming and chunk.done and not text:
             message = {}
+        if thinking:  # llama-server's and DeepSeek's field for the reasoning
+            message["reasoning_content"] = thinking
         if calls:
             if not streaming:
                 message["content"] = text or None

@@ -362,8 +362,6 @@ def ollama_format(f: Fields) -> dict[str, Any]:
 def openai_response_format(f: Fields) -> dict[str, Any]:
     """OpenAI's ``response_format``: text, ``json_object`` (a JSON object) or ``json_schema``
     ({"json_schema": {"name", "schema", "strict"}}); or pyggml's ``grammar``."""
-    from pyggml.constrain import Grammar, grammar_for
-
     value = f.data.get("response_format")
     if value is None:
         return grammar_extension(f)
@@ -374,16 +372,22 @@ def openai_response_format(f: Fields) -> dict[str, Any]:
     if f.has("grammar"):
         raise APIError(400, "give response_format or grammar, not both", param="grammar")
     if kind == "json_object":
-        return _grammar(grammar_for(format="json"), "response_format")
+        return json_output(None, "response_format")
     if kind == "json_schema":
         spec = Fields(rf.data.get("json_schema"), "response_format.json_schema",
                       {"name", "description", "schema", "strict"})
-        schema = spec.data.get("schema")
-        if schema is None:
-            return _grammar(grammar_for(format="json"), "response_format")
-        if not isinstance(schema, (dict, bool)):
-            raise APIError(400, "response_format.json_schema.schema must be a JSON schema object",
-                           param="response_format")
-        return _grammar(Grammar.json(schema), "response_format.json_schema.schema")
+        return json_output(spec.data.get("schema"), "response_format.json_schema.schema")
     raise APIError(400, 'response_format.type must be "text", "json_object" or "json_schema"',
                    param="response_format")
+
+
+def json_output(schema: Any, field: str) -> dict[str, Any]:
+    """``{"grammar": ...}`` for output that is JSON: any object (``schema`` None) or a match of ``schema``,
+    the JSON schema given as ``field``."""
+    from pyggml.constrain import Grammar, grammar_for
+
+    if schema is None:
+        return _grammar(grammar_for(format="json"), field)
+    if not isinstance(schema, (dict, bool)):
+        raise APIError(400, f"{field} must be a JSON schema object", param=field.split(".")[0])
+    return _grammar(Grammar.json(schema), field)

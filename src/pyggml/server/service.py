@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import hashlib
+import json
 import os
 import threading
 import weakref
@@ -40,6 +42,7 @@ from pyggml.chat import MIN_TEMPLATE_CHARS, ChatTemplate, encode_prompt
 from pyggml.image import ImageBusyError
 from pyggml.runner import CompletionChunk, CompletionRequest, Runner, RunnerClosedError
 from pyggml.server.params import APIError
+from pyggml.thinking import template_thinks
 
 RETRY_AFTER_SECONDS = 1
 DEFAULT_QUEUE = 512  # Ollama's OLLAMA_MAX_QUEUE
@@ -104,7 +107,8 @@ class ServedModel:
         if not self.runner.generates:
             return ["embedding"]
         tools = ["tools"] if "tools" in self.template.source else []
-        return ["completion", *tools, *(["vision"] if self.model.takes_images else [])]
+        thinking = ["thinking"] if template_thinks(self.template.source) else []
+        return ["completion", *tools, *(["vision"] if self.model.takes_images else []), *thinking]
 
     def close(self) -> None:
         """Close the runner, then the model (and its draft model) it was given."""
@@ -472,6 +476,14 @@ class Job:
             await work
         raise APIError(499, "client disconnected")
 
+    async def result(self, request: Any) -> CompletionChunk:
+        """The whole completion as one chunk: all its text, tokens and logprobs, and the last chunk's
+        finish reason and counts (``collect``'s cancellation on disconnect)."""
+        chunks = await self.collect(request)
+        logprobs = [lp for c in chunks for lp in c.logprobs or ()]
+        return dataclasses.replace(chunks[-1], text="".join(c.text for c in chunks),
+                                   tokens=[t for c in chunks for t in c.tokens], logprobs=logprobs or None)
+
     def close(self) -> None:
         """Cancel the completion (a no-op once it is done); its slot frees in the runner's loop."""
         self._closed = True
@@ -500,6 +512,11 @@ class _JobResponse(StreamingResponse):
 
 def stream_response(job: Job, content: AsyncIterator[str], media_type: str) -> StreamingResponse:
     return _JobResponse(job, content, media_type)
+
+
+def sse(data: Any, event: str | None = None) -> str:
+    """One server-sent event: ``data`` as JSON, under the ``event`` name where the API names its events."""
+    return (f"event: {event}\n" if event else "") + f"data: {json.dumps(data)}\n\n"
 
 
 def _as_api_error(exc: BaseException) -> APIError:

@@ -1,0 +1,199 @@
+"""Thinking output (issue 29 item 4): ``ThinkingSplitter`` separates a ``<think>`` block from the
+answer however the output is cut into pieces; templates that think are recognised; and the server returns
+the reasoning on its own: Ollama's ``thinking`` (``think``) and OpenAI's ``reasoning_content``, with a
+grammar making a random-weight model write a block."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pyggml.thinking import ThinkingSplitter, prompt_opens_thinking, template_thinks
+
+# (output, whether the prompt opened the block, thinking, answer)
+CASES = [
+    ("<think>\nLet me see: 2 + 2.\n</think>\n\nIt is 4.", False, "Let me see: 2 + 2.", "It is 4."),
+    ("  <think>a</think>b", False, "a", "b"),
+    ("No thinking here.", False, "", "No thinking here."),
+    ("<thinking is a word", False, "", "<thinking is a word"),
+    ("<thi", False, "", "<thi"),  # only looked like a tag
+    ("Answer, then <think>late</think>", False, "", "Answer, then <think>late</think>"),  # only at the start
+    ("\nweighing it\n</think>\n\nYes.", True, "weighing it", "Yes."),  # DeepSeek-R1: the prompt opened it
+    ("<think>\n\n</think>\n\nEmpty thought.", False, "", "Empty thought."),
+    ("<think>cut off mid-thou", False, "cut off mid-thou", ""),
+    ("<think>a < b </thin and </think>c", False, "a < b </thin and", "c"),
+]
+
+
+def split(pieces: list[str], inside: bool) -> tuple[str, str]:
+    s, thinking, answer = ThinkingSplitter(inside), "", ""
+    for piece in pieces:
+        t, a = s.feed(piece)
+        thinking, answer = thinking + t, answer + a
+    t, a = s.flush()
+    return thinking + t, answer + a
+
+
+@pytest.mark.parametrize("output, inside, thinking, answer", CASES)
+def test_split_whole_and_in_every_two_and_one_char_pieces(output, inside, thinking, answer):
+    assert split([output], inside) == (thinking, answer)
+    for i in range(len(output) + 1):
+        assert split([output[:i], output[i:]], inside) == (thinking, answer), i
+    assert split(list(output), inside) == (thinking, answer)
+
+
+def test_templates_and_prompts():
+    assert template_thinks("{% if enable_thinking %}<think>\n\n</think>{% endif %}")
+    assert not template_thinks("{{ messages }}") and not template_thinks(None)
+    assert prompt_opens_thinking("<|Assistant|><think>\n")
+    assert not prompt_opens_thinking("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+
+
+# ---- through the server: a template that thinks, and a grammar that makes a random model write a block
+THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and "
+                     "not enable_thinking %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+GRAMMAR = 'start: "<think>" /[a-z]{2,8}/ " " /[a-z]{2,8}/ "</think>" /[a-z]{2,8}/\n'
+MESSAGES = [{"role": "user", "content": "Think first."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pytest.importorskip("llguidance")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    from pyggml.chat import ChatTemplate
+    from pyggml.synthetic import write_synthetic
+
+    from ._server import running_server
+
+    path = write_synthetic(tmp_path_factory.mktemp("thinking") / "tiny.gguf", "tiny", "f32")
+    with running_server(path, parallel=1, num_ctx=256) as (base, served):
+        plain = served.template
+        served.template = ChatTemplate(THINKING_TEMPLATE)
+        yield base, served, plain
+        served.template = plain
+
+
+def expected(server) -> tuple[str, str, dict]:
+    """(thinking, answer) the greedy constrained output holds, read from a plain completion of the same
+    prompt (no splitting there), and the request fields that make it."""
+    import httpx
+
+    base, served, _ = server
+    ids = served.prompt_ids(served.render(MESSAGES), True)
+    raw = httpx.post(f"{base}/v1/completions", json={"model": served.name, "prompt": ids, "max_tokens": 40,
+                                                      "temperature": 0, "grammar": GRAMMAR}, timeout=60).json()
+    text = raw["choices"][0]["text"]
+    assert text.startswith("<think>") and "</think>" in text, text
+    thinking, answer = text.removeprefix("<think>").split("</think>")
+    return thinking.strip(), answer.strip(), {"temperature": 0, "grammar": GRAMMAR}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_ollama_think(server, stream):
+    import httpx
+
+    base, served, _ = server
+    thinking, answer, fields = expected(server)
+    body = {"model": served.name, "messages": MESSAGES, "stream": stream, "grammar": GRAMMAR,
+            "options": {"temperature": 0, "num_predict": 40}}
+    for think in (True, None):
+        request = {**body, **({"think": think} if think is not None else {})}
+        response = httpx.post(f"{base}/api/chat", json=request, timeout=60)
+        parts = [json.loads(line) for line in response.text.splitlines()] if stream else [response.json()]
+        assert "".join(p["message"].get("thinking", "") for p in parts) == thinking
+        assert "".join(p["message"]["content"] for p in parts) == answer
+    show = httpx.post(f"{base}/api/show", json={"model": served.name}, timeout=60).json()
+    assert "thinking" in show["capabilities"]
+
+
+def test_ollama_think_false_renders_the_empty_block_and_drops_thinking(server):
+    import httpx
+
+    base, served, _ = server
+    body = {"model": served.name, "messages": MESSAGES, "stream": False, "grammar": GRAMMAR,
+            "options": {"temperature": 0, "num_predict": 40}}
+    on = httpx.post(f"{base}/api/chat", json={**body, "think": True}, timeout=60).json()
+    off = httpx.post(f"{base}/api/chat", json={**body, "think": False}, timeout=60).json()
+    assert off["prompt_eval_count"] > on["prompt_eval_count"]  # the template wrote <think></think> itself
+    assert "thinking" not in off["message"] and on["message"]["thinking"]
+    level = httpx.post(f"{base}/api/chat", json={**body, "think": "high"}, timeout=60)
+    assert level.status_code == 400 and "levels are for gpt-oss" in level.json()["error"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_reasoning_content(server, stream):
+    openai = pytest.importorskip("openai")
+    base, served, _ = server
+    thinking, answer, fields = expected(server)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+    kwargs = dict(model=served.name, messages=MESSAGES, max_tokens=40, temperature=0,
+                  extra_body={"grammar": GRAMMAR})
+    if stream:
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        got = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas), \
+            "".join(d.content or "" for d in deltas)
+    else:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        got = message.reasoning_content, message.content
+    assert got == (thinking, answer)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_thinking_blocks(server, stream):
+    anthropic = pytest.importorskip("anthropic")
+    base, served, _ = server
+    thinking, answer, _ = expected(server)
+    client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=60)
+    kwargs = dict(model=served.name, max_tokens=40, messages=MESSAGES, thinking={"type": "adaptive"},
+                  extra_body={"temperature": 0, "grammar": GRAMMAR})
+    if stream:
+        events = list(client.messages.create(**kwargs, stream=True))
+        starts = [e.content_block.type for e in events if e.type == "content_block_start"]
+        assert starts == ["thinking", "text"]
+        with client.messages.stream(**kwargs) as s:
+            message = s.get_final_message()
+    else:
+        message = client.messages.create(**kwargs)
+    assert [b.type for b in message.content] == ["thinking", "text"]
+    assert message.content[0].thinking == thinking and message.content[1].text == answer
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_reasoning_items(server, stream):
+    openai = pytest.importorskip("openai")
+    base, served, _ = server
+    thinking, answer, _ = expected(server)
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+    kwargs = dict(model=served.name, input=MESSAGES[0]["content"], max_output_tokens=40, temperature=0,
+                  extra_body={"grammar": GRAMMAR})
+    if stream:
+        events = list(client.responses.create(**kwargs, stream=True))
+        kinds = [e.type for e in events]
+        assert kinds.index("response.reasoning_text.done") < kinds.index("response.output_text.delta")
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thinking
+        response = events[-1].response
+    else:
+        response = client.responses.create(**kwargs)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == thinking and response.output_text == answer
+
+
+def test_a_model_that_does_not_think_refuses_to(server):
+    import httpx
+
+    base, served, plain = server
+    think = served.template
+    served.template = plain
+    try:
+        body = {"model": served.name, "messages": MESSAGES, "stream": False, "think": True}
+        response = httpx.post(f"{base}/api/chat", json=body, timeout=60)
+        assert response.status_code == 400 and "does not think" in response.json()["error"]
+        body = {"model": served.name, "messages": MESSAGES, "reasoning_effort": "high"}
+        response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 400 and "does not reason" in response.text
+    finally:
+        served.template = think
