@@ -288,6 +288,39 @@ def make_tiny_gemma(tmp_path: Path, *, arch: str = "gemma3", n_layers: int = 6, 
     return hf_dir, model
 
 
+def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_kv_heads: int = 2,
+                   sliding_window: int = 4, layer_types: list[str] | None = None, tie: bool = False,
+                   seed: int = 0) -> tuple[Path, Any]:
+    """Build and save a random OLMo 2 / OLMo 3 model (64 wide, 4 heads of 16) with a BPE tokenizer. Returns
+    ``(hf_dir, hf_model)`` (float32, eval mode, eager attention). OLMo 3: a ``sliding_window`` small enough
+    that prompts run past it, the default layer pattern (every 4th layer global) unless ``layer_types``.
+    Norm weights (the q/k norms included) are randomised around 1."""
+    import torch
+    import transformers
+
+    hf_dir = Path(tmp_path) / f"tiny-{arch}-l{n_layers}-kv{n_kv_heads}-w{sliding_window}-s{seed}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    common = dict(vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
+                  num_attention_heads=4, num_key_value_heads=n_kv_heads, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  initializer_range=0.05, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                  attn_implementation="eager")
+    if arch == "olmo2":
+        config = transformers.Olmo2Config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+        model_cls = transformers.Olmo2ForCausalLM
+    else:
+        config = transformers.Olmo3Config(sliding_window=sliding_window, layer_types=layer_types, **common)
+        model_cls = transformers.Olmo3ForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
 

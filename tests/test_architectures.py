@@ -67,6 +67,10 @@ TINY: dict[str, dict] = {
                 "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32, "rope.freq_base": 10000.0,
                 "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 32,
                 "vocab_size": 320},
+    "olmo2": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+              "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+              "rope.freq_base": 500000.0, "vocab_size": 320, "attention.sliding_window": 4,  # OLMo 3's layers
+              "attention.sliding_window_pattern": [True, True, True, False]},
     "phi3": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
              "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
              "rope.dimension_count": 8, "rope.freq_base": 10000.0, "vocab_size": 320,

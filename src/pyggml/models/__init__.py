@@ -184,6 +184,7 @@ def _import_builtin() -> None:
         lfm2moe,
         llama,
         nomic_bert,
+        olmo2,
         phi3,
         qwen2,
         qwen3,
