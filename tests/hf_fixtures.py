@@ -290,15 +290,17 @@ def make_tiny_gemma(tmp_path: Path, *, arch: str = "gemma3", n_layers: int = 6, 
 
 def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_kv_heads: int = 2,
                    sliding_window: int = 4, layer_types: list[str] | None = None, tie: bool = False,
-                   seed: int = 0) -> tuple[Path, Any]:
+                   yarn: dict[str, float] | None = None, seed: int = 0) -> tuple[Path, Any]:
     """Build and save a random OLMo 2 / OLMo 3 model (64 wide, 4 heads of 16) with a BPE tokenizer. Returns
     ``(hf_dir, hf_model)`` (float32, eval mode, eager attention). OLMo 3: a ``sliding_window`` small enough
-    that prompts run past it, the default layer pattern (every 4th layer global) unless ``layer_types``.
-    Norm weights (the q/k norms included) are randomised around 1."""
+    that prompts run past it, the default layer pattern (every 4th layer global) unless ``layer_types``;
+    ``yarn``: YaRN parameters of the global layers (the sliding ones rotate unscaled). Norm weights (the
+    q/k norms included) are randomised around 1."""
     import torch
     import transformers
 
-    hf_dir = Path(tmp_path) / f"tiny-{arch}-l{n_layers}-kv{n_kv_heads}-w{sliding_window}-s{seed}"
+    name = f"tiny-{arch}-l{n_layers}-kv{n_kv_heads}-w{sliding_window}-{'yarn-' if yarn else ''}s{seed}"
+    hf_dir = Path(tmp_path) / name
     hf_dir.mkdir(parents=True, exist_ok=True)
     n_tokens = make_bpe_tokenizer(hf_dir, seed)
     common = dict(vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
@@ -309,7 +311,12 @@ def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_
         config = transformers.Olmo2Config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
         model_cls = transformers.Olmo2ForCausalLM
     else:
-        config = transformers.Olmo3Config(sliding_window=sliding_window, layer_types=layer_types, **common)
+        rope = {kind: {"rope_type": "default", "rope_theta": 500000.0}
+                for kind in ("full_attention", "sliding_attention")}
+        if yarn:
+            rope["full_attention"] |= {"rope_type": "yarn", **yarn}
+        config = transformers.Olmo3Config(sliding_window=sliding_window, layer_types=layer_types,
+                                          rope_parameters=rope, **common)
         model_cls = transformers.Olmo3ForCausalLM
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()

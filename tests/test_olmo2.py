@@ -5,6 +5,7 @@ the converter's names and keys, and the configs GGUF olmo2 cannot express."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -27,14 +28,19 @@ CASES = {"olmo2-gqa": dict(arch="olmo2", n_layers=2),
          "olmo3-window-gqa": dict(arch="olmo3", sliding_window=WINDOW),  # sliding, sliding, sliding, global
          "olmo3-own-pattern-mha-tied": dict(arch="olmo3", sliding_window=WINDOW, n_kv_heads=4, tie=True, seed=1,
                                             layer_types=["full_attention", "sliding_attention", "full_attention",
-                                                         "sliding_attention"])}
-# max |ours - theirs| / max |theirs| over the logits; measured 7.5e-7 .. 8.3e-7 against transformers (F32 cache)
+                                                         "sliding_attention"]),
+         # YaRN on the global layers, with an attention factor other than Hugging Face's default 1 + 0.1 ln(4)
+         "olmo3-yarn": dict(arch="olmo3", sliding_window=WINDOW, seed=2,
+                            yarn={"factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.3})}
+# max |ours - theirs| / max |theirs| over the logits; measured 7.5e-7 .. 8.8e-7 against transformers (F32 cache);
+# YaRN's attention factor applied twice (ggml's rope applies 1 + 0.1 ln(factor) itself) gives 6e-2
 TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """``converted(case)``: (path of the converted F32 file, HF model, HF tokenizer), made once."""
+    """``converted(case)``: (path of the converted F32 file, HF model, HF tokenizer), made once;
+    ``converted.hf_dirs[case]``: the checkpoint's folder."""
     root, done = tmp_path_factory.mktemp("olmo"), {}
 
     def get(case: str):
@@ -42,8 +48,10 @@ def converted(tmp_path_factory):
             hf_dir, model = make_tiny_olmo(root, **CASES[case])
             path = convert_hf(hf_dir, root / f"{case}.gguf", "f32")
             done[case] = path, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
+            get.hf_dirs[case] = hf_dir
         return done[case]
 
+    get.hf_dirs = {}
     return get
 
 
@@ -104,6 +112,10 @@ def test_files_have_llama_cpps_names_and_keys(case, converted):
         assert meta["olmo2.attention.sliding_window"] == WINDOW
         assert meta["olmo2.attention.sliding_window_pattern"] == [t == "sliding_attention" for t in cfg.layer_types]
         assert meta["olmo2.rope.freq_base"] == 500000.0
+        if case == "olmo3-yarn":  # llama.cpp's key, as a multiple of what ggml's rope applies by itself
+            assert meta["olmo2.rope.scaling.attn_factor"] == pytest.approx(1.3 / (1 + 0.1 * math.log(4.0)))
+            assert meta["olmo2.rope.scaling.type"] == "yarn" and meta["olmo2.rope.scaling.factor"] == 4.0
+            assert meta["olmo2.rope.scaling.original_context_length"] == 16
     else:
         assert "olmo2.attention.sliding_window" not in meta
 
@@ -112,6 +124,9 @@ def test_files_have_llama_cpps_names_and_keys(case, converted):
     (dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e5},
                            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}), "own rope parameters"),
     (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0},
+                           "sliding_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}}),
+     "own rope parameters"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 5e5, "factor": 8.0},
                            "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}), "rope scaling type"),
     (dict(head_dim=32), "head_dim=32"),
     (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
@@ -120,7 +135,8 @@ def test_configs_gguf_olmo2_cannot_express_are_refused(change, message, converte
     import json
     import shutil
 
-    hf_dir = converted("olmo3-window-gqa")[0].parent / "tiny-olmo3-l4-kv2-w4-s0"
+    converted("olmo3-window-gqa")
+    hf_dir = converted.hf_dirs["olmo3-window-gqa"]
     bad = tmp_path / "bad"
     shutil.copytree(hf_dir, bad)
     config = json.loads((bad / "config.json").read_text()) | change

@@ -5,6 +5,7 @@ sliding-window layers are ``attention.sliding_window`` plus one bool per layer
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,7 +18,7 @@ from .tensors import Source
 @register("Olmo2ForCausalLM", "Olmo3ForCausalLM", model_types=("olmo2", "olmo3"))
 class Olmo2(Architecture):
     gguf_arch = "olmo2"
-    rope_types = ("default",)  # llama.cpp's olmo2 reads YaRN under keys of its own: not written here yet
+    rope_types = ("default", "yarn")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -38,7 +39,12 @@ class Olmo2(Architecture):
             self.sliding = [t == "sliding_attention" for t in types]
 
     def metadata(self, w: gguf.GGUFWriter) -> None:
+        # YaRN: ggml's rope scales by 1 + 0.1 ln(factor) itself (Hugging Face's default attention_factor), and
+        # llama.cpp multiplies that by rope.scaling.attn_factor (its yarn_attn_factor key is not read for YaRN)
+        scale = self.rope.pop("attention_factor", None) if self.rope["rope_type"] == "yarn" else None
         super().metadata(w)
+        if scale is not None and not math.isclose(scale, 1 + 0.1 * math.log(self.rope["factor"]), rel_tol=1e-6):
+            w.add_rope_scaling_attn_factors(scale / (1 + 0.1 * math.log(self.rope["factor"])))
         if self.window:
             w.add_sliding_window(int(self.window))
             w.add_sliding_window_pattern(self.sliding)

@@ -45,6 +45,9 @@ class Options:
             raise ModelError(f"{arch}: heads of {head_dim} x {n_heads} do not make the width {hidden}")
         window = config.uint("attention.sliding_window", 0, max=MAX_CONTEXT)
         rope = nn.Rope.from_config(config, head_dim, RopeType.NEOX)
+        # as llama.cpp: YaRN's magnitude (1 + 0.1 ln(factor), in ggml's rope) times rope.scaling.attn_factor
+        rope = dataclasses.replace(rope, attn_factor=rope.attn_factor * config.float(
+            "rope.scaling.attn_factor", 1.0, min=1e-6, max=1e6))
         return cls(
             hidden_size=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
             ffn_size=config.uint("feed_forward_length", min=1, max=MAX_WIDTH),
