@@ -128,6 +128,9 @@ def test_files_have_llama_cpps_names_and_keys(case, converted):
      "own rope parameters"),
     (dict(rope_parameters={"full_attention": {"rope_type": "linear", "rope_theta": 5e5, "factor": 8.0},
                            "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}), "rope scaling type"),
+    (dict(rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0,
+                                              "truncate": False},
+                           "sliding_attention": {"rope_type": "default", "rope_theta": 5e5}}), "truncate"),
     (dict(head_dim=32), "head_dim=32"),
     (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
 ])

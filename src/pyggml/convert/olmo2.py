@@ -1,7 +1,7 @@
 """OLMo 2 and OLMo 3 (GGUF ``olmo2``, as llama.cpp converts both): post-norms only, q/k RMSNorms over the
 whole projection, NeoX rope (q/k rows in HF order), an output matrix always written. OLMo 3's
 sliding-window layers are ``attention.sliding_window`` plus one bool per layer
-(``attention.sliding_window_pattern``, true: sliding)."""
+(``attention.sliding_window_pattern``, true: sliding); YaRN (global layers only) as llama.cpp reads it."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ class Olmo2(Architecture):
         for flag in ("attention_bias", "clip_qkv"):
             if self.config.get(flag):
                 raise ValueError(f"config.json sets {flag}; GGUF olmo2 has none")
+        if self.rope["rope_type"] == "yarn" and (self.rope.get("truncate") is False or {"mscale", "mscale_all_dim"} &
+                                                  set(self.rope)):
+            raise ValueError("config.json's YaRN sets truncate=false or mscale; llama.cpp's olmo2 runs neither")
         self.window = self.config.get("sliding_window") if self.config.get("model_type") == "olmo3" else None
         self.sliding: list[bool] = []
         if self.window:
