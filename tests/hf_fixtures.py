@@ -136,11 +136,13 @@ def make_tiny_llama(
     arch: str = "llama",
     max_shard_size: str | None = None,
     config_extra: dict[str, Any] | None = None,
+    n_layers: int = 2,
 ) -> tuple[Path, Any]:
-    """Build and save a 2-layer, 4-head, 64-wide random model with a locally trained tokenizer.
+    """Build and save an ``n_layers``-layer, 4-head, 64-wide random model with a locally trained tokenizer.
 
     Returns ``(hf_dir, hf_model)``; the model is float32 in eval mode. ``arch`` is "llama",
-    "mistral", "qwen2", "qwen3", "qwen3moe", "phi3" or "gpt_oss" (``config_extra`` adds config arguments);
+    "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gpt_oss" or "smollm3" (``config_extra`` adds config
+    arguments);
     ``vocab`` is "bpe" (tokenizer.json), "spm" (tokenizer.model) or "qwen" (Qwen's tokenizer.json);
     the embedding is padded to a multiple of 32 rows, as many real checkpoints are. Norm weights
     are randomised around 1 and biases around 0 so that a
@@ -176,6 +178,7 @@ def make_tiny_llama(
         "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     }[arch]
     extra = {"head_dim": head_dim or 16} if head_dim or arch.startswith("qwen3") else {}  # Qwen3's default: 128
     if arch == "qwen3moe":  # 4 experts of 32, 2 chosen per token
@@ -187,10 +190,12 @@ def make_tiny_llama(
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "attn_implementation": "eager"}
     if arch == "phi3":  # Phi3Config's defaults name token 32000 and a 2047-token window
         extra |= {"pad_token_id": eos, "sliding_window": None}
+    if arch == "smollm3":  # SmolLM3Config's default pad token is 128004
+        extra |= {"pad_token_id": eos}
     extra |= config_extra or {}
     config = config_cls(
         vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=intermediate_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=n_kv_heads,
+        num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=n_kv_heads,
         max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.05,
         tie_word_embeddings=tie, bos_token_id=bos, eos_token_id=eos, **extra)
     torch.manual_seed(seed)

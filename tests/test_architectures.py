@@ -83,6 +83,9 @@ TINY: dict[str, dict] = {
                 "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 1000000.0, "vocab_size": 320,
                 "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32,
                 "leading_dense_block_count": 1, "expert_gating_func": 2},
+    "smollm3": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+                "rope.freq_base": 5000000.0, "vocab_size": 320},  # layer 3 has no rope
     "mllama": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
                "rope.freq_base": 10000.0, "vocab_size": 320, "attention.cross_attention_layers": [1]},  # text only

@@ -189,6 +189,7 @@ def _import_builtin() -> None:
         qwen2,
         qwen3,
         qwen3moe,
+        smollm3,
     )
 
 
