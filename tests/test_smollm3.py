@@ -117,3 +117,29 @@ def test_configs_gguf_smollm3_cannot_express_are_refused(change, message, conver
     with pytest.raises(ValueError, match=message):
         convert_hf(bad, tmp_path / "m.gguf", "f32")
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_context_shift_rotates_the_rope_layers_keys_only(tmp_path):
+    """Cached keys of the no-rope layer carry no position: a shift must leave them as they are."""
+    import numpy as np
+
+    from pyggml import nn
+    from pyggml.synthetic import write_model
+
+    from .test_architectures import TINY
+
+    model = models.load(write_model(tmp_path / "m.gguf", "smollm3", TINY["smollm3"], "f32", seed=3),
+                        BackendParams(n_threads=2))
+    try:
+        keys = np.random.default_rng(0).standard_normal((3, 2, 16)).astype(np.float32)  # (tokens, kv heads, dim)
+        with model.backend.new_context() as ctx:
+            key, delta = ctx.from_numpy(keys), nn.int32_input(ctx, [-5, -5, -5])
+            shifted = [model.shift(ctx, layer, key, delta) for layer in range(4)]
+            ctx.compute(*shifted)
+            out = [s.numpy() for s in shifted]
+    finally:
+        model.close()
+    assert np.array_equal(out[3], keys)  # layer 3: no rope
+    for layer in range(3):
+        assert np.abs(out[layer] - keys).max() > 0.1, layer  # rotated back by 5 positions
+        np.testing.assert_allclose(np.linalg.norm(out[layer], axis=-1), np.linalg.norm(keys, axis=-1), rtol=1e-5)
