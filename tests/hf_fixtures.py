@@ -141,7 +141,7 @@ def make_tiny_llama(
     """Build and save an ``n_layers``-layer, 4-head, 64-wide random model with a locally trained tokenizer.
 
     Returns ``(hf_dir, hf_model)``; the model is float32 in eval mode. ``arch`` is "llama",
-    "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gpt_oss" or "smollm3" (``config_extra`` adds config
+    "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gpt_oss", "smollm3" or "ministral3" (``config_extra`` adds config
     arguments);
     ``vocab`` is "bpe" (tokenizer.json), "spm" (tokenizer.model) or "qwen" (Qwen's tokenizer.json);
     the embedding is padded to a multiple of 32 rows, as many real checkpoints are. Norm weights
@@ -179,6 +179,7 @@ def make_tiny_llama(
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
     }[arch]
     extra = {"head_dim": head_dim or 16} if head_dim or arch.startswith("qwen3") else {}  # Qwen3's default: 128
     if arch == "qwen3moe":  # 4 experts of 32, 2 chosen per token

@@ -86,6 +86,12 @@ TINY: dict[str, dict] = {
     "smollm3": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                 "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
                 "rope.freq_base": 5000000.0, "vocab_size": 320},  # layer 3 has no rope
+    "mistral3": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                 "attention.head_count_kv": 2, "attention.key_length": 32, "attention.value_length": 32,
+                 "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 1e6,
+                 "rope.dimension_count": 32, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                 "rope.scaling.original_context_length": 4, "rope.scaling.yarn_log_multiplier": 1.0,
+                 "attention.temperature_scale": 0.1, "vocab_size": 320},  # the temperature steps every 4 tokens
     "mllama": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
                "rope.freq_base": 10000.0, "vocab_size": 320, "attention.cross_attention_layers": [1]},  # text only
