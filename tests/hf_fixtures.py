@@ -334,6 +334,34 @@ def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_
     return hf_dir, model
 
 
+def make_tiny_mistral3_with_vision(tmp_path: Path, rope: dict[str, Any], *, seed: int = 0) -> tuple[Path, Any]:
+    """Build and save a random ``Mistral3ForConditionalGeneration`` (a 2-layer, 64-wide Ministral 3 text decoder
+    with ``rope`` parameters, tied embeddings, and a 1-layer Pixtral vision tower), as Ministral 3 is published.
+    Returns ``(hf_dir, hf_model)`` (float32, eval mode)."""
+    import torch
+    import transformers
+
+    hf_dir = Path(tmp_path) / f"tiny-mistral3-vision-s{seed}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    text = transformers.Ministral3Config(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_parameters=dict(rope), initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, image_size=32, patch_size=16, head_dim=16)
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=5,
+                                         spatial_merge_size=2, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.Mistral3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
 

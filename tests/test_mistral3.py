@@ -21,7 +21,7 @@ from .test_convert import needs_llama_cpp, read_gguf
 torch = pytest.importorskip("torch", reason="the Mistral 3 parity tests build HF models with torch")
 transformers = pytest.importorskip("transformers", reason="the Mistral 3 parity tests build HF models")
 
-from .hf_fixtures import make_tiny_llama  # noqa: E402  (needs torch/transformers)
+from .hf_fixtures import make_tiny_llama, make_tiny_mistral3_with_vision  # noqa: E402  (needs torch, transformers)
 from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
 
 STEP = 8  # original_max_position_embeddings: the temperature's step
@@ -91,6 +91,19 @@ def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, converted):
     llama_cpp_agrees(converted(case)[0], steps=16)  # the greedy steps cross temperature steps too
 
 
+@needs_llama_cpp
+def test_the_text_decoder_of_a_checkpoint_with_vision_converts_and_runs_like_transformers(tmp_path):
+    hf_dir, model = make_tiny_mistral3_with_vision(tmp_path, ROPE)
+    path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
+    meta, tensors = read_gguf(path)
+    assert meta["general.architecture"] == "mistral3" and not any(n.startswith(("v.", "mm.")) for n in tensors)
+    assert "output.weight" not in tensors  # tied, as saved
+    tokens = transformers.AutoTokenizer.from_pretrained(hf_dir).encode(TEXTS[0] + " " + TEXTS[1])
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        assert error(llm.logits(tokens), reference(model, tokens)) < TOLERANCE
+    llama_cpp_agrees(path)
+
+
 def test_files_have_llama_cpps_names_and_keys(converted):
     path, _, _ = converted("gqa-untied-wide-heads")
     meta, tensors = read_gguf(path)
@@ -109,6 +122,8 @@ def test_files_have_llama_cpps_names_and_keys(converted):
 
 @pytest.mark.parametrize("change, message", [
     (dict(sliding_window=4), "sliding_window"),
+    (dict(architectures=["Mistral3ForConditionalGeneration"], text_config={"model_type": "mistral"}),
+     "text_config is 'mistral'"),
     (dict(rope_parameters={**ROPE, "mscale": 0.5}), "mscale"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}), "rope scaling type"),
 ])

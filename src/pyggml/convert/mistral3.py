@@ -4,10 +4,16 @@ attention temperature (``llama_4_scaling_beta``) as ``attention.temperature_scal
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
 import gguf
 
 from .base import register
 from .llama import Llama
+from .tensors import Source
 
 
 @register("Ministral3ForCausalLM", model_types=("ministral3",))
@@ -33,3 +39,28 @@ class Mistral3(Llama):
             w.add_attn_temperature_scale(float(self.rope["llama_4_scaling_beta"]))
             if self.rope["rope_type"] != "yarn":  # the temperature's step: written with YaRN's keys otherwise
                 w.add_rope_scaling_orig_ctx_len(int(self.rope["original_max_position_embeddings"]))
+
+
+@register("Mistral3ForConditionalGeneration")
+class Mistral3Text(Mistral3):
+    """The text decoder of a Ministral 3 checkpoint saved with its vision part (as published); the vision
+    tower and projector are left out (pyggml does not run Pixtral)."""
+
+    skip = (*Mistral3.skip, r"^(model\.)?(vision_tower|multi_modal_projector)\.")
+
+    def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
+        text = dict(config.get("text_config") or {})
+        if text.get("model_type") != "ministral3":
+            raise ValueError(f"config.json's text_config is {text.get('model_type')!r}; GGUF mistral3 holds "
+                             "Ministral 3 (ministral3) text decoders")
+        if "tie_word_embeddings" in config:  # the model's own; transformers writes a default into text_config too
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        super().__init__(hf_dir, text, pooling)
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        # transformers saves language_model.model.* (or model.language_model.*) and language_model.lm_head.*
+        if name.endswith("lm_head.weight"):
+            name = "lm_head.weight"
+        else:
+            name = re.sub(r"^(model\.)?language_model\.(model\.)?", "model.", name)
+        return super().tensors(name, source)
