@@ -334,20 +334,24 @@ def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_
     return hf_dir, model
 
 
-def make_tiny_mistral3_with_vision(tmp_path: Path, rope: dict[str, Any], *, seed: int = 0) -> tuple[Path, Any]:
-    """Build and save a random ``Mistral3ForConditionalGeneration`` (a 2-layer, 64-wide Ministral 3 text decoder
-    with ``rope`` parameters, tied embeddings, and a 1-layer Pixtral vision tower), as Ministral 3 is published.
-    Returns ``(hf_dir, hf_model)`` (float32, eval mode)."""
+def make_tiny_mistral3_with_vision(tmp_path: Path, rope: dict[str, Any], *, text_type: str = "ministral3",
+                                   seed: int = 0) -> tuple[Path, Any]:
+    """Build and save a random ``Mistral3ForConditionalGeneration`` (a 2-layer, 64-wide text decoder with
+    ``rope`` parameters, tied embeddings, and a 1-layer Pixtral vision tower), as Ministral 3 (``text_type``
+    "ministral3") and Mistral Small 3.x ("mistral") are published. Returns ``(hf_dir, hf_model)`` (float32,
+    eval mode)."""
     import torch
     import transformers
 
-    hf_dir = Path(tmp_path) / f"tiny-mistral3-vision-s{seed}"
+    hf_dir = Path(tmp_path) / f"tiny-mistral3-vision-{text_type}-s{seed}"
     hf_dir.mkdir(parents=True, exist_ok=True)
     n_tokens = make_bpe_tokenizer(hf_dir, seed)
-    text = transformers.Ministral3Config(
+    text_config = transformers.Ministral3Config if text_type == "ministral3" else transformers.MistralConfig
+    extra = {} if text_type == "ministral3" else {"sliding_window": None}
+    text = text_config(
         vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
-        rope_parameters=dict(rope), initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+        rope_parameters=dict(rope), initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=1, **extra)
     vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                               num_attention_heads=2, image_size=32, patch_size=16, head_dim=16)
     config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=5,

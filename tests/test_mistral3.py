@@ -92,11 +92,15 @@ def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, converted):
 
 
 @needs_llama_cpp
-def test_the_text_decoder_of_a_checkpoint_with_vision_converts_and_runs_like_transformers(tmp_path):
-    hf_dir, model = make_tiny_mistral3_with_vision(tmp_path, ROPE)
+@pytest.mark.parametrize("text_type, gguf_arch", [("ministral3", "mistral3"), ("mistral", "llama")])
+def test_the_text_decoder_of_a_checkpoint_with_vision_converts_and_runs_like_transformers(text_type, gguf_arch,
+                                                                                         tmp_path):
+    """Ministral 3 and Mistral Small 3.x (whose text decoder llama.cpp converts as GGUF llama), as published."""
+    rope = ROPE if text_type == "ministral3" else {"rope_type": "default", "rope_theta": 1e9}
+    hf_dir, model = make_tiny_mistral3_with_vision(tmp_path, rope, text_type=text_type)
     path = convert_hf(hf_dir, tmp_path / "m.gguf", "f32")
     meta, tensors = read_gguf(path)
-    assert meta["general.architecture"] == "mistral3" and not any(n.startswith(("v.", "mm.")) for n in tensors)
+    assert meta["general.architecture"] == gguf_arch and not any(n.startswith(("v.", "mm.")) for n in tensors)
     assert "output.weight" not in tensors  # tied, as saved
     tokens = transformers.AutoTokenizer.from_pretrained(hf_dir).encode(TEXTS[0] + " " + TEXTS[1])
     with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
@@ -122,8 +126,8 @@ def test_files_have_llama_cpps_names_and_keys(converted):
 
 @pytest.mark.parametrize("change, message", [
     (dict(sliding_window=4), "sliding_window"),
-    (dict(architectures=["Mistral3ForConditionalGeneration"], text_config={"model_type": "mistral"}),
-     "text_config is 'mistral'"),
+    (dict(architectures=["Mistral3ForConditionalGeneration"], text_config={"model_type": "qwen3"}),
+     "text_config is 'qwen3'"),
     (dict(rope_parameters={**ROPE, "mscale": 0.5}), "mscale"),
     (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0}), "rope scaling type"),
 ])

@@ -1,6 +1,7 @@
 """Ministral 3 text decoders (GGUF ``mistral3``, as llama.cpp converts ``Ministral3ForCausalLM``): Llama's
 layout and q/k row order, YaRN with ``mscale_all_dim`` as ``rope.scaling.yarn_log_multiplier``, and Llama 4's
-attention temperature (``llama_4_scaling_beta``) as ``attention.temperature_scale``."""
+attention temperature (``llama_4_scaling_beta``) as ``attention.temperature_scale``; the text decoder of a
+``Mistral3ForConditionalGeneration`` (Ministral 3, and Mistral Small 3.x as GGUF ``llama``)."""
 
 from __future__ import annotations
 
@@ -43,16 +44,19 @@ class Mistral3(Llama):
 
 @register("Mistral3ForConditionalGeneration")
 class Mistral3Text(Mistral3):
-    """The text decoder of a Ministral 3 checkpoint saved with its vision part (as published); the vision
-    tower and projector are left out (pyggml does not run Pixtral)."""
+    """The text decoder of a checkpoint saved with its vision part (as published): Ministral 3 as GGUF
+    ``mistral3``, Mistral Small 3.1 / 3.2 (a ``mistral`` text decoder) as GGUF ``llama``, as llama.cpp converts
+    them; the vision tower and projector are left out (pyggml does not run Pixtral)."""
 
     skip = (*Mistral3.skip, r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 
     def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
         text = dict(config.get("text_config") or {})
-        if text.get("model_type") != "ministral3":
-            raise ValueError(f"config.json's text_config is {text.get('model_type')!r}; GGUF mistral3 holds "
-                             "Ministral 3 (ministral3) text decoders")
+        if text.get("model_type") not in ("ministral3", "mistral"):
+            raise ValueError(f"config.json's text_config is {text.get('model_type')!r}; supported: ministral3 "
+                             "(GGUF mistral3), mistral (GGUF llama)")
+        if text["model_type"] == "mistral":
+            self.gguf_arch = "llama"  # Mistral Small 3.x: Llama's graph (no temperature tuning)
         if "tie_word_embeddings" in config:  # the model's own; transformers writes a default into text_config too
             text["tie_word_embeddings"] = config["tie_word_embeddings"]
         super().__init__(hf_dir, text, pooling)
