@@ -136,11 +136,13 @@ def make_tiny_llama(
     arch: str = "llama",
     max_shard_size: str | None = None,
     config_extra: dict[str, Any] | None = None,
+    n_layers: int = 2,
 ) -> tuple[Path, Any]:
-    """Build and save a 2-layer, 4-head, 64-wide random model with a locally trained tokenizer.
+    """Build and save an ``n_layers``-layer, 4-head, 64-wide random model with a locally trained tokenizer.
 
     Returns ``(hf_dir, hf_model)``; the model is float32 in eval mode. ``arch`` is "llama",
-    "mistral", "qwen2", "qwen3", "qwen3moe", "phi3" or "gpt_oss" (``config_extra`` adds config arguments);
+    "mistral", "qwen2", "qwen3", "qwen3moe", "phi3", "gpt_oss", "smollm3" or "ministral3" (``config_extra`` adds config
+    arguments);
     ``vocab`` is "bpe" (tokenizer.json), "spm" (tokenizer.model) or "qwen" (Qwen's tokenizer.json);
     the embedding is padded to a multiple of 32 rows, as many real checkpoints are. Norm weights
     are randomised around 1 and biases around 0 so that a
@@ -176,6 +178,8 @@ def make_tiny_llama(
         "qwen3moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
     }[arch]
     extra = {"head_dim": head_dim or 16} if head_dim or arch.startswith("qwen3") else {}  # Qwen3's default: 128
     if arch == "qwen3moe":  # 4 experts of 32, 2 chosen per token
@@ -187,10 +191,12 @@ def make_tiny_llama(
                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "attn_implementation": "eager"}
     if arch == "phi3":  # Phi3Config's defaults name token 32000 and a 2047-token window
         extra |= {"pad_token_id": eos, "sliding_window": None}
+    if arch == "smollm3":  # SmolLM3Config's default pad token is 128004
+        extra |= {"pad_token_id": eos}
     extra |= config_extra or {}
     config = config_cls(
         vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=intermediate_size,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=n_kv_heads,
+        num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=n_kv_heads,
         max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.05,
         tie_word_embeddings=tie, bos_token_id=bos, eos_token_id=eos, **extra)
     torch.manual_seed(seed)
@@ -284,6 +290,78 @@ def make_tiny_gemma(tmp_path: Path, *, arch: str = "gemma3", n_layers: int = 6, 
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
+def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_kv_heads: int = 2,
+                   sliding_window: int = 4, layer_types: list[str] | None = None, tie: bool = False,
+                   yarn: dict[str, float] | None = None, seed: int = 0) -> tuple[Path, Any]:
+    """Build and save a random OLMo 2 / OLMo 3 model (64 wide, 4 heads of 16) with a BPE tokenizer. Returns
+    ``(hf_dir, hf_model)`` (float32, eval mode, eager attention). OLMo 3: a ``sliding_window`` small enough
+    that prompts run past it, the default layer pattern (every 4th layer global) unless ``layer_types``;
+    ``yarn``: YaRN parameters of the global layers (the sliding ones rotate unscaled). Norm weights (the
+    q/k norms included) are randomised around 1."""
+    import torch
+    import transformers
+
+    name = f"tiny-{arch}-l{n_layers}-kv{n_kv_heads}-w{sliding_window}-{'yarn-' if yarn else ''}s{seed}"
+    hf_dir = Path(tmp_path) / name
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    common = dict(vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
+                  num_attention_heads=4, num_key_value_heads=n_kv_heads, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  initializer_range=0.05, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+                  attn_implementation="eager")
+    if arch == "olmo2":
+        config = transformers.Olmo2Config(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **common)
+        model_cls = transformers.Olmo2ForCausalLM
+    else:
+        rope = {kind: {"rope_type": "default", "rope_theta": 500000.0}
+                for kind in ("full_attention", "sliding_attention")}
+        if yarn:
+            rope["full_attention"] |= {"rope_type": "yarn", **yarn}
+        config = transformers.Olmo3Config(sliding_window=sliding_window, layer_types=layer_types,
+                                          rope_parameters=rope, **common)
+        model_cls = transformers.Olmo3ForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
+def make_tiny_mistral3_with_vision(tmp_path: Path, rope: dict[str, Any], *, text_type: str = "ministral3",
+                                   seed: int = 0) -> tuple[Path, Any]:
+    """Build and save a random ``Mistral3ForConditionalGeneration`` (a 2-layer, 64-wide text decoder with
+    ``rope`` parameters, tied embeddings, and a 1-layer Pixtral vision tower), as Ministral 3 (``text_type``
+    "ministral3") and Mistral Small 3.x ("mistral") are published. Returns ``(hf_dir, hf_model)`` (float32,
+    eval mode)."""
+    import torch
+    import transformers
+
+    hf_dir = Path(tmp_path) / f"tiny-mistral3-vision-{text_type}-s{seed}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    text_config = transformers.Ministral3Config if text_type == "ministral3" else transformers.MistralConfig
+    extra = {} if text_type == "ministral3" else {"sliding_window": None}
+    text = text_config(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_parameters=dict(rope), initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=1, **extra)
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                              num_attention_heads=2, image_size=32, patch_size=16, head_dim=16)
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=5,
+                                         spatial_merge_size=2, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    model = transformers.Mistral3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
     model.save_pretrained(hf_dir)
     return hf_dir, model
 

@@ -67,6 +67,10 @@ TINY: dict[str, dict] = {
                 "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32, "rope.freq_base": 10000.0,
                 "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0, "rope.scaling.original_context_length": 32,
                 "vocab_size": 320},
+    "olmo2": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+              "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+              "rope.freq_base": 500000.0, "vocab_size": 320, "attention.sliding_window": 4,  # OLMo 3's layers
+              "attention.sliding_window_pattern": [True, True, True, False]},
     "phi3": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
              "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
              "rope.dimension_count": 8, "rope.freq_base": 10000.0, "vocab_size": 320,
@@ -79,6 +83,15 @@ TINY: dict[str, dict] = {
                 "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 1000000.0, "vocab_size": 320,
                 "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32,
                 "leading_dense_block_count": 1, "expert_gating_func": 2},
+    "smollm3": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+                "rope.freq_base": 5000000.0, "vocab_size": 320},  # layer 3 has no rope
+    "mistral3": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                 "attention.head_count_kv": 2, "attention.key_length": 32, "attention.value_length": 32,
+                 "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 1e6,
+                 "rope.dimension_count": 32, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                 "rope.scaling.original_context_length": 4, "rope.scaling.yarn_log_multiplier": 1.0,
+                 "attention.temperature_scale": 0.1, "vocab_size": 320},  # the temperature steps every 4 tokens
     "mllama": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
                "rope.freq_base": 10000.0, "vocab_size": 320, "attention.cross_attention_layers": [1]},  # text only

@@ -183,11 +183,14 @@ def _import_builtin() -> None:
         lfm2,
         lfm2moe,
         llama,
+        mistral3,
         nomic_bert,
+        olmo2,
         phi3,
         qwen2,
         qwen3,
         qwen3moe,
+        smollm3,
     )
 
 
