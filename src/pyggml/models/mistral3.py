@@ -15,8 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyggml import nn
-from pyggml.backend import MAX_CONTEXT, Context
+from pyggml.backend import Context
 from pyggml.kvcache import Causal
+from pyggml.metadata import MAX_CONTEXT
 from pyggml.models import Batch, ModelError, llama, register
 from pyggml.tensor import Tensor
 

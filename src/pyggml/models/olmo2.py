@@ -15,8 +15,9 @@ import math
 from dataclasses import dataclass
 
 from pyggml import nn
-from pyggml.backend import MAX_CONTEXT, MAX_VOCAB, MAX_WIDTH, Backend, Context
+from pyggml.backend import Backend, Context
 from pyggml.kvcache import Cache, Causal, Wrapper
+from pyggml.metadata import MAX_CONTEXT, MAX_VOCAB, MAX_WIDTH
 from pyggml.models import Batch, Model, ModelError, register
 from pyggml.tensor import RopeType, Tensor
 
