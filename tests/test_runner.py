@@ -193,6 +193,38 @@ def test_concurrent_requests_with_shifts_and_cancels_match_solo_runs(stories, bu
     assert any(c[-1].generated_tokens + c[-1].prompt_tokens > 32 for _, c in solo)  # some shifted
 
 
+def test_a_prefix_copied_on_admission_waits_for_the_step_in_flight(stories, monkeypatch):
+    """A new request that forks a cached prefix copies cache cells (a compute on the backend): never while
+    the build-ahead worker computes a step (its logits could be overwritten before they are read; over
+    RPC two graphs interleaved on one connection and the servers dropped it)."""
+    from pyggml.kvcache import causal
+    from pyggml.runner.engine import Engine
+
+    slow_compute = Engine.compute
+
+    def compute(self, graph, *args, **kwargs):  # widen the window in which a step is in flight
+        time.sleep(0.02)
+        return slow_compute(self, graph, *args, **kwargs)
+
+    overlapping = []
+    copy_cells = causal.Causal._copy_cells
+
+    def checked_copy(self, copies):
+        step = runner.in_flight
+        overlapping.append(step is not None and step.future is not None and not step.future.done())
+        return copy_cells(self, copies)
+
+    monkeypatch.setattr(Engine, "compute", compute)
+    monkeypatch.setattr(causal.Causal, "_copy_cells", checked_copy)
+    with Runner(stories, parallel=2, num_ctx=128, batch_size=16, build_ahead=True) as runner:
+        first = runner.completion(CompletionRequest("Once upon a time there was", max_tokens=40, temperature=0))
+        next(first)
+        second = list(runner.completion(CompletionRequest("Once upon a time there was a", max_tokens=4,
+                                                          temperature=0)))
+        list(first)
+    assert second[-1].cached_tokens > 0 and overlapping and not any(overlapping)
+
+
 def test_context_shift_reprocesses_when_the_cache_cannot_shift(stories_path):
     model = load(stories_path)
     model.cache = Causal(None)  # a model without a key-shift function

@@ -320,6 +320,8 @@ class Runner:
         if admitted is None:
             self._notify()
             return False
+        if admitted:  # admitting may copy a cached prefix, a compute on the cache: not beside the step in flight
+            self.wait_in_flight()
         for seq in admitted:
             self._admit(seq)
         for plugin in self.plugins:
