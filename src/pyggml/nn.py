@@ -492,15 +492,22 @@ def output_rows(rows: Tensor | None, *tensors: Tensor) -> tuple[Tensor, ...]:
 def moe(x: Tensor, router_logits: Tensor, k: int, gate: Experts, up: Experts, down: Experts,
         glu: typing.Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """A mixture of experts: each token of ``x`` (hidden, n_tokens) through the ``k`` experts with the
-    highest ``router_logits`` (n_experts, n_tokens), ``down(glu(gate(x), up(x)))`` per expert, the k
-    outputs summed with weights softmax(the k chosen logits). (That is also Qwen 3's softmax over all
-    experts renormalised over the chosen.) Only the chosen experts' matrices are read. Returns
+    highest ``router_logits`` (n_experts, n_tokens), weighted by softmax(the k chosen logits) (that is
+    also Qwen 3's softmax over all experts renormalised over the chosen): ``mix_experts``. Returns
     (hidden, n_tokens)."""
     n_experts, n_tokens = router_logits.shape[0], router_logits.shape[1]
     chosen = router_logits.top_k(k)  # (k, n_tokens): expert ids
     weights = router_logits.reshape(1, n_experts, n_tokens).rows(chosen)  # the chosen logits (1, k, n_tokens)
-    weights = weights.reshape(k, n_tokens).softmax().reshape(1, k, n_tokens)
-    out = down(glu(gate(x, chosen), up(x, chosen)), chosen) * weights  # (hidden, k, n_tokens)
+    return mix_experts(x, chosen, weights.reshape(k, n_tokens).softmax(), gate, up, down, glu)
+
+
+def mix_experts(x: Tensor, chosen: Tensor, weights: Tensor, gate: Experts, up: Experts, down: Experts,
+                glu: typing.Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """Each token of ``x`` (hidden, n_tokens) through its ``chosen`` experts (I32 ids, (k, n_tokens)),
+    ``down(glu(gate(x), up(x)))`` per expert, the k outputs summed with ``weights`` (k, n_tokens). Only
+    the chosen experts' matrices are read. Returns (hidden, n_tokens)."""
+    k, n_tokens = chosen.shape[0], chosen.shape[1]
+    out = down(glu(gate(x, chosen), up(x, chosen)), chosen) * weights.reshape(1, k, n_tokens)  # (hidden, k, n)
     rows, per_token = (out.shape[0], n_tokens), (out.strides[2],)
     total = out.view(0, rows, per_token)  # the weighted sum over the k experts: k strided views added up
     for i in range(1, k):

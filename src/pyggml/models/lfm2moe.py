@@ -69,16 +69,8 @@ class FeedForward(nn.Module):
         scores = self.ffn_gate_inp(x).sigmoid()  # (n_experts, n_tokens)
         chosen = (scores + self.exp_probs_b.weight).top_k(k)  # (k, n_tokens): the bias only chooses
         weights = scores.reshape(1, opts.n_experts, n_tokens).rows(chosen).reshape(k, n_tokens)
-        weights = (weights / weights.sum_rows()).reshape(1, k, n_tokens)
-        x = x.reshape(opts.hidden_size, 1, n_tokens)
-        gate = self.ffn_gate_exps.weight.mulmat_id(x, chosen)  # (expert_ffn_size, k, n_tokens)
-        up = self.ffn_up_exps.weight.mulmat_id(x, chosen)
-        out = self.ffn_down_exps.weight.mulmat_id(gate.silu(up), chosen) * weights  # (hidden, k, n_tokens)
-        rows = (opts.hidden_size, n_tokens)  # the weighted sum over the k experts: k strided views added up
-        total = out.view(0, rows, (out.strides[2],))
-        for i in range(1, k):
-            total = total + out.view(i * out.strides[1], rows, (out.strides[2],))
-        return total
+        experts = (nn.Experts(w.weight) for w in (self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps))
+        return nn.mix_experts(x, chosen, weights / weights.sum_rows(), *experts, glu=lambda g, u: g.silu(u))
 
 
 class Layer(lfm2.Layer):
