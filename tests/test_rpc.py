@@ -146,6 +146,32 @@ def test_runner_four_sequences_over_rpc(stories_path, servers):
     assert all(expected) and got == expected
 
 
+def test_prefix_copy_over_rpc_matches_local(stories_path, servers):
+    """A request forking another slot's cached prefix copies cache cells on every device in one step: each
+    device's copy is a graph of its own (one graph over all of them put a view of a layer's transposed V into
+    the split of the device before it, and both servers refused a graph naming a tensor they do not hold)."""
+    prompts = ["Once upon a time", "Once upon a time there", "Lily went", "Once upon"]
+
+    def complete_in_turn(model):
+        with Runner(model, parallel=4, num_ctx=128, batch_size=16) as runner:
+            chunks = [list(runner.completion(CompletionRequest(p, max_tokens=3, temperature=0.0))) for p in prompts]
+        return [([t for c in cs for t in c.tokens], cs[-1].cached_tokens) for cs in chunks]
+
+    local = models.load(stories_path, BackendParams(n_threads=1, repack=False))
+    try:
+        expected = complete_in_turn(local)
+    finally:
+        local.close()
+    remote = models.load(stories_path, BackendParams(n_threads=1, repack=False, rpc=servers))
+    try:
+        assert len(remote.backend.placement()) == 3  # layers on the CPU and both servers
+        got = complete_in_turn(remote)
+        assert remote.cache.config.permuted_v  # V transposed: its copy goes through a view of the store
+    finally:
+        remote.close()
+    assert got == expected and expected[-1][1] > 0  # the last one forked a cached prefix
+
+
 def test_context_shift_over_rpc_matches_local(stories_path, servers):
     """Past num_ctx the runner shifts the cache: the keys of the remote layers are re-rotated there."""
 

@@ -482,15 +482,24 @@ class Causal(Cache):
             ctx.compute(*outputs)
 
     def _copy_cells(self, copies: np.ndarray) -> None:
-        """Copy the keys and values of cells ``copies[:, 0]`` to cells ``copies[:, 1]`` in every layer."""
+        """Copy the keys and values of cells ``copies[:, 0]`` to cells ``copies[:, 1]`` in every layer: a graph
+        per device. (ggml's scheduler leaves a view node, the flat V below, in the split before it: on another
+        device, an RPC server got a graph naming a tensor it does not hold, and the copies crossed the network.)"""
+        devices: dict[int, list[int]] = {}
+        for layer in self.keys:
+            devices.setdefault(self.backend._layer_backend(f"blk.{layer}."), []).append(layer)
+        for layers in devices.values():
+            self._copy_layer_cells(copies, layers)
+
+    def _copy_layer_cells(self, copies: np.ndarray, layers: list[int]) -> None:
         with self.backend.new_context() as ctx:
             src = ctx.from_numpy(copies[:, 0], DType.I32)
             dst = ctx.from_numpy(copies[:, 1], DType.I32)
-            stores = list(self.keys.values()) + ([] if self.config.permuted_v else list(self.values.values()))
+            stores = [self.keys[i] for i in layers] + [self.values[i] for i in layers if not self.config.permuted_v]
             outputs = [store.set_rows(store.rows(src), dst) for store in stores]
             if self.config.permuted_v:  # a transposed V copies element by element
                 n = self.cells.capacity
-                for store in self.values.values():
+                for store in (self.values[i] for i in layers):
                     width = store.shape[1]
                     flat = store.reshape(1, n * width, ctx=ctx)
                     src_e = ctx.from_numpy(_elements(copies[:, 0], width, n), DType.I32)
