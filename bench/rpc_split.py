@@ -40,7 +40,7 @@ def free_port() -> int:
 
 
 def start_servers(n: int, threads: int) -> list[tuple[subprocess.Popen, str]]:
-    from pyggml.hardware import rpc_version
+    from pyggml.backend.hardware import rpc_version
     from pyggml.rpc import RPCError, hello
 
     servers = []

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from pyggml import nn
-from pyggml.metadata import Config
+from pyggml.backend.metadata import Config
 from pyggml.synthetic import _add, defaults, metadata, write_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +154,7 @@ def run_case(path: Path, vision: bool) -> str:
 
     try:
         llm = pyggml.load(path, n_threads=1, num_ctx=64, batch_size=32)
-    except (ValueError, MemoryError, pyggml.hardware.GGMLError):
+    except (ValueError, MemoryError, pyggml.backend.hardware.GGMLError):
         return "refused"
     try:
         if not llm.model.generates:
@@ -166,7 +166,7 @@ def run_case(path: Path, vision: bool) -> str:
         else:
             llm.logits([1, 5, 9])
         return "ran"
-    except (ValueError, MemoryError, pyggml.hardware.GGMLError):
+    except (ValueError, MemoryError, pyggml.backend.hardware.GGMLError):
         return "refused"
     finally:
         llm.close()
@@ -251,7 +251,7 @@ def test_count_keys_of_every_part(tmp_path, family):
 def test_a_huge_vision_layer_count_is_refused_at_once(tmp_path):
     """The file of the report: ``clip.vision.block_count = 2**31`` in a gemma3 file with a vision part."""
     import pyggml
-    from pyggml.metadata import GGUFError
+    from pyggml.backend.metadata import GGUFError
 
     base = base_file(tmp_path, "gemma3-vision")
     for value in (2**31, 4097, 10**6):
@@ -265,7 +265,7 @@ def test_a_huge_vision_layer_count_is_refused_at_once(tmp_path):
 
 def test_vision_counts_are_bounded_by_config_alone():
     """Below the tensor count (so the load-time check passes), a vision count still meets the family bound."""
-    from pyggml.metadata import MAX_LAYERS, MAX_WIDTH, Config, GGUFError
+    from pyggml.backend.metadata import MAX_LAYERS, MAX_WIDTH, Config, GGUFError
 
     config = Config({"general.architecture": "gemma3", "clip.vision.block_count": MAX_LAYERS + 1,
                      "clip.vision.image_size": MAX_WIDTH + 1, "gemma3.expert_count": 2**31,
@@ -281,7 +281,7 @@ def test_an_mmproj_files_counts_are_bounded_too(tmp_path):
     """A llama.cpp ``mmproj`` file (architecture ``clip``) beside a text gemma3 file: its counts meet the same
     bounds (the vision part's layer count against its own tensors, every size by its family)."""
     import pyggml
-    from pyggml.metadata import GGUFError
+    from pyggml.backend.metadata import GGUFError
 
     text = write_model(tmp_path / "text.gguf", "gemma3", defaults("gemma3"))
     meta = {"general.architecture": "clip", "clip.projector_type": "gemma3", **GEMMA3_VISION}

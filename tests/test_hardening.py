@@ -327,7 +327,7 @@ def test_poll_level_checked_and_any_level_computes():
 def test_free_cores_follows_the_busy_processes(monkeypatch):
     """FreeCores: a core that other processes kept busy half of a window or more is taken (the
     median of the last SAMPLES windows); never fewer than 1 thread, never more than asked."""
-    import pyggml.hardware as hardware
+    import pyggml.backend.hardware as hardware
 
     busy = 0.0
     monkeypatch.setattr(hardware, "cpu_busy_seconds", lambda cpus: busy)
@@ -347,7 +347,7 @@ def test_free_cores_follows_the_busy_processes(monkeypatch):
 
 @pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads Linux's /proc/stat")
 def test_free_cores_sees_busy_processes():
-    from pyggml.hardware import FreeCores
+    from pyggml.backend.hardware import FreeCores
 
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
@@ -362,7 +362,7 @@ def test_free_cores_sees_busy_processes():
 
 
 def test_a_busy_machine_computes_with_fewer_threads_and_the_same_result(monkeypatch):
-    import pyggml.hardware as hardware
+    import pyggml.backend.hardware as hardware
 
     with pytest.raises(ValueError, match="adapt_threads must be True or False"):
         Backend(BackendParams(n_threads=2, adapt_threads="yes"))

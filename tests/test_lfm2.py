@@ -207,7 +207,7 @@ def test_a_state_size_that_does_not_match_the_kernel_is_named(tmp_path):
     ({"attention.sliding_window": 8}, "sliding_window"),
 ])
 def test_unsupported_or_inconsistent_keys_are_named(hparams, words):
-    from pyggml.metadata import Config
+    from pyggml.backend.metadata import Config
     from pyggml.models.lfm2 import Options
     from pyggml.synthetic import metadata
 
@@ -216,7 +216,7 @@ def test_unsupported_or_inconsistent_keys_are_named(hparams, words):
 
 
 def test_a_missing_l_cache_key_is_named():
-    from pyggml.metadata import Config
+    from pyggml.backend.metadata import Config
     from pyggml.models.lfm2 import Options
     from pyggml.synthetic import metadata
 
@@ -376,7 +376,7 @@ def test_parallel_generation_and_forked_slots_equal_each_sequence_alone(tiny_pat
 
 
 def test_lfm2moe_bad_files_are_named(tmp_path):
-    from pyggml.metadata import Config
+    from pyggml.backend.metadata import Config
     from pyggml.models.lfm2moe import Options
     from pyggml.synthetic import metadata
 

@@ -216,7 +216,7 @@ def test_gguf_v1_file_is_refused():
 def test_attention_sizes_are_checked_alike_by_every_model(arch, key, value, named):
     """One helper (nn.attention_sizes) reads and bounds the head sizes of these models: a bad value is a
     ModelError (or, out of range, the config's GGUFError, which models.load turns into one) naming the key."""
-    from pyggml.metadata import Config
+    from pyggml.backend.metadata import Config
 
     meta = {"general.architecture": arch, f"{arch}.embedding_length": 64, f"{arch}.attention.head_count": 4,
             f"{arch}.block_count": 2, f"{arch}.{key}": value}

@@ -7,7 +7,7 @@ import pytest
 
 from pyggml import nn
 from pyggml.backend import Backend
-from pyggml.metadata import Config
+from pyggml.backend.metadata import Config
 
 
 def _config(pattern=None) -> Config:

@@ -181,7 +181,7 @@ def test_converter_refuses_what_nomic_bert_cannot_express(tiny, tmp_path, key, v
 
 
 def test_bad_files_and_batches_raise_clear_errors(tmp_path, model):
-    from pyggml.metadata import Config
+    from pyggml.backend.metadata import Config
     from pyggml.synthetic import metadata, write_model
 
     hparams = {"block_count": 1, "embedding_length": 32, "feed_forward_length": 48, "attention.head_count": 2,

@@ -255,7 +255,7 @@ def test_a_wrong_expert_count_is_named(tmp_path):
     ("expert_gating_func", 2, "qwen3moe.expert_gating_func"),
     ("rope.scaling.type", "longrope", "qwen3moe.rope.scaling.type")])
 def test_unsupported_or_inconsistent_keys_are_named(key, value, words):
-    from pyggml.metadata import Config
+    from pyggml.backend.metadata import Config
     from pyggml.models.qwen3moe import Options
     from pyggml.synthetic import metadata
 
@@ -273,7 +273,7 @@ def test_a_reranker_pooling_type_is_refused(tmp_path):
 @pytest.mark.parametrize("name", ["qwen2.5-0.5b", "qwen3-0.6b", "qwen3moe-small", "qwen3-small-dense"])
 def test_named_bench_shapes_are_valid_models(name):
     from pyggml import nn
-    from pyggml.metadata import Config
+    from pyggml.backend.metadata import Config
     from pyggml.synthetic import SHAPES, metadata
 
     shape = SHAPES[name]

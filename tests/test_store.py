@@ -182,7 +182,7 @@ def test_header_checks_never_parse_the_vocabulary_in_python(tmp_path, gguf, monk
     are never decoded, only its length read."""
     import gguf as gguf_py
 
-    from pyggml import metadata
+    from pyggml.backend import metadata
     from pyggml.server import models as served
     from pyggml.synthetic import SHAPES
 

@@ -18,10 +18,10 @@ _LAZY = {
     "Backend": "pyggml.backend",
     "BackendParams": "pyggml.backend",
     "Context": "pyggml.backend",
-    "Device": "pyggml.hardware",
-    "devices": "pyggml.hardware",
-    "ggml_version": "pyggml.hardware",
-    "GGUFError": "pyggml.metadata",
+    "Device": "pyggml.backend.hardware",
+    "devices": "pyggml.backend.hardware",
+    "ggml_version": "pyggml.backend.hardware",
+    "GGUFError": "pyggml.backend.metadata",
     "Tensor": "pyggml.tensor",
     "DType": "pyggml.tensor",
     "load": "pyggml.llm",
@@ -31,7 +31,7 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-_SUBMODULES = {"backend", "bench", "chat", "convert", "hardware", "kvcache", "llm", "metadata", "models", "nn", "rpc",
+_SUBMODULES = {"backend", "bench", "chat", "convert", "kvcache", "llm", "models", "nn", "rpc",
                "runner", "sample", "server", "synthetic", "tensor", "tiny", "tokenizer"}
 
 

@@ -269,7 +269,7 @@ def run_tests(session: Session, inst: Instance, n_prompts: Sequence[int], n_gens
 # ---- build, machine and model information ---------------------------------------------------------
 def cpu_info() -> dict[str, Any]:
     """CPU model and the SIMD/matrix features ggml's kernels care about, from /proc/cpuinfo."""
-    from pyggml.hardware import physical_cores
+    from pyggml.backend.hardware import physical_cores
 
     model, flags = "", set()
     try:
@@ -289,7 +289,7 @@ def cpu_info() -> dict[str, Any]:
 
 def build_info() -> dict[str, Any]:
     import pyggml
-    from pyggml.hardware import devices, ggml_version
+    from pyggml.backend.hardware import devices, ggml_version
 
     return {
         "pyggml_version": pyggml.__version__,
@@ -566,7 +566,7 @@ def bench(args: argparse.Namespace, out: Any = None) -> int:
         path = Path(args.model)
         if not path.is_file():
             raise FileNotFoundError(f"no such model file: {args.model}")
-    from pyggml.hardware import physical_cores
+    from pyggml.backend.hardware import physical_cores
 
     threads = args.threads or [physical_cores()]
     n_ctx = max(n_prompts + n_gens)

@@ -666,7 +666,7 @@ def cmd_rpc_server(args: argparse.Namespace) -> int:
     if args.cache:
         cache = Path(args.cache).expanduser()
         cache.mkdir(parents=True, exist_ok=True)
-    from pyggml.hardware import devices, lib, physical_cores, rpc_version
+    from pyggml.backend.hardware import devices, lib, physical_cores, rpc_version
     from pyggml.rpc_server import Guard, Limits
 
     if not lib.PYGGML_HAS_RPC:

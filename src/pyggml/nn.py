@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Union
 
 import numpy as np
 
-from pyggml.metadata import MAX_CONTEXT
+from pyggml.backend.metadata import MAX_CONTEXT
 from pyggml.tensor import _NO_TO_FLOAT, _NOT_MATMUL, DType, RopeType, Tensor
 
 if typing.TYPE_CHECKING:
@@ -436,7 +436,7 @@ def _build(cls: type, backend: Backend, n_layers: int, check: _Check) -> Any:
 def attention_sizes(config: Any) -> tuple[int, int, int, int, int]:
     """(hidden, n_layers, n_heads, n_kv_heads, head_dim) from the usual GGUF keys, range-checked, for
     models whose keys and values have one head size; ModelError naming the key otherwise."""
-    from pyggml.metadata import MAX_LAYERS, MAX_WIDTH
+    from pyggml.backend.metadata import MAX_LAYERS, MAX_WIDTH
 
     arch = config.architecture
     hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)

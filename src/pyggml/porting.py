@@ -308,7 +308,7 @@ def llama_cpp_logits(gguf_path: str | os.PathLike, tokens: Sequence[int], n_thre
     import sys
     import tempfile
 
-    from pyggml.hardware import physical_cores
+    from pyggml.backend.hardware import physical_cores
 
     if importlib.util.find_spec("llama_cpp") is None:
         raise ImportError("the llama.cpp check needs llama-cpp-python (pip install 'pyggml[bench]')")

@@ -18,13 +18,14 @@ Before ggml first connects to a server, :func:`hello` checks it from Python with
 unreachable, not an RPC server, or another protocol version raise :class:`RPCError` with the reason.
 
 This module speaks only sockets; the ggml side (registering devices, the server loop) is in
-``pyggml.hardware``, and ``pyggml rpc-server``'s guard, which checks clients' messages, in
+``pyggml.backend.hardware``, and ``pyggml rpc-server``'s guard, which checks clients' messages, in
 ``pyggml.rpc_server``. The protocol facts below are those of the pinned ggml (protocol 7.0.0); check them
 against ``ggml/src/ggml-rpc/ggml-rpc.cpp`` when the pin moves.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
@@ -143,18 +144,13 @@ def parse_tensor(data: bytes | memoryview, offset: int = 0) -> Tensor:
     return Tensor(f[0], f[1], f[2], f[3:7], f[7:11], f[11], f[29:39], f[39], f[41])
 
 
-_TYPES: dict[int, tuple[int, int]] = {}  # ggml type -> (block size, bytes per block); removed types absent
-
-
+@functools.cache
 def type_table() -> dict[int, tuple[int, int]]:
-    if not _TYPES:
-        from pyggml._ggml import lib
+    """ggml type -> (block size, bytes per block), for the types ggml still has (``DType``; removed
+    types keep their number in ggml but are absent here)."""
+    from pyggml.tensor import DType
 
-        for t in range(lib.GGML_TYPE_COUNT):
-            blck = lib.ggml_blck_size(t)
-            if blck > 0:  # removed types keep their number with a block size of 0
-                _TYPES[t] = (blck, lib.ggml_type_size(t))
-    return _TYPES
+    return {int(d): (d.block_size, d.type_size) for d in DType}
 
 
 def nbytes(t: Tensor) -> int:

@@ -669,7 +669,7 @@ class Guard:
 
 def _worker_main(endpoint: str, threads: str, cache: str) -> None:
     """The worker process: ggml's server on a thread with a stack deep enough for the graphs the guard admits."""
-    from pyggml.hardware import serve_rpc
+    from pyggml.backend.hardware import serve_rpc
 
     def watch_guard() -> None:
         sys.stdin.buffer.read()  # returns when the guard's end of the pipe closes: it stopped or died

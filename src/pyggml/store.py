@@ -329,7 +329,7 @@ def _inside(path: Path, root: Path) -> bool:
 def file_facts(path: Path) -> tuple[str, str]:
     """(architecture, main weight type) read from a GGUF header without loading it; ("?", "?")
     for a file that cannot be read."""
-    from pyggml.metadata import GGUFError, read_gguf_summary
+    from pyggml.backend.metadata import GGUFError, read_gguf_summary
 
     try:
         summary = read_gguf_summary(path)
@@ -343,7 +343,7 @@ def check_has_weights(path: Path) -> None:
     """``ValueError`` for a GGUF with a vocabulary and no tensors (llama.cpp's ggml-vocab-*.gguf
     files), which would otherwise fail listing every weight the architecture needs. Reads the header
     natively, skipping the arrays: it runs before every load."""
-    from pyggml.metadata import GGUFError, read_gguf_summary
+    from pyggml.backend.metadata import GGUFError, read_gguf_summary
 
     try:
         summary = read_gguf_summary(path)

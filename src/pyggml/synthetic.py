@@ -159,7 +159,7 @@ def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] |
     return a tensor's values (None: the default); ``omit`` leaves tensors out (e.g. ``output.weight``:
     tied embeddings); ``shapes`` overrides declared shapes (ggml order; for tests of malformed files).
     ``progress(done, total)`` counts elements."""
-    from pyggml.metadata import Config
+    from pyggml.backend.metadata import Config
     from pyggml.models import ModelError, registry
 
     model = registry().get(arch)

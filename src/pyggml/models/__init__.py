@@ -199,7 +199,7 @@ def load(path: str | os.PathLike, params: BackendParams | None = None, progress:
     """Load a GGUF file and build the model its architecture names, with its tokenizer; ``mmproj``: a
     llama.cpp multimodal projector file (``general.architecture = clip``) giving it its vision part."""
     from pyggml.backend import Backend
-    from pyggml.metadata import GGUFError
+    from pyggml.backend.metadata import GGUFError
     from pyggml.tokenizer import from_metadata
 
     _import_builtin()

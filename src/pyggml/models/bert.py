@@ -16,7 +16,7 @@ import numpy as np
 
 from pyggml import nn
 from pyggml.backend import Backend, Context
-from pyggml.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
+from pyggml.backend.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from pyggml.models import Batch, Model, ModelError, Pooling, register
 from pyggml.models.pooling import check_batch, pool, sequence_mask
 from pyggml.tensor import Tensor

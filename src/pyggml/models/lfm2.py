@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from pyggml import nn
 from pyggml.backend import Backend, Context
+from pyggml.backend.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from pyggml.kvcache import Causal, Recurrent, Wrapper
-from pyggml.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from pyggml.models import Batch, Model, ModelError, register
 from pyggml.tensor import RopeType, Tensor
 

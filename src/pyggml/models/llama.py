@@ -13,8 +13,8 @@ from typing import ClassVar
 
 from pyggml import nn
 from pyggml.backend import Backend, Context
+from pyggml.backend.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from pyggml.kvcache import Causal
-from pyggml.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from pyggml.models import Batch, Model, ModelError, register
 from pyggml.tensor import RopeType, Tensor
 

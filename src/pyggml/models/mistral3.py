@@ -16,8 +16,8 @@ import numpy as np
 
 from pyggml import nn
 from pyggml.backend import Context
+from pyggml.backend.metadata import MAX_CONTEXT
 from pyggml.kvcache import Causal
-from pyggml.metadata import MAX_CONTEXT
 from pyggml.models import Batch, ModelError, llama, register
 from pyggml.tensor import Tensor
 

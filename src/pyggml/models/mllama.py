@@ -21,8 +21,8 @@ import numpy as np
 
 from pyggml import nn
 from pyggml.backend import Backend, Context
+from pyggml.backend.metadata import MAX_LAYERS
 from pyggml.kvcache import Causal, Encoder, Wrapper
-from pyggml.metadata import MAX_LAYERS
 from pyggml.models import Batch, ModelError, llama, mllama_vision, register
 from pyggml.tensor import DType, Tensor
 

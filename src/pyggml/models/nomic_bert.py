@@ -18,7 +18,7 @@ import numpy as np
 
 from pyggml import nn
 from pyggml.backend import Context
-from pyggml.metadata import MAX_WIDTH
+from pyggml.backend.metadata import MAX_WIDTH
 from pyggml.models import ModelError, Pooling, register
 from pyggml.models.bert import Bert, encoder_options
 from pyggml.models.pooling import sequence_mask

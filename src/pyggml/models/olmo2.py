@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from pyggml import nn
 from pyggml.backend import Backend, Context
+from pyggml.backend.metadata import MAX_CONTEXT, MAX_VOCAB, MAX_WIDTH
 from pyggml.kvcache import Cache, Causal, Wrapper
-from pyggml.metadata import MAX_CONTEXT, MAX_VOCAB, MAX_WIDTH
 from pyggml.models import Batch, Model, ModelError, register
 from pyggml.tensor import RopeType, Tensor
 

@@ -155,7 +155,7 @@ def serve(engine: EngineConfig | str | os.PathLike | None, server: ServerConfig 
         if engine.model is None:
             max_loaded = server.max_loaded
             if max_loaded is None:  # Ollama: 1 model at a time on a CPU, 3 per GPU
-                from pyggml.hardware import devices
+                from pyggml.backend.hardware import devices
 
                 max_loaded = 3 if any(d.kind in ("gpu", "igpu") for d in devices()) else 1
             tokens = engine.parallel * (engine.num_ctx or DEFAULT_CONTEXT)  # the KV cache one model holds (at most)

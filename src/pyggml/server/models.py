@@ -327,7 +327,7 @@ def _ref_entry(ref: ModelRef) -> dict[str, Any]:
 
 
 def _parameter_count(ref: ModelRef) -> int:
-    from pyggml.metadata import GGUFError, read_gguf_summary
+    from pyggml.backend.metadata import GGUFError, read_gguf_summary
 
     try:
         return read_gguf_summary(ref.path).n_parameters
@@ -355,7 +355,7 @@ def available_memory() -> int | None:
 def estimate_memory(ref: ModelRef, num_ctx_total: int = 4096 * 4) -> int:
     """Bytes a model needs loaded: its weights (the file) and an F16 KV cache of ``num_ctx_total``
     tokens, from the header's dimensions (weights only when they are unknown)."""
-    from pyggml.metadata import GGUFError, read_gguf_summary
+    from pyggml.backend.metadata import GGUFError, read_gguf_summary
 
     try:
         config = read_gguf_summary(ref.path).config

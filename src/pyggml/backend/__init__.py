@@ -4,7 +4,7 @@ A ``Backend`` owns ggml backends (CPU, plus GPUs when built with them), a ``ggml
 that splits graphs across them, and the model weights read from a GGUF file. A ``Context`` builds
 one graph: tensors made in it are nodes, data given with ``from_numpy`` is uploaded at
 ``compute``, and results stay readable until the backend computes another graph. The GGUF metadata
-(``Config``) is ``pyggml.metadata``; devices, threads and RPC devices are ``pyggml.hardware``.
+(``Config``) is ``pyggml.backend.metadata``; devices, threads and RPC devices are ``pyggml.backend.hardware``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 from pyggml import rpc as _rpc
 from pyggml._ggml import ffi, lib
-from pyggml.hardware import (
+from pyggml.backend.hardware import (
     NULL,
     FreeCores,
     GGMLError,
@@ -37,7 +37,7 @@ from pyggml.hardware import (
     rpc_relay,
     with_ggml_log,
 )
-from pyggml.metadata import Config, GGUFError, read_metadata, refused_gguf
+from pyggml.backend.metadata import Config, GGUFError, read_metadata, refused_gguf
 from pyggml.rpc import RPCError
 from pyggml.tensor import (
     _INTERMEDIATE,

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from pyggml._ggml import ffi, lib
-from pyggml.hardware import NULL, ggml_log
+from pyggml.backend.hardware import NULL, ggml_log
 from pyggml.tensor import DType
 
 
