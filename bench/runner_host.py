@@ -44,9 +44,10 @@ TIMED: dict[str, list[tuple[str, str | None, str]]] = {
     "cache": [("pyggml.runner.engine", "Engine", "build")],
     "sched": [("pyggml.runner.runner", "Runner", name) for name in
               ("_iterate", "_build", "_admit", "_fill", "_start_masks", "_draft_all")],
-    "sample": [("pyggml.runner.runner", "Runner", "_complete"), ("pyggml.sample", "Sampler", "sample"),
+    "sample": [("pyggml.runner.runner", "Runner", "_complete"), ("pyggml.runner.runner", "Runner", "_sample"),
+               ("pyggml.sample", "Sampler", "sample"),
                ("pyggml.sample", None, "sample_rows"), ("pyggml.sample", None, "sample_top")],
-    "detok": [("pyggml.runner.sequence", "RunningSequence", "accept")],
+    "detok": [("pyggml.runner.runner", "Runner", "_accept"), ("pyggml.runner.sequence", "RunningSequence", "accept")],
     "stream": [("pyggml.runner.sequence", "RunningSequence", "_put"), ("pyggml.runner.runner", "Runner", "_notify"),
                ("pyggml.runner.sequence", "CompletionStream", "__next__")],
 }

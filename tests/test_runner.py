@@ -225,6 +225,33 @@ def test_a_prefix_copied_on_admission_waits_for_the_step_in_flight(stories, monk
     assert second[-1].cached_tokens > 0 and overlapping and not any(overlapping)
 
 
+def test_with_build_ahead_a_step_computes_while_the_previous_tokens_stream(stories, monkeypatch):
+    """Issue 26 (overlap): once a step's tokens are sampled, the next step (built ahead) launches before
+    they are detokenized, stop-matched and streamed, so that host work runs beside the device's; the
+    output is what a runner without build-ahead gives (a stop string ends one sequence mid-way)."""
+    from pyggml.runner.sequence import RunningSequence
+
+    beside = []
+    accept = RunningSequence.accept
+
+    def spying_accept(self, token, logits):
+        step = runner.in_flight
+        beside.append(step is not None and step.future is not None)
+        return accept(self, token, logits)
+
+    requests = [dict(prompt="Once upon a time", max_tokens=24), dict(prompt="Lily went to the", max_tokens=30,
+                                                                     stop=["park"])]
+    with Runner(stories, parallel=2, num_ctx=128, batch_size=16, build_ahead=False) as runner:
+        plain = run_concurrently(runner, requests)
+    monkeypatch.setattr(RunningSequence, "accept", spying_accept)
+    with Runner(stories, parallel=2, num_ctx=128, batch_size=16, build_ahead=True) as runner:
+        ahead = run_concurrently(runner, requests)
+    assert [(text, tokens_of(chunks)) for text, chunks in ahead] == \
+        [(text, tokens_of(chunks)) for text, chunks in plain]
+    assert plain[1][1][-1].finish_reason == "stop"
+    assert sum(beside) > len(beside) // 2  # most tokens were taken while the next step computed
+
+
 def test_context_shift_reprocesses_when_the_cache_cannot_shift(stories_path):
     model = load(stories_path)
     model.cache = Causal(None)  # a model without a key-shift function

@@ -706,5 +706,11 @@ def refill_batch_inputs(ctx: Context, batch: Batch) -> None:
     """Write ``batch``'s tokens, positions and output rows into a graph built by ``batch_inputs``
     for a batch of the same shape."""
     ctx.set_input(_TOKENS, batch.tokens)
-    ctx.set_input(_POSITIONS, batch.positions)
-    ctx.set_input(_OUTPUTS, batch.output_rows)
+    ctx.set_input(_POSITIONS, _int32_list(batch.positions))
+    ctx.set_input(_OUTPUTS, _int32_list(batch.output_rows))
+
+
+def _int32_list(values: Any) -> Any:
+    """A list of ints as int32 at once (numpy raises OverflowError for one out of range): the range
+    check ``set_input`` does on an int64 array costs more than the rest of a decode step's refill."""
+    return np.asarray(values, dtype=np.int32) if isinstance(values, list) else values

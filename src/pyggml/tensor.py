@@ -1338,6 +1338,18 @@ def _shape_arg(shape: tuple) -> tuple[int, ...]:
     return tuple(map(int, shape))
 
 
+_INT_LIMITS: dict[np.dtype, tuple[int, int]] = {}
+
+
+def _int_limits(np_dtype: np.dtype) -> tuple[int, int]:
+    """(min, max) of an integer dtype; cached: ``np.iinfo`` costs more than a decode step's inputs."""
+    limits = _INT_LIMITS.get(np_dtype)
+    if limits is None:
+        info = np.iinfo(np_dtype)
+        limits = _INT_LIMITS[np_dtype] = (int(info.min), int(info.max))
+    return limits
+
+
 def _prepare_host_array(array: Any, dtype: DType, shape: tuple[int, ...], op: str) -> np.ndarray:
     """A C-contiguous array holding exactly the bytes ggml expects for (dtype, shape)."""
     array = np.asarray(array)
@@ -1355,10 +1367,10 @@ def _prepare_host_array(array: Any, dtype: DType, shape: tuple[int, ...], op: st
         if array.dtype.kind == "f" and np_dtype.kind in "iu":
             raise TypeError(f"{op}: refusing to truncate {array.dtype} data into a {dtype.name} tensor")
         if array.dtype.kind in "iu" and np_dtype.kind in "iu" and array.size and not np.can_cast(array.dtype, np_dtype):
-            info, lo, hi = np.iinfo(np_dtype), int(array.min()), int(array.max())
-            if lo < info.min or hi > info.max:  # astype would wrap them around silently
+            (low, high), lo, hi = _int_limits(np_dtype), int(array.min()), int(array.max())
+            if lo < low or hi > high:  # astype would wrap them around silently
                 raise ValueError(f"{op}: {array.dtype} values in {lo}..{hi} do not fit a {dtype.name} tensor "
-                                 f"({info.min}..{info.max})")
+                                 f"({low}..{high})")
         array = array.astype(np_dtype)
     return np.ascontiguousarray(array)
 

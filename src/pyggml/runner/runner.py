@@ -87,20 +87,20 @@ class Runner:
     serves ``embedding``/``embeddings`` instead, one forward pass at a time, with no KV cache; a
     model that only embeds refuses completions. One runner per model; close it before the model.
     ``device_sampling``: graphs end in a sampling head, and steps whose sequences all sample plainly
-    read each row's K largest logits instead of every logit (``Engine``; the same tokens)."""
+    read each row's K largest logits instead of every logit (``Engine``; the same tokens). Default:
+    on when a GPU computes the model (a CPU computes the head slower than numpy samples)."""
 
     def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool | None = None,
                  background: bool = True, draft: Model | None = None, draft_max: int = 8,
-                 device_sampling: bool = False):
+                 device_sampling: bool | None = None):
         parallel = self._check(model, parallel, num_ctx, batch_size)
         self.model, self.tokenizer = model, model.tokenizer
         self.parallel, self.num_ctx = parallel, num_ctx
         self.batch_size = min(batch_size, num_ctx)
         self.embedder = Embedder(model, num_ctx, batch_size) if model.pooling is not None else None
-        # off by default until issue 25's stale compute-buffer bug (argsort after an in-place op) is fixed:
-        # a graph reserved with the head made its top_k return garbage ids (tests/test_device_sampling.py);
-        # then the default is meant to be model.backend.has_gpu (a CPU computes the head slower than numpy)
+        if device_sampling is None:
+            device_sampling = model.backend.has_gpu
         self.engine = Engine(model, keep=2, sample_head=SAMPLE_HEAD_K if device_sampling else 0)
         # an image's inputs go in one batch (same_batch): one longer than batch_size gets a batch that
         # grows to hold it (as Ollama's runner does), up to max_batch, reserved below
@@ -327,11 +327,14 @@ class Runner:
         for plugin in self.plugins:
             plugin.before_build()
         step = self._build()
-        self.complete_in_flight()
-        if step is None:
+        done, self._in_flight = self._in_flight, None
+        taken = self._sample(done) if done is not None else []
+        if step is not None:
+            self._launch(step)  # before ``done``'s tokens are detokenized and streamed: they run beside it
+        if done is not None:
+            self._accept(done, taken)
+        if step is None or done is not None:
             self._notify()
-            return True
-        self._launch(step)
         return True
 
     def _next_requests(self, block: bool) -> list[RunningSequence] | None:
@@ -424,7 +427,7 @@ class Runner:
             wait([self._in_flight.future])
 
     def complete_in_flight(self) -> None:
-        """Wait for the step in flight and sample it."""
+        """Wait for the step in flight, sample it and take its tokens."""
         if self._in_flight is not None:
             step, self._in_flight = self._in_flight, None
             self._complete(step)
@@ -482,39 +485,53 @@ class Runner:
         return self.engine.compute(step.graph, read=read)
 
     def _complete(self, step: Step) -> None:
-        """Wait for a batch, then let the plug-ins and the samplers take its logits rows."""
+        """Wait for a batch, sample it and take its tokens."""
+        self._accept(step, self._sample(step))
+
+    def _sample(self, step: Step) -> list[tuple[RunningSequence, int, np.ndarray | None]]:
+        """Wait for a batch, let the plug-ins and then the samplers take its logits rows; fill the
+        placeholders of the batch built ahead. Returns the (sequence, token, logits row for logprobs)
+        still to ``_accept``: a constrained sequence takes its token here, since the next batch's
+        grammar masks start when it launches, which may be before ``_accept``."""
         try:
             logits = step.future.result() if step.future is not None else self._compute(step)
         except Exception as exc:
             self._reset(exc)
-            return
+            return []
         for row, seq in step.scored:
             seq.scores.append(logits[row].copy())
         for plugin in self.plugins:
             plugin.after_logits(step, logits)
-        self._sample_rows(step, logits)
+        for _, seq in step.rows:
+            seq.outputs_in_flight -= 1
+        live = [(row, seq) for row, seq in step.rows if not seq.done]
+        taken = []
+        for (row, seq), token in zip(live, sample_sequences(live, logits), strict=True):
+            if isinstance(token, Exception):
+                self.release(seq, error=token)
+                continue
+            placeholder, seq.placeholder = seq.placeholder, None
+            if placeholder is not None:
+                placeholder.token = token
+            item = (seq, token, logits[row] if seq.request.logprobs else None, placeholder is not None)
+            if seq.constraint is not None:
+                self._take(*item)
+            else:
+                taken.append(item)
+        return taken
+
+    def _accept(self, step: Step, taken: list) -> None:
+        """Each sequence takes its sampled token (detokenize, stop strings, stream); then the
+        sequences ``step`` finished by length end."""
+        for item in taken:
+            self._take(*item)
         for seq in step.finishing:
             if not seq.done:
                 self.release(seq, "cancelled" if seq.cancelled else "length")
 
-    def _sample_rows(self, step: Step, logits: np.ndarray) -> None:
-        """Sample every sequence with a plain logits row in ``step`` together (each grammar's mask
-        applied to its row) and stream the tokens."""
-        for _, seq in step.rows:
-            seq.outputs_in_flight -= 1
-        live = [(row, seq) for row, seq in step.rows if not seq.done]
-        for (row, seq), token in zip(live, sample_sequences(live, logits), strict=True):
-            if isinstance(token, Exception):
-                self.release(seq, error=token)
-            else:
-                self._take(seq, token, logits[row] if seq.request.logprobs else None)
-
-    def _take(self, seq: RunningSequence, token: int, row: np.ndarray | None) -> None:
-        """``seq`` sampled ``token`` from logits ``row``: fill its placeholder (build-ahead) or queue the
-        token as its next input, and stream it (or end the sequence)."""
-        placeholder, seq.placeholder = seq.placeholder, None
-        if placeholder is not None:
-            placeholder.token = token
+    def _take(self, seq: RunningSequence, token: int, row: np.ndarray | None, placed: bool) -> None:
+        """``seq`` sampled ``token`` (from logits ``row``; ``placed``: into the placeholder of the batch
+        built ahead, else it queues as the next input): stream it, or end the sequence."""
         try:
             reason = "cancelled" if seq.cancelled else seq.accept(token, row)
         except Exception as exc:  # the grammar refused the token: a bug, fail this sequence only
@@ -522,7 +539,7 @@ class Runner:
             return
         if reason:
             self.release(seq, reason)
-        elif placeholder is None:
+        elif not placed:
             seq.pending.append(Input(token=token))
 
     def _reset(self, exc: BaseException) -> None:
