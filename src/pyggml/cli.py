@@ -562,6 +562,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(sub)
     # ---- end bench ----
+    from pyggml.cli_models import add_parsers as add_model_parsers  # create, cp, rm, ps, stop, pull, push
+
+    add_model_parsers(sub)
     serve = sub.add_parser("serve", help="serve models over HTTP: Ollama's API (/api) and OpenAI's (/v1)")
     serve.add_argument("model", nargs="?", default=None,
                        help=f"GGUF file or model name, or '{DEMO}'; none: every model `pyggml list` finds, "
@@ -871,7 +874,8 @@ def _max_loaded(name: str) -> Any:
 
 # flag's dest: (commands, variables in order of precedence, parser factory taking the variable's name)
 ENVIRONMENT: dict[str, tuple[tuple[str, ...], tuple[str, ...], Any]] = {
-    "host": (("serve",), ("PYGGML_HOST", "OLLAMA_HOST"), _checked(lambda text: _listen_address(text, None))),
+    "host": (("serve", "ps", "stop"), ("PYGGML_HOST", "OLLAMA_HOST"),
+             _checked(lambda text: _listen_address(text, None))),
     "ctx": (("run", "serve"), ("OLLAMA_CONTEXT_LENGTH",), lambda name: _positive(name, 2)),
     "keep_alive": (("run", "serve"), ("OLLAMA_KEEP_ALIVE",), _checked(_keep_alive_text)),
     "parallel": (("serve",), ("OLLAMA_NUM_PARALLEL",), _positive),

@@ -1,0 +1,242 @@
+"""Model management as Ollama does it (issue 29 item 5): Modelfiles, ``pyggml create/cp/rm/pull``, the
+store written in Ollama's layout (manifest, config blob, layers by media type) and read back, and the
+routes ``/api/create``, ``/api/copy``, ``/api/delete``, ``/api/blobs/:digest`` and ``/api/ps`` through the
+official ``ollama`` client, on a small random-weight GGUF in temporary stores."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from pyggml import manifest, modelfile, store
+from pyggml.synthetic import write_synthetic
+
+MODELFILE = '''# a comment
+FROM ./tiny.gguf
+PARAMETER temperature 0
+PARAMETER stop <|im_end|>
+PARAMETER stop "two words"
+PARAMETER num_predict 3
+SYSTEM """You are
+terse."""
+LICENSE MIT
+message user hi
+MESSAGE assistant "hello \\"you\\""
+'''
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    return write_synthetic(tmp_path_factory.mktemp("manage") / "tiny.gguf", "tiny", "f32")
+
+
+@pytest.fixture
+def stores(tmp_path, monkeypatch):
+    for key, var in (("pyggml", "PYGGML_MODELS"), ("ollama", "OLLAMA_MODELS"), ("hf", "HF_HUB_CACHE"),
+                     ("cache", "PYGGML_CACHE_DIR")):
+        (tmp_path / key).mkdir()
+        monkeypatch.setenv(var, str(tmp_path / key))
+    return tmp_path
+
+
+def test_modelfile_parse_quotes_comments_and_repeats():
+    spec = modelfile.parse(MODELFILE)
+    assert spec.base == "./tiny.gguf"
+    assert spec.parameters == {"temperature": 0.0, "stop": ["<|im_end|>", "two words"], "num_predict": 3}
+    assert spec.system == "You are\nterse."
+    assert spec.license == ["MIT"]
+    assert spec.messages == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": 'hello "you"'}]
+    again = modelfile.parse(modelfile.render("x", "./tiny.gguf", system=spec.system, parameters=spec.parameters,
+                                             license=spec.license, messages=spec.messages))
+    assert again == spec  # what `show --modelfile` writes reads back the same
+
+
+@pytest.mark.parametrize("text, error", [
+    ("FROM x\nADAPTER ./lora.gguf", "line 2: ADAPTER is not supported"),
+    ("FROM x\nQUANTIZE q4", "unknown command 'QUANTIZE'"),
+    ("FROM x\nPARAMETER top_k many", "top_k must be an integer"),
+    ("FROM x\nPARAMETER nosuch 1", "unknown parameter 'nosuch'"),
+    ("FROM x\nMESSAGE robot hi", "MESSAGE role must be one of"),
+    ('FROM x\nSYSTEM """never closed', 'line 2: SYSTEM: the """ quote is never closed'),
+    ("PARAMETER temperature 1", "no FROM line"),
+    ("FROM x\nSYSTEM", "SYSTEM needs a value"),
+])
+def test_modelfile_mistakes_name_the_line(text, error):
+    with pytest.raises(ValueError, match=error.replace("(", r"\(")):
+        modelfile.parse(text)
+
+
+def _manifest(stores, name, tag="latest"):
+    return json.loads((stores / "ollama" / "manifests" / "registry.ollama.ai" / "library" / name / tag).read_text())
+
+
+def _blob_text(stores, digest):
+    return (stores / "ollama" / "blobs" / digest.replace(":", "-")).read_bytes()
+
+
+def test_create_writes_ollamas_layout_and_reads_it_back(stores, gguf, tmp_path):
+    from pyggml.cli import main
+
+    (tmp_path / "tiny.gguf").write_bytes(gguf.read_bytes())
+    (tmp_path / "Modelfile").write_text(MODELFILE)
+    assert main(["create", "mine", "-f", str(tmp_path / "Modelfile")]) == 0
+
+    data = _manifest(stores, "mine")
+    assert data["schemaVersion"] == 2 and data["mediaType"] == manifest.MANIFEST_MEDIA
+    kinds = [layer["mediaType"].rsplit(".", 1)[1] for layer in data["layers"]]
+    assert sorted(kinds) == ["license", "messages", "model", "params", "system"]
+    for layer in data["layers"]:  # content-addressed, sizes right
+        blob = _blob_text(stores, layer["digest"])
+        assert "sha256:" + hashlib.sha256(blob).hexdigest() == layer["digest"] and len(blob) == layer["size"]
+    config = json.loads(_blob_text(stores, data["config"]["digest"]))
+    assert config["model_format"] == "gguf" and config["model_family"] == "llama" and config["file_type"] == "F32"
+    assert config["rootfs"]["diff_ids"] == [layer["digest"] for layer in data["layers"]]
+    model_layer = next(layer for layer in data["layers"] if layer["mediaType"].endswith(".model"))
+    assert _blob_text(stores, model_layer["digest"]) == gguf.read_bytes()
+
+    ref = store.resolve("mine")
+    assert ref.source == "ollama" and ref.name == "mine:latest"
+    assert ref.params == {"temperature": 0.0, "stop": ["<|im_end|>", "two words"], "num_predict": 3}
+    assert ref.system == "You are\nterse." and ref.license == ["MIT"]
+    assert ref.messages[1] == {"role": "assistant", "content": 'hello "you"'}
+
+    # FROM a stored model: its layers, the new system message, parameters merged over the base's
+    (tmp_path / "Child").write_text("FROM mine\nSYSTEM Be kind.\nPARAMETER top_k 5\n")
+    assert main(["create", "child:v1", "-f", str(tmp_path / "Child")]) == 0
+    child = store.resolve("child:v1")
+    assert child.path == ref.path and child.system == "Be kind." and child.license == ["MIT"]
+    assert child.params == {**ref.params, "top_k": 5}
+
+
+def test_cp_rm_keep_shared_blobs_and_refuse_files(stores, gguf, tmp_path, capsys):
+    from pyggml.cli import main
+
+    (tmp_path / "Modelfile").write_text(f"FROM {gguf}\nSYSTEM one\n")
+    assert main(["create", "a", "-f", str(tmp_path / "Modelfile")]) == 0
+    assert main(["cp", "a", "b:tag"]) == 0
+    assert store.resolve("b:tag").system == "one"
+    blobs = sorted(p.name for p in (stores / "ollama" / "blobs").iterdir())
+    assert main(["rm", "a"]) == 0
+    assert sorted(p.name for p in (stores / "ollama" / "blobs").iterdir()) == blobs  # b:tag still uses them
+    assert main(["rm", "b:tag"]) == 0
+    assert list((stores / "ollama" / "blobs").iterdir()) == []
+    assert list((stores / "ollama" / "manifests").iterdir()) == []
+    capsys.readouterr()
+    assert main(["rm", "a"]) == 1
+    assert "model 'a' not found" in capsys.readouterr().err
+    assert main(["rm", str(gguf)]) == 1
+    assert "not a model in Ollama's store: delete the file itself" in capsys.readouterr().err
+    assert gguf.is_file()
+    assert main(["cp", "nosuch", "x"]) == 1
+    assert main(["pull", "llama3.2"]) == 1
+    assert "no network access" in capsys.readouterr().err
+    (tmp_path / "Bad").write_text("FROM x\nADAPTER ./lora.gguf\n")
+    with pytest.raises(SystemExit, match="ADAPTER is not supported"):
+        main(["create", "c", "-f", str(tmp_path / "Bad")])
+    with pytest.raises(SystemExit, match="cannot read the Modelfile"):
+        main(["create", "c", "-f", str(tmp_path / "missing")])
+    assert main(["cp", str(gguf), "../escape"]) == 1
+
+
+def test_invalid_names_and_digests():
+    for name in ("../x", "a/b/c/d", "x:../y", "-x", ""):
+        with pytest.raises(ValueError):
+            manifest.manifest_path(name)
+    for digest in ("sha256:abc", "md5:" + "0" * 64, "sha256:" + "G" * 64, "sha256:../" + "0" * 61):
+        with pytest.raises(ValueError):
+            manifest.check_digest(digest)
+    assert manifest.check_digest("sha256-" + "a" * 64) == "sha256:" + "a" * 64
+
+
+# ---- the routes, through the official ollama client -------------------------------------------------
+
+@pytest.fixture
+def server(stores):
+    pytest.importorskip("uvicorn")
+    ollama = pytest.importorskip("ollama")
+    from pyggml import BackendParams, models
+    from pyggml.repl import params_to_options
+    from pyggml.runner import Runner
+    from pyggml.server import ServedModel, create_app
+    from pyggml.server.models import ModelManager
+
+    from ._server import serving
+
+    def load(ref):
+        model = models.load(ref.path, BackendParams(n_threads=1))
+        served = ServedModel(Runner(model, parallel=1, num_ctx=128, batch_size=32), ref.path, name=ref.name)
+        served.aliases.update(ref.aliases)
+        served.defaults, served.system = params_to_options(ref.params), ref.system
+        return served
+
+    manager = ModelManager(load, max_loaded=1, tick=0.05)
+    with serving(create_app(manager)) as base:
+        yield base, ollama.Client(host=base)
+
+
+def test_create_copy_delete_blobs_and_ps_through_the_ollama_client(server, gguf, capsys):
+    import httpx
+    import ollama
+
+    from pyggml.cli import main
+
+    base, client = server
+    digest = "sha256:" + hashlib.sha256(gguf.read_bytes()).hexdigest()
+    assert httpx.head(f"{base}/api/blobs/{digest}").status_code == 404
+    assert client.create_blob(gguf) == digest
+    assert httpx.head(f"{base}/api/blobs/{digest}").status_code == 200
+    wrong = "sha256:" + "0" * 64
+    upload = {"Content-Type": "application/octet-stream"}
+    r = httpx.post(f"{base}/api/blobs/{wrong}", content=b"not that", headers=upload)
+    assert r.status_code == 400 and "digest mismatch" in r.json()["error"]
+    assert httpx.head(f"{base}/api/blobs/{wrong}").status_code == 404
+
+    r = client.create(model="made", files={"tiny.gguf": digest}, system="Answer briefly.",
+                      parameters={"num_predict": 2, "temperature": 0, "stop": ["\n\n"]}, license="MIT")
+    assert r.status == "success"
+    made = store.resolve("made")
+    assert made.system == "Answer briefly." and made.params["num_predict"] == 2 and made.license == ["MIT"]
+
+    statuses = [p.status for p in client.create(model="child", from_="made", system="Other.", stream=True)]
+    assert statuses[-1] == "success" and "writing manifest" in statuses
+    assert store.resolve("child").system == "Other." and store.resolve("child").params == made.params
+
+    out = client.generate(model="child", prompt="hi", options={"seed": 1})
+    assert out.eval_count == 2  # num_predict from the created params layer
+    assert [m.model for m in client.ps().models] == ["child:latest"]
+    assert main(["ps", "--host", base]) == 0  # `pyggml ps` and `stop` ask the running server
+    assert capsys.readouterr().out.splitlines()[1].split()[:1] == ["child:latest"]
+    assert main(["stop", "made", "--host", base]) == 1
+    assert "'made' is not loaded" in capsys.readouterr().err
+    assert main(["stop", "child", "--host", base]) == 0
+    assert client.ps().models == []
+
+    assert client.copy("made", "made-copy").status == "success"
+    assert store.resolve("made-copy").system == "Answer briefly."
+    assert client.delete("made-copy").status == "success"
+    with pytest.raises(ollama.ResponseError) as err:
+        client.delete("made-copy")
+    assert err.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as err:
+        client.copy("nosuch", "x")
+    assert err.value.status_code == 404
+
+    refusals = [
+        ({"model": "x", "from": str(gguf)}, 404, "not found"),  # a path on the server is never read
+        ({"model": "x", "files": {"a.safetensors": digest}}, 400, "exactly one .gguf"),
+        ({"model": "x", "files": {"a.gguf": wrong}}, 404, "upload it first"),
+        ({"model": "x", "from": "made", "quantize": "q4_K_M"}, 400, "pyggml quantize"),
+        ({"model": "x", "from": "made", "adapters": {"a": digest}}, 400, "LoRA"),
+        ({"model": "x", "from": "made", "parameters": {"nosuch": 1}}, 400, "unknown parameter"),
+        ({"model": "../x", "from": "made"}, 400, "invalid model name"),
+        ({"model": "x"}, 400, "either from"),
+    ]
+    for body, status, text in refusals:
+        r = httpx.post(f"{base}/api/create", json={**body, "stream": False})
+        assert r.status_code == status and text in r.json()["error"], (body, r.text)
+    r = httpx.post(f"{base}/api/create", json={"model": "x", "from": "nosuch"})  # streamed: the error is a line
+    assert json.loads(r.text.splitlines()[-1])["error"].startswith("model 'nosuch' not found")
+    r = httpx.post(f"{base}/api/pull", json={"model": "llama3.2"})
+    assert r.status_code == 501 and "no network access" in r.json()["error"]
