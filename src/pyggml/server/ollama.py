@@ -20,7 +20,7 @@ import pyggml
 from pyggml.image import image_bytes
 from pyggml.repl import parse_duration
 from pyggml.runner import CompletionChunk, CompletionRequest
-from pyggml.server.chat import chat_prompt
+from pyggml.server.chat import chat_prompt, think_variables
 from pyggml.server.models import served_for
 from pyggml.server.params import (
     APIError,
@@ -32,6 +32,7 @@ from pyggml.server.params import (
     runner_logprobs,
 )
 from pyggml.server.service import Job, ServedModel, stream_response
+from pyggml.thinking import Splitter, Think, check_think, splitter_for
 
 NDJSON = "application/x-ndjson"
 _COMMON = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs", "grammar"}
@@ -44,29 +45,28 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _check_generation_fields(f: Fields) -> None:
-    f.unsupported("think", (False,), "is supported on /api/chat only")
-
-
-def _think(f: Fields) -> bool | None:
-    """Ollama's ``think``: true or false (the levels are gpt-oss's, whose channels are not read)."""
-    value = f.data.get("think")
-    if value is None or isinstance(value, bool):
-        return value
-    if value in ("low", "medium", "high"):
-        raise APIError(400, f"think {value!r}: levels are for gpt-oss, which this server does not read; "
-                       "give true or false", param="think")
-    raise APIError(400, f"think must be true or false, got {value!r:.40}", param="think")
+def _think(f: Fields) -> Think:
+    """Ollama's ``think``: true, false, or a level ("low", "medium", "high": gpt-oss)."""
+    try:
+        return check_think(f.data.get("think"))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="think") from None
 
 
 async def generate(request: Request) -> Response:
     body = await read_json(request)
     f = Fields(body, "the request", GENERATE_FIELDS)
     served = await served_for(request, body.get("model"), body.get("keep_alive"))
-    _check_generation_fields(f)
+    think = _think(f)
     f.unsupported("suffix", what="(fill-in-the-middle) is not supported by this server")
     f.unsupported("template", what="is not supported: the model's own chat template is used")
     prompt, system, raw = f.string("prompt", ""), f.string("system") or served.system, f.boolean("raw", False)
+    chat = not raw and not served.template.is_fallback
+    if think is not None and not chat:
+        raise APIError(400, "think needs the model's chat template (not raw, and a model that has one)",
+                       param="think")
+    variables = think_variables(served, think) if chat else {}
+    rendered: list[str] = []
     images = _images(f.array("images") or [], "images")
     if images and "[img-" not in prompt:  # Ollama puts a prompt's images before its text
         prompt = "".join(f"[img-{i}]" for i in range(len(images))) + prompt
@@ -84,11 +84,12 @@ async def generate(request: Request) -> Response:
                              "done_reason": await _load_or_unload(request, body)})
 
     def prepare() -> CompletionRequest:
-        text, chat = prompt, False
-        if not raw and not served.template.is_fallback:
+        text = prompt
+        if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + \
                        [{"role": "user", "content": prompt}]
-            text, chat = served.render(messages), True
+            text = served.render(messages, **variables)
+            rendered.append(text)
         elif system and not raw:
             text = f"{system}\n\n{prompt}"
         if context:
@@ -97,7 +98,23 @@ async def generate(request: Request) -> Response:
             return served.image_request(text, chat, images, logprobs=runner_logprobs(logprobs), **options)
         return served.request(served.prompt_ids(text, chat), logprobs=runner_logprobs(logprobs), **options)
 
-    return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, _generate_piece)
+    splitter: list[Splitter | None] = []
+
+    def piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
+        if not splitter:  # known once the prompt is rendered
+            splitter.append(splitter_for(served.template.source, rendered[0]) if rendered else None)
+        thinking = ""
+        if splitter[0] is not None:
+            thinking, text = splitter[0].feed(text)
+            if chunk.done:
+                more, rest = splitter[0].flush()
+                thinking, text = thinking + more, text + rest
+        out = _generate_piece(served, job, chunk, text)
+        if thinking and think is not False:  # as on /api/chat: think false drops what a model thinks anyway
+            out["thinking"] = thinking
+        return out
+
+    return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, piece)
 
 
 async def _load_or_unload(request: Request, body: dict[str, Any]) -> str:

@@ -30,7 +30,11 @@ FIM_TEXTS = {
 }
 _FIM_OLD_KEYS = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}
 _FIM_EOG = ("fim_pad", "fim_rep", "fim_sep")
-_LOOKED_UP = EOG_TEXTS.union(*FIM_TEXTS.values())
+# gpt-oss (harmony), as llama.cpp: the headers of its messages are written out (a reader finds the
+# channels in the text), and with <|return|> and <|call|> to end a reply, <|end|> (the end of its
+# thinking message) does not end generation
+HARMONY_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+_LOOKED_UP = EOG_TEXTS.union(*FIM_TEXTS.values(), HARMONY_SHOWN)
 
 # tokenizer.ggml.pre values whose defaults differ from plain BPE: llama3-style
 # vocabularies add BOS, and they and GLM take whole-token pre-tokens as they are;
@@ -148,6 +152,11 @@ def _end_of_generation(tokens: list[str], types: list[int],
             control.add(tid)
         if role in _FIM_EOG:
             eog.add(tid)
+    if "<|return|>" in found and "<|call|>" in found:
+        eog.discard(found.get("<|end|>"))
+        for text in HARMONY_SHOWN:
+            if text in found:
+                types[found[text]] = TokenType.USER_DEFINED
     for i in control - {None}:
         types[i] = TokenType.CONTROL
     return eog
