@@ -61,10 +61,12 @@ def _model_path(name: str) -> Path:
     return _resolve(name).path
 
 
-def _load(args: argparse.Namespace, ref: str | None = None) -> Any:
+def _load(args: argparse.Namespace, ref: str | None = None, num_ctx: int | None = None) -> Any:
     from pyggml.llm import LLM
     from pyggml.store import check_has_weights
 
+    if num_ctx is not None:  # the REPL's /set parameter num_ctx, or a stored model's num_ctx
+        args = argparse.Namespace(**{**vars(args), "ctx": num_ctx})
     ref = args.model if ref is None else ref
     path = _resolve(ref).path
     if ref == DEMO:
@@ -188,14 +190,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     ref = _resolve(args.model)
     options = _sampling_options(args, ref.params)
     args.system = args.system if args.system is not None else ref.system
+    stored_ctx = ref.params.get("num_ctx")
+    if args.ctx is None and isinstance(stored_ctx, int) and stored_ctx > 1:  # a stored model's PARAMETER num_ctx
+        args.ctx = stored_ctx
     keep_alive = parse_duration(args.keep_alive) if args.keep_alive is not None else None
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     if prompt is None:
-        session = Session(load=lambda ref: _load(args, ref), model_ref=args.model, options=options,
-                          system=args.system, raw=args.raw, verbose=args.verbose, keep_alive=keep_alive,
-                          images=[Path(p) for p in args.image])
+        session = Session(load=lambda ref, num_ctx=None: _load(args, ref, num_ctx), model_ref=args.model,
+                          options=options, system=args.system, raw=args.raw, verbose=args.verbose,
+                          keep_alive=keep_alive, images=[Path(p) for p in args.image], think=args.think,
+                          hide_thinking=args.hidethinking, lookup=_resolve,
+                          defaults=lambda params: _sampling_options(args, params), ref=ref,
+                          messages=[dict(m) for m in ref.messages])
         return session.run()
     llm = _load(args)
     try:
@@ -206,14 +214,27 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _once(llm: Any, prompt: str, options: dict, args: argparse.Namespace) -> None:
-    from pyggml.repl import image_content, print_stats
+    from pyggml.chat import ChatTemplate, encode_prompt
+    from pyggml.repl import image_content, print_stats, shown
+    from pyggml.thinking import splitter_for, template_thinks, template_variables
 
     start = time.perf_counter()
     images = [Path(p) for p in args.image]  # read (and checked) by generate
     if _has_template(llm) and not args.raw:
         user = {"role": "user", "content": image_content(prompt, images) if images else prompt}
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [user]
-        pieces = llm.chat(messages, stream=True, **options)
+        template = ChatTemplate.from_model(llm.model)
+        if template_thinks(template.source) and not images:  # the thinking is shown apart
+            variables = template_variables(template.source, args.think)
+            text = template.render(messages, add_generation_prompt=True, **variables)
+            pieces = llm.generate(encode_prompt(llm.tokenizer, text), stream=True, **options)
+            pieces = shown(pieces, splitter_for(template.source, text),
+                           show_thinking=args.think is not False and not args.hidethinking)
+        else:
+            if args.think:
+                raise ValueError("--think: the model does not think (its chat template has no <think> block or "
+                                 "harmony channels)")
+            pieces = llm.chat(messages, stream=True, **options)
     else:
         text = f"{args.system}\n\n{prompt}" if args.system else prompt
         pieces = llm.generate(text, stream=True, images=images, **options)
@@ -422,6 +443,10 @@ def _add_run_parser(sub: Any) -> None:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--system", default=None, help="system message")
     run.add_argument("--raw", action="store_true", help="plain completion: no chat template, no history")
+    run.add_argument("--think", nargs="?", const=True, type=_think, default=None, metavar="true|false|LEVEL",
+                     help="ask a model that thinks to think, or not (gpt-oss: low, medium, high); its thinking is "
+                          "shown apart (write --think=high before a prompt)")
+    run.add_argument("--hidethinking", action="store_true", help="think, but do not show the thinking")
     run.add_argument("--keep-alive", default=None, metavar="DURATION",
                      help="unload the model after this long idle at the prompt (e.g. 5m, 30s; default: "
                           "$OLLAMA_KEEP_ALIVE, else never)")
@@ -822,6 +847,13 @@ def _seconds(flag: str) -> Any:
         return value
 
     return parse
+
+
+def _think(text: str) -> bool | str:
+    value = {"true": True, "false": False}.get(text.lower(), text.lower())
+    if value not in (True, False, "low", "medium", "high"):
+        raise argparse.ArgumentTypeError(f"--think takes true, false, low, medium or high, got {text!r}")
+    return value
 
 
 def _temperature(text: str) -> float:
