@@ -168,7 +168,7 @@ def server(stores):
         model = models.load(ref.path, BackendParams(n_threads=1))
         served = ServedModel(Runner(model, parallel=1, num_ctx=128, batch_size=32), ref.path, name=ref.name)
         served.aliases.update(ref.aliases)
-        served.defaults, served.system = params_to_options(ref.params), ref.system
+        served.defaults, served.system, served.ref = params_to_options(ref.params), ref.system, ref
         return served
 
     manager = ModelManager(load, max_loaded=1, tick=0.05)
@@ -212,6 +212,20 @@ def test_create_copy_delete_blobs_and_ps_through_the_ollama_client(server, gguf,
     assert "'made' is not loaded" in capsys.readouterr().err
     assert main(["stop", "child", "--host", base]) == 0
     assert client.ps().models == []
+
+    show = client.show("made")  # what the layers say, as Ollama reports them
+    assert httpx.post(f"{base}/api/show", json={"model": "made"}).json()["system"] == "Answer briefly."
+    assert show.license == "MIT"
+    assert "num_predict" in show.parameters and "num_ctx" in show.parameters
+    assert 'SYSTEM """Answer briefly."""' in show.modelfile and "PARAMETER num_predict 2" in show.modelfile
+    assert 'LICENSE """MIT"""' in show.modelfile and str(gguf.parent) not in show.modelfile
+
+    turns = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
+    client.create(model="talk", from_="made", messages=turns)
+    asked = [{"role": "user", "content": "hi"}]
+    plain, talk = client.chat(model="made", messages=asked), client.chat(model="talk", messages=asked)
+    assert talk.prompt_eval_count > plain.prompt_eval_count  # the stored turns begin the conversation
+    assert httpx.post(f"{base}/api/show", json={"model": "talk"}).json()["messages"] == turns
 
     assert client.copy("made", "made-copy").status == "success"
     assert store.resolve("made-copy").system == "Answer briefly."

@@ -140,13 +140,15 @@ def serve(engine: EngineConfig | str | os.PathLike | None, server: ServerConfig 
             """``ref`` served by the engine ``engine`` describes (an Ollama model's projector layer is its
             mmproj, dropped with a warning when it cannot be used)."""
             check_has_weights(ref.path)
+            stored_ctx = ref.params.get("num_ctx")  # a stored model's PARAMETER num_ctx, unless --ctx says
+            num_ctx = engine.num_ctx or (stored_ctx if isinstance(stored_ctx, int) and stored_ctx > 1 else None)
             runner = open_engine(dataclasses.replace(engine, model=ref.path, mmproj=engine.mmproj or ref.projector,
-                                                     mmproj_optional=engine.mmproj is None))
+                                                     mmproj_optional=engine.mmproj is None, num_ctx=num_ctx))
             try:
                 served = ServedModel(runner, ref.path, queue=server.queue, name=ref.name,
                                      max_predict=server.max_predict, queue_timeout=server.queue_timeout)
                 served.aliases.update(ref.aliases)
-                served.defaults, served.system = params_to_options(ref.params), ref.system
+                served.defaults, served.system, served.ref = params_to_options(ref.params), ref.system, ref
                 served.draft = runner.drafter.model if runner.drafter is not None else None
                 return served
             except BaseException:

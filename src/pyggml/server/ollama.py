@@ -18,6 +18,8 @@ from starlette.routing import Route
 
 import pyggml
 from pyggml.image import image_bytes
+from pyggml.modelfile import parameters_text
+from pyggml.modelfile import render as render_modelfile
 from pyggml.repl import parse_duration
 from pyggml.runner import CompletionChunk, CompletionRequest
 from pyggml.server.chat import chat_prompt, think_variables
@@ -152,6 +154,9 @@ async def chat(request: Request) -> Response:
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": await _load_or_unload(request, body)})
     prompt = chat_prompt(served, raw_messages, tools, think=think)
+    if served.ref is not None and served.ref.messages:  # a stored model's MESSAGE turns begin the conversation
+        first = 1 if prompt.messages and prompt.messages[0]["role"] == "system" else 0
+        prompt.messages[first:first] = [dict(m) for m in served.ref.messages]
     if served.system and not any(m["role"] == "system" for m in prompt.messages):  # the model's default system message
         prompt.messages.insert(0, {"role": "system", "content": served.system})
     prepare = prompt.prepare(options.pop("max_tokens", None), options, logprobs)
@@ -271,16 +276,28 @@ async def show(request: Request) -> Response:
     info: dict[str, Any] = {"general.parameter_count": served.parameters}
     for key, value in served.model.config.items():
         info[key] = value if verbose or not isinstance(value, list) else None
-    return JSONResponse({
-        "license": served.model.config.get("general.license") or "",
-        "modelfile": f"FROM {served.path if served.show_path else served.path.name}\n",
-        "parameters": f"num_ctx {served.runner.num_ctx}",
+    ref = served.ref
+    stored = {k: v for k, v in (ref.params if ref is not None else {}).items() if k != "num_ctx"}
+    params = {**stored, "num_ctx": served.runner.num_ctx}  # the context it runs with
+    licenses = list(ref.license) if ref is not None and ref.license else []
+    messages = list(ref.messages) if ref is not None else []
+    out = {
+        "license": "\n\n".join(licenses) or served.model.config.get("general.license") or "",
+        "modelfile": render_modelfile(served.name, str(served.path if served.show_path else served.path.name),
+                                      template=ref.template if ref is not None else None, system=served.system,
+                                      parameters=params, license=licenses, messages=messages),
+        "parameters": parameters_text(params),
         "template": served.template.source,
         "details": served.details,
         "model_info": info,
         "capabilities": served.capabilities,
         "modified_at": served.modified_at,
-    })
+    }
+    if served.system:
+        out["system"] = served.system
+    if messages:
+        out["messages"] = messages
+    return JSONResponse(out)
 
 
 async def version(request: Request) -> Response:
