@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import pyggml
+from pyggml.chat import fill_in_the_middle
 from pyggml.image import image_bytes
 from pyggml.modelfile import parameters_text
 from pyggml.modelfile import render as render_modelfile
@@ -59,8 +60,7 @@ async def generate(request: Request) -> Response:
     body = await read_json(request)
     f = Fields(body, "the request", GENERATE_FIELDS)
     served = await served_for(request, body.get("model"), body.get("keep_alive"))
-    think = _think(f)
-    f.unsupported("suffix", what="(fill-in-the-middle) is not supported by this server")
+    think, suffix = _think(f), f.string("suffix")
     f.unsupported("template", what="is not supported: the model's own chat template is used")
     prompt, system, raw = f.string("prompt", ""), f.string("system") or served.system, f.boolean("raw", False)
     chat = not raw and not served.template.is_fallback
@@ -81,9 +81,11 @@ async def generate(request: Request) -> Response:
     if len(context) > served.runner.num_ctx:
         raise APIError(400, f"context of {len(context)} tokens does not fit the context of {served.runner.num_ctx} "
                        "tokens", param="context")
-    if not prompt and not context:  # Ollama's way to load (or, with keep_alive 0, unload) a model
+    if not prompt and not context and not suffix:  # Ollama's way to load (or, with keep_alive 0, unload) a model
         return JSONResponse({"model": served.name, "created_at": _now(), "response": "", "done": True,
                              "done_reason": await _load_or_unload(request, body)})
+    if suffix:
+        return await _fill_in_the_middle(request, served, f, prompt, suffix, options, logprobs)
 
     def prepare() -> CompletionRequest:
         text = prompt
@@ -117,6 +119,24 @@ async def generate(request: Request) -> Response:
         return out
 
     return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, piece)
+
+
+async def _fill_in_the_middle(request: Request, served: ServedModel, f: Fields, prompt: str, suffix: str,
+                              options: dict[str, Any], logprobs: int | None) -> Response:
+    """``suffix``: the text between ``prompt`` and ``suffix`` (a code model's fill-in-the-middle tokens;
+    no template, no system message)."""
+    for key in ("images", "context", "think"):
+        f.unsupported(key, (False,), "cannot go with suffix (fill-in-the-middle)")
+    served.check_prompt_size(prompt + suffix)
+    try:
+        ids = fill_in_the_middle(served.tokenizer, prompt, suffix)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="suffix") from None
+
+    def prepare() -> CompletionRequest:
+        return served.request(ids, logprobs=runner_logprobs(logprobs), **options)
+
+    return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, _generate_piece)
 
 
 async def _load_or_unload(request: Request, body: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -80,6 +80,8 @@ class Vocab:
     add_sep: bool
     add_space_prefix: bool
     ignore_merges: bool
+    # fill-in-the-middle tokens by role ("fim_pre", "fim_suf", "fim_mid", ...), from their id keys or texts
+    fim: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Vocab:
@@ -124,7 +126,8 @@ class Vocab:
             bos, eos, unk = token_id("bos_token_id"), token_id("eos_token_id"), token_id("unknown_token_id")
             sep = token_id("seperator_token_id")
             add_bos, add_eos, add_sep = pre in LLAMA3_PRE, False, pre in SEP_PRE
-        eog = _end_of_generation(tokens, types, token_id)
+        fim: dict[str, int] = {}
+        eog = _end_of_generation(tokens, types, token_id, fim)
         return cls(
             model=model, pre=pre, name=str(meta.get("general.name", "")).lower(),
             tokens=tokens, types=types, scores=scores, merges=merges,
@@ -133,13 +136,14 @@ class Vocab:
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", add_eos)),
             add_sep=bool(meta.get("tokenizer.ggml.add_sep_token", add_sep)),
             add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", model == "llama")),
-            ignore_merges=pre in IGNORE_MERGES_PRE,
+            ignore_merges=pre in IGNORE_MERGES_PRE, fim=fim,
         )
 
 
-def _end_of_generation(tokens: list[str], types: list[int],
-                       token_id: Callable[[str], int | None]) -> set[int | None]:
-    """Ids that end generation; marks the tokens llama.cpp recognises by text as CONTROL."""
+def _end_of_generation(tokens: list[str], types: list[int], token_id: Callable[[str], int | None],
+                       fim: dict[str, int]) -> set[int | None]:
+    """Ids that end generation; marks the tokens llama.cpp recognises by text as CONTROL; fills ``fim``
+    with the fill-in-the-middle tokens found."""
     found = {text: i for i, text in enumerate(tokens) if text in _LOOKED_UP}
     control = {i for text, i in found.items() if text in EOG_TEXTS}
     eog: set[int | None] = {*control, token_id("eot_token_id"), token_id("eom_token_id")}
@@ -150,6 +154,8 @@ def _end_of_generation(tokens: list[str], types: list[int],
         if tid is None:
             tid = next((found[t] for t in texts if t in found), None)
             control.add(tid)
+        if tid is not None:
+            fim[role] = tid
         if role in _FIM_EOG:
             eog.add(tid)
     if "<|return|>" in found and "<|call|>" in found:
