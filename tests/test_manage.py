@@ -254,3 +254,42 @@ def test_create_copy_delete_blobs_and_ps_through_the_ollama_client(server, gguf,
     assert json.loads(r.text.splitlines()[-1])["error"].startswith("model 'nosuch' not found")
     r = httpx.post(f"{base}/api/pull", json={"model": "llama3.2"})
     assert r.status_code == 501 and "no network access" in r.json()["error"]
+
+
+def test_serving_one_named_model_honours_keep_alive_and_stop(tmp_path):
+    """`pyggml serve MODEL`: a request's keep_alive 0 unloads the model, the next request loads it again,
+    and `pyggml stop` unloads it (before, the one model stayed loaded whatever a request said)."""
+    import time
+
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from .test_cli_errors import _serving, _stop, cli, spawn
+
+    proc = spawn(tmp_path, "serve", "demo", "--port", "0", "--threads", "1")
+    try:
+        url = _serving(proc)
+
+        def ask(**fields):
+            body = {"model": "demo", "prompt": "hi", "stream": False, "options": {"num_predict": 2}, **fields}
+            r = httpx.post(f"{url}/api/generate", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+
+        def loaded():
+            return [(m["name"], m["expires_at"]) for m in httpx.get(f"{url}/api/ps", timeout=10).json()["models"]]
+
+        assert loaded() == [("demo", "2999-01-01T00:00:00Z")]
+        ask(keep_alive=0)
+        deadline = time.monotonic() + 60
+        while loaded():
+            assert time.monotonic() < deadline, "keep_alive 0 did not unload the model"
+            time.sleep(0.05)
+        ask()  # loads it again
+        assert loaded() == [("demo", "2999-01-01T00:00:00Z")]
+        out = cli(tmp_path, "stop", "demo", "--host", url)
+        assert out.returncode == 0, out.stderr
+        assert loaded() == []
+        out = cli(tmp_path, "ps", "--host", url)
+        assert out.returncode == 0 and out.stdout.split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    finally:
+        err = _stop(proc)
+    assert proc.returncode == 0 and "Traceback" not in err, err

@@ -626,8 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="without a model argument: most models loaded at once (default: "
                             "$OLLAMA_MAX_LOADED_MODELS, else 1 on CPU, 3 with a GPU)")
     serve.add_argument("--keep-alive", default=None, metavar="DURATION",
-                       help="without a model argument: unload a model idle this long (default: $OLLAMA_KEEP_ALIVE, "
-                            "else 5m; 0: at once, -1: never); a request's keep_alive overrides it")
+                       help="unload a model idle this long (default: $OLLAMA_KEEP_ALIVE, else 5m; a named model: "
+                            "never; 0: at once, -1: never); a request's keep_alive overrides it (a model unloaded "
+                            "loads again on the next request)")
     serve.add_argument("--allowed-hosts", default=None,
                        help="comma-separated Host names to answer besides local ones ('*': any; default: "
                             "$PYGGML_ALLOWED_HOSTS; a server bound to a non-loopback address answers any)")
@@ -763,7 +764,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = ServerConfig(host=host, port=port, name=name, model_ref=ref, queue=args.queue,
                           queue_timeout=args.queue_timeout, max_predict=args.max_predict,
                           allowed_hosts=split_list(allowed) if allowed else None, origins=origins,
-                          max_loaded=args.max_loaded, keep_alive=keep_alive)
+                          max_loaded=args.max_loaded, keep_alive=keep_alive,
+                          model_keep_alive=keep_alive if args.keep_alive is not None else None)
     try:
         return serve(_engine_config(args, ref.path if ref is not None else None, args.mmproj), server)
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C it caught
