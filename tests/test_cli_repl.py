@@ -214,8 +214,11 @@ def test_thinking_is_shown_apart_and_set_nothink_hides_it(tmp_path, thinker, sto
     path, grammar = thinker
     child = spawn(tmp_path, str(path), "--grammar", str(grammar), "--max-tokens", "80", *GREEDY)
     child.sendline("think first")
-    child.expect(r"Thinking\.\.\.\r\n[a-z]+ [a-z]+\r\n\.\.\.done thinking\.\r\n\r\n[a-z]+\r\n")
+    child.expect(r"Thinking\.\.\.\r\n([a-z]+ [a-z]+)\r\n\.\.\.done thinking\.\r\n\r\n([a-z]+)\r\n")
+    thought, said = child.match.groups()
     child.expect_exact(">>> ")
+    child.sendline("/save thought")  # the conversation keeps the answer as the turn's content
+    child.expect_exact("Created new model 'thought'")
     child.sendline("/set think high")
     child.expect_exact("Couldn't set thinking: think 'high': levels are for gpt-oss")
     child.sendline("/set nothink")
@@ -228,6 +231,11 @@ def test_thinking_is_shown_apart_and_set_nothink_hides_it(tmp_path, thinker, sto
     child.expect_exact("Set 'think' mode.")
     child.sendline("/bye")
     assert finish(child) == 0
+    from pyggml import store
+
+    assert store.resolve("thought").messages == [{"role": "user", "content": "think first"},
+                                                 {"role": "assistant", "content": said}]
+    assert thought
 
     env = {**os.environ, "PYGGML_CACHE_DIR": str(tmp_path)}
     import subprocess

@@ -255,7 +255,11 @@ class Session:
         self.images = []  # sent once; in a chat they stay in the history
         self._remember(llm, prompt, answer)
         if messages is not None:
-            self.messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+            reply: dict[str, Any] = {"role": "assistant", "content": answer}
+            if prompt is not None and (again := splitter_for(self._template[1].source, prompt[0])) is not None:
+                (thinking, text), (more, rest) = again.feed(answer), again.flush()
+                reply.update(content=text + rest, thinking=thinking + more)  # as a template expects a turn back
+            self.messages += [{"role": "user", "content": content}, reply]
         if self.verbose:
             print_stats(llm.stats, time.perf_counter() - start, self.err)
         return answer
