@@ -51,6 +51,8 @@ def test_modelfile_parse_quotes_comments_and_repeats():
     again = modelfile.parse(modelfile.render("x", "./tiny.gguf", system=spec.system, parameters=spec.parameters,
                                              license=spec.license, messages=spec.messages))
     assert again == spec  # what `show --modelfile` writes reads back the same
+    odd = {"stop": ["\n\n", "#", 'say "x"', "a\tb"], "top_p": 0.5}
+    assert modelfile.parse(modelfile.render("x", "y", parameters=odd)).parameters == odd
 
 
 @pytest.mark.parametrize("text, error", [
@@ -76,7 +78,7 @@ def _blob_text(stores, digest):
     return (stores / "ollama" / "blobs" / digest.replace(":", "-")).read_bytes()
 
 
-def test_create_writes_ollamas_layout_and_reads_it_back(stores, gguf, tmp_path):
+def test_create_writes_ollamas_layout_and_reads_it_back(stores, gguf, tmp_path, capsys):
     from pyggml.cli import main
 
     (tmp_path / "tiny.gguf").write_bytes(gguf.read_bytes())
@@ -96,6 +98,12 @@ def test_create_writes_ollamas_layout_and_reads_it_back(stores, gguf, tmp_path):
     model_layer = next(layer for layer in data["layers"] if layer["mediaType"].endswith(".model"))
     assert _blob_text(stores, model_layer["digest"]) == gguf.read_bytes()
 
+    capsys.readouterr()
+    assert main(["show", "mine", "--system", "--parameters"]) == 0  # as `ollama show --system --parameters`
+    assert capsys.readouterr().out.splitlines() == ['temperature                   0.0',
+                                                    'stop                          "<|im_end|>"',
+                                                    'stop                          "two words"',
+                                                    "num_predict                   3", "You are", "terse."]
     ref = store.resolve("mine")
     assert ref.source == "ollama" and ref.name == "mine:latest"
     assert ref.params == {"temperature": 0.0, "stop": ["<|im_end|>", "two words"], "num_predict": 3}

@@ -308,6 +308,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     from pyggml.backend import Backend, BackendParams
     from pyggml.store import human_count
 
+    parts = [part for part in ("modelfile", "parameters", "system", "template", "license") if getattr(args, part)]
+    if parts:  # `ollama show --modelfile` and the like: the stored model's parts, nothing loaded
+        from pyggml.cli_models import show_parts
+
+        return show_parts(_resolve(args.model), args.model, parts)
     backend = Backend.load(_model_path(args.model), BackendParams(repack=False, **_rpc_options(args)))
     try:
         c = backend.config
@@ -547,6 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="architecture, parameters, quantization and tensor table")
     show.add_argument("model")
     show.add_argument("--verbose", action="store_true", help="also print all metadata")
+    for part in ("modelfile", "parameters", "system", "template", "license"):
+        show.add_argument(f"--{part}", action="store_true", help=f"only the model's {part} (as ollama show)")
     add_rpc_arguments(show)
     show.set_defaults(func=cmd_show)
 

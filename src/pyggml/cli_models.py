@@ -124,6 +124,26 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def show_parts(ref: Any, name: str, parts: list[str]) -> int:
+    """``pyggml show NAME --modelfile`` (``--parameters``, ``--system``, ``--template``, ``--license``): a
+    model's parts as Ollama prints them; the template is the GGUF's chat template, the one pyggml renders."""
+    from pyggml.backend.metadata import read_gguf_summary
+    from pyggml.modelfile import parameters_text, render
+
+    config = read_gguf_summary(ref.path).config
+    texts = {
+        "modelfile": render(name, str(ref.path), template=ref.template, system=ref.system, parameters=ref.params,
+                            license=ref.license, messages=ref.messages).rstrip("\n"),
+        "parameters": parameters_text(ref.params),
+        "system": ref.system or "",
+        "template": config.get("tokenizer.chat_template") or "",
+        "license": "\n\n".join(ref.license) or config.get("general.license") or "",
+    }
+    for part in parts:
+        print(texts[part])
+    return 0
+
+
 def cmd_no_network(args: argparse.Namespace) -> int:
     print(f"pyggml {args.command}: {NO_NETWORK}", file=sys.stderr)
     return 1

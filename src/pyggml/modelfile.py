@@ -138,7 +138,7 @@ def render(name: str, path: str, *, template: str | None = None, system: str | N
     for key, value in (parameters or {}).items():
         for item in value if isinstance(value, list) else [value]:
             text = json.dumps(item) if isinstance(item, bool) else str(item)
-            needs_quotes = any(c in text for c in ' #"') or not text
+            needs_quotes = not text or any(c.isspace() or c in '#"' for c in text)
             lines.append(f"PARAMETER {key} {_quote(text) if needs_quotes else text}")
     for text in [license] if isinstance(license, str) else license or []:
         lines.append(f"LICENSE {_quote(text)}")
