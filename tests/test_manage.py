@@ -301,3 +301,22 @@ def test_serving_one_named_model_honours_keep_alive_and_stop(tmp_path):
     finally:
         err = _stop(proc)
     assert proc.returncode == 0 and "Traceback" not in err, err
+
+
+def test_run_once_begins_with_a_stored_models_messages(tmp_path):
+    import re
+
+    from .test_cli_errors import cli
+
+    store = tmp_path / "ollama"
+    for name, extra in (("plain", ""), ("talker", "MESSAGE user hello there\nMESSAGE assistant hi back\n")):
+        (tmp_path / name).write_text(f"FROM demo\n{extra}")
+        out = cli(tmp_path, "create", name, "-f", str(tmp_path / name), OLLAMA_MODELS=str(store))
+        assert out.returncode == 0, out.stderr
+
+    def prompt_tokens(name):
+        out = cli(tmp_path, "run", name, "hi", "--max-tokens", "1", "--verbose", OLLAMA_MODELS=str(store))
+        assert out.returncode == 0, out.stderr
+        return int(re.search(r"prompt eval count: +(\d+)", out.stderr).group(1))
+
+    assert prompt_tokens("talker") > prompt_tokens("plain")

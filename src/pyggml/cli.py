@@ -205,6 +205,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                           defaults=lambda params: _sampling_options(args, params), ref=ref,
                           messages=[dict(m) for m in ref.messages])
         return session.run()
+    args.stored_messages = [dict(m) for m in ref.messages]  # a stored model's MESSAGE turns come first
     llm = _load(args)
     try:
         _once(llm, prompt, options, args)
@@ -222,7 +223,8 @@ def _once(llm: Any, prompt: str, options: dict, args: argparse.Namespace) -> Non
     images = [Path(p) for p in args.image]  # read (and checked) by generate
     if _has_template(llm) and not args.raw:
         user = {"role": "user", "content": image_content(prompt, images) if images else prompt}
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [user]
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            getattr(args, "stored_messages", []) + [user]
         template = ChatTemplate.from_model(llm.model)
         if template_thinks(template.source) and not images:  # the thinking is shown apart
             variables = template_variables(template.source, args.think)
