@@ -303,4 +303,6 @@ def test_word_wrap_breaks_between_words():
 
     wrap = WordWrap(10)
     pieces = ["hel", "lo there my", " fri", "end\nsupercalifragilistic x"]
-    assert "".join(wrap.feed(p) for p in pieces) + wrap.flush() == "hello \nthere my \nfriend\nsupercalifragilistic \nx"
+    wrapped = "".join(wrap.feed(p) for p in pieces) + wrap.flush()
+    assert wrapped == "hello \nthere my \nfriend\nsupercalif\nragilistic \nx"
+    assert WordWrap(10).feed("x" * 25) == "x" * 10 + "\n" + "x" * 10  # a long run is written as it comes

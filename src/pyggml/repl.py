@@ -536,6 +536,9 @@ class WordWrap:
                 self.word, self.col = "", 0 if char == "\n" else self.col + 1
             else:
                 self.word += char
+                if len(self.word) >= self.width:  # text without spaces (code, CJK) is not held back
+                    out.append(self._place(self.word))
+                    self.word = ""
         return "".join(out)
 
     def flush(self) -> str:
