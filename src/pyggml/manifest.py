@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from pyggml.modelfile import Modelfile, check_parameters
-from pyggml.store import _OLLAMA_MEDIA, ModelNotFoundError, ModelRef, _ollama_parts, list_models, ollama_dir, resolve
+from pyggml.store import (
+    _OLLAMA_MEDIA,
+    ModelNotFoundError,
+    ModelRef,
+    _ollama_parts,
+    _ollama_ref,
+    list_models,
+    ollama_dir,
+    resolve,
+)
 
 MANIFEST_MEDIA = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_MEDIA = "application/vnd.docker.container.image.v1+json"
@@ -185,7 +194,9 @@ def create(name: str, spec: Modelfile, *, model_digest: str | None = None, by_na
             layers = [layer for layer in layers if _kind(layer) != kind] + replacement
     status("writing manifest")
     _write_manifest(target, layers)
-    return resolve(name)
+    created = _ollama_ref(target)
+    assert created is not None  # its model layer and blob were written just now
+    return created
 
 
 def _file_layer(digest: str) -> dict[str, Any]:
