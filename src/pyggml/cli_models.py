@@ -10,10 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-NO_NETWORK = ("pyggml has no network access: it never downloads or uploads models. Put a GGUF file on this "
-              "machine and name it, or make a stored model of it with `pyggml create NAME -f Modelfile` "
-              "(FROM ./model.gguf); models `ollama pull` fetched are usable by name")
-
 
 def add_parsers(sub: Any) -> None:
     """Register the model-management commands on the ``pyggml`` command's subparsers."""
@@ -145,6 +141,8 @@ def show_parts(ref: Any, name: str, parts: list[str]) -> int:
 
 
 def cmd_no_network(args: argparse.Namespace) -> int:
+    from pyggml.manifest import NO_NETWORK
+
     print(f"pyggml {args.command}: {NO_NETWORK}", file=sys.stderr)
     return 1
 

@@ -34,6 +34,9 @@ from pyggml.store import (
 MANIFEST_MEDIA = "application/vnd.docker.distribution.manifest.v2+json"
 CONFIG_MEDIA = "application/vnd.docker.container.image.v1+json"
 _CHUNK = 1 << 20
+NO_NETWORK = ("pyggml has no network access: it never downloads or uploads models. Put a GGUF file on this "
+              "machine and name it, or make a stored model of it with `pyggml create NAME -f Modelfile` "
+              "(FROM ./model.gguf); models `ollama pull` fetched are usable by name")
 
 Status = Callable[[str], None]
 

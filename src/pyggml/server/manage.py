@@ -17,7 +17,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pyggml import manifest
-from pyggml.cli_models import NO_NETWORK
 from pyggml.modelfile import MESSAGE_ROLES, Modelfile
 from pyggml.server.params import APIError, Fields, read_json
 from pyggml.store import ModelNotFoundError
@@ -143,7 +142,7 @@ async def blob(request: Request) -> Response:
 
 
 async def no_network(request: Request) -> Response:
-    raise APIError(501, f"{request.url.path}: {NO_NETWORK}")
+    raise APIError(501, f"{request.url.path}: {manifest.NO_NETWORK}")
 
 
 routes = [
