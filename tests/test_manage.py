@@ -247,7 +247,7 @@ def test_create_copy_delete_blobs_and_ps_through_the_ollama_client(server, gguf,
 
     refusals = [
         ({"model": "x", "from": str(gguf)}, 404, "not found"),  # a path on the server is never read
-        ({"model": "x", "files": {"a.safetensors": digest}}, 400, "exactly one .gguf"),
+        ({"model": "x", "files": {"a.safetensors": digest}}, 400, "use `pyggml convert`"),
         ({"model": "x", "files": {"a.gguf": wrong}}, 404, "upload it first"),
         ({"model": "x", "from": "made", "quantize": "q4_K_M"}, 400, "pyggml quantize"),
         ({"model": "x", "from": "made", "adapters": {"a": digest}}, 400, "LoRA"),
@@ -320,3 +320,41 @@ def test_run_once_begins_with_a_stored_models_messages(tmp_path):
         return int(re.search(r"prompt eval count: +(\d+)", out.stderr).group(1))
 
     assert prompt_tokens("talker") > prompt_tokens("plain")
+
+
+def _mmproj(path):
+    """A minimal vision projector GGUF (llama.cpp's mmproj files say architecture "clip")."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_tensor("v.patch_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_second_from_is_the_vision_projector(stores, gguf, tmp_path, server):
+    from pyggml.cli import main
+
+    base, client = server
+    mmproj = _mmproj(tmp_path / "mmproj.gguf")
+    (tmp_path / "tiny.gguf").write_bytes(gguf.read_bytes())
+    (tmp_path / "Modelfile").write_text("FROM ./tiny.gguf\nFROM ./mmproj.gguf\n")
+    assert main(["create", "seeing", "-f", str(tmp_path / "Modelfile")]) == 0
+    ref = store.resolve("seeing")
+    assert ref.projector is not None and ref.projector.read_bytes() == mmproj.read_bytes()
+    assert ref.path.read_bytes() == gguf.read_bytes()
+    (tmp_path / "Twice").write_text(f"FROM {gguf}\nFROM {gguf}\n")
+    with pytest.raises(ValueError, match="must be a vision projector"):
+        manifest.create("twice", modelfile.parse((tmp_path / "Twice").read_text()))
+    with pytest.raises(ValueError, match="a third FROM"):
+        modelfile.parse("FROM a\nFROM b\nFROM c\n")
+
+    # the route: of two uploaded files, the one whose architecture is "clip" is the projector
+    digests = [client.create_blob(p) for p in (mmproj, gguf)]
+    assert client.create(model="seen", files={"mmproj.gguf": digests[0], "model.gguf": digests[1]}).status == "success"
+    seen = store.resolve("seen")
+    assert seen.path.read_bytes() == gguf.read_bytes() and seen.projector.read_bytes() == mmproj.read_bytes()

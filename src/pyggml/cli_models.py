@@ -56,9 +56,10 @@ def cmd_create(args: argparse.Namespace) -> int:
         spec = modelfile.parse(text)
     except ValueError as exc:
         raise SystemExit(f"pyggml create: {path}: {exc}") from None
-    beside = (path.parent / spec.base).expanduser()  # a relative FROM path counts from the Modelfile, as in Ollama
-    if spec.base is not None and not Path(spec.base).expanduser().is_file() and beside.is_file():
-        spec.base = str(beside)
+    for part in ("base", "projector"):  # a relative FROM path counts from the Modelfile, as in Ollama
+        value = getattr(spec, part)
+        if value is not None and not Path(value).expanduser().is_file() and (path.parent / value).is_file():
+            setattr(spec, part, str(path.parent / value))
     if spec.template is not None:
         print("pyggml: note: the TEMPLATE is stored for Ollama (a Go template); pyggml itself renders the GGUF's "
               "own chat template", file=sys.stderr)

@@ -160,12 +160,13 @@ def find_stored(name: str) -> ModelRef:
     raise ModelNotFoundError(f"model {name!r} not found (`pyggml list` shows what there is)")
 
 
-def create(name: str, spec: Modelfile, *, model_digest: str | None = None, by_name_only: bool = False,
-           status: Status = lambda _: None) -> ModelRef:
+def create(name: str, spec: Modelfile, *, model_digest: str | None = None, projector_digest: str | None = None,
+           by_name_only: bool = False, status: Status = lambda _: None) -> ModelRef:
     """Write model ``name`` from ``spec``: its GGUF is ``model_digest`` (a blob already stored), else
     ``spec.base`` (a GGUF file, copied in, or a stored model, whose layers it starts from; only a name
-    when ``by_name_only``). The Modelfile's parts replace the base's (its parameters are merged over the
-    base's). Returns the new model as ``pyggml.store`` finds it."""
+    when ``by_name_only``); its vision projector ``projector_digest`` or the file ``spec.projector``. The
+    Modelfile's parts replace the base's (its parameters are merged over the base's). Returns the new
+    model as ``pyggml.store`` finds it."""
     target = manifest_path(name)
     base_params: dict[str, Any] = {}
     if model_digest is not None:
@@ -185,6 +186,13 @@ def create(name: str, spec: Modelfile, *, model_digest: str | None = None, by_na
     else:
         raise ValueError("neither a base model (from) nor a GGUF (files) was given")
     _check_gguf(blob_path(next(layer for layer in layers if _kind(layer) == "model")["digest"]))
+    if spec.projector is not None and not by_name_only:
+        status(f"copying {spec.projector} into the store")
+        projector_digest = import_file(Path(spec.projector).expanduser())
+    if projector_digest is not None:
+        check_projector(blob_path(check_digest(projector_digest)))
+        layers = [layer for layer in layers if _kind(layer) != "projector"] + \
+            [{**_file_layer(projector_digest), "mediaType": _OLLAMA_MEDIA + "projector"}]
     status("writing layers")
     params = {**base_params, **check_parameters(spec.parameters)}
     new = {"template": [_text_layer("template", spec.template)] if spec.template is not None else None,
@@ -209,6 +217,19 @@ def _file_layer(digest: str) -> dict[str, Any]:
 def _kind(layer: Any) -> str | None:
     kind = str(layer.get("mediaType", "")) if isinstance(layer, dict) else ""
     return kind[len(_OLLAMA_MEDIA):] if kind.startswith(_OLLAMA_MEDIA) else None
+
+
+def check_projector(path: Path) -> None:
+    """``ValueError`` unless ``path`` is a vision projector GGUF (llama.cpp's mmproj: architecture "clip")."""
+    from pyggml.backend.metadata import GGUFError, read_gguf_summary
+
+    try:
+        arch = read_gguf_summary(path).config.architecture
+    except (GGUFError, OSError) as exc:
+        raise ValueError(f"the projector is not a GGUF pyggml can read: {exc}") from None
+    if arch != "clip":
+        raise ValueError(f"a second model file must be a vision projector (an mmproj GGUF, architecture 'clip'); "
+                         f"this one is {arch!r}")
 
 
 def _check_gguf(path: Path) -> None:

@@ -4,9 +4,9 @@ parameters as Ollama's options do (the params layer holds them as JSON numbers, 
 of stop strings).
 
 Commands (case-insensitive), one per line, ``#`` starts a comment: ``FROM`` (a GGUF file or a stored
-model), ``PARAMETER NAME VALUE`` (``stop`` may repeat), ``SYSTEM``, ``TEMPLATE``, ``LICENSE`` (may
-repeat), ``MESSAGE ROLE TEXT``; a value may be quoted, ``\"\"\"`` quotes span lines. ``ADAPTER`` (LoRA)
-is refused: pyggml does not apply adapters.
+model; a second ``FROM``: a vision model's projector GGUF), ``PARAMETER NAME VALUE`` (``stop`` may
+repeat), ``SYSTEM``, ``TEMPLATE``, ``LICENSE`` (may repeat), ``MESSAGE ROLE TEXT``; a value may be
+quoted, ``\"\"\"`` quotes span lines. ``ADAPTER`` (LoRA) is refused: pyggml does not apply adapters.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Modelfile:
     """What a Modelfile (or a ``/api/create`` request) asks for; ``None`` and empty mean "as the base"."""
 
     base: str | None = None  # FROM: a GGUF path or a stored model's name
+    projector: str | None = None  # a second FROM: a vision model's projector (mmproj) GGUF
     parameters: dict[str, Any] = field(default_factory=dict)
     system: str | None = None
     template: str | None = None
@@ -62,8 +63,13 @@ def parse(text: str) -> Modelfile:
             out.license.append(reader.value("LICENSE"))
         else:
             value = reader.value(command.upper())
-            if command == "from":
+            if command == "from" and out.base is None:
                 out.base = value
+            elif command == "from" and out.projector is None:
+                out.projector = value
+            elif command == "from":
+                raise ValueError(f"Modelfile line {line}: a third FROM: give the model, then at most a vision "
+                                 "projector (mmproj) GGUF")
             else:
                 setattr(out, command, value)
     if out.base is None:

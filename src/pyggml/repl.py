@@ -513,7 +513,7 @@ class Session:
             print("Usage: /save MODEL", file=self.out)
             return
         turns = [{"role": m["role"], "content": m["content"]} for m in self.messages if isinstance(m["content"], str)]
-        spec = Modelfile(self.model_ref, self.parameters(), self.system, None, [], turns)
+        spec = Modelfile(base=self.model_ref, parameters=self.parameters(), system=self.system, messages=turns)
         try:
             manifest.create(name, spec)
         except (OSError, ValueError) as exc:

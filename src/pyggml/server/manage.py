@@ -40,25 +40,27 @@ async def _in_thread(work: Callable[[], Any]) -> Any:
         raise _api_error(exc) from None
 
 
-def _create_request(body: dict[str, Any]) -> tuple[str, Modelfile, str | None]:
-    """(name, what the Modelfile would say, the uploaded GGUF's digest) of a create request; 400s name the field."""
+def _create_request(body: dict[str, Any]) -> tuple[str, Modelfile, str | None, str | None]:
+    """(name, what the Modelfile would say, the uploaded GGUF's and projector's digests) of a create request;
+    400s name the field. Of two files, the projector is the one whose architecture is "clip"."""
     f = Fields(body, "the request", CREATE_FIELDS)
     name = f.string("model") or f.string("name")
     if not name:
         raise APIError(400, "model is required (the new model's name)", param="model")
     f.unsupported("quantize", what="is not supported by /api/create: quantize with `pyggml quantize` first")
     f.unsupported("adapters", (None, {}), "is not supported: pyggml does not apply LoRA adapters")
-    digest = None
+    digest = projector = None
     files = f.mapping("files") or {}
     if files:
-        ggufs = [(k, v) for k, v in files.items() if str(k).lower().endswith(".gguf")]
-        if len(files) != 1 or len(ggufs) != 1:
-            raise APIError(400, f"files must name exactly one .gguf file, got {', '.join(map(str, files))} "
-                           "(safetensors are not converted here: use `pyggml convert`)", param="files")
+        if len(files) > 2 or not all(str(k).lower().endswith(".gguf") for k in files):
+            raise APIError(400, f"files must name one .gguf file (and at most a vision projector .gguf), got "
+                           f"{', '.join(map(str, files))} (safetensors are not converted here: use "
+                           "`pyggml convert`)", param="files")
         try:
-            digest = manifest.check_digest(ggufs[0][1])
+            digests = [manifest.check_digest(v) for v in files.values()]
         except ValueError as exc:
             raise APIError(400, f"files: {exc}", param="files") from None
+        digest, projector = digests[0], digests[1] if len(digests) > 1 else None
     base = f.string("from")
     if (base is None) == (digest is None):
         raise APIError(400, "give either from (a stored model's name) or files (an uploaded GGUF)", param="from")
@@ -72,18 +74,30 @@ def _create_request(body: dict[str, Any]) -> tuple[str, Modelfile, str | None]:
         if not (isinstance(m, dict) and m.get("role") in MESSAGE_ROLES and isinstance(m.get("content"), str)):
             raise APIError(400, f"messages[{i}] must be an object with a role ({', '.join(MESSAGE_ROLES)}) and a "
                            "string content", param="messages")
-    spec = Modelfile(base, dict(parameters), f.string("system"), f.string("template"), list(licenses),
-                     [{"role": m["role"], "content": m["content"]} for m in messages])
-    return name, spec, digest
+    spec = Modelfile(base=base, parameters=dict(parameters), system=f.string("system"),
+                     template=f.string("template"), license=list(licenses),
+                     messages=[{"role": m["role"], "content": m["content"]} for m in messages])
+    if projector is not None and _is_projector(digest):
+        digest, projector = projector, digest
+    return name, spec, digest, projector
+
+
+def _is_projector(digest: str) -> bool:
+    try:
+        manifest.check_projector(manifest.blob_path(digest))
+        return True
+    except ValueError:
+        return False
 
 
 async def create(request: Request) -> Response:
     body = await read_json(request)
-    name, spec, digest = _create_request(body)
+    name, spec, digest, projector = _create_request(body)
     stream = Fields(body, "the request", CREATE_FIELDS).boolean("stream", True)
 
     def run(status: Callable[[str], None] = lambda _: None) -> Any:
-        return manifest.create(name, spec, model_digest=digest, by_name_only=True, status=status)
+        return manifest.create(name, spec, model_digest=digest, projector_digest=projector, by_name_only=True,
+                               status=status)
 
     if not stream:
         await _in_thread(run)
