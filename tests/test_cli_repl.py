@@ -183,3 +183,126 @@ def test_each_turn_evaluates_only_the_new_text(tmp_path, monkeypatch):
         session.command("/set system be brief")  # a new conversation: nothing of it is cached
         session.reply("hi")
         assert llm.stats.cached_tokens < held - 1
+
+
+# ---- thinking, settings, stored models (issue 29 items 4 and 7) -----------------------------------------
+THINKING_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}assistant:{% if enable_thinking is defined and "
+                     "not enable_thinking %}<think></think>{% endif %}{% endif %}")
+THINK_GRAMMAR = 'start: "<think>" /[a-z]{2,6}/ " " /[a-z]{2,6}/ "</think>" /[a-z]{2,6}/\n'
+
+
+@pytest.fixture
+def thinker(tmp_path):
+    """A demo-sized model whose template thinks, a grammar making it write a block, and private stores."""
+    from pyggml.tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "thinker.gguf", THINKING_TEMPLATE)
+    (tmp_path / "think.lark").write_text(THINK_GRAMMAR)
+    return path, tmp_path / "think.lark"
+
+
+@pytest.fixture
+def stores(tmp_path, monkeypatch):
+    for key, var in (("ollama", "OLLAMA_MODELS"), ("pyggml", "PYGGML_MODELS"), ("hf", "HF_HUB_CACHE")):
+        (tmp_path / key).mkdir()
+        monkeypatch.setenv(var, str(tmp_path / key))
+    monkeypatch.setenv("PYGGML_CACHE_DIR", str(tmp_path))
+
+
+def test_thinking_is_shown_apart_and_set_nothink_hides_it(tmp_path, thinker, stores):
+    path, grammar = thinker
+    child = spawn(tmp_path, str(path), "--grammar", str(grammar), "--max-tokens", "80", *GREEDY)
+    child.sendline("think first")
+    child.expect(r"Thinking\.\.\.\r\n([a-z]+ [a-z]+)\r\n\.\.\.done thinking\.\r\n\r\n([a-z]+)\r\n")
+    thought, said = child.match.groups()
+    child.expect_exact(">>> ")
+    child.sendline("/save thought")  # the conversation keeps the answer as the turn's content
+    child.expect_exact("Created new model 'thought'")
+    child.sendline("/set think high")
+    child.expect_exact("Couldn't set thinking: think 'high': levels are for gpt-oss")
+    child.sendline("/set nothink")
+    child.expect_exact("Set 'nothink' mode.")
+    child.expect_exact(">>> ")
+    child.sendline("again")
+    child.expect_exact(">>> ")
+    assert "Thinking" not in child.before and "<think>" not in child.before
+    child.sendline("/set think")
+    child.expect_exact("Set 'think' mode.")
+    child.sendline("/bye")
+    assert finish(child) == 0
+    from pyggml import store
+
+    assert store.resolve("thought").messages == [{"role": "user", "content": "think first"},
+                                                 {"role": "assistant", "content": said}]
+    assert thought
+
+    env = {**os.environ, "PYGGML_CACHE_DIR": str(tmp_path)}
+    import subprocess
+
+    for think, shows in (("--think", True), ("--think=false", False)):
+        run = subprocess.run([sys.executable, "-m", "pyggml.cli", "run", str(path), "think first", think,
+                              "--grammar", str(grammar), "--max-tokens", "80", *GREEDY],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert ("Thinking...\n" in run.stdout and "\n...done thinking.\n\n" in run.stdout) == shows, run.stdout
+        assert "<think>" not in run.stdout
+
+
+def test_settings_save_and_load_a_stored_model(tmp_path, stores):
+    from pyggml import manifest, modelfile, store
+
+    manifest.create("stored", modelfile.parse("FROM demo\nSYSTEM Be brief.\nPARAMETER top_k 7\nPARAMETER num_ctx 96\n"
+                                              "LICENSE Demo licence.\nMESSAGE user hello there\n"
+                                              "MESSAGE assistant hi back\n"))
+    child = spawn(tmp_path, "demo", "--max-tokens", "4", *GREEDY)
+    child.sendline("/load stored")  # the stored model's parameters, system message, context and first turns
+    child.expect_exact("Loading model 'stored'")
+    child.expect_exact(">>> hello there\r\nhi back")
+    child.sendline("/show system")
+    child.expect_exact("Be brief.")
+    child.sendline("/show parameters")
+    child.expect(r"top_k +7")
+    child.sendline("/show license")
+    child.expect_exact("Demo licence.")
+    child.sendline("/show info")
+    child.expect(r"context +96 ")
+    child.sendline("/show modelfile")
+    child.expect_exact('SYSTEM """Be brief."""')
+    child.expect_exact("PARAMETER num_ctx 96")
+    child.expect_exact('MESSAGE user """hello there"""')
+    child.sendline("/set parameter num_ctx 64")
+    child.expect_exact("Set parameter 'num_ctx' to '64'")
+    child.sendline("/show info")
+    child.expect(r"context +64 ")
+    child.sendline("/set parameter top_k 3")
+    child.sendline("/set format json")
+    child.expect_exact("Set format to 'json' mode.")
+    child.sendline("/set noformat")
+    child.expect_exact("Disabled format.")
+    for mode in ("nowordwrap", "wordwrap", "nohistory", "history"):
+        child.sendline(f"/set {mode}")
+        child.expect_exact(f"Set '{mode}' mode.")
+    child.sendline("how are you")
+    child.expect_exact("how are you\r\n")
+    child.expect_exact(">>> ")
+    child.sendline("/save saved:v1")
+    child.expect_exact("Created new model 'saved:v1'")
+    child.sendline("/bye")
+    assert finish(child) == 0
+
+    saved = store.resolve("saved:v1")
+    assert saved.system == "Be brief." and saved.params["top_k"] == 3 and saved.params["num_ctx"] == 64
+    assert saved.params["temperature"] == 0 and "format" not in saved.params
+    assert [m["role"] for m in saved.messages] == ["user", "assistant", "user", "assistant"]
+    assert saved.messages[2]["content"] == "how are you" and saved.license == ["Demo licence."]
+
+
+def test_word_wrap_breaks_between_words():
+    from pyggml.repl import WordWrap
+
+    wrap = WordWrap(10)
+    pieces = ["hel", "lo there my", " fri", "end\nsupercalifragilistic x"]
+    wrapped = "".join(wrap.feed(p) for p in pieces) + wrap.flush()
+    assert wrapped == "hello \nthere my \nfriend\nsupercalif\nragilistic \nx"
+    assert WordWrap(10).feed("x" * 25) == "x" * 10 + "\n" + "x" * 10  # a long run is written as it comes

@@ -197,3 +197,131 @@ def test_a_model_that_does_not_think_refuses_to(server):
         assert response.status_code == 400 and "does not reason" in response.text
     finally:
         served.template = think
+
+
+# ---- gpt-oss's harmony channels -------------------------------------------------------------------------
+from pyggml.thinking import HarmonySplitter, template_variables  # noqa: E402
+
+HARMONY = [
+    ("<|channel|>analysis<|message|>Weigh it.<|end|><|start|>assistant<|channel|>final<|message|>It is 4.",
+     "Weigh it.", "It is 4."),
+    # the runner leaves <|end|> (a control token) out of the text
+    ("<|channel|>analysis<|message|>Weigh it.<|start|>assistant<|channel|>final<|message|>It is 4.",
+     "Weigh it.", "It is 4."),
+    ("<|channel|>final<|message|>Only an answer.", "", "Only an answer."),
+    ("Plain text, no header.", "", "Plain text, no header."),
+    ("<|chan", "", "<|chan"),  # only looked like a header
+    ("<|channel|>analysis<|message|>cut off mid-thou", "cut off mid-thou", ""),
+    ("<|channel|>analysis<|message|>a <| b<|start|>assistant<|channel|>commentary<|message|>c", "a <| b", "c"),
+    ("<|channel|>analysis<|message|>x<|start|>assistant<|channel|>fin", "x", ""),  # a header cut off is dropped
+]
+
+
+def harmony_split(pieces: list[str]) -> tuple[str, str]:
+    s, thinking, answer = HarmonySplitter(), "", ""
+    for piece in pieces:
+        t, a = s.feed(piece)
+        thinking, answer = thinking + t, answer + a
+    t, a = s.flush()
+    return thinking + t, answer + a
+
+
+@pytest.mark.parametrize("output, thinking, answer", HARMONY)
+def test_harmony_split_whole_and_in_every_two_and_one_char_pieces(output, thinking, answer):
+    assert harmony_split([output]) == (thinking, answer)
+    for i in range(len(output) + 1):
+        assert harmony_split([output[:i], output[i:]]) == (thinking, answer), i
+    assert harmony_split(list(output)) == (thinking, answer)
+
+
+def test_think_levels_become_template_variables():
+    harmony, qwen = "<|start|>{{ reasoning_effort }}<|channel|>", "<think></think>"
+    assert template_variables(harmony, "high") == {"reasoning_effort": "high"}
+    assert template_variables(harmony, True) == {"reasoning_effort": "medium"}
+    assert template_variables(harmony, False) == {"reasoning_effort": "low"}
+    assert template_variables(qwen, False) == {"enable_thinking": False} and template_variables(qwen, None) == {}
+    with pytest.raises(ValueError, match="levels are for gpt-oss"):
+        template_variables(qwen, "low")
+    with pytest.raises(ValueError, match="does not think"):
+        template_variables("{{ messages }}", True)
+
+
+def test_harmony_vocabulary_shows_headers_and_keeps_going_after_end():
+    """As llama.cpp: gpt-oss's message headers are written out and ``<|end|>`` (the end of the analysis
+    message) does not end generation when ``<|return|>`` and ``<|call|>`` do."""
+    from pyggml.tokenizer import from_metadata
+    from pyggml.tokenizer.vocab import TokenType, Vocab
+
+    special = ["<|return|>", "<|call|>", "<|end|>", "<|channel|>", "<|message|>", "<|start|>"]
+    tokens = [chr(c) for c in range(97, 123)] + special
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["a b"],
+            "tokenizer.ggml.token_type": [TokenType.NORMAL] * 26 + [TokenType.CONTROL] * len(special),
+            "tokenizer.ggml.eos_token_id": tokens.index("<|return|>")}
+    vocab = Vocab.from_metadata(meta)
+    ids = {t: tokens.index(t) for t in special}
+    assert vocab.eog == {ids["<|return|>"], ids["<|call|>"]}
+    output = [ids["<|channel|>"], 0, ids["<|message|>"], 1, ids["<|end|>"], ids["<|start|>"]]
+    stream = from_metadata(meta).decode(output, skip_special=True)
+    assert stream == "<|channel|>a<|message|>b<|start|>"
+    plain = Vocab.from_metadata({**meta, "tokenizer.ggml.tokens": [t if t != "<|call|>" else "q" for t in tokens]})
+    assert ids["<|end|>"] in plain.eog  # without <|call|> the vocabulary is not harmony's: <|end|> ends
+
+
+HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m.role }}{% if m.role == 'assistant' %}<|channel|>final"
+                    "{% endif %}<|message|>{{ m.content }}<|end|>{% endfor %}"
+                    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
+                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+HARMONY_GRAMMAR = ('start: "<|channel|>analysis<|message|>" /[a-z]{2,8}/ " " /[a-z]{2,8}/ '
+                   '"<|start|>assistant<|channel|>final<|message|>" /[a-z]{2,8}/\n')
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_harmony_channels_and_levels_through_the_ollama_routes(server, stream):
+    import httpx
+
+    from pyggml.chat import ChatTemplate
+    from pyggml.server.chat import chat_prompt
+
+    base, served, _ = server
+    thinking_template = served.template
+    served.template = ChatTemplate(HARMONY_TEMPLATE)
+    try:
+        assert "Reasoning: high" in chat_prompt(served, MESSAGES, think="high").text()
+        assert "Reasoning: medium" in chat_prompt(served, MESSAGES).text()
+        options = {"temperature": 0, "num_predict": 160}
+        for think in ("high", True, None):
+            body = {"model": served.name, "messages": MESSAGES, "stream": stream, "grammar": HARMONY_GRAMMAR,
+                    "options": options, **({"think": think} if think is not None else {})}
+            response = httpx.post(f"{base}/api/chat", json=body, timeout=60)
+            parts = [json.loads(line) for line in response.text.splitlines()] if stream else [response.json()]
+            thinking = "".join(p["message"].get("thinking", "") for p in parts)
+            content = "".join(p["message"]["content"] for p in parts)
+            assert len(thinking.split(" ")) == 2 and content.isalpha() and "<|" not in thinking + content, parts
+            body = {"model": served.name, "prompt": MESSAGES[0]["content"], "stream": stream,
+                    "grammar": HARMONY_GRAMMAR, "options": options, **({"think": think} if think is not None else {})}
+            response = httpx.post(f"{base}/api/generate", json=body, timeout=60)
+            parts = [json.loads(line) for line in response.text.splitlines()] if stream else [response.json()]
+            assert "".join(p.get("thinking", "") for p in parts) == thinking
+            assert "".join(p["response"] for p in parts) == content
+        off = httpx.post(f"{base}/api/generate", json={**body, "stream": False, "think": False}, timeout=60).json()
+        assert "thinking" not in off and off["response"].isalpha()
+        bad = httpx.post(f"{base}/api/generate", json={**body, "think": "extreme"}, timeout=60)
+        assert bad.status_code == 400 and "think must be" in bad.json()["error"]
+    finally:
+        served.template = thinking_template
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_splits_think_blocks(server, stream):
+    import httpx
+
+    base, served, _ = server
+    thinking, answer, fields = expected(server)
+    body = {"model": served.name, "prompt": MESSAGES[0]["content"], "stream": stream, "grammar": GRAMMAR,
+            "think": True, "options": {"temperature": 0, "num_predict": 40}}
+    response = httpx.post(f"{base}/api/generate", json=body, timeout=60)
+    parts = [json.loads(line) for line in response.text.splitlines()] if stream else [response.json()]
+    assert "".join(p.get("thinking", "") for p in parts) == thinking
+    assert "".join(p["response"] for p in parts) == answer
+    raw = httpx.post(f"{base}/api/generate", json={**body, "raw": True}, timeout=60)
+    assert raw.status_code == 400 and "think needs the model's chat template" in raw.json()["error"]

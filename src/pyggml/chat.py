@@ -134,6 +134,21 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
+def fill_in_the_middle(tokenizer: Any, prefix: str, suffix: str) -> list[int]:
+    """Token ids of a fill-in-the-middle prompt, in the prefix-suffix-middle order code models are trained
+    on (``<|fim_prefix|>`` prefix ``<|fim_suffix|>`` suffix ``<|fim_middle|>``, or the vocabulary's own
+    tokens): the model then writes the middle. The texts' own special-token texts stay text.
+    ``ValueError`` for a vocabulary without such tokens."""
+    fim = tokenizer.vocab.fim
+    if not all(role in fim for role in ("fim_pre", "fim_suf", "fim_mid")):
+        raise ValueError("suffix (fill-in-the-middle) needs a model whose vocabulary has fill-in-the-middle "
+                         "tokens (<|fim_prefix|>, <|fim_suffix|>, <|fim_middle|> or the like), as code models do; "
+                         "this one has none")
+    bos = [tokenizer.bos] if tokenizer.vocab.add_bos and tokenizer.bos is not None else []
+    text = lambda t: tokenizer.encode(t, add_special=False, parse_special=False)  # noqa: E731
+    return [*bos, fim["fim_pre"], *text(prefix), fim["fim_suf"], *text(suffix), fim["fim_mid"]]
+
+
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """Token ids of a rendered prompt: special-token texts become tokens, and the BOS the
     tokenizer adds is not doubled when the template already wrote one."""

@@ -61,10 +61,12 @@ def _model_path(name: str) -> Path:
     return _resolve(name).path
 
 
-def _load(args: argparse.Namespace, ref: str | None = None) -> Any:
+def _load(args: argparse.Namespace, ref: str | None = None, num_ctx: int | None = None) -> Any:
     from pyggml.llm import LLM
     from pyggml.store import check_has_weights
 
+    if num_ctx is not None:  # the REPL's /set parameter num_ctx, or a stored model's num_ctx
+        args = argparse.Namespace(**{**vars(args), "ctx": num_ctx})
     ref = args.model if ref is None else ref
     path = _resolve(ref).path
     if ref == DEMO:
@@ -188,15 +190,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     ref = _resolve(args.model)
     options = _sampling_options(args, ref.params)
     args.system = args.system if args.system is not None else ref.system
+    stored_ctx = ref.params.get("num_ctx")
+    if args.ctx is None and isinstance(stored_ctx, int) and stored_ctx > 1:  # a stored model's PARAMETER num_ctx
+        args.ctx = stored_ctx
     keep_alive = parse_duration(args.keep_alive) if args.keep_alive is not None else None
     prompt = args.prompt
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     if prompt is None:
-        session = Session(load=lambda ref: _load(args, ref), model_ref=args.model, options=options,
-                          system=args.system, raw=args.raw, verbose=args.verbose, keep_alive=keep_alive,
-                          images=[Path(p) for p in args.image])
+        session = Session(load=lambda ref, num_ctx=None: _load(args, ref, num_ctx), model_ref=args.model,
+                          options=options, system=args.system, raw=args.raw, verbose=args.verbose,
+                          keep_alive=keep_alive, images=[Path(p) for p in args.image], think=args.think,
+                          hide_thinking=args.hidethinking, lookup=_resolve,
+                          defaults=lambda params: _sampling_options(args, params), ref=ref,
+                          messages=[dict(m) for m in ref.messages])
         return session.run()
+    args.stored_messages = [dict(m) for m in ref.messages]  # a stored model's MESSAGE turns come first
     llm = _load(args)
     try:
         _once(llm, prompt, options, args)
@@ -206,14 +215,28 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _once(llm: Any, prompt: str, options: dict, args: argparse.Namespace) -> None:
-    from pyggml.repl import image_content, print_stats
+    from pyggml.chat import ChatTemplate, encode_prompt
+    from pyggml.repl import image_content, print_stats, shown
+    from pyggml.thinking import splitter_for, template_thinks, template_variables
 
     start = time.perf_counter()
     images = [Path(p) for p in args.image]  # read (and checked) by generate
     if _has_template(llm) and not args.raw:
         user = {"role": "user", "content": image_content(prompt, images) if images else prompt}
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [user]
-        pieces = llm.chat(messages, stream=True, **options)
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + \
+            getattr(args, "stored_messages", []) + [user]
+        template = ChatTemplate.from_model(llm.model)
+        if template_thinks(template.source) and not images:  # the thinking is shown apart
+            variables = template_variables(template.source, args.think)
+            text = template.render(messages, add_generation_prompt=True, **variables)
+            pieces = llm.generate(encode_prompt(llm.tokenizer, text), stream=True, **options)
+            pieces = shown(pieces, splitter_for(template.source, text),
+                           show_thinking=args.think is not False and not args.hidethinking)
+        else:
+            if args.think:
+                raise ValueError("--think: the model does not think (its chat template has no <think> block or "
+                                 "harmony channels)")
+            pieces = llm.chat(messages, stream=True, **options)
     else:
         text = f"{args.system}\n\n{prompt}" if args.system else prompt
         pieces = llm.generate(text, stream=True, images=images, **options)
@@ -287,6 +310,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     from pyggml.backend import Backend, BackendParams
     from pyggml.store import human_count
 
+    parts = [part for part in ("modelfile", "parameters", "system", "template", "license") if getattr(args, part)]
+    if parts:  # `ollama show --modelfile` and the like: the stored model's parts, nothing loaded
+        from pyggml.cli_models import show_parts
+
+        return show_parts(_resolve(args.model), args.model, parts)
     backend = Backend.load(_model_path(args.model), BackendParams(repack=False, **_rpc_options(args)))
     try:
         c = backend.config
@@ -422,6 +450,10 @@ def _add_run_parser(sub: Any) -> None:
     run.add_argument("--seed", type=int, default=None)
     run.add_argument("--system", default=None, help="system message")
     run.add_argument("--raw", action="store_true", help="plain completion: no chat template, no history")
+    run.add_argument("--think", nargs="?", const=True, type=_think, default=None, metavar="true|false|LEVEL",
+                     help="ask a model that thinks to think, or not (gpt-oss: low, medium, high); its thinking is "
+                          "shown apart (write --think=high before a prompt)")
+    run.add_argument("--hidethinking", action="store_true", help="think, but do not show the thinking")
     run.add_argument("--keep-alive", default=None, metavar="DURATION",
                      help="unload the model after this long idle at the prompt (e.g. 5m, 30s; default: "
                           "$OLLAMA_KEEP_ALIVE, else never)")
@@ -522,6 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="architecture, parameters, quantization and tensor table")
     show.add_argument("model")
     show.add_argument("--verbose", action="store_true", help="also print all metadata")
+    for part in ("modelfile", "parameters", "system", "template", "license"):
+        show.add_argument(f"--{part}", action="store_true", help=f"only the model's {part} (as ollama show)")
     add_rpc_arguments(show)
     show.set_defaults(func=cmd_show)
 
@@ -562,6 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(sub)
     # ---- end bench ----
+    from pyggml.cli_models import add_parsers as add_model_parsers  # create, cp, rm, ps, stop, pull, push
+
+    add_model_parsers(sub)
     serve = sub.add_parser("serve", help="serve models over HTTP: Ollama's API (/api) and OpenAI's (/v1)")
     serve.add_argument("model", nargs="?", default=None,
                        help=f"GGUF file or model name, or '{DEMO}'; none: every model `pyggml list` finds, "
@@ -598,8 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="without a model argument: most models loaded at once (default: "
                             "$OLLAMA_MAX_LOADED_MODELS, else 1 on CPU, 3 with a GPU)")
     serve.add_argument("--keep-alive", default=None, metavar="DURATION",
-                       help="without a model argument: unload a model idle this long (default: $OLLAMA_KEEP_ALIVE, "
-                            "else 5m; 0: at once, -1: never); a request's keep_alive overrides it")
+                       help="unload a model idle this long (default: $OLLAMA_KEEP_ALIVE, else 5m; a named model: "
+                            "never; 0: at once, -1: never); a request's keep_alive overrides it (a model unloaded "
+                            "loads again on the next request)")
     serve.add_argument("--allowed-hosts", default=None,
                        help="comma-separated Host names to answer besides local ones ('*': any; default: "
                             "$PYGGML_ALLOWED_HOSTS; a server bound to a non-loopback address answers any)")
@@ -735,7 +773,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server = ServerConfig(host=host, port=port, name=name, model_ref=ref, queue=args.queue,
                           queue_timeout=args.queue_timeout, max_predict=args.max_predict,
                           allowed_hosts=split_list(allowed) if allowed else None, origins=origins,
-                          max_loaded=args.max_loaded, keep_alive=keep_alive)
+                          max_loaded=args.max_loaded, keep_alive=keep_alive,
+                          model_keep_alive=keep_alive if args.keep_alive is not None else None)
     try:
         return serve(_engine_config(args, ref.path if ref is not None else None, args.mmproj), server)
     except KeyboardInterrupt:  # uvicorn shut down cleanly, then re-raised the Ctrl-C it caught
@@ -821,6 +860,13 @@ def _seconds(flag: str) -> Any:
     return parse
 
 
+def _think(text: str) -> bool | str:
+    value = {"true": True, "false": False}.get(text.lower(), text.lower())
+    if value not in (True, False, "low", "medium", "high"):
+        raise argparse.ArgumentTypeError(f"--think takes true, false, low, medium or high, got {text!r}")
+    return value
+
+
 def _temperature(text: str) -> float:
     from pyggml.repl import check_temperature
 
@@ -871,7 +917,8 @@ def _max_loaded(name: str) -> Any:
 
 # flag's dest: (commands, variables in order of precedence, parser factory taking the variable's name)
 ENVIRONMENT: dict[str, tuple[tuple[str, ...], tuple[str, ...], Any]] = {
-    "host": (("serve",), ("PYGGML_HOST", "OLLAMA_HOST"), _checked(lambda text: _listen_address(text, None))),
+    "host": (("serve", "ps", "stop"), ("PYGGML_HOST", "OLLAMA_HOST"),
+             _checked(lambda text: _listen_address(text, None))),
     "ctx": (("run", "serve"), ("OLLAMA_CONTEXT_LENGTH",), lambda name: _positive(name, 2)),
     "keep_alive": (("run", "serve"), ("OLLAMA_KEEP_ALIVE",), _checked(_keep_alive_text)),
     "parallel": (("serve",), ("OLLAMA_NUM_PARALLEL",), _positive),

@@ -12,23 +12,31 @@ from __future__ import annotations
 
 import math
 import shlex
+import shutil
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
+
+from pyggml.thinking import Splitter, Think, check_think, splitter_for, template_thinks, template_variables
 
 PROMPT, CONTINUATION = ">>> ", "... "
 
 HELP = """Available commands:
-  /set parameter NAME VALUE   set a sampling parameter (/set parameter alone lists them)
+  /set parameter NAME VALUE   set a sampling parameter, or num_ctx (/set parameter alone lists them)
   /set system TEXT            set the system message (clears the conversation)
   /set verbose | quiet        show or hide timings after each reply
-  /show info | template | parameters | system | license
+  /set think [LEVEL] | nothink   ask a model that thinks to think (gpt-oss: low, medium, high) or not
+  /set format json | noformat    answer in JSON, or freely
+  /set wordwrap | nowordwrap     wrap replies at the terminal's width, or not
+  /set history | nohistory       keep what is typed in the history file, or not
+  /show info | template | parameters | system | license | modelfile
   /clear                      forget the conversation
-  /load MODEL                 load another model (a file or a model name)
+  /load MODEL                 load another model (a file or a model name) with its parameters and system
+  /save MODEL                 save this session's model, parameters, system and conversation as a stored model
   /bye                        exit
   /?, /help                   this help
 
@@ -110,6 +118,16 @@ class Session:
     verbose: bool = False
     keep_alive: float | None = None  # seconds idle before the model is unloaded (None: never)
     images: list[Any] = field(default_factory=list)  # --image: sent with the first message
+    think: Think = None  # Ollama's think (None: the template's default)
+    hide_thinking: bool = False  # think, but do not show it
+    wordwrap: bool = True  # at the terminal's width (a terminal only)
+    history: bool = True  # keep typed lines in the readline history
+    num_ctx: int | None = None  # /set parameter num_ctx: the model is reloaded with this context
+    # the stored model (pyggml.store.ModelRef) a name stands for, where ``lookup`` finds one; /load takes
+    # its parameters (as ``defaults(params)`` turns them into options), system message and first messages
+    lookup: Callable[[str], Any] | None = None
+    defaults: Callable[[dict[str, Any]], dict[str, Any]] = field(default=lambda params: params_to_options(params))
+    ref: Any = None
     out: TextIO = field(default=sys.stdout)
     err: TextIO = field(default=sys.stderr)
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -126,7 +144,8 @@ class Session:
     def ensure_loaded(self) -> Any:
         with self._lock:
             if self.llm is None:
-                self.llm = self.load(self.model_ref)
+                self.llm = self.load(self.model_ref, num_ctx=self.num_ctx) if self.num_ctx else \
+                    self.load(self.model_ref)
             return self.llm
 
     def unload(self) -> None:
@@ -171,6 +190,8 @@ class Session:
                     return 0
                 finally:
                     self._disarm_keep_alive()
+                if not self.history:
+                    _forget_typed()
                 if text is None or not text.strip():
                     continue
                 if text.startswith("/"):
@@ -224,7 +245,8 @@ class Session:
             else:
                 messages = None
                 pieces = llm.generate(text, stream=True, images=images, **self.options)
-            answer = self._stream(pieces)
+            splitter = splitter_for(self._template[1].source, prompt[0]) if prompt is not None else None
+            answer = self._stream(pieces, splitter)
         finally:
             _install_sigint(previous)
         if answer is None:
@@ -233,7 +255,11 @@ class Session:
         self.images = []  # sent once; in a chat they stay in the history
         self._remember(llm, prompt, answer)
         if messages is not None:
-            self.messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+            reply: dict[str, Any] = {"role": "assistant", "content": answer}
+            if prompt is not None and (again := splitter_for(self._template[1].source, prompt[0])) is not None:
+                (thinking, text), (more, rest) = again.feed(answer), again.flush()
+                reply.update(content=text + rest, thinking=thinking + more)  # as a template expects a turn back
+            self.messages += [{"role": "user", "content": content}, reply]
         if self.verbose:
             print_stats(llm.stats, time.perf_counter() - start, self.err)
         return answer
@@ -246,7 +272,8 @@ class Session:
 
         if self._template is None or self._template[0] is not llm:
             self._template = (llm, ChatTemplate.from_model(llm.model))
-        text = self._template[1].render(messages, add_generation_prompt=True)
+        text = self._template[1].render(messages, add_generation_prompt=True,
+                                        **template_variables(self._template[1].source, self.think))
         if self._history is not None and self._history[2] is llm and text.startswith(self._history[0]):
             seen, ids, _ = self._history
             return text, ids + llm.tokenizer.encode(text[len(seen):], add_special=False)
@@ -264,23 +291,25 @@ class Session:
         if llm.tokenizer.decode(generated) == answer:
             self._history = (prompt[0] + answer, prompt[1] + generated, llm)
 
-    def _stream(self, pieces: Any) -> str | None:
-        """Write ``pieces``; ``None`` when Ctrl-C stopped them. While a reply is made, SIGINT only
-        sets a flag checked between pieces: the engine is never interrupted in the middle of a step."""
+    def _stream(self, pieces: Any, splitter: Splitter | None = None) -> str | None:
+        """Write ``pieces`` (a thinking model's thinking apart, under "Thinking..."); the whole text, or
+        ``None`` when Ctrl-C stopped them. While a reply is made, SIGINT only sets a flag checked between
+        pieces: the engine is never interrupted in the middle of a step."""
         text = []
+        wrap = WordWrap(shutil.get_terminal_size().columns) if self.wordwrap and _isatty(self.out) else None
+        shown = ReplyWriter(self.out, wrap, show_thinking=self.think is not False and not self.hide_thinking)
         try:
             for piece in pieces:
                 if self._interrupted:
                     break
-                self.out.write(piece)
-                self.out.flush()
+                shown.write(*splitter.feed(piece) if splitter is not None else ("", piece))
                 text.append(piece)
         finally:
             pieces.close()
         if self._interrupted:
             return None
-        self.out.write("\n\n" if text and not "".join(text).endswith("\n") else "\n")
-        self.out.flush()
+        shown.write(*splitter.flush() if splitter is not None else ("", ""))
+        shown.close()
         return "".join(text)
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
@@ -308,6 +337,8 @@ class Session:
             self._show(rest)
         elif word == "/load":
             self._load(rest)
+        elif word == "/save":
+            self._save(rest)
         else:
             print(f"Unknown command '{word}'. Type /? for help", file=self.out)
         return None
@@ -327,9 +358,45 @@ class Session:
         elif what == "quiet":
             self.verbose = False
             print("Set 'quiet' mode.", file=self.out)
+        elif what in ("think", "nothink"):
+            self._set_think(what, value)
+        elif what == "format" and value == "json":
+            self.options["format"] = "json"
+            print("Set format to 'json' mode.", file=self.out)
+        elif what == "noformat":
+            self.options.pop("format", None)
+            print("Disabled format.", file=self.out)
+        elif what in ("wordwrap", "nowordwrap", "history", "nohistory"):
+            setattr(self, what.removeprefix("no"), not what.startswith("no"))
+            print(f"Set '{what}' mode.", file=self.out)
         else:
-            print("Usage: /set parameter NAME VALUE | /set system TEXT | /set verbose | /set quiet",
-                  file=self.out)
+            print("Usage: /set parameter NAME VALUE | system TEXT | verbose | quiet | think [LEVEL] | nothink | "
+                  "format json | noformat | wordwrap | nowordwrap | history | nohistory", file=self.out)
+
+    def _set_think(self, what: str, value: str) -> None:
+        try:
+            think = check_think(value or True, "/set think") if what == "think" else False
+            template = self._chat_template()
+            if template is None or not template_thinks(template.source):
+                raise ValueError("the model does not think (its chat template has no <think> block or harmony "
+                                 "channels)")
+            template_variables(template.source, think)
+        except ValueError as exc:
+            print(f"Couldn't set thinking: {exc}", file=self.out)
+            return
+        self.think = think
+        print(f"Set '{what}' mode." if not isinstance(think, str) else f"Set 'think' mode to '{think}'.", file=self.out)
+
+    def _chat_template(self) -> Any:
+        """The loaded model's chat template (None for plain completion)."""
+        from pyggml.chat import ChatTemplate
+
+        llm = self.ensure_loaded()
+        if not self.chat:
+            return None
+        if self._template is None or self._template[0] is not llm:
+            self._template = (llm, ChatTemplate.from_model(llm.model))
+        return self._template[1]
 
     def _set_parameter(self, text: str) -> None:
         try:
@@ -337,8 +404,17 @@ class Session:
         except ValueError as exc:
             print(f"Couldn't set parameter: {exc}", file=self.out)
             return
+        if len(words) == 2 and words[0] == "num_ctx":
+            if not words[1].isdigit() or int(words[1]) < 2:
+                print(f"Couldn't set parameter: num_ctx must be an integer >= 2, got {words[1]!r}", file=self.out)
+                return
+            self.num_ctx = int(words[1])
+            self.unload()  # reloaded with the new context on the next turn; the conversation stays
+            print(f"Set parameter 'num_ctx' to '{self.num_ctx}'", file=self.out)
+            return
         if len(words) < 2 or words[0] not in PARAMETERS:
-            print("Usage: /set parameter NAME VALUE\nParameters: " + ", ".join(PARAMETERS), file=self.out)
+            print("Usage: /set parameter NAME VALUE\nParameters: " + ", ".join([*PARAMETERS, "num_ctx"]),
+                  file=self.out)
             return
         name, values = words[0], words[1:]
         key, parse = PARAMETERS[name]
@@ -375,24 +451,193 @@ class Session:
         elif what == "system":
             print(self.system or "No system message was specified for this model.", file=self.out)
         elif what == "license":
-            print(config.get("general.license") or "No license was specified for this model.", file=self.out)
+            stored = "\n\n".join(self.ref.license) if self.ref is not None else ""
+            print(stored or config.get("general.license") or "No license was specified for this model.",
+                  file=self.out)
+        elif what == "modelfile":
+            from pyggml.modelfile import render
+
+            ref = self.ref
+            print(render(self.model_ref, str(llm.model.backend.path or self.model_ref),
+                         template=ref.template if ref is not None else None, system=self.system,
+                         parameters=self.parameters(), license=ref.license if ref is not None else None,
+                         messages=ref.messages if ref is not None else None), file=self.out, end="")
         else:
-            print("Usage: /show info | template | parameters | system | license", file=self.out)
+            print("Usage: /show info | template | parameters | system | license | modelfile", file=self.out)
+
+    def parameters(self) -> dict[str, Any]:
+        """The session's options as Ollama's parameters (a params layer, a Modelfile's PARAMETER lines)."""
+        out: dict[str, Any] = {"num_ctx": self.num_ctx} if self.num_ctx else {}
+        for name, (key, _) in PARAMETERS.items():
+            value = self.options.get(key)
+            if value is None or (name == "num_predict" and value >= 10**9):
+                continue
+            out[name] = [value] if name == "stop" and isinstance(value, str) else value
+        return out
 
     def _load(self, ref: str) -> None:
         if not ref:
             print("Usage: /load MODEL", file=self.out)
             return
         try:
-            llm = self.load(ref)
+            stored = self.lookup(ref) if self.lookup is not None else None
+            num_ctx = stored.params.get("num_ctx") if stored is not None else None
+            llm = self.load(ref, num_ctx=num_ctx) if isinstance(num_ctx, int) and num_ctx > 1 else self.load(ref)
         except (OSError, ValueError, TypeError, SystemExit) as exc:
             print(f"Couldn't load model '{ref}': {exc}", file=self.out)
             return
         self.unload()
         with self._lock:
-            self.llm, self.model_ref = llm, ref
-        self.messages.clear()
+            self.llm, self.model_ref, self.num_ctx = llm, ref, num_ctx
         print(f"Loading model '{ref}'", file=self.out)
+        self.apply(stored)
+
+    def apply(self, stored: Any) -> None:
+        """Take a stored model's parameters, system message and first messages (a fresh conversation)."""
+        self.ref, self.messages = stored, []
+        if stored is None:
+            return
+        self.options = self.defaults(stored.params)
+        self.system = stored.system
+        self.messages = [dict(m) for m in stored.messages]
+        for m in self.messages:  # Ollama shows a model's MESSAGE lines as the conversation so far
+            print(f"{PROMPT if m.get('role') == 'user' else ''}{m.get('content', '')}", file=self.out)
+
+    def _save(self, name: str) -> None:
+        """A stored model of this session (Ollama's /save): the model, its parameters, system message and
+        the conversation's text turns."""
+        from pyggml import manifest
+        from pyggml.modelfile import Modelfile
+
+        if not name:
+            print("Usage: /save MODEL", file=self.out)
+            return
+        turns = [{"role": m["role"], "content": m["content"]} for m in self.messages if isinstance(m["content"], str)]
+        spec = Modelfile(base=self.model_ref, parameters=self.parameters(), system=self.system, messages=turns)
+        try:
+            manifest.create(name, spec)
+        except (OSError, ValueError) as exc:
+            print(f"Couldn't save model '{name}': {exc}", file=self.out)
+            return
+        print(f"Created new model '{name}'", file=self.out)
+
+
+class WordWrap:
+    """Streamed text wrapped at ``width`` columns between words (a word longer than a line stays whole)."""
+
+    def __init__(self, width: int):
+        self.width, self.col, self.word = max(width, 10), 0, ""
+
+    def feed(self, text: str) -> str:
+        out = []
+        for char in text:
+            if char in " \n":
+                out += [self._place(self.word), char]
+                self.word, self.col = "", 0 if char == "\n" else self.col + 1
+            else:
+                self.word += char
+                if len(self.word) >= self.width:  # text without spaces (code, CJK) is not held back
+                    out.append(self._place(self.word))
+                    self.word = ""
+        return "".join(out)
+
+    def flush(self) -> str:
+        word, self.word = self.word, ""
+        return self._place(word)
+
+    def _place(self, word: str) -> str:
+        if word and self.col and self.col + len(word) > self.width:
+            self.col = len(word)
+            return "\n" + word
+        self.col += len(word)
+        return word
+
+
+class ReplyWriter:
+    """A reply as it streams: the thinking (when shown) between "Thinking..." and "...done thinking.",
+    then the answer; wrapped by ``wrap`` when given; ends with a blank line."""
+
+    def __init__(self, out: TextIO, wrap: WordWrap | None = None, show_thinking: bool = True):
+        self.out, self.wrap, self.show_thinking = out, wrap, show_thinking
+        self._thinking, self._last = False, ""
+
+    def write(self, thinking: str, answer: str) -> None:
+        if thinking and self.show_thinking:
+            if not self._thinking:
+                self._emit("Thinking...\n")
+                self._thinking = True
+            self._emit(thinking)
+        if answer:
+            self._end_thinking()
+            self._emit(answer)
+
+    def end(self) -> None:
+        """Write what is held (the end of a thinking, a word waiting to be wrapped)."""
+        self._end_thinking()
+        if self.wrap is not None:
+            self._emit(self.wrap.flush(), wrapped=True)
+
+    def close(self) -> None:
+        self.end()
+        self.out.write("\n\n" if self._last and not self._last.endswith("\n") else "\n")
+        self.out.flush()
+
+    def _end_thinking(self) -> None:
+        if self._thinking:
+            self._thinking = False
+            self._emit("\n...done thinking.\n\n")
+
+    def _emit(self, text: str, wrapped: bool = False) -> None:
+        if self.wrap is not None and not wrapped:
+            text = self.wrap.feed(text)
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self._last = text
+
+
+def shown(pieces: Any, splitter: Splitter, show_thinking: bool = True) -> Iterator[str]:
+    """A thinking model's output ``pieces`` as ``ReplyWriter`` shows them (closing it closes ``pieces``)."""
+    import io
+
+    buffer = io.StringIO()
+    writer = ReplyWriter(buffer, show_thinking=show_thinking)
+
+    def take() -> str:
+        text = buffer.getvalue()
+        buffer.seek(0)
+        buffer.truncate()
+        return text
+
+    try:
+        for piece in pieces:
+            writer.write(*splitter.feed(piece))
+            yield take()
+        writer.write(*splitter.flush())
+        writer.end()
+        yield take()
+    finally:
+        pieces.close()
+
+
+def _isatty(out: TextIO) -> bool:
+    try:
+        return out.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def _forget_typed() -> None:
+    """Drop the line just typed from the readline history (``/set nohistory``)."""
+    try:
+        import readline
+    except ImportError:
+        return
+    if not sys.stdin.isatty():  # input() kept nothing
+        return
+    length = readline.get_current_history_length()
+    if length:
+        readline.remove_history_item(length - 1)
 
 
 def image_content(prompt: str, images: list[Any]) -> list[dict[str, Any]]:

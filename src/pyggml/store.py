@@ -70,6 +70,8 @@ class ModelRef:
     system: str | None = None  # Ollama's system layer: the default system message
     params: dict[str, Any] = field(default_factory=dict)  # Ollama's params layer (stop, temperature, ...)
     projector: Path | None = None  # Ollama's projector layer (a vision model's mmproj GGUF)
+    license: list[str] = field(default_factory=list)  # Ollama's license layers
+    messages: list[dict[str, Any]] = field(default_factory=list)  # Ollama's messages layer: a conversation's start
     aliases: tuple[str, ...] = ()
 
     @property
@@ -214,6 +216,7 @@ def _ollama_ref(manifest: Path) -> ModelRef | None:
     except (OSError, ValueError, AttributeError):
         return None
     found: dict[str, Path] = {}
+    licenses: list[str] = []
     for layer in layers:
         if not isinstance(layer, dict):
             continue
@@ -221,20 +224,26 @@ def _ollama_ref(manifest: Path) -> ModelRef | None:
         blob = _blob(digest)
         if kind.startswith(_OLLAMA_MEDIA) and blob is not None:
             found.setdefault(kind[len(_OLLAMA_MEDIA):], blob)
+            if kind == _OLLAMA_MEDIA + "license":
+                licenses.append(_read_text(blob) or "")
     if "model" not in found:
         return None
-    params: dict[str, Any] = {}
-    if "params" in found:
-        try:
-            loaded = json.loads(found["params"].read_text(encoding="utf-8"))
-            params = loaded if isinstance(loaded, dict) else {}
-        except (OSError, ValueError):
-            params = {}
+    params, messages = _read_json(found.get("params"), dict), _read_json(found.get("messages"), list)
     name = f"{short}:{tag}"
     aliases = (short,) if tag == "latest" else ()
     return ModelRef(name, found["model"], "ollama", template=_read_text(found.get("template")),
-                    system=_read_text(found.get("system")), params=params, projector=found.get("projector"),
-                    aliases=aliases)
+                    system=_read_text(found.get("system")), params=params or {}, projector=found.get("projector"),
+                    license=licenses, messages=[m for m in messages or [] if isinstance(m, dict)], aliases=aliases)
+
+
+def _read_json(path: Path | None, kind: type) -> Any:
+    """A JSON layer's value when it is of ``kind``, else None."""
+    text = _read_text(path)
+    try:
+        value = json.loads(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if isinstance(value, kind) else None
 
 
 def _blob(digest: str) -> Path | None:

@@ -1,18 +1,69 @@
 """Reasoning ("thinking") output: models such as Qwen3, DeepSeek-R1 and SmolLM3 write their reasoning
-between ``<think>`` and ``</think>`` before the answer. ``ThinkingSplitter`` separates the two as the
-output streams, so a server can return the reasoning on its own (Ollama's ``thinking``, OpenAI's
-``reasoning_content``). Whether a model thinks this way is read from its chat template, which names the
-tags (Qwen3's also takes ``enable_thinking``). gpt-oss's harmony channels are not read here.
+between ``<think>`` and ``</think>`` before the answer; gpt-oss writes it in the ``analysis`` channel of
+OpenAI's harmony format and the answer in the ``final`` channel. ``ThinkingSplitter`` and
+``HarmonySplitter`` separate the two as the output streams (``splitter_for`` picks one from the chat
+template), so a server can return the reasoning on its own (Ollama's ``thinking``, OpenAI's
+``reasoning_content``) and the REPL can show it apart. Ollama's ``think`` becomes the template's
+variables (``template_variables``): ``enable_thinking`` for Qwen3-style templates, ``reasoning_effort``
+("low", "medium", "high": the harmony system message's ``Reasoning:`` line) for gpt-oss.
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 OPEN, CLOSE = "<think>", "</think>"
+CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end|>"
+LEVELS = ("low", "medium", "high")
+
+Think = bool | str | None  # Ollama's think: true, false, a level (gpt-oss), or absent
+
+
+def template_harmony(template_source: str | None) -> bool:
+    """Whether a chat template writes OpenAI's harmony format (gpt-oss): messages in named channels."""
+    return CHANNEL in (template_source or "")
 
 
 def template_thinks(template_source: str | None) -> bool:
-    """Whether a chat template speaks of ``<think>`` blocks."""
-    return CLOSE in (template_source or "")
+    """Whether a chat template speaks of ``<think>`` blocks or harmony channels."""
+    return CLOSE in (template_source or "") or template_harmony(template_source)
+
+
+def check_think(value: Any, where: str = "think") -> Think:
+    """Ollama's ``think``: true, false, "low", "medium" or "high" (``ValueError`` for anything else)."""
+    if value is None or isinstance(value, bool) or value in LEVELS:
+        return value
+    raise ValueError(f"{where} must be true, false, 'low', 'medium' or 'high', got {value!r:.40}")
+
+
+def template_variables(template_source: str | None, think: Think) -> dict[str, Any]:
+    """The chat template variables ``think`` sets (none when absent). gpt-oss cannot stop thinking: false
+    asks for the least ("low") and the thinking is then dropped by the caller. ``ValueError`` for a level
+    given to a model without levels, or any thinking asked of a model that does not think."""
+    if think is None:
+        return {}
+    if template_harmony(template_source):
+        return {"reasoning_effort": think if isinstance(think, str) else "medium" if think else "low"}
+    if think and not template_thinks(template_source):
+        raise ValueError("the model does not think (its chat template has no <think> block or harmony channels)")
+    if isinstance(think, str):
+        raise ValueError(f"think {think!r}: levels are for gpt-oss (harmony); this model takes true or false")
+    return {"enable_thinking": think}
+
+
+class Splitter(Protocol):
+    def feed(self, text: str) -> tuple[str, str]: ...
+
+    def flush(self) -> tuple[str, str]: ...
+
+
+def splitter_for(template_source: str | None, prompt: str) -> Splitter | None:
+    """The splitter of a model's output after ``prompt`` (None for a model that does not think)."""
+    if template_harmony(template_source):
+        return HarmonySplitter()
+    if CLOSE in (template_source or ""):
+        return ThinkingSplitter(prompt_opens_thinking(prompt))
+    return None
 
 
 def prompt_opens_thinking(prompt: str) -> bool:
@@ -81,3 +132,61 @@ class ThinkingSplitter:
 def _tag_prefix(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that begins ``tag``."""
     return max((n for n in range(1, len(tag)) if text.endswith(tag[:n])), default=0)
+
+
+class HarmonySplitter:
+    """Splits harmony output fed in pieces into (thinking, answer): a message is an optional
+    ``<|start|>ROLE``, a header ``<|channel|>NAME ...`` ended by ``<|message|>``, then its text up to
+    the next header (``<|end|>``, a control token, is usually left out of the text). The ``analysis``
+    channel is thinking; ``final`` and ``commentary`` are the answer. Output without any header is
+    all answer; a header cut off at the end is dropped."""
+
+    _MARKS = (START, CHANNEL, END)
+
+    def __init__(self) -> None:
+        self._state, self._channel, self._held = "start", "", ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        out = {"thinking": "", "answer": ""}
+        self._held += text
+        while self._held:
+            held = self._held
+            if self._state == "start":  # a header, or plain text
+                if any(m.startswith(held) or held.startswith(m) for m in (START, CHANNEL)):
+                    if not held.startswith((START, CHANNEL)):
+                        break  # may still become a header
+                    self._state = "header"
+                else:
+                    self._state = "plain"
+            elif self._state == "header":
+                end = held.find(MESSAGE)
+                if end < 0:
+                    break
+                header, self._held = held[:end], held[end + len(MESSAGE):]
+                channel = header.rpartition(CHANNEL)[2].split(" ")[0].split("<|")[0].strip()
+                self._channel, self._state = channel, "body"
+            elif self._state == "body":
+                found = [(i, m) for m in self._MARKS if (i := held.find(m)) >= 0]
+                if found:
+                    i, mark = min(found)
+                    out[self._role()] += held[:i]
+                    self._held = held[i + len(END):] if mark == END else held[i:]
+                    self._state = "header" if mark != END else "start"
+                    continue
+                keep = max(_tag_prefix(held, m) for m in self._MARKS)
+                out[self._role()] += held[:len(held) - keep]
+                self._held = held[len(held) - keep:]
+                break
+            else:  # plain
+                out["answer"] += held
+                self._held = ""
+        return out["thinking"], out["answer"]
+
+    def _role(self) -> str:
+        return "thinking" if self._channel == "analysis" else "answer"
+
+    def flush(self) -> tuple[str, str]:
+        held, self._held = self._held, ""
+        if self._state == "body":
+            return (held, "") if self._role() == "thinking" else ("", held)
+        return "", held if self._state in ("start", "plain") else ""

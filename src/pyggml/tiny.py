@@ -51,8 +51,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pyggml"
 
 
-def write_tiny_model(path: str | os.PathLike[str]) -> Path:
-    """Write the demo GGUF to ``path`` atomically (temp file + rename), so a reader never sees half a file."""
+def write_tiny_model(path: str | os.PathLike[str], chat_template: str = CHAT_TEMPLATE) -> Path:
+    """Write the demo GGUF to ``path`` atomically (temp file + rename), so a reader never sees half a file
+    (``chat_template``: another template, for tests of what templates decide)."""
     from pyggml.synthetic import write_model
 
     tokens, scores, types = tiny_vocab()
@@ -67,7 +68,7 @@ def write_tiny_model(path: str | os.PathLike[str]) -> Path:
         "tokenizer.ggml.token_type": types, "tokenizer.ggml.unknown_token_id": 0,
         "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.add_bos_token": True,
         "tokenizer.ggml.add_eos_token": False, "tokenizer.ggml.add_space_prefix": True,
-        "tokenizer.chat_template": CHAT_TEMPLATE,
+        "tokenizer.chat_template": chat_template,
     }
     return write_model(path, "llama", hparams, "f32", seed=SEED)
 

@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from pyggml.repl import params_to_options
 from pyggml.runner.config import DEFAULT_CONTEXT, EngineConfig, close_engine, open_engine
-from pyggml.server import anthropic, ollama, openai, responses
+from pyggml.server import anthropic, manage, ollama, openai, responses
 from pyggml.server.guard import Guard
 from pyggml.server.models import DEFAULT_KEEP_ALIVE, ModelManager, SingleModel, estimate_memory
 from pyggml.server.params import APIError
@@ -50,6 +50,7 @@ def create_app(served: ServedModel | ModelManager | SingleModel, *, bind_host: s
         Route("/", _root, methods=["GET", "HEAD"]),
         Route("/health", _health, methods=["GET"]),
         *ollama.routes,
+        *manage.routes,
         *openai.routes,
         *anthropic.routes,
         *responses.routes,
@@ -117,6 +118,9 @@ class ServerConfig:
     origins: Iterable[str] = ()
     max_loaded: int | None = None  # without a model: most models loaded at once (default: 1 on CPU, 3 with a GPU)
     keep_alive: float | None = DEFAULT_KEEP_ALIVE  # without a model: seconds an idle model stays loaded
+    # with a model: seconds it stays loaded idle (None: for ever); either way a request's keep_alive counts
+    # (0 unloads it after the request) and the next request loads it again
+    model_keep_alive: float | None = None
     log_level: str = "info"
 
 
@@ -139,26 +143,28 @@ def serve(engine: EngineConfig | str | os.PathLike | None, server: ServerConfig 
             """``ref`` served by the engine ``engine`` describes (an Ollama model's projector layer is its
             mmproj, dropped with a warning when it cannot be used)."""
             check_has_weights(ref.path)
+            stored_ctx = ref.params.get("num_ctx")  # a stored model's PARAMETER num_ctx, unless --ctx says
+            num_ctx = engine.num_ctx or (stored_ctx if isinstance(stored_ctx, int) and stored_ctx > 1 else None)
             runner = open_engine(dataclasses.replace(engine, model=ref.path, mmproj=engine.mmproj or ref.projector,
-                                                     mmproj_optional=engine.mmproj is None))
+                                                     mmproj_optional=engine.mmproj is None, num_ctx=num_ctx))
             try:
                 served = ServedModel(runner, ref.path, queue=server.queue, name=ref.name,
                                      max_predict=server.max_predict, queue_timeout=server.queue_timeout)
                 served.aliases.update(ref.aliases)
-                served.defaults, served.system = params_to_options(ref.params), ref.system
+                served.defaults, served.system, served.ref = params_to_options(ref.params), ref.system, ref
                 served.draft = runner.drafter.model if runner.drafter is not None else None
                 return served
             except BaseException:
                 close_engine(runner)
                 raise
 
+        tokens = engine.parallel * (engine.num_ctx or DEFAULT_CONTEXT)  # the KV cache one model holds (at most)
         if engine.model is None:
             max_loaded = server.max_loaded
             if max_loaded is None:  # Ollama: 1 model at a time on a CPU, 3 per GPU
                 from pyggml.backend.hardware import devices
 
                 max_loaded = 3 if any(d.kind in ("gpu", "igpu") for d in devices()) else 1
-            tokens = engine.parallel * (engine.num_ctx or DEFAULT_CONTEXT)  # the KV cache one model holds (at most)
             served = ModelManager(load, max_loaded=max_loaded, keep_alive=server.keep_alive,
                                   memory_needed=lambda ref: estimate_memory(ref, tokens))
             idle = "kept loaded" if server.keep_alive is None else f"unloaded after {server.keep_alive:g} s idle"
@@ -171,10 +177,15 @@ def serve(engine: EngineConfig | str | os.PathLike | None, server: ServerConfig 
             ref = server.model_ref or ModelRef(name or path.stem, path, "file")
             if name is not None:
                 ref = dataclasses.replace(ref, name=name)
-            served = load(ref)
-            what = (f"{served.name} ({served.runner.parallel} sequences of {served.runner.num_ctx} tokens, "
-                    f"{served.queue_limit} more may wait up to {served.queue_timeout:g} s, at most "
-                    f"{served.max_predict} tokens each)")
+            model = load(ref)
+            what = (f"{model.name} ({model.runner.parallel} sequences of {model.runner.num_ctx} tokens, "
+                    f"{model.queue_limit} more may wait up to {model.queue_timeout:g} s, at most "
+                    f"{model.max_predict} tokens each)")
+            # a manager of this one model: a request's keep_alive unloads it, the next request loads it again
+            ref = dataclasses.replace(ref, aliases=tuple(sorted(model.aliases - {ref.name})))
+            served = ModelManager(load, catalog=lambda: [ref], keep_alive=server.model_keep_alive,
+                                  memory_needed=lambda ref: estimate_memory(ref, tokens))
+            served.adopt(ref, model)
         try:
             app = create_app(served, bind_host=server.host, allowed_hosts=server.allowed_hosts,
                              origins=server.origins)
@@ -183,8 +194,9 @@ def serve(engine: EngineConfig | str | os.PathLike | None, server: ServerConfig 
                   file=sys.stderr)
             uvicorn.Server(config).run(sockets=[sock])
         finally:
-            if isinstance(served, ServedModel):
-                served.close()
+            import asyncio
+
+            asyncio.run(served.close())  # what the app's shutdown has not closed (it did not start, say)
     finally:
         sock.close()
     return 0

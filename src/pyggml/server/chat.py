@@ -16,7 +16,7 @@ from pyggml.image import split_chat_images
 from pyggml.runner import CompletionChunk, CompletionRequest
 from pyggml.server.params import APIError, runner_logprobs
 from pyggml.server.service import ServedModel
-from pyggml.thinking import ThinkingSplitter, prompt_opens_thinking, template_thinks
+from pyggml.thinking import LEVELS, Splitter, Think, splitter_for, template_harmony, template_thinks, template_variables
 from pyggml.tools import (
     ToolCall,
     ToolOutput,
@@ -39,17 +39,17 @@ class ChatPrompt:
     tools: list[dict[str, Any]] | None
     forced: Any = None
     prefill: str = ""  # the start of the answer, which the model continues
-    think: bool | None = None  # the template's enable_thinking (None: its default)
-    opens_thinking: bool = False  # whether the rendered prompt opened a <think> block (set by ``prepare``)
+    think: Think = None  # Ollama's think (None: the template's default)
+    rendered: str = ""  # the prompt as rendered (set by ``prepare``): a <think> block it opened is read on
 
     @property
     def thinks(self) -> bool:
-        """Whether the model writes ``<think>`` blocks (its template speaks of them)."""
+        """Whether the model thinks aloud (its template speaks of ``<think>`` blocks or harmony channels)."""
         return template_thinks(self.served.template.source)
 
     def text(self) -> str:
         """The prompt: the rendered messages, then the prefill."""
-        variables = {"enable_thinking": self.think} if self.think is not None else {}
+        variables = template_variables(self.served.template.source, self.think)
         return self.served.render(self.messages, tools=self.tools, **variables) + self.prefill
 
     def sampling(self, options: dict[str, Any]) -> dict[str, Any]:
@@ -67,8 +67,7 @@ class ChatPrompt:
         served, lp = self.served, runner_logprobs(logprobs)
 
         def prepare() -> CompletionRequest:
-            text = self.text()
-            self.opens_thinking = prompt_opens_thinking(text)
+            text = self.rendered = self.text()
             if self.images:
                 return served.image_request(text, True, self.images, max_tokens, logprobs=lp, **options)
             return served.request(served.prompt_ids(text, True), max_tokens, logprobs=lp, **options)
@@ -87,7 +86,7 @@ class ChatOutput:
 
     def __init__(self, prompt: ChatPrompt):
         self.prompt = prompt
-        self.splitter: ThinkingSplitter | None = None
+        self.splitter: Splitter | None = None
         self.tools = ToolOutput(detect_format(prompt.served.template.source), prompt.served.tokenizer) \
             if prompt.tools else None
 
@@ -96,7 +95,7 @@ class ChatOutput:
         thinking = ""
         if self.prompt.thinks:
             if self.splitter is None:  # known once the prompt is rendered
-                self.splitter = ThinkingSplitter(self.prompt.opens_thinking)
+                self.splitter = splitter_for(self.prompt.served.template.source, self.prompt.rendered)
             thinking, text = self.splitter.feed(text)
             if chunk.done:
                 more, rest = self.splitter.flush()
@@ -108,13 +107,11 @@ class ChatOutput:
 
 
 def chat_prompt(served: ServedModel, messages: Any, tools: Any = None, tool_choice: Any = None,
-                prefill: str = "", think: bool | None = None) -> ChatPrompt:
+                prefill: str = "", think: Think = None) -> ChatPrompt:
     """``messages``, ``tools`` and ``tool_choice`` in OpenAI's chat shape, checked (400 naming the field);
-    ``prefill``: the start of the answer; ``think``: whether a model that thinks should (None: as its
-    template does by default; True for a model that does not think is a 400)."""
-    if think and not template_thinks(served.template.source):
-        raise APIError(400, f"model {served.name!r} does not think (its chat template has no <think> block)",
-                       param="think")
+    ``prefill``: the start of the answer; ``think``: whether (or for gpt-oss, how much) a model that thinks
+    should (None: as its template does by default; thinking asked of a model that does not think is a 400)."""
+    think_variables(served, think)
     try:
         forced, name = tool_choice_name(tool_choice)
     except ValueError as exc:
@@ -137,11 +134,24 @@ def chat_prompt(served: ServedModel, messages: Any, tools: Any = None, tool_choi
     return ChatPrompt(served, messages, images, tools or None, grammar, prefill, think)
 
 
-def effort_think(served: ServedModel, effort: str | None, field: str) -> bool | None:
+def think_variables(served: ServedModel, think: Think) -> dict[str, Any]:
+    """The chat template variables of ``think``; 400 when the model cannot think as asked."""
+    if think and not template_thinks(served.template.source):
+        raise APIError(400, f"model {served.name!r} does not think (its chat template has no <think> block "
+                       "or harmony channels)", param="think")
+    try:
+        return template_variables(served.template.source, think)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="think") from None
+
+
+def effort_think(served: ServedModel, effort: str | None, field: str) -> Think:
     """OpenAI's reasoning effort for a model that thinks: "none" (or "minimal") turns the thinking off, any
-    other level on (the template has no levels); a 400 for a model that does not think."""
+    other level on (gpt-oss takes "low", "medium" and "high" as they are); a 400 for a model that does not think."""
     if effort is None:
         return None
     if not template_thinks(served.template.source):
         raise APIError(400, f"{field} is not supported: the model does not reason", param=field.split(".")[0])
+    if template_harmony(served.template.source) and effort in LEVELS:
+        return effort
     return effort not in ("none", "minimal")

@@ -12,7 +12,8 @@ the local server (CSRF) or reach it under its own name (DNS rebinding).
   needs; otherwise 403. Requests without an Origin (curl, the Python clients) pass.
 - Bodies must be JSON: ``Content-Type`` absent, ``application/json`` or ``*+json``. ``curl -d``'s
   ``application/x-www-form-urlencoded`` is accepted only without an ``Origin`` (a browser form
-  always sends one); any other type is a 415.
+  always sends one), ``application/octet-stream`` only for an upload to ``/api/blobs/``; any other type
+  is a 415.
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class Guard:
         if scope["method"] in ("POST", "PUT", "PATCH"):
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             form = kind == "application/x-www-form-urlencoded" and origin is None  # `curl -d`
-            if kind and kind != "application/json" and not kind.endswith("+json") and not form:
+            upload = kind == "application/octet-stream" and path.startswith("/api/blobs/")  # a model file
+            if kind and kind != "application/json" and not kind.endswith("+json") and not form and not upload:
                 return _error(path, 415, f"request bodies must be JSON: send Content-Type: application/json "
                               f"(got {kind!r})")
         return None

@@ -153,6 +153,10 @@ class ModelManager:
         return loaded.served if loaded is not None else None
 
     # ---- loading --------------------------------------------------------------------------------
+    def adopt(self, ref: ModelRef, served: ServedModel) -> None:
+        """Count ``served``, loaded before the server started, as ``ref`` loaded (unloaded as any other)."""
+        self._loaded[ref.name] = _Loaded(ref, served, self.keep_alive, time.monotonic())
+
     async def get(self, name: Any, keep_alive: Any = None) -> ServedModel:
         seconds = self.keep_alive if keep_alive is None else _keep_alive(keep_alive)
         ref = self.find(name)

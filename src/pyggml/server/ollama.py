@@ -17,10 +17,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import pyggml
+from pyggml.chat import fill_in_the_middle
 from pyggml.image import image_bytes
+from pyggml.modelfile import parameters_text
+from pyggml.modelfile import render as render_modelfile
 from pyggml.repl import parse_duration
 from pyggml.runner import CompletionChunk, CompletionRequest
-from pyggml.server.chat import chat_prompt
+from pyggml.server.chat import chat_prompt, think_variables
 from pyggml.server.models import served_for
 from pyggml.server.params import (
     APIError,
@@ -32,6 +35,7 @@ from pyggml.server.params import (
     runner_logprobs,
 )
 from pyggml.server.service import Job, ServedModel, stream_response
+from pyggml.thinking import Splitter, Think, check_think, splitter_for
 
 NDJSON = "application/x-ndjson"
 _COMMON = {"model", "options", "stream", "keep_alive", "format", "think", "logprobs", "top_logprobs", "grammar"}
@@ -44,29 +48,27 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
-def _check_generation_fields(f: Fields) -> None:
-    f.unsupported("think", (False,), "is supported on /api/chat only")
-
-
-def _think(f: Fields) -> bool | None:
-    """Ollama's ``think``: true or false (the levels are gpt-oss's, whose channels are not read)."""
-    value = f.data.get("think")
-    if value is None or isinstance(value, bool):
-        return value
-    if value in ("low", "medium", "high"):
-        raise APIError(400, f"think {value!r}: levels are for gpt-oss, which this server does not read; "
-                       "give true or false", param="think")
-    raise APIError(400, f"think must be true or false, got {value!r:.40}", param="think")
+def _think(f: Fields) -> Think:
+    """Ollama's ``think``: true, false, or a level ("low", "medium", "high": gpt-oss)."""
+    try:
+        return check_think(f.data.get("think"))
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="think") from None
 
 
 async def generate(request: Request) -> Response:
     body = await read_json(request)
     f = Fields(body, "the request", GENERATE_FIELDS)
     served = await served_for(request, body.get("model"), body.get("keep_alive"))
-    _check_generation_fields(f)
-    f.unsupported("suffix", what="(fill-in-the-middle) is not supported by this server")
+    think, suffix = _think(f), f.string("suffix")
     f.unsupported("template", what="is not supported: the model's own chat template is used")
     prompt, system, raw = f.string("prompt", ""), f.string("system") or served.system, f.boolean("raw", False)
+    chat = not raw and not served.template.is_fallback
+    if think is not None and not chat:
+        raise APIError(400, "think needs the model's chat template (not raw, and a model that has one)",
+                       param="think")
+    variables = think_variables(served, think) if chat else {}
+    rendered: list[str] = []
     images = _images(f.array("images") or [], "images")
     if images and "[img-" not in prompt:  # Ollama puts a prompt's images before its text
         prompt = "".join(f"[img-{i}]" for i in range(len(images))) + prompt
@@ -79,16 +81,19 @@ async def generate(request: Request) -> Response:
     if len(context) > served.runner.num_ctx:
         raise APIError(400, f"context of {len(context)} tokens does not fit the context of {served.runner.num_ctx} "
                        "tokens", param="context")
-    if not prompt and not context:  # Ollama's way to load (or, with keep_alive 0, unload) a model
+    if not prompt and not context and not suffix:  # Ollama's way to load (or, with keep_alive 0, unload) a model
         return JSONResponse({"model": served.name, "created_at": _now(), "response": "", "done": True,
                              "done_reason": await _load_or_unload(request, body)})
+    if suffix:
+        return await _fill_in_the_middle(request, served, f, prompt, suffix, options, logprobs)
 
     def prepare() -> CompletionRequest:
-        text, chat = prompt, False
-        if not raw and not served.template.is_fallback:
+        text = prompt
+        if chat:
             messages = ([{"role": "system", "content": system}] if system else []) + \
                        [{"role": "user", "content": prompt}]
-            text, chat = served.render(messages), True
+            text = served.render(messages, **variables)
+            rendered.append(text)
         elif system and not raw:
             text = f"{system}\n\n{prompt}"
         if context:
@@ -96,6 +101,40 @@ async def generate(request: Request) -> Response:
         if images:
             return served.image_request(text, chat, images, logprobs=runner_logprobs(logprobs), **options)
         return served.request(served.prompt_ids(text, chat), logprobs=runner_logprobs(logprobs), **options)
+
+    splitter: list[Splitter | None] = []
+
+    def piece(served: ServedModel, job: Job, chunk: CompletionChunk, text: str) -> dict[str, Any]:
+        if not splitter:  # known once the prompt is rendered
+            splitter.append(splitter_for(served.template.source, rendered[0]) if rendered else None)
+        thinking = ""
+        if splitter[0] is not None:
+            thinking, text = splitter[0].feed(text)
+            if chunk.done:
+                more, rest = splitter[0].flush()
+                thinking, text = thinking + more, text + rest
+        out = _generate_piece(served, job, chunk, text)
+        if thinking and think is not False:  # as on /api/chat: think false drops what a model thinks anyway
+            out["thinking"] = thinking
+        return out
+
+    return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, piece)
+
+
+async def _fill_in_the_middle(request: Request, served: ServedModel, f: Fields, prompt: str, suffix: str,
+                              options: dict[str, Any], logprobs: int | None) -> Response:
+    """``suffix``: the text between ``prompt`` and ``suffix`` (a code model's fill-in-the-middle tokens;
+    no template, no system message)."""
+    for key in ("images", "context", "think"):
+        f.unsupported(key, (False,), "cannot go with suffix (fill-in-the-middle)")
+    served.check_prompt_size(prompt + suffix)
+    try:
+        ids = fill_in_the_middle(served.tokenizer, prompt, suffix)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="suffix") from None
+
+    def prepare() -> CompletionRequest:
+        return served.request(ids, logprobs=runner_logprobs(logprobs), **options)
 
     return await _complete(request, served, prepare, f.boolean("stream", True), logprobs, _generate_piece)
 
@@ -135,6 +174,9 @@ async def chat(request: Request) -> Response:
                              "message": {"role": "assistant", "content": ""}, "done": True,
                              "done_reason": await _load_or_unload(request, body)})
     prompt = chat_prompt(served, raw_messages, tools, think=think)
+    if served.ref is not None and served.ref.messages:  # a stored model's MESSAGE turns begin the conversation
+        first = 1 if prompt.messages and prompt.messages[0]["role"] == "system" else 0
+        prompt.messages[first:first] = [dict(m) for m in served.ref.messages]
     if served.system and not any(m["role"] == "system" for m in prompt.messages):  # the model's default system message
         prompt.messages.insert(0, {"role": "system", "content": served.system})
     prepare = prompt.prepare(options.pop("max_tokens", None), options, logprobs)
@@ -254,16 +296,28 @@ async def show(request: Request) -> Response:
     info: dict[str, Any] = {"general.parameter_count": served.parameters}
     for key, value in served.model.config.items():
         info[key] = value if verbose or not isinstance(value, list) else None
-    return JSONResponse({
-        "license": served.model.config.get("general.license") or "",
-        "modelfile": f"FROM {served.path if served.show_path else served.path.name}\n",
-        "parameters": f"num_ctx {served.runner.num_ctx}",
+    ref = served.ref
+    stored = {k: v for k, v in (ref.params if ref is not None else {}).items() if k != "num_ctx"}
+    params = {**stored, "num_ctx": served.runner.num_ctx}  # the context it runs with
+    licenses = list(ref.license) if ref is not None and ref.license else []
+    messages = list(ref.messages) if ref is not None else []
+    out = {
+        "license": "\n\n".join(licenses) or served.model.config.get("general.license") or "",
+        "modelfile": render_modelfile(served.name, str(served.path if served.show_path else served.path.name),
+                                      template=ref.template if ref is not None else None, system=served.system,
+                                      parameters=params, license=licenses, messages=messages),
+        "parameters": parameters_text(params),
         "template": served.template.source,
         "details": served.details,
         "model_info": info,
         "capabilities": served.capabilities,
         "modified_at": served.modified_at,
-    })
+    }
+    if served.system:
+        out["system"] = served.system
+    if messages:
+        out["messages"] = messages
+    return JSONResponse(out)
 
 
 async def version(request: Request) -> Response:

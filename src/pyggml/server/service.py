@@ -90,6 +90,7 @@ class ServedModel:
         self.defaults: dict[str, Any] = {}
         self.system: str | None = None
         self.draft: Any = None  # a draft model loaded for this one (closed with it)
+        self.ref: Any = None  # the stored model it was loaded as (pyggml.store.ModelRef): /api/show reports it
 
     def _details(self) -> dict[str, Any]:
         arch = self.model.config.architecture or ""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
@@ -30,7 +30,11 @@ FIM_TEXTS = {
 }
 _FIM_OLD_KEYS = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}
 _FIM_EOG = ("fim_pad", "fim_rep", "fim_sep")
-_LOOKED_UP = EOG_TEXTS.union(*FIM_TEXTS.values())
+# gpt-oss (harmony), as llama.cpp: the headers of its messages are written out (a reader finds the
+# channels in the text), and with <|return|> and <|call|> to end a reply, <|end|> (the end of its
+# thinking message) does not end generation
+HARMONY_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+_LOOKED_UP = EOG_TEXTS.union(*FIM_TEXTS.values(), HARMONY_SHOWN)
 
 # tokenizer.ggml.pre values whose defaults differ from plain BPE: llama3-style
 # vocabularies add BOS, and they and GLM take whole-token pre-tokens as they are;
@@ -76,6 +80,8 @@ class Vocab:
     add_sep: bool
     add_space_prefix: bool
     ignore_merges: bool
+    # fill-in-the-middle tokens by role ("fim_pre", "fim_suf", "fim_mid", ...), from their id keys or texts
+    fim: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Vocab:
@@ -120,7 +126,8 @@ class Vocab:
             bos, eos, unk = token_id("bos_token_id"), token_id("eos_token_id"), token_id("unknown_token_id")
             sep = token_id("seperator_token_id")
             add_bos, add_eos, add_sep = pre in LLAMA3_PRE, False, pre in SEP_PRE
-        eog = _end_of_generation(tokens, types, token_id)
+        fim: dict[str, int] = {}
+        eog = _end_of_generation(tokens, types, token_id, fim)
         return cls(
             model=model, pre=pre, name=str(meta.get("general.name", "")).lower(),
             tokens=tokens, types=types, scores=scores, merges=merges,
@@ -129,13 +136,14 @@ class Vocab:
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", add_eos)),
             add_sep=bool(meta.get("tokenizer.ggml.add_sep_token", add_sep)),
             add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", model == "llama")),
-            ignore_merges=pre in IGNORE_MERGES_PRE,
+            ignore_merges=pre in IGNORE_MERGES_PRE, fim=fim,
         )
 
 
-def _end_of_generation(tokens: list[str], types: list[int],
-                       token_id: Callable[[str], int | None]) -> set[int | None]:
-    """Ids that end generation; marks the tokens llama.cpp recognises by text as CONTROL."""
+def _end_of_generation(tokens: list[str], types: list[int], token_id: Callable[[str], int | None],
+                       fim: dict[str, int]) -> set[int | None]:
+    """Ids that end generation; marks the tokens llama.cpp recognises by text as CONTROL; fills ``fim``
+    with the fill-in-the-middle tokens found."""
     found = {text: i for i, text in enumerate(tokens) if text in _LOOKED_UP}
     control = {i for text, i in found.items() if text in EOG_TEXTS}
     eog: set[int | None] = {*control, token_id("eot_token_id"), token_id("eom_token_id")}
@@ -146,8 +154,15 @@ def _end_of_generation(tokens: list[str], types: list[int],
         if tid is None:
             tid = next((found[t] for t in texts if t in found), None)
             control.add(tid)
+        if tid is not None:
+            fim[role] = tid
         if role in _FIM_EOG:
             eog.add(tid)
+    if "<|return|>" in found and "<|call|>" in found:
+        eog.discard(found.get("<|end|>"))
+        for text in HARMONY_SHOWN:
+            if text in found:
+                types[found[text]] = TokenType.USER_DEFINED
     for i in control - {None}:
         types[i] = TokenType.CONTROL
     return eog
