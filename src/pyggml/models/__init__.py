@@ -180,6 +180,7 @@ def _import_builtin() -> None:
         gemma2,
         gemma3,
         gptoss,
+        granitehybrid,
         lfm2,
         lfm2moe,
         llama,
