@@ -52,6 +52,10 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "granitehybrid": {"block_count": 3, "attention.head_count_kv": [0, 2, 0], "ssm.conv_kernel": 4,
                       "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 4, "ssm.group_count": 2,
                       "rope.scaling.finetuned": False},
+    # Nemotron-H: Mamba-2 (4 heads of 16, 2 groups, 4 taps), an MLP, attention, an MLP
+    "nemotron_h": {"block_count": 4, "attention.head_count_kv": [0, 0, 2, 0], "feed_forward_length": [0, 128, 0, 128],
+                   "attention.key_length": 16, "attention.value_length": 16, "ssm.conv_kernel": 4,
+                   "ssm.inner_size": 64, "ssm.state_size": 16, "ssm.time_step_rank": 4, "ssm.group_count": 2},
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 
@@ -139,6 +143,17 @@ SHAPES = {
                     "expert_shared_feed_forward_length": 1024, "embedding_scale": 12.0, "residual_scale": 0.22,
                     "attention.scale": 0.0078125, "logit_scale": 6.0, "tokenizer.ggml.model": "gpt2"})
        for name, n in (("granite-4.0-h-tiny", 40), ("granite-4.0-h-tiny-10l", 10))},
+    # Nemotron-Nano-9B-v2-like: 56 one-mixer blocks (27 Mamba-2 of 128 heads of 80 in 8 groups, a 128-wide
+    # state; 4 attention of 40 heads over 8 KV heads of 128, no rope; 25 squared-ReLU MLPs of 15680);
+    # and its first 14 blocks (one attention block: quick on 2 cores)
+    **{name: Shape(len(pattern), 4480, 15680, 40, 8, 131072, 131072, 10000.0, False, "nemotron_h",
+                   {"attention.head_count_kv": [8 if c == "*" else 0 for c in pattern],
+                    "feed_forward_length": [15680 if c == "-" else 0 for c in pattern], "attention.key_length": 128,
+                    "attention.value_length": 128, "ssm.conv_kernel": 4, "ssm.inner_size": 10240,
+                    "ssm.state_size": 128, "ssm.time_step_rank": 128, "ssm.group_count": 8,
+                    "attention.layer_norm_epsilon": 1e-5, "tokenizer.ggml.model": "gpt2"})
+       for name, pattern in (("nemotron-nano-9b-v2", "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
+                             ("nemotron-nano-9b-v2-14l", "M-M-M-MM-M-M-M*"))},
 }
 
 

@@ -26,7 +26,7 @@ class Mamba2Tensors:
     ``n_layers``, ``ssm_heads``, ``ssm_groups``, ``ssm_inner``, ``ssm_state``, ``conv_kernel``."""
 
     def mamba2(self, gguf_name: str, out: Source) -> Source:
-        kind = gguf_name.split(".")[2]
+        kind = (gguf_name.split(".") + ["", ""])[2]  # blk.N.<kind>
         if kind == "ssm_a":  # stored as log(-A)
             return out.map(lambda w: -np.exp(w.reshape(-1, 1)), (self.ssm_heads, 1))
         if kind == "ssm_d":

@@ -185,6 +185,7 @@ def _import_builtin() -> None:
         lfm2moe,
         llama,
         mistral3,
+        nemotron_h,
         nomic_bert,
         olmo2,
         phi3,
