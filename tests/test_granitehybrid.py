@@ -240,3 +240,47 @@ def test_ssm_scan_matches_the_recurrence_and_refuses_bad_operands():
             ins[0].ssm_scan(ins[1], ins[2], ins[3], ins[4], ins[5], ctx.from_numpy(ids[:1]))  # ids of one sequence
         with pytest.raises(TypeError, match="ssm_scan"):
             ins[0].ssm_scan(*ins[1:5], ctx.from_numpy(states.astype(np.float16)), ins[6])
+
+
+# ---- the runner's checkpoints of scan states (LFM2's layers have none) --------------------------------------
+def logprobs_of(runner, prompt: list[int], n: int, **options) -> tuple[list, object]:
+    """``n`` greedy tokens with their top-5 logprobs (end-of-generation tokens banned), and the last chunk."""
+    bias = {i: -np.inf for i in range(TINY["granitehybrid"]["vocab_size"]) if runner.model.tokenizer.is_eog(i)}
+    chunks = list(runner.completion(CompletionRequest(prompt, max_tokens=n, temperature=0.0, logit_bias=bias,
+                                                      logprobs=5, **options)))
+    return [lp for c in chunks for lp in c.logprobs or ()], chunks[-1]
+
+
+def same_logprobs(got: list, expected: list) -> None:
+    assert [lp.token for lp in got] == [lp.token for lp in expected]
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose([v for _, v in a.top], [v for _, v in b.top], rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("granitehybrid-tiny") / "g.gguf", "granitehybrid",
+                       TINY["granitehybrid"], "f32", seed=6)  # a seed whose drafts are accepted and rejected
+
+
+def test_a_prompt_with_another_ending_resumes_from_a_checkpoint_of_the_scan_states(tiny_path):
+    """The slot's states went past the new prompt's divergence: the checkpoint kept where the first
+    prompt ended (convolution and scan states) is resumed and the rest recomputed, as a fresh run."""
+    prompt = [1, 17, 42, 99, 5, 23, 64, 7, 150, 33]
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        first, _ = logprobs_of(llm.runner, prompt, 6)
+        other = prompt + ([11, 12, 13] if first[0].token != 11 else [12, 13, 14])
+        got, last = logprobs_of(llm.runner, other, 6)
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as fresh:
+        expected, fresh_last = logprobs_of(fresh.runner, other, 6)
+    assert last.cached_tokens == len(prompt) and fresh_last.cached_tokens == 0
+    same_logprobs(got, expected)
+
+
+def test_prompt_lookup_rolls_rejected_drafts_back_to_plain_greedy(tiny_path):
+    prompt = [1, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        plain, _ = logprobs_of(llm.runner, prompt, 24, cache_prompt=False)
+        drafted, last = logprobs_of(llm.runner, prompt, 24, cache_prompt=False, prompt_lookup=3)
+    same_logprobs(drafted, plain)
+    assert last.finish_reason == "length" and 0 < last.accepted_tokens < last.draft_tokens
