@@ -181,6 +181,7 @@ def test_a_state_size_that_does_not_match_the_tensors_is_named(tmp_path):
     ({"ssm.time_step_rank": 3}, "ssm.time_step_rank"),  # 128 is not 3 heads of a whole size
     ({"ssm.group_count": 3}, "ssm.group_count"),
     ({"expert_used_count": 5}, "expert_used_count"),
+    ({"expert_weights_scale": 2.5}, "expert_weights_scale"),
 ])
 def test_unsupported_or_inconsistent_keys_are_named(hparams, words):
     from pyggml.backend.metadata import Config

@@ -191,6 +191,9 @@ class Options(Mamba2Options):
         if n_experts and not 0 < n_used <= n_experts:
             raise ModelError(f"{arch}: {arch}.expert_used_count ({n_used}) must be in 1..{arch}.expert_count "
                              f"({n_experts})")
+        if config.float("expert_weights_scale", 0.0, min=-1e6, max=1e6) not in (0.0, 1.0):
+            raise ModelError(f"{arch}: {arch}.expert_weights_scale is not supported (the chosen experts' weights "
+                             "are their softmax only)")
         rope = None
         if config.bool("rope.scaling.finetuned", True):  # Granite's switch for rotary positions
             rope = nn.Rope.from_config(config, config.uint("rope.dimension_count", head_dim, max=head_dim) or head_dim,
