@@ -210,6 +210,9 @@ struct ggml_tensor * ggml_rope_ext(struct ggml_context * ctx, struct ggml_tensor
                                    float beta_slow);
 struct ggml_tensor * ggml_im2col(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, int s0,
                                  int s1, int p0, int p1, int d0, int d1, bool is_2D, enum ggml_type dst_type);
+struct ggml_tensor * ggml_ssm_scan(struct ggml_context * ctx, struct ggml_tensor * s, struct ggml_tensor * x,
+                                   struct ggml_tensor * dt, struct ggml_tensor * A, struct ggml_tensor * B,
+                                   struct ggml_tensor * C, struct ggml_tensor * ids, int64_t K);
 struct ggml_tensor * ggml_conv_2d(struct ggml_context * ctx, struct ggml_tensor * a, struct ggml_tensor * b, int s0,
                                   int s1, int p0, int p1, int d0, int d1);
 struct ggml_tensor * ggml_pool_2d(struct ggml_context * ctx, struct ggml_tensor * a, enum ggml_op_pool op, int k0,

@@ -263,6 +263,83 @@ def make_tiny_lfm2(tmp_path: Path, *, layer_types: tuple[str, ...] = ("conv", "f
     return hf_dir, model
 
 
+def make_tiny_granitehybrid(tmp_path: Path, *, layer_types: tuple[str, ...] = ("mamba", "attention", "mamba", "mamba"),
+                            moe: bool = False, rope: bool = False, tie: bool = True, seed: int = 0) -> tuple[Path, Any]:
+    """Build and save a random Granite 4.0 hybrid (GraniteMoeHybrid: 64 wide; Mamba-2 layers of 4 heads of
+    32 in 2 groups, a 16-wide state, 4 taps and chunks of 8; attention of 4 heads over 2 KV heads) with a
+    BPE tokenizer and Granite's multipliers. ``moe``: 4 experts of 32 (2 chosen) beside the shared MLP of
+    48; else the shared MLP alone. ``rope``: rotary positions (Granite 4's hybrids have none). Returns
+    ``(hf_dir, hf_model)`` (float32, eval mode); norms, A, D, the time-step bias and the kernels are
+    randomised so that a misplaced one shows."""
+    import torch
+    import transformers
+
+    kinds = "".join(t[0] for t in layer_types)
+    hf_dir = Path(tmp_path) / f"tiny-granitehybrid-{kinds}{'-moe' if moe else ''}{'-rope' if rope else ''}-s{seed}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    config = transformers.GraniteMoeHybridConfig(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+        num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        rms_norm_eps=1e-5, num_local_experts=4 if moe else 0, num_experts_per_tok=2, layer_types=list(layer_types),
+        mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0,
+        position_embedding_type="rope" if rope else None,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        initializer_range=0.05, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    torch.manual_seed(seed)
+    model = transformers.GraniteMoeHybridForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(("conv1d.weight", "conv1d.bias")):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith(("A_log", "D", "dt_bias")):  # decays from fast to slow, time steps around 1
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
+def make_tiny_nemotron_h(tmp_path: Path, *, pattern: str = "M-*-M-", pattern_key: bool = False,
+                         seed: int = 0) -> tuple[Path, Any]:
+    """Build and save a random Nemotron-H (NemotronH: 64 wide; blocks by ``pattern``, M Mamba-2 (4 heads of
+    16 in 2 groups, a 16-wide state, 4 taps, chunks of 8), * attention (4 heads of 16 over 2 KV heads),
+    - a squared-ReLU MLP of 96) with a BPE tokenizer. ``pattern_key``: the config names the layers with
+    the released checkpoints' ``hybrid_override_pattern`` string, not ``layers_block_type``. Returns
+    ``(hf_dir, hf_model)`` (float32, eval mode); norms, A, D, the time-step bias and the kernels are
+    randomised so that a misplaced one shows."""
+    import torch
+    import transformers
+
+    kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
+    hf_dir = Path(tmp_path) / f"tiny-nemotron-h-{pattern.replace('*', 'A')}-s{seed}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    config = transformers.NemotronHConfig(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, layers_block_type=[kinds[c] for c in pattern],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=256,
+        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8,
+        layer_norm_epsilon=1e-5, initializer_range=0.05, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+        pad_token_id=2)
+    torch.manual_seed(seed)
+    model = transformers.NemotronHForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(("conv1d.weight", "conv1d.bias")):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith(("A_log", "D", "dt_bias")):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    if pattern_key:
+        cfg = json.loads((hf_dir / "config.json").read_text())
+        cfg.pop("layers_block_type", None)
+        _write_json(hf_dir / "config.json", cfg | {"hybrid_override_pattern": pattern})
+    return hf_dir, model
+
+
 def make_tiny_gemma(tmp_path: Path, *, arch: str = "gemma3", n_layers: int = 6, n_kv_heads: int = 2,
                     sliding_window: int = 4, seed: int = 0) -> tuple[Path, Any]:
     """Build and save a random Gemma 2 / Gemma 3 text model (64 wide, 4 heads of 16) with a SentencePiece

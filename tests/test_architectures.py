@@ -83,6 +83,22 @@ TINY: dict[str, dict] = {
                 "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 1000000.0, "vocab_size": 320,
                 "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32,
                 "leading_dense_block_count": 1, "expert_gating_func": 2},
+    # Mamba-2 (4 heads of 32, 2 groups, a 4-tap convolution), attention (no rope: Granite 4's hybrids have none),
+    # Mamba-2; experts and a shared expert; Granite's multipliers
+    "granitehybrid": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 32, "attention.head_count": 4,
+                      "attention.head_count_kv": [0, 2, 0], "context_length": 128,
+                      "attention.layer_norm_rms_epsilon": 1e-5, "vocab_size": 320, "ssm.conv_kernel": 4,
+                      "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 4, "ssm.group_count": 2,
+                      "rope.scaling.finetuned": False, "expert_count": 4, "expert_used_count": 2,
+                      "expert_shared_feed_forward_length": 48, "embedding_scale": 2.0, "residual_scale": 0.5,
+                      "attention.scale": 0.125, "logit_scale": 4.0},
+    # Mamba-2 (4 heads of 16, 2 groups, 4 taps), squared-ReLU MLP, attention (no rope), MLP, Mamba-2
+    "nemotron_h": {"block_count": 5, "embedding_length": 64, "attention.head_count": 4,
+                   "attention.head_count_kv": [0, 0, 2, 0, 0], "feed_forward_length": [0, 96, 0, 96, 0],
+                   "attention.key_length": 16, "attention.value_length": 16, "context_length": 128,
+                   "attention.layer_norm_epsilon": 1e-5, "attention.layer_norm_rms_epsilon": 1e-5,
+                   "vocab_size": 320, "ssm.conv_kernel": 4, "ssm.inner_size": 64, "ssm.state_size": 16,
+                   "ssm.time_step_rank": 4, "ssm.group_count": 2},
     "smollm3": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                 "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
                 "rope.freq_base": 5000000.0, "vocab_size": 320},  # layer 3 has no rope
@@ -352,7 +368,8 @@ def test_llama_cpp_runs_the_same_file(arch, tiny_file):
 # ---- the bench shapes of these architectures (pyggml.synthetic.SHAPES), shrunk ------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp (llama-cpp-python) is absent")
 @pytest.mark.parametrize("name, dtype", [("gemma3-1b", "q4_0"), ("phi3-mini-8l", "q8_0"), ("gpt-oss-small", "mxfp4"),
-                                         ("lfm2-1.2b", "f16")])  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
+                                         ("lfm2-1.2b", "f16"),  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
+                                         ("granite-4.0-h-tiny-10l", "f16"), ("nemotron-nano-9b-v2-14l", "f16")])
 def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     """Each shape's keys and types (MXFP4 experts and Q8_0 elsewhere for gpt-oss, as llama.cpp's MXFP4_MOE
     files) with fewer layers, experts and tokens: both engines load the file and compute the same logits."""
@@ -363,6 +380,10 @@ def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
         smaller["expert_count"] = 4
     if name.startswith("lfm2"):  # a layer kind per layer: convolution, attention, convolution
         smaller |= {"block_count": 3, "attention.head_count_kv": [0, 8, 0]}
+    if name.startswith("granite"):  # Mamba-2, attention, Mamba-2
+        smaller |= {"block_count": 3, "attention.head_count_kv": [0, 4, 0], "expert_count": 8}
+    if name.startswith("nemotron"):  # Mamba-2, MLP, attention
+        smaller |= {"block_count": 3, "attention.head_count_kv": [0, 0, 8], "feed_forward_length": [0, 15680, 0]}
     path = write_synthetic(tmp_path / f"{name}.gguf", name, dtype, hparams=smaller)
     text = "hello world, 42!"
     done = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), text, "0"], capture_output=True, text=True,

@@ -433,4 +433,5 @@ def _gguf_name(tensor_map: Any, module_name: str) -> str | None:
         name = tensor_map.get_name(".".join(parts[start:]))
         if name is not None:
             return name
-    return None
+    # transformers loads Mamba-family checkpoints' ``backbone.*`` as ``model.*`` (Nemotron-H); gguf maps the former
+    return tensor_map.get_name(".".join(["backbone", *parts[1:]])) if parts[0] == "model" else None

@@ -48,6 +48,14 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "lfm2": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0]},
     "lfm2moe": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0], **_EXPERTS,
                 "leading_dense_block_count": 1, "expert_gating_func": 2},
+    # Granite 4 hybrid: Mamba-2 (4 heads of 32, 2 groups, 4 taps), attention in the middle, no rope
+    "granitehybrid": {"block_count": 3, "attention.head_count_kv": [0, 2, 0], "ssm.conv_kernel": 4,
+                      "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 4, "ssm.group_count": 2,
+                      "rope.scaling.finetuned": False},
+    # Nemotron-H: Mamba-2 (4 heads of 16, 2 groups, 4 taps), an MLP, attention, an MLP
+    "nemotron_h": {"block_count": 4, "attention.head_count_kv": [0, 0, 2, 0], "feed_forward_length": [0, 128, 0, 128],
+                   "attention.key_length": 16, "attention.value_length": 16, "ssm.conv_kernel": 4,
+                   "ssm.inner_size": 64, "ssm.state_size": 16, "ssm.time_step_rank": 4, "ssm.group_count": 2},
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 
@@ -83,8 +91,8 @@ class Shape:
                 "vocab_size": self.vocab, **self.extra}
 
 
-# 2-d weights that llama.cpp never quantizes (nor its converters write as F16): convolution kernels
-_SMALL_MATRICES = (".shortconv.conv.weight", ".ssm_conv1d.weight")
+# 2-d weights that llama.cpp never quantizes (nor its converters write as F16): convolution kernels, per-group norms
+_SMALL_MATRICES = (".shortconv.conv.weight", ".ssm_conv1d.weight", ".ssm_norm.weight")
 _QWEN3_HEADS = {"attention.key_length": 128, "attention.value_length": 128, "rope.dimension_count": 128,
                 "attention.layer_norm_rms_epsilon": 1e-6, "tokenizer.ggml.model": "gpt2"}
 # a general.name with "phi3" or "phi-3" in it makes llama.cpp want Phi-3's <|endoftext|> token, which a
@@ -125,6 +133,27 @@ SHAPES = {
                             "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 1024,
                             "attention.sliding_window": 128, "rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
                             "rope.scaling.original_context_length": 4096, "tokenizer.ggml.model": "gpt2"}),
+    # Granite-4.0-H-Tiny-like (~7B, ~1B active): 40 layers, attention in 4 of them (no rope), the others Mamba-2
+    # (48 heads of 64, a 128-wide state, one group, 4 taps); 64 experts of 512 (6 used) and a shared expert
+    # of 1024; and its first 10 layers (one attention layer: quick on 2 cores)
+    **{name: Shape(n, 1536, 512, 12, 4, 100352, 131072, 10000.0, True, "granitehybrid",
+                   {"attention.head_count_kv": [4 if i % 10 == 5 else 0 for i in range(n)], "ssm.conv_kernel": 4,
+                    "ssm.inner_size": 3072, "ssm.state_size": 128, "ssm.time_step_rank": 48, "ssm.group_count": 1,
+                    "rope.scaling.finetuned": False, "expert_count": 64, "expert_used_count": 6,
+                    "expert_shared_feed_forward_length": 1024, "embedding_scale": 12.0, "residual_scale": 0.22,
+                    "attention.scale": 0.0078125, "logit_scale": 6.0, "tokenizer.ggml.model": "gpt2"})
+       for name, n in (("granite-4.0-h-tiny", 40), ("granite-4.0-h-tiny-10l", 10))},
+    # Nemotron-Nano-9B-v2-like: 56 one-mixer blocks (27 Mamba-2 of 128 heads of 80 in 8 groups, a 128-wide
+    # state; 4 attention of 40 heads over 8 KV heads of 128, no rope; 25 squared-ReLU MLPs of 15680);
+    # and its first 14 blocks (one attention block: quick on 2 cores)
+    **{name: Shape(len(pattern), 4480, 15680, 40, 8, 131072, 131072, 10000.0, False, "nemotron_h",
+                   {"attention.head_count_kv": [8 if c == "*" else 0 for c in pattern],
+                    "feed_forward_length": [15680 if c == "-" else 0 for c in pattern], "attention.key_length": 128,
+                    "attention.value_length": 128, "ssm.conv_kernel": 4, "ssm.inner_size": 10240,
+                    "ssm.state_size": 128, "ssm.time_step_rank": 128, "ssm.group_count": 8,
+                    "attention.layer_norm_epsilon": 1e-5, "tokenizer.ggml.model": "gpt2"})
+       for name, pattern in (("nemotron-nano-9b-v2", "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
+                             ("nemotron-nano-9b-v2-14l", "M-M-M-MM-M-M-M*"))},
 }
 
 
@@ -219,6 +248,8 @@ def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] |
 def _random(t: nn.TensorDecl, numpy_shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Values that keep activations O(1): norm weights near 1, small biases, matrices scaled 1/sqrt(fan_in)."""
     data = rng.standard_normal(numpy_shape, dtype=np.float32)
+    if t.name.endswith(".ssm_a"):  # a state-space decay: negative, or the states grow without bound
+        return -np.exp(0.5 * data)
     if t.name.endswith(".bias"):
         data *= 0.1
     elif issubclass(t.module, (nn.RMSNorm, nn.LayerNorm)) or len(numpy_shape) == 1:

@@ -1250,6 +1250,43 @@ class Tensor:
                                float(padding), float(padding))
         return Tensor(out, ctx, max(self._nd, 2))
 
+    # ---- state-space scans -------------------------------------------------------------------
+    def ssm_scan(self, dt: Tensor, a: Tensor, b: Tensor, c: Tensor, states: Tensor,
+                 ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Mamba's selective scan over T steps of N sequences (``ggml_ssm_scan``). ``self`` (x) is
+        (head_dim, n_head, T, N); ``dt`` (n_head, T, N), before the softplus the op applies; ``a``
+        (1, n_head) (Mamba-2: one decay per head) or (d_state, n_head) (Mamba-1); ``b`` and ``c``
+        (d_state, n_group, T, N), head h reading group ``h // (n_head / n_group)``; ``states``
+        (d_state, head_dim, n_head, units), sequence i starting from unit ``ids[i]`` (I32 (N,): the
+        caller vouches that they are in range; ggml reads them unchecked). Per head and step:
+        ``s = s * exp(softplus(dt) * a) + softplus(dt) * x b^T``, ``y = s c``. All F32; rows of x, b, c
+        packed, the rest contiguous. Returns (y (head_dim, n_head, T, N), the final states (d_state,
+        head_dim, n_head, N)), views of one result."""
+        x, n_state = self._ne, states._ne[0]
+        hd, nh, t, n = x
+        ng = b._ne[1]
+        if dt._ne != (nh, t, n, 1) or b._ne != c._ne or b._ne != (n_state, ng, t, n) or nh % ng or \
+                states._ne[1:3] != (hd, nh) or ids._ne != (n, 1, 1, 1) or a._ne[1:] != (nh, 1, 1) or \
+                a._ne[0] not in (1, n_state):
+            raise _fail("ssm_scan", "expects x (head_dim, n_head, T, N), dt (n_head, T, N), a (1 or d_state, "
+                        "n_head), b and c (d_state, n_group, T, N) with n_group | n_head, states (d_state, "
+                        "head_dim, n_head, units), ids (N,)", self, dt, a, b, c, states, ids)
+        operands = (self, dt, a, b, c, states)
+        if any(o._p.type != DType.F32 for o in operands) or ids._p.type != DType.I32:
+            raise TypeError("ssm_scan: needs F32 operands and I32 ids, got " +
+                            ", ".join(o.dtype.name for o in (*operands, ids)))
+        if not all(_rows_packed(o._p) and o._p.nb[1] == o._ne[0] * o._p.nb[0] for o in (self, b, c)) or \
+                not all(lib.ggml_is_contiguous(o._p) for o in (dt, a, states)):
+            raise _fail("ssm_scan", "x, b and c need packed rows of packed heads; dt, a and states must be "
+                        "contiguous (call .contiguous())", *operands)
+        _check_size("ssm_scan", DType.F32, (hd * nh, t * n + n_state * n, 1, 1))
+        ctx = self._ctx_with(dt, "ssm_scan")
+        self._same_graph(ctx, "ssm_scan", a, b, c, states, ids)
+        packed = Tensor(lib.ggml_ssm_scan(ctx._state.ptr, states._p, self._p, dt._p, a._p, b._p, c._p, ids._p, 1),
+                        ctx, 1)
+        y = packed.view(0, (hd, nh, t, n))
+        return y, packed.view(4 * hd * nh * t * n, (n_state, hd, nh, n))
+
 
 def _check_convert(op: str, src: DType, dst: DType) -> None:
     """The conversions ggml's CPU copy implements (others abort inside a compute)."""

@@ -60,7 +60,7 @@ class Source:
 def tensor_type(name: str, shape: tuple[int, ...], out_type: Q, keep_f32: Sequence[str]) -> Q:
     """llama.cpp's rule: vectors, norms, biases and the kinds in ``keep_f32`` stay F32; matrices get ``out_type``,
     except that a q8_0 matrix whose rows are not a multiple of the 32-wide block falls back to F16."""
-    kind = name.split(".")[-2]
+    kind = name.split(".")[-2 if name.endswith((".weight", ".bias")) else -1]  # blk.N.ssm_a has no suffix
     if len(shape) < 2 or name.endswith(("_norm.weight", ".bias")) or kind in keep_f32:  # per-expert biases: 2-d
         return Q.F32
     if out_type == Q.Q8_0 and shape[-1] % gguf.GGML_QUANT_SIZES[Q.Q8_0][0]:

@@ -1,0 +1,202 @@
+"""Nemotron-H (GGUF ``nemotron_h``, dense): converted tiny random checkpoints against transformers
+(whose Mamba-2 runs its reference PyTorch scan here) and llama.cpp, several sequences in one batch,
+the runner resuming a recurrent state, and malformed files. The Mamba-2 mixer itself is
+``granitehybrid``'s (tests/test_granitehybrid.py tests its scan op)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import pyggml
+from pyggml import BackendParams, models
+from pyggml.convert import convert_hf
+from pyggml.models import ModelError
+from pyggml.runner import CompletionRequest, Runner
+from pyggml.synthetic import write_model
+
+from .test_architectures import TINY, forward
+from .test_convert import needs_llama_cpp
+
+torch = pytest.importorskip("torch", reason="the Nemotron-H parity tests build HF models with torch")
+transformers = pytest.importorskip("transformers", reason="the Nemotron-H parity tests build HF models")
+
+from .hf_fixtures import make_tiny_nemotron_h  # noqa: E402  (needs torch/transformers)
+from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+
+CASES = {"mamba-mlp-attention": dict(),  # M - * - M -
+         # attention first and last, two Mamba-2 blocks in a row; layers named by hybrid_override_pattern
+         "pattern-attention-first": dict(pattern="*M-MM-*", pattern_key=True, seed=1)}
+LONG = " ".join(TEXTS)  # longer than the 4-tap convolution and several of transformers' 8-token scan chunks
+# max |ours - theirs| / max |theirs| over the logits; measured 1.1e-6 .. 1.2e-6 against transformers (F32 cache)
+TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """``converted(case, out_type)``: (path of the converted file, HF model, HF tokenizer), made once."""
+    root, done, hf = tmp_path_factory.mktemp("nemotron_h"), {}, {}
+
+    def get(case: str, out_type: str = "f32"):
+        if case not in hf:
+            hf_dir, model = make_tiny_nemotron_h(root, **CASES[case])
+            hf[case] = hf_dir, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
+        if (case, out_type) not in done:
+            done[case, out_type] = convert_hf(hf[case][0], root / f"{case}-{out_type}.gguf", out_type)
+        return done[case, out_type], hf[case][1], hf[case][2]
+
+    return get
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_in_one_batch_and_token_by_token(case, converted):
+    path, model, tokenizer = converted(case)
+    tokens = tokenizer.encode(LONG)
+    assert len(tokens) > 3 * 8
+    expected = reference(model, tokens)
+    for batch_size in (512, 5, 1):  # the whole prompt; batches that cut windows and chunks; token by token
+        with pyggml.load(path, n_threads=2, num_ctx=96, batch_size=batch_size, cache_type="f32") as llm:
+            assert llm.tokenize(LONG) == tokens
+            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+
+
+def test_several_sequences_at_once_match_transformers(converted):
+    path, model, tokenizer = converted("mamba-mlp-attention")
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    results: list = [None] * len(prompts)
+    llm = models.load(path, BackendParams(n_threads=2))
+    with Runner(llm, parallel=3, num_ctx=64, batch_size=8, cache_type="f32") as runner:
+        def score(i: int) -> None:
+            *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
+            results[i] = last.prompt_logits
+
+        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    llm.close()
+    for tokens, ours in zip(prompts, results, strict=True):
+        assert error(ours, reference(model, tokens)) < TOLERANCE
+
+
+def test_two_sequences_of_unequal_lengths_in_one_batch_equal_each_alone(tmp_path):
+    path = write_model(tmp_path / "n.gguf", "nemotron_h", TINY["nemotron_h"], "f32", seed=5)
+    model = models.load(path, BackendParams(n_threads=2))
+    try:
+        model.cache.init(model.backend, "f32", max_sequences=3, capacity=64, max_batch=32)
+        a, b = [1, 5, 9, 33, 70, 2, 8, 100, 200, 7, 11], [3, 4, 5, 6, 7, 8]
+        alone_a, alone_b = forward(model, a, sequences=[2] * 11), forward(model, b, sequences=[2] * 6)
+        order = [(0, 0), (1, 0), (1, 1), (0, 1), (0, 2), (1, 2), (0, 3), (0, 4), (0, 5), (1, 3), (1, 4), (0, 6),
+                 (0, 7), (0, 8), (1, 5), (0, 9), (0, 10)]
+        both = forward(model, [(a, b)[s][i] for s, i in order], positions=[i for _, i in order],
+                       sequences=[s for s, _ in order])
+        rows = [[k for k, (s, _) in enumerate(order) if s == seq] for seq in (0, 1)]
+        assert error(both[rows[0]], alone_a) < 1e-5 and error(both[rows[1]], alone_b) < 1e-5
+        step = forward(model, [17, 18], positions=[11, 6], sequences=[0, 1])
+        assert error(step[:1], forward(model, a + [17], sequences=[2] * 12)[-1:]) < 1e-5
+        assert error(step[1:], forward(model, b + [18], sequences=[2] * 7)[-1:]) < 1e-5
+    finally:
+        model.close()
+
+
+def test_a_prompt_that_extends_an_earlier_one_resumes_the_state_and_equals_a_fresh_run(tmp_path):
+    path = write_model(tmp_path / "n.gguf", "nemotron_h", TINY["nemotron_h"], "f32", seed=3)
+    prompt = [1, 17, 42, 99, 5, 23, 64, 7, 150, 33]
+
+    def complete(llm, tokens: list[int]) -> tuple[list[int], int]:
+        bias = {i: -np.inf for i in range(TINY["nemotron_h"]["vocab_size"]) if llm.tokenizer.is_eog(i)}
+        chunks = list(llm.runner.completion(CompletionRequest(tokens, max_tokens=6, temperature=0.0,
+                                                              logit_bias=bias)))
+        return [t for c in chunks for t in c.tokens], chunks[-1].cached_tokens
+
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        first, _ = complete(llm, prompt)
+        longer = prompt + first + [11, 12, 13]
+        continued, cached = complete(llm, longer)
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as fresh:
+        assert continued == complete(fresh, longer)[0]
+    assert cached == len(prompt) + len(first) - 1  # the last sampled token was never evaluated
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("case", list(CASES))
+def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, converted):
+    llama_cpp_agrees(converted(case)[0])
+
+
+@needs_llama_cpp
+def test_a_q8_0_file_keeps_the_mamba_tensors_f32_and_agrees_with_llama_cpp(converted):
+    path, model, tokenizer = converted("mamba-mlp-attention", "q8_0")
+    with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
+        types = {n: t.dtype.name for n, t in llm.model.backend.tensors().items() if n.startswith("blk.0.")}
+        tokens = tokenizer.encode(LONG)
+        # Q8_0 rounding of weights and activations: measured 5%..7% from transformers on these tiny models
+        assert error(llm.logits(tokens), reference(model, tokens)) < 0.15
+    assert types["blk.0.ssm_in.weight"] == "Q8_0" and all(
+        types[f"blk.0.{n}"] == "F32" for n in ("ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_norm.weight", "ssm_dt.bias"))
+    llama_cpp_agrees(path)  # the same kernels: as close as the F32 files
+
+
+def test_compare_taps_every_layer_kind(converted):
+    from pyggml import porting
+
+    path, _, tokenizer = converted("mamba-mlp-attention")
+    result = porting.compare(tokenizer.name_or_path, path)
+    names = [layer.name for layer in result.layers]
+    assert {"token_embd", "blk.0.ssm_in", "blk.0.ssm_out", "blk.1.ffn_down", "blk.2.attn_output", "blk.5",
+            "output_norm", "output"} <= set(names)
+    assert result.ok and not result.unmatched
+
+
+# ---- malformed files -----------------------------------------------------------------------------------
+def test_a_missing_tensor_of_each_kind_is_named(tmp_path):
+    for i, name in enumerate(("blk.4.ssm_conv1d.weight", "blk.1.ffn_up.weight", "blk.2.attn_k.weight")):
+        path = write_model(tmp_path / f"bad{i}.gguf", "nemotron_h", TINY["nemotron_h"], "f32", omit={name})
+        with pytest.raises(ModelError, match=name.replace(".", r"\.")):
+            models.load(path)
+
+
+def test_a_state_size_that_does_not_match_the_tensors_is_named(tmp_path):
+    # ssm.state_size says 16, the in_proj was made for 8: 2*64 + 2*2*8 + 4 rows
+    path = write_model(tmp_path / "bad.gguf", "nemotron_h", TINY["nemotron_h"], "f32",
+                       shapes={"blk.0.ssm_in.weight": (64, 164)})
+    with pytest.raises(ModelError, match=r"blk\.0\.ssm_in\.weight has shape \(64, 164\).*ssm_in_size"):
+        models.load(path)
+
+
+@pytest.mark.parametrize("hparams, words", [
+    ({"feed_forward_length": [0, 96, 96, 96, 0]}, "not both"),  # layer 2: attention and MLP, an unknown kind
+    ({"attention.head_count_kv": [0, 0, 3, 0, 0]}, "head_count_kv"),
+    ({"feed_forward_length": [0, 96]}, "feed_forward_length"),
+    ({"expert_count": 8}, "expert_count"),
+    ({"ssm.group_count": 3}, "ssm.group_count"),
+])
+def test_unsupported_or_inconsistent_keys_are_named(hparams, words):
+    from pyggml.backend.metadata import Config
+    from pyggml.models.nemotron_h import Options
+    from pyggml.synthetic import metadata
+
+    with pytest.raises(ModelError, match=words):
+        Options.from_config(Config(metadata("nemotron_h", {**TINY["nemotron_h"], **hparams})))
+
+
+@pytest.mark.parametrize("config, words", [
+    ({"layers_block_type": ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "mlp"]},
+     "moe"),
+    ({"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
+    ({"use_conv_bias": False}, "use_conv_bias")])
+def test_the_converter_refuses_what_the_file_cannot_express(config, words, tmp_path, converted):
+    source = Path(converted("mamba-mlp-attention")[2].name_or_path)
+    hf_dir = tmp_path / "bad-config"
+    hf_dir.mkdir()
+    for f in source.iterdir():
+        (hf_dir / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((source / "config.json").read_text()) | config
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=words):
+        convert_hf(hf_dir, tmp_path / "out.gguf", "f32")
