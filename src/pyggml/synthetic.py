@@ -48,6 +48,11 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "lfm2": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0]},
     "lfm2moe": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0], **_EXPERTS,
                 "leading_dense_block_count": 1, "expert_gating_func": 2},
+    # Qwen 3.5: three Gated DeltaNet layers (4 taps, 2 key heads and 4 value heads of 16) to one attention layer
+    "qwen35": {"block_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+               "attention.value_length": 16, "rope.dimension_count": 8, "ssm.conv_kernel": 4, "ssm.state_size": 16,
+               "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64,
+               "rope.dimension_sections": [2, 1, 1, 0]},  # llama.cpp requires the key (text: plain rope)
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 
@@ -87,6 +92,10 @@ class Shape:
 _SMALL_MATRICES = (".shortconv.conv.weight", ".ssm_conv1d.weight")
 _QWEN3_HEADS = {"attention.key_length": 128, "attention.value_length": 128, "rope.dimension_count": 128,
                 "attention.layer_norm_rms_epsilon": 1e-6, "tokenizer.ggml.model": "gpt2"}
+_QWEN35 = {"attention.key_length": 256, "attention.value_length": 256, "rope.dimension_count": 64,
+           "rope.dimension_sections": [11, 11, 10, 0], "attention.layer_norm_rms_epsilon": 1e-6,
+           "tokenizer.ggml.model": "gpt2", "full_attention_interval": 4, "ssm.conv_kernel": 4, "ssm.state_size": 128,
+           "ssm.group_count": 16, "ssm.time_step_rank": 32, "ssm.inner_size": 4096}
 # a general.name with "phi3" or "phi-3" in it makes llama.cpp want Phi-3's <|endoftext|> token, which a
 # synthetic vocabulary lacks
 _PHI3 = {"attention.sliding_window": 2047, "rope.scaling.original_context_length": 4096,
@@ -120,6 +129,9 @@ SHAPES = {
     "lfm2-1.2b": Shape(16, 2048, 8192, 32, 8, 65536, 128000, 1000000.0, True, "lfm2",
                        {"attention.head_count_kv": [8 if i in (2, 5, 8, 10, 12, 14) else 0 for i in range(16)],
                         "shortconv.l_cache": 3}),
+    # Qwen3.5-9B: 24 Gated DeltaNet layers (16 key and 32 value heads of 128, 4 taps) and 8 gated attention layers
+    # (16 heads of 256, 4 KV heads, rope on 64 dims), a 248k vocabulary
+    "qwen3.5-9b": Shape(32, 4096, 12288, 16, 4, 248320, 262144, 10000000.0, False, "qwen35", _QWEN35),
     "gpt-oss-small": Shape(8, 1024, 1024, 16, 2, 201088, 131072, 150000.0, False, "gpt-oss",
                            {"attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 64,
                             "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 1024,
@@ -219,7 +231,9 @@ def write_model(path: str | os.PathLike, arch: str, hparams: Mapping[str, Any] |
 def _random(t: nn.TensorDecl, numpy_shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Values that keep activations O(1): norm weights near 1, small biases, matrices scaled 1/sqrt(fan_in)."""
     data = rng.standard_normal(numpy_shape, dtype=np.float32)
-    if t.name.endswith(".bias"):
+    if t.name.endswith(".ssm_a"):  # a state's decay rate, -exp(A_log): negative, so that states fade
+        data = -np.exp(0.5 * data)
+    elif t.name.endswith(".bias"):
         data *= 0.1
     elif issubclass(t.module, (nn.RMSNorm, nn.LayerNorm)) or len(numpy_shape) == 1:
         data *= 0.1

@@ -66,8 +66,10 @@ class Recurrent(Cache):
 
     Models call ``set_layer`` and then ``conv(ctx, x, kernel)`` (a causal depthwise convolution
     continuing each sequence's stored inputs) and/or ``get_state``/``put_state`` (a scan state per
-    sequence of the batch). ``put``/``get`` (attention) are not for this cache: a hybrid puts it
-    beside a ``Causal`` in a ``Wrapper`` and gives each layer the one of its kind.
+    sequence of the batch, of any size: an SSM's, or a delta rule's heads of state_size squared), with
+    ``by_sequence``/``by_batch`` to run a scan over the batch laid out per sequence. ``put``/``get``
+    (attention) are not for this cache: a hybrid puts it beside a ``Causal`` in a ``Wrapper`` and gives
+    each layer the one of its kind.
     """
 
     def __init__(self, checkpoints: int = 4) -> None:
@@ -155,7 +157,7 @@ class Recurrent(Cache):
     def refill(self, ctx: Context, batch: Batch) -> bool:
         """Graph reuse: place ``batch`` and rewrite the index inputs this cache made in ``ctx``.
         False (nothing placed) when the graph read per-sequence states of another number of sequences."""
-        names = [f"{self._prefix}.{kind}" for kind in ("state", "slots")]
+        names = [f"{self._prefix}.{kind}" for kind in ("state", "slots", "seqrows", "seqzero", "batchrows")]
         for store in self.conv_states.values():
             width = store.shape[1] // self.units + 1
             names += [f"{self._prefix}.{kind}{width}" for kind in ("past", "taps", "keep", "dst")]
@@ -219,6 +221,26 @@ class Recurrent(Cache):
         store = self._scan_store(size)
         ctx.forward(store.set_rows(state, self._input(ctx, f"{self._prefix}.slots", p), ctx=ctx))
 
+    def by_sequence(self, ctx: Context, x: Tensor, zero_padding: bool = False) -> tuple[Tensor, int, int]:
+        """``x`` (dim, n_tokens) in batch order as (dim, T * N): the batch's N sequences (ordered as
+        ``get_state``'s) one after another, each T rows long (T: the most rows any of them has in the
+        batch), a shorter one padded after its last row with copies of a batch row, or with zeros
+        (``zero_padding``: a scan step of zero gate and zero strength leaves a state unchanged). Returns
+        (the grid, T, N); ``by_batch`` brings rows back. A scan then runs over (..., T, N) at once."""
+        p = self._started("by_sequence")
+        n = p.sequences.size
+        if x.ndim > 2 or (x.shape + (1,))[1] != n:
+            raise ValueError(f"Recurrent.by_sequence: x {x.shape} must be (dim, {n}) for the batch's {n} tokens")
+        if zero_padding:  # one zero row after the batch's: the padding's index
+            x = x.concat(x.view(0, (x.shape[0], 1)).scale(0.0), 1)
+        name = f"{self._prefix}.{'seqzero' if zero_padding else 'seqrows'}"
+        return x.rows(self._input(ctx, name, p)), int(p.order.max()) + 1 if n else 0, len(p.seqs)
+
+    def by_batch(self, ctx: Context, y: Tensor) -> Tensor:
+        """The rows of ``y`` (dim, T * N), laid out as ``by_sequence`` gives them, back in batch order:
+        (dim, n_tokens)."""
+        return y.rows(self._input(ctx, f"{self._prefix}.batchrows", self._started("by_batch")))
+
     def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
         raise ValueError("Recurrent.put: a recurrent cache stores states, not keys and values (route attention "
                          "layers to a Causal cache with a Wrapper)")
@@ -245,6 +267,15 @@ class Recurrent(Cache):
             return np.array([slot[s] for s in p.seqs], np.int32)
         if kind == "slots":
             return np.array(p.seqs, np.int32)
+        if kind in ("seqrows", "seqzero", "batchrows"):  # the (T, N) grid of by_sequence
+            n, steps = p.sequences.size, int(p.order.max()) + 1 if p.sequences.size else 0
+            column = {seq: i for i, seq in enumerate(p.seqs)}
+            cells = np.array([column[s] for s in p.sequences.tolist()], np.int64) * steps + p.order
+            if kind == "batchrows":
+                return cells.astype(np.int32)
+            grid = np.full(steps * len(p.seqs), n if kind == "seqzero" else 0, np.int32)
+            grid[cells] = np.arange(n)
+            return grid
         width = int(kind[len(kind.rstrip("0123456789")):])
         kind = kind.rstrip("0123456789")
         d, n = width - 1, p.sequences.size

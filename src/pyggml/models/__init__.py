@@ -190,6 +190,7 @@ def _import_builtin() -> None:
         qwen2,
         qwen3,
         qwen3moe,
+        qwen35,
         smollm3,
     )
 
