@@ -1,4 +1,4 @@
-"""Qwen 3.5 / 3.6 (GGUF ``qwen35``): the gated delta rule op against numpy, converted tiny random
+"""Qwen 3.5 / 3.6 (GGUF ``qwen35``, and ``qwen35moe``): the gated delta rule op against numpy, converted tiny random
 checkpoints against transformers and llama.cpp (prompts longer than the convolution's taps and the
 reference's 64-token chunks, in one batch and token by token, several sequences in one batch), the
 per-layer compare, a file with a multi-token-prediction block, and malformed files."""
@@ -70,9 +70,10 @@ from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
 
 CASES = {"tiled-value-heads": dict(),  # delta net, attention, delta net, delta net; 2 key heads, 4 value heads
          "attention-first-untied": dict(layer_types=("full_attention", "linear_attention", "linear_attention",
-                                                     "full_attention"), n_k_heads=2, n_v_heads=2, tie=False, seed=1)}
+                                                     "full_attention"), n_k_heads=2, n_v_heads=2, tie=False, seed=1),
+         "moe": dict(moe=True, seed=2)}  # qwen35moe: 8 experts (2 chosen) and a shared expert per layer
 LONG = " ".join(TEXTS * 2)  # about 100 tokens: past the reference's 64-token chunks
-# max |ours - theirs| / max |theirs| over the logits; measured 4e-7 .. 1.2e-6 against transformers (F32 cache)
+# max |ours - theirs| / max |theirs| over the logits; measured 3.2e-6 .. 2.6e-5 against transformers (F32 cache)
 TOLERANCE = 1e-3
 
 
@@ -205,3 +206,18 @@ def test_inconsistent_keys_are_named(hparams, words):
 
     with pytest.raises(ModelError, match=words):
         Options.from_config(Config(metadata("qwen35", {**TINY["qwen35"], **hparams})))
+
+
+def test_qwen35moe_bad_files_are_named(tmp_path):
+    from pyggml.backend.metadata import Config
+    from pyggml.models.qwen35moe import Options
+    from pyggml.synthetic import metadata
+
+    path = write_model(tmp_path / "moe.gguf", "qwen35moe", TINY["qwen35moe"], "f32",
+                       omit={"blk.1.ffn_gate_inp_shexp.weight"})
+    with pytest.raises(ModelError, match=r"blk\.1\.ffn_gate_inp_shexp\.weight"):
+        models.load(path)
+    for key, value in (("expert_gating_func", 2), ("expert_used_count", 9), ("expert_weights_scale", 2.5),
+                       ("expert_shared_feed_forward_length", 0)):
+        with pytest.raises(ModelError, match=key):
+            Options.from_config(Config(metadata("qwen35moe", {**TINY["qwen35moe"], key: value})))

@@ -53,6 +53,10 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                "attention.value_length": 16, "rope.dimension_count": 8, "ssm.conv_kernel": 4, "ssm.state_size": 16,
                "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64,
                "rope.dimension_sections": [2, 1, 1, 0]},  # llama.cpp requires the key (text: plain rope)
+    "qwen35moe": {"block_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+                  "attention.value_length": 16, "rope.dimension_count": 8, "ssm.conv_kernel": 4, "ssm.state_size": 16,
+                  "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64,
+                  "rope.dimension_sections": [2, 1, 1, 0], **_EXPERTS, "expert_shared_feed_forward_length": 32},
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 
@@ -132,6 +136,11 @@ SHAPES = {
     # Qwen3.5-9B: 24 Gated DeltaNet layers (16 key and 32 value heads of 128, 4 taps) and 8 gated attention layers
     # (16 heads of 256, 4 KV heads, rope on 64 dims), a 248k vocabulary
     "qwen3.5-9b": Shape(32, 4096, 12288, 16, 4, 248320, 262144, 10000000.0, False, "qwen35", _QWEN35),
+    # Qwen3.5-35B-A3B: 40 layers of 2048 (30 Gated DeltaNet, 10 gated attention with 2 KV heads), 256 experts of 512
+    # (8 used) and a shared expert of 512 per layer
+    "qwen3.5-35b-a3b": Shape(40, 2048, 512, 16, 2, 248320, 262144, 10000000.0, False, "qwen35moe",
+                             {**_QWEN35, "expert_count": 256, "expert_used_count": 8, "expert_feed_forward_length": 512,
+                              "expert_shared_feed_forward_length": 512}),
     "gpt-oss-small": Shape(8, 1024, 1024, 16, 2, 201088, 131072, 150000.0, False, "gpt-oss",
                            {"attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 64,
                             "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 1024,

@@ -1,5 +1,6 @@
-"""Qwen 3.5 / 3.6 (GGUF ``qwen35``): Gated DeltaNet and gated attention layers, the text part of the
-released ``...ForConditionalGeneration`` checkpoints too (their vision tower is not written).
+"""Qwen 3.5 / 3.6 (GGUF ``qwen35``, and ``qwen35moe`` with experts): Gated DeltaNet and gated attention
+layers, the text part of the released ``...ForConditionalGeneration`` checkpoints too (their vision tower
+is not written).
 
 As llama.cpp writes them: norms as ``1 + weight`` (Qwen's zero-centred RMS norms; not the DeltaNet's
 output norm), ``ssm_a = -exp(A_log)``, ``dt_bias`` as ``ssm_dt.bias``, the convolution kernel 2-d, and
@@ -148,6 +149,59 @@ class Qwen35(Architecture):
         return shapes
 
     def feed_forward_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """The tensors of a layer's MLP."""
         ff, embd = self.hparam("intermediate_size"), self.n_embd
         return {f"blk.{layer}.ffn_gate.weight": (ff, embd), f"blk.{layer}.ffn_up.weight": (ff, embd),
                 f"blk.{layer}.ffn_down.weight": (embd, ff)}
+
+
+# one expert's matrix, as checkpoints saved before transformers 5 store them
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+@register("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+          model_types=("qwen3_5_moe_text", "qwen3_5_moe"))
+class Qwen35Moe(Qwen35):
+    """Qwen 3.5 / 3.6 MoE (GGUF ``qwen35moe``): every MLP a softmax router over stacked experts
+    (``ffn_*_exps``) plus a shared expert (``ffn_*_shexp``) scaled by a sigmoid gate."""
+
+    gguf_arch = "qwen35moe"
+    keep_f32 = (*Qwen35.keep_f32, "ffn_gate_inp_shexp")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.n_experts: int = self.hparam("num_experts")
+        self.n_experts_used: int = self.hparam("num_experts_per_tok")
+        self.n_ff_exp: int = self.hparam("moe_intermediate_size")
+        self.n_ff_shexp: int = self.hparam("shared_expert_intermediate_size")
+        if self.config.get("norm_topk_prob", True) is False:
+            raise ValueError("config.json has norm_topk_prob=false; GGUF qwen35moe always renormalises the chosen "
+                             "experts' router weights")
+
+    def metadata(self, w: gguf.GGUFWriter) -> None:
+        super().metadata(w)
+        w.add_expert_count(self.n_experts)
+        w.add_expert_used_count(self.n_experts_used)
+        w.add_expert_feed_forward_length(self.n_ff_exp)
+        w.add_expert_shared_feed_forward_length(self.n_ff_shexp)
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        if m := _EXPERT.match(name):  # stacked once the layer's last expert arrives
+            experts = self.gather(f"{m[1]}.{m[3]}_proj", int(m[2]), self.n_experts, source)
+            if experts:
+                yield from super().tensors(f"{m[1]}.{m[3]}_proj.weight", Source.stack(experts))
+        elif name.endswith(".mlp.experts.gate_up_proj"):  # transformers 5: all experts' gate and up in one
+            gate, up = source.split([self.n_ff_exp, self.n_ff_exp], axis=1)
+            yield from super().tensors(name.replace("gate_up_proj", "gate_proj.weight"), gate)
+            yield from super().tensors(name.replace("gate_up_proj", "up_proj.weight"), up)
+        elif name.endswith(".mlp.experts.down_proj"):
+            yield from super().tensors(name + ".weight", source)
+        else:
+            yield from super().tensors(name, source)
+
+    def feed_forward_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        n, ff, sh, embd = self.n_experts, self.n_ff_exp, self.n_ff_shexp, self.n_embd
+        return {f"blk.{layer}.ffn_gate_inp.weight": (n, embd), f"blk.{layer}.ffn_gate_exps.weight": (n, ff, embd),
+                f"blk.{layer}.ffn_up_exps.weight": (n, ff, embd), f"blk.{layer}.ffn_down_exps.weight": (n, embd, ff),
+                f"blk.{layer}.ffn_gate_inp_shexp.weight": (1, embd), f"blk.{layer}.ffn_gate_shexp.weight": (sh, embd),
+                f"blk.{layer}.ffn_up_shexp.weight": (sh, embd), f"blk.{layer}.ffn_down_shexp.weight": (embd, sh)}

@@ -191,6 +191,7 @@ def _import_builtin() -> None:
         qwen3,
         qwen3moe,
         qwen35,
+        qwen35moe,
         smollm3,
     )
 
