@@ -221,3 +221,49 @@ def test_qwen35moe_bad_files_are_named(tmp_path):
                        ("expert_shared_feed_forward_length", 0)):
         with pytest.raises(ModelError, match=key):
             Options.from_config(Config(metadata("qwen35moe", {**TINY["qwen35moe"], key: value})))
+
+
+def test_a_released_style_checkpoint_converts_with_its_mtp_block(converted, tmp_path):
+    """The layout of the released checkpoints: ``Qwen3_5ForConditionalGeneration`` with the text model's
+    config under ``text_config``, its tensors under ``model.language_model.``, a vision tower (not
+    written) and an MTP block (``mtp.*``, written as ``blk.4`` with ``nextn.*``). The file's logits are
+    the text-only conversion's, in pyggml and in llama.cpp."""
+    import json
+    from pathlib import Path
+
+    from safetensors.numpy import load_file, save_file
+
+    path, _, tokenizer = converted("tiled-value-heads")
+    source = Path(tokenizer.name_or_path)
+    hf_dir = tmp_path / "released"
+    hf_dir.mkdir()
+    for f in source.iterdir():
+        if not f.name.endswith((".safetensors", "config.json")) or f.name.startswith("tokenizer"):
+            (hf_dir / f.name).write_bytes(f.read_bytes())
+    text = json.loads((source / "config.json").read_text())
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "tie_word_embeddings": text["tie_word_embeddings"], "text_config": {**text, "mtp_num_hidden_layers": 1}}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    weights = {k.replace("model.", "model.language_model.", 1): v
+               for k, v in load_file(source / "model.safetensors").items()}
+    rng, layer = np.random.default_rng(5), "model.language_model.layers.1."  # an attention layer's shapes
+    weights |= {"mtp.layers.0." + k[len(layer):]: (0.1 * rng.standard_normal(v.shape)).astype(np.float32)
+                for k, v in weights.items() if k.startswith(layer)}
+    weights |= {"mtp.fc.weight": (0.1 * rng.standard_normal((64, 128))).astype(np.float32),
+                "model.visual.patch_embed.proj.weight": np.zeros((8, 3), np.float32)}
+    weights |= {f"mtp.{k}.weight": np.zeros(64, np.float32)
+                for k in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")}
+    save_file(weights, hf_dir / "model.safetensors")
+    out = convert_hf(hf_dir, tmp_path / "released.gguf", "f32")
+    tokens = tokenizer.encode(TEXTS[0])
+    with pyggml.load(out, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        config = llm.model.backend.config
+        assert config.uint("block_count") == 5 and config.uint("nextn_predict_layers") == 1
+        assert llm.model.weights.blk[4].nextn.enorm.weight.numpy().tolist() == [1.0] * 64  # 1 + weight
+        ours = llm.logits(tokens)
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        np.testing.assert_array_equal(ours, llm.logits(tokens))
+    if importlib.util.find_spec("llama_cpp") is not None:
+        from pyggml.porting import llama_cpp_logits
+
+        assert error(ours, llama_cpp_logits(out, tokens, n_threads=2)) < TOLERANCE
