@@ -96,6 +96,12 @@ TINY: dict[str, dict] = {
                   "ssm.time_step_rank": 4, "ssm.inner_size": 64, "rope.dimension_sections": [2, 1, 1, 0],
                   "full_attention_interval": 2, "expert_count": 8, "expert_used_count": 2,
                   "expert_feed_forward_length": 32, "expert_shared_feed_forward_length": 48},
+    "qwen3next": {"block_count": 4, "embedding_length": 64, "attention.head_count": 4, "attention.head_count_kv": 2,
+                  "attention.key_length": 16, "attention.value_length": 16, "rope.dimension_count": 8,
+                  "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e7,
+                  "vocab_size": 320, "ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2,
+                  "ssm.time_step_rank": 4, "ssm.inner_size": 64, "full_attention_interval": 2, "expert_count": 8,
+                  "expert_used_count": 2, "expert_feed_forward_length": 32, "expert_shared_feed_forward_length": 48},
     "smollm3": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                 "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
                 "rope.freq_base": 5000000.0, "vocab_size": 320},  # layer 3 has no rope

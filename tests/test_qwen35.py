@@ -1,7 +1,8 @@
-"""Qwen 3.5 / 3.6 (GGUF ``qwen35``, and ``qwen35moe``): the gated delta rule op against numpy, converted tiny random
-checkpoints against transformers and llama.cpp (prompts longer than the convolution's taps and the
-reference's 64-token chunks, in one batch and token by token, several sequences in one batch), the
-per-layer compare, a file with a multi-token-prediction block, and malformed files."""
+"""Qwen 3.5 / 3.6 (GGUF ``qwen35``, ``qwen35moe``) and Qwen3-Next (``qwen3next``): the gated delta
+rule op against numpy, converted tiny random checkpoints against transformers and llama.cpp (prompts
+longer than the convolution's taps and the reference's 64-token chunks, in one batch and token by
+token, several sequences in one batch), the per-layer compare, a file with a multi-token-prediction
+block, and malformed files."""
 
 from __future__ import annotations
 
@@ -71,7 +72,10 @@ from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
 CASES = {"tiled-value-heads": dict(),  # delta net, attention, delta net, delta net; 2 key heads, 4 value heads
          "attention-first-untied": dict(layer_types=("full_attention", "linear_attention", "linear_attention",
                                                      "full_attention"), n_k_heads=2, n_v_heads=2, tie=False, seed=1),
-         "moe": dict(moe=True, seed=2)}  # qwen35moe: 8 experts (2 chosen) and a shared expert per layer
+         "moe": dict(arch="qwen35moe", seed=2),  # qwen35moe: 8 experts (2 chosen) and a shared expert per layer
+         "next": dict(arch="qwen3next", seed=3),  # qwen3next: grouped value heads, fused projections
+         "next-untied": dict(arch="qwen3next", layer_types=("full_attention", "linear_attention", "linear_attention",
+                                                           "full_attention"), n_v_heads=2, tie=False, seed=4)}
 LONG = " ".join(TEXTS * 2)  # about 100 tokens: past the reference's 64-token chunks
 # max |ours - theirs| / max |theirs| over the logits; measured 3.2e-6 .. 2.6e-5 against transformers (F32 cache)
 TOLERANCE = 1e-3
@@ -267,3 +271,13 @@ def test_a_released_style_checkpoint_converts_with_its_mtp_block(converted, tmp_
         from pyggml.porting import llama_cpp_logits
 
         assert error(ours, llama_cpp_logits(out, tokens, n_threads=2)) < TOLERANCE
+
+
+def test_qwen3next_bad_files_are_named(tmp_path):
+    path = write_model(tmp_path / "next.gguf", "qwen3next", TINY["qwen3next"], "f32", omit={"blk.2.ssm_ba.weight"})
+    with pytest.raises(ModelError, match=r"blk\.2\.ssm_ba\.weight"):
+        models.load(path)
+    path = write_model(tmp_path / "next-ba.gguf", "qwen3next", TINY["qwen3next"], "f32",
+                       shapes={"blk.0.ssm_ba.weight": (64, 4), "blk.2.ssm_ba.weight": (64, 4)})
+    with pytest.raises(ModelError, match=r"blk\.0\.ssm_ba\.weight has shape \(64, 4\).*n_v_heads"):
+        models.load(path)

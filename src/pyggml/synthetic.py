@@ -57,6 +57,10 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                   "attention.value_length": 16, "rope.dimension_count": 8, "ssm.conv_kernel": 4, "ssm.state_size": 16,
                   "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64,
                   "rope.dimension_sections": [2, 1, 1, 0], **_EXPERTS, "expert_shared_feed_forward_length": 32},
+    "qwen3next": {"block_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+                  "attention.value_length": 16, "rope.dimension_count": 8, "ssm.conv_kernel": 4, "ssm.state_size": 16,
+                  "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64, **_EXPERTS,
+                  "expert_shared_feed_forward_length": 32},
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 
@@ -141,6 +145,11 @@ SHAPES = {
     "qwen3.5-35b-a3b": Shape(40, 2048, 512, 16, 2, 248320, 262144, 10000000.0, False, "qwen35moe",
                              {**_QWEN35, "expert_count": 256, "expert_used_count": 8, "expert_feed_forward_length": 512,
                               "expert_shared_feed_forward_length": 512}),
+    # Qwen3-Next-80B-A3B: 48 layers of 2048 (36 Gated DeltaNet, 12 gated attention), 512 experts of 512 (10 used)
+    "qwen3-next-80b-a3b": Shape(48, 2048, 512, 16, 2, 151936, 262144, 10000000.0, False, "qwen3next",
+                                {**{k: v for k, v in _QWEN35.items() if k != "rope.dimension_sections"},
+                                 "expert_count": 512, "expert_used_count": 10, "expert_feed_forward_length": 512,
+                                 "expert_shared_feed_forward_length": 512}),
     "gpt-oss-small": Shape(8, 1024, 1024, 16, 2, 201088, 131072, 150000.0, False, "gpt-oss",
                            {"attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 64,
                             "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 1024,

@@ -33,12 +33,12 @@ class Qwen35(Architecture):
     always_head_dim = True
     keep_f32 = (*Architecture.keep_f32, "ssm_conv1d")  # ggml's convolution reads its kernel as F32
     skip = (*Architecture.skip, r"^model\.visual\.")
+    mrope = True  # write rope.dimension_sections (Qwen 3.5's interleaved mRoPE; plain rope for text)
 
     def __init__(self, hf_dir, config, pooling=None) -> None:
         config = {**config, **(config.get("text_config") or {})}  # a vision-language checkpoint's text model
         super().__init__(hf_dir, config, pooling)
         self.n_main = self.n_layers
-        self.n_mtp = int(config.get("mtp_num_hidden_layers") or 0)
         self.layer_types = config.get("layer_types") or [
             "full_attention" if (i + 1) % config.get("full_attention_interval", 4) == 0 else "linear_attention"
             for i in range(self.n_main)]
@@ -58,11 +58,12 @@ class Qwen35(Architecture):
             raise ValueError("config.json sets attention_bias=true; Qwen 3.5 files have no attention biases")
         self.rope_dims = int(self.head_dim * self.rope.get("partial_rotary_factor", 0.25))
         self.tied = bool(config.get("tie_word_embeddings", False))
-        self._mtp_seen = False  # the checkpoint has the MTP block (a text-only save of the model has not)
-        self.name_map = gguf.get_tensor_name_map(_ARCHS[self.gguf_arch], self.n_main + self.n_mtp)
+        self.n_mtp = 0  # MTP blocks found in the checkpoint (a text-only save of the model has none)
+        most = max(int(config.get("mtp_num_hidden_layers") or 0), 1)
+        self.name_map = gguf.get_tensor_name_map(_ARCHS[self.gguf_arch], self.n_main + most)
 
     def metadata(self, w: gguf.GGUFWriter) -> None:
-        n_mtp = self.n_mtp if self._mtp_seen else 0
+        n_mtp = self.n_mtp
         self.n_layers = self.n_main + n_mtp  # block_count counts the MTP blocks
         super().metadata(w)
         w.add_ssm_conv_kernel(self.conv_taps)
@@ -76,13 +77,14 @@ class Qwen35(Architecture):
         if n_mtp:
             w.add_nextn_predict_layers(n_mtp)
         w.add_rope_dimension_count(self.rope_dims)
-        sections = list(self.rope.get("mrope_section") or [11, 11, 10])
-        w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
+        if self.mrope:
+            sections = list(self.rope.get("mrope_section") or [11, 11, 10])
+            w.add_rope_dimension_sections((sections + [0, 0, 0, 0])[:4])
 
     def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
         name = re.sub(r"^model\.language_model\.", "model.", name)
         if m := re.match(r"^mtp\.(?:layers\.(\d+)\.(.*)|([a-z_]+)\.(weight))$", name):
-            self._mtp_seen = True
+            self.n_mtp = max(self.n_mtp, 1 + int(m[1] or 0))
             if m[1] is not None:  # a decoder layer: named as one, after the model's
                 name = f"model.layers.{self.n_main + int(m[1])}.{m[2]}"
             elif m[3] in _MTP:
@@ -124,15 +126,15 @@ class Qwen35(Architecture):
         embd, vocab, head = self.n_embd, self.n_vocab, self.head_dim
         key, value = self.n_k * self.head_k, self.n_v * self.head_v
         shapes = {"token_embd.weight": (vocab, embd)}
-        for i in range(self.n_main + (self.n_mtp if self._mtp_seen else 0)):
+        for i in range(self.n_main + self.n_mtp):
             shapes |= {f"blk.{i}.attn_norm.weight": (embd,), f"blk.{i}.post_attention_norm.weight": (embd,)}
             if i < self.n_main and self.layer_types[i] == "linear_attention":
                 shapes |= {f"blk.{i}.attn_qkv.weight": (2 * key + value, embd),
                            f"blk.{i}.attn_gate.weight": (value, embd),
                            f"blk.{i}.ssm_conv1d.weight": (2 * key + value, self.conv_taps),
                            f"blk.{i}.ssm_dt.bias": (self.n_v,), f"blk.{i}.ssm_a": (self.n_v,),
-                           f"blk.{i}.ssm_beta.weight": (self.n_v, embd), f"blk.{i}.ssm_alpha.weight": (self.n_v, embd),
                            f"blk.{i}.ssm_norm.weight": (self.head_v,), f"blk.{i}.ssm_out.weight": (embd, value)}
+                shapes |= self.gate_shapes(i)
             else:
                 kv = self.n_kv_heads * head
                 shapes |= {f"blk.{i}.attn_q.weight": (2 * self.n_heads * head, embd),
@@ -147,6 +149,11 @@ class Qwen35(Architecture):
         if not self.tied:
             shapes["output.weight"] = (vocab, embd)
         return shapes
+
+    def gate_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        """A DeltaNet layer's projections of its learning strengths and decays."""
+        return {f"blk.{layer}.ssm_beta.weight": (self.n_v, self.n_embd),
+                f"blk.{layer}.ssm_alpha.weight": (self.n_v, self.n_embd)}
 
     def feed_forward_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         """The tensors of a layer's MLP."""
@@ -205,3 +212,45 @@ class Qwen35Moe(Qwen35):
                 f"blk.{layer}.ffn_up_exps.weight": (n, ff, embd), f"blk.{layer}.ffn_down_exps.weight": (n, embd, ff),
                 f"blk.{layer}.ffn_gate_inp_shexp.weight": (1, embd), f"blk.{layer}.ffn_gate_shexp.weight": (sh, embd),
                 f"blk.{layer}.ffn_up_shexp.weight": (sh, embd), f"blk.{layer}.ffn_down_shexp.weight": (embd, sh)}
+
+
+@register("Qwen3NextForCausalLM", model_types=("qwen3_next",))
+class Qwen3Next(Qwen35Moe):
+    """Qwen3-Next (GGUF ``qwen3next``): Qwen 3.5 MoE's layers with the DeltaNet's value heads left grouped by
+    key head, its q, k, v, z projections fused per key head in the checkpoint (``in_proj_qkvz``: written as
+    ``attn_qkv`` and ``attn_gate``), its beta and alpha projections fused (``in_proj_ba`` -> ``ssm_ba``)."""
+
+    gguf_arch = "qwen3next"
+    default_context = 262144
+    mrope = False
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.config.get("mlp_only_layers") or self.config.get("decoder_sparse_step", 1) != 1:
+            raise ValueError("config.json has dense layers (mlp_only_layers / decoder_sparse_step); GGUF qwen3next has "
+                             "experts in every layer")
+
+    def _tiled_value_heads(self, name: str, source: Source) -> Source:
+        return source  # the file keeps the checkpoint's grouped order
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        if name.endswith(".linear_attn.in_proj_qkvz.weight"):  # per key head: q, k, v, z -> all q, all k, all v; z
+            layer = re.search(r"layers\.(\d+)\.", name)[1]
+            group = self.n_v // self.n_k * self.head_v  # a key head's value (and z) rows
+            per_head = [self.head_k, self.head_k, group, group]
+            embd, qkv = source.shape[1], 2 * self.n_k * self.head_k + self.n_v * self.head_v
+
+            def part(w: np.ndarray, which: slice) -> np.ndarray:
+                bounds = np.cumsum([0, *per_head])
+                heads = w.reshape(self.n_k, int(bounds[-1]), embd)
+                return np.concatenate([heads[:, bounds[i]:bounds[i + 1]].reshape(-1, embd)
+                                       for i in range(4)[which]])
+
+            yield f"blk.{layer}.attn_qkv.weight", source.map(lambda w: part(w, slice(0, 3)), (qkv, embd))
+            yield f"blk.{layer}.attn_gate.weight", source.map(lambda w: part(w, slice(3, 4)),
+                                                             (self.n_v * self.head_v, embd))
+        else:
+            yield from super().tensors(name, source)
+
+    def gate_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
+        return {f"blk.{layer}.ssm_ba.weight": (2 * self.n_v, self.n_embd)}

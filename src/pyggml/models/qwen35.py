@@ -136,14 +136,15 @@ class GatedDeltaNet(nn.Module):
     def __call__(self, ctx: Context, x: Tensor, states: Recurrent, opts: Options, layer: int) -> Tensor:
         n, s, n_k, n_v = x.shape[1], opts.state_size, opts.n_k_heads, opts.n_v_heads
         qkv = states.conv(ctx, self.attn_qkv(x), self.ssm_conv1d.weight).silu()
-        beta = self.ssm_beta(x).sigmoid()  # (n_v, n): how strongly each token is learnt
-        decay = (self.ssm_alpha(x) + self.ssm_dt.weight).softplus() * self.ssm_a.weight  # (n_v, n), log space
+        beta, alpha = self.beta_alpha(x, opts)  # (n_v, n) each
+        beta = beta.sigmoid()  # how strongly each token is learnt
+        decay = (alpha + self.ssm_dt.weight).softplus() * self.ssm_a.weight  # (n_v, n), log space
         # the scan runs over each sequence's tokens: the batch laid out as (T, N), padding steps that change nothing
         qkv, steps, seqs = states.by_sequence(ctx, qkv)
         beta, decay = (states.by_sequence(ctx, t, zero_padding=True)[0] for t in (beta, decay))
         grid = (steps, seqs)
-        q, k = (self._l2_norm(qkv.view(i * 4 * n_k * s, (s, n_k, *grid), (4 * s, qkv.strides[1],
-                                                                          steps * qkv.strides[1])), opts)
+        q, k = (self.key_heads(self._l2_norm(qkv.view(i * 4 * n_k * s, (s, n_k, *grid),
+                                                      (4 * s, qkv.strides[1], steps * qkv.strides[1])), opts), opts)
                 for i in (0, 1))
         v = qkv.view(8 * n_k * s, (s, n_v, *grid), (4 * s, qkv.strides[1], steps * qkv.strides[1]))
         state = states.get_state(ctx, s * s * n_v).reshape(s, s, n_v, seqs)
@@ -152,6 +153,14 @@ class GatedDeltaNet(nn.Module):
         out = states.by_batch(ctx, out.reshape(s * n_v, steps * seqs)).reshape(s, n_v, n)
         out = self.ssm_norm(out, opts.eps) * self.attn_gate(x).reshape(s, n_v, n).silu()
         return nn.tap(f"blk.{layer}.ssm_out", self.ssm_out(out.reshape(s * n_v, n)))
+
+    def beta_alpha(self, x: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
+        """The projections of the learning strength and of the decay, (n_v_heads, n_tokens) each."""
+        return self.ssm_beta(x), self.ssm_alpha(x)
+
+    def key_heads(self, x: Tensor, opts: Options) -> Tensor:
+        """Query or key heads as the scan reads them: value head h reads key head ``h % n_k_heads``."""
+        return x
 
     @staticmethod
     def _l2_norm(x: Tensor, opts: Options) -> Tensor:
