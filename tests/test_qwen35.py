@@ -281,3 +281,39 @@ def test_qwen3next_bad_files_are_named(tmp_path):
                        shapes={"blk.0.ssm_ba.weight": (64, 4), "blk.2.ssm_ba.weight": (64, 4)})
     with pytest.raises(ModelError, match=r"blk\.0\.ssm_ba\.weight has shape \(64, 4\).*n_v_heads"):
         models.load(path)
+
+
+# ---- the runner on a Gated DeltaNet model -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("qwen35-tiny") / "qwen35.gguf", "qwen35", TINY["qwen35"], "f32",
+                       seed=3)
+
+
+PROMPT = [1, 17, 42, 99, 5, 23, 64, 7, 150, 33]
+
+
+def test_runner_reuses_delta_rule_checkpoints_and_rolls_drafts_back(tiny_path):
+    """The runner's recurrent-state machinery on delta-rule states (state_size squared per value head):
+    generation equals greedy decoding from fresh logits; a prompt sharing the first one's prompt but not
+    its generated tokens resumes from the checkpoint where that prompt ended; prompt-lookup drafts are
+    accepted and rejected, and the output is plain greedy decoding's."""
+    from .test_lfm2 import complete, greedy_from_logits, no_end_tokens, run_logprobs, same_logprobs
+
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, batch_size=4, cache_type="f32") as llm:
+        bias = no_end_tokens(llm)
+        first, _ = complete(llm, PROMPT, 8, bias)
+        other = PROMPT + ([11, 12, 13] if first[0] != 11 else [12, 13, 14])
+        got, last = run_logprobs(llm.runner, other, 6, bias)
+        assert first == greedy_from_logits(llm, PROMPT, 8, bias)  # (scoring replaces the slot's history)
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, batch_size=4, cache_type="f32") as fresh:
+        expected, fresh_last = run_logprobs(fresh.runner, other, 6, bias)
+    assert last.cached_tokens == len(PROMPT) and fresh_last.cached_tokens == 0
+    same_logprobs(got, expected)
+
+    prompt = [1, 2, 3, 4, 2, 3, 4, 2, 3]  # (with this file: 8 drafts, 1 accepted)
+    with pyggml.load(tiny_path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        plain, _ = run_logprobs(llm.runner, prompt, 24, bias, cache_prompt=False)
+        drafted, last = run_logprobs(llm.runner, prompt, 24, bias, cache_prompt=False, prompt_lookup=3)
+    same_logprobs(drafted, plain)
+    assert 0 < last.accepted_tokens < last.draft_tokens
