@@ -138,10 +138,11 @@ def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, converted):
     llama_cpp_agrees(converted(case)[0])
 
 
-def test_compare_taps_every_layer_kind(converted):
+@pytest.mark.parametrize("case", ["tiled-value-heads", "moe", "next"])
+def test_compare_taps_every_layer_kind(case, converted):
     from pyggml import porting
 
-    path, _, tokenizer = converted("tiled-value-heads")
+    path, _, tokenizer = converted(case)
     result = porting.compare(tokenizer.name_or_path, path)
     names = {layer.name for layer in result.layers}
     assert {"blk.0.ssm_out", "blk.1.attn_output", "blk.0", "blk.1", "blk.3", "output_norm", "output"} <= names
