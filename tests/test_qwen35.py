@@ -318,3 +318,18 @@ def test_runner_reuses_delta_rule_checkpoints_and_rolls_drafts_back(tiny_path):
         drafted, last = run_logprobs(llm.runner, prompt, 24, bias, cache_prompt=False, prompt_lookup=3)
     same_logprobs(drafted, plain)
     assert 0 < last.accepted_tokens < last.draft_tokens
+
+
+def test_the_qwen35_pre_tokenizer_splits_as_its_tokenizer_json_does(tmp_path):
+    """Qwen 3.5's split pattern keeps combining marks in words (qwen2's cuts a decomposed accent or a
+    Devanagari vowel sign off, and glues it to the punctuation after it); the converter names it."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from pyggml.convert.vocab import PRE_TOKENIZERS, QWEN35_PATTERN
+    from pyggml.tokenizer.pretokenize import patterns_for, split_words
+
+    text = "Naïve cafe\u0301 नमस्ते, it's 2026!\n\n  done"
+    theirs = [piece for piece, _ in pre_tokenizers.Split(Regex(QWEN35_PATTERN), "isolated").pre_tokenize_str(text)]
+    assert split_words(text, patterns_for("qwen35")) == theirs
+    assert " नमस्ते" in theirs and split_words(text, patterns_for("qwen2")) != theirs
+    assert PRE_TOKENIZERS[QWEN35_PATTERN] == "qwen35"
