@@ -114,7 +114,8 @@ class GatedAttention(nn.Module):
                  layer: int) -> Tensor:
         n, d, heads = x.shape[1], opts.head_dim, opts.n_heads
         qg = self.attn_q(x)  # per head: d query values, then d gate values
-        q, gate = (qg.view(i * 4 * d, (d, heads, n), (8 * d, qg.strides[1])) for i in (0, 1))
+        q, gate = (qg.view(i * d * qg.strides[0], (d, heads, n), (2 * d * qg.strides[0], qg.strides[1]))
+                   for i in (0, 1))
         q = opts.rope(self.attn_q_norm(q, opts.eps), positions)
         k = opts.rope(self.attn_k_norm(self.attn_k(x).reshape(d, opts.n_kv_heads, n), opts.eps), positions)
         v = self.attn_v(x).reshape(d, opts.n_kv_heads, n)
@@ -142,11 +143,13 @@ class GatedDeltaNet(nn.Module):
         # the scan runs over each sequence's tokens: the batch laid out as (T, N), padding steps that change nothing
         qkv, steps, seqs = states.by_sequence(ctx, qkv)
         beta, decay = (states.by_sequence(ctx, t, zero_padding=True)[0] for t in (beta, decay))
-        grid = (steps, seqs)
-        q, k = (self.key_heads(self._l2_norm(qkv.view(i * 4 * n_k * s, (s, n_k, *grid),
-                                                      (4 * s, qkv.strides[1], steps * qkv.strides[1])), opts), opts)
-                for i in (0, 1))
-        v = qkv.view(8 * n_k * s, (s, n_v, *grid), (4 * s, qkv.strides[1], steps * qkv.strides[1]))
+        grid, head, row = (steps, seqs), s * qkv.strides[0], qkv.strides[1]
+
+        def heads(first: int, count: int) -> Tensor:  # (s, count, T, N): heads first.. of each row of qkv
+            return qkv.view(first * head, (s, count, *grid), (head, row, steps * row))
+
+        q, k = (self.key_heads(self._l2_norm(heads(i * n_k, n_k), opts), opts) for i in (0, 1))
+        v = heads(2 * n_k, n_v)
         state = states.get_state(ctx, s * s * n_v).reshape(s, s, n_v, seqs)
         out, state = q.gated_delta_net(k, v, decay.reshape(1, n_v, *grid), beta.reshape(1, n_v, *grid), state)
         states.put_state(ctx, state.reshape(s * s * n_v, seqs))
