@@ -94,8 +94,9 @@ class Options:
         )
 
 
-_ATTENTION, _RECURRENT, _MTP = (f"layer_kinds[layer] {op}" for op in (f"!= {RECURRENT}", f"== {RECURRENT}",
-                                                                       f"== {MTP}"))
+# conditions on a layer's kind, for the declarations of the tensors only some layers have
+IS_ATTENTION, IS_RECURRENT, IS_MTP = (f"layer_kinds[layer] {op}" for op in (f"!= {RECURRENT}", f"== {RECURRENT}",
+                                                                             f"== {MTP}"))
 
 
 class Bias(nn.Weight):
@@ -103,12 +104,12 @@ class Bias(nn.Weight):
 
 
 class GatedAttention(nn.Module):
-    attn_q: nn.Linear | None = nn.shape("hidden_size", "2 * n_heads * head_dim", when=_ATTENTION)  # query, gate
-    attn_k: nn.Linear | None = nn.shape("hidden_size", "n_kv_heads * head_dim", when=_ATTENTION)
-    attn_v: nn.Linear | None = nn.shape("hidden_size", "n_kv_heads * head_dim", when=_ATTENTION)
-    attn_q_norm: nn.RMSNorm | None = nn.shape("head_dim", when=_ATTENTION)
-    attn_k_norm: nn.RMSNorm | None = nn.shape("head_dim", when=_ATTENTION)
-    attn_output: nn.Linear | None = nn.shape("n_heads * head_dim", "hidden_size", when=_ATTENTION)
+    attn_q: nn.Linear | None = nn.shape("hidden_size", "2 * n_heads * head_dim", when=IS_ATTENTION)  # query, gate
+    attn_k: nn.Linear | None = nn.shape("hidden_size", "n_kv_heads * head_dim", when=IS_ATTENTION)
+    attn_v: nn.Linear | None = nn.shape("hidden_size", "n_kv_heads * head_dim", when=IS_ATTENTION)
+    attn_q_norm: nn.RMSNorm | None = nn.shape("head_dim", when=IS_ATTENTION)
+    attn_k_norm: nn.RMSNorm | None = nn.shape("head_dim", when=IS_ATTENTION)
+    attn_output: nn.Linear | None = nn.shape("n_heads * head_dim", "hidden_size", when=IS_ATTENTION)
 
     def __call__(self, ctx: Context, x: Tensor, positions: Tensor, cache: Wrapper, opts: Options,
                  layer: int) -> Tensor:
@@ -124,15 +125,15 @@ class GatedAttention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    attn_qkv: nn.Linear | None = nn.shape("hidden_size", "conv_dim", when=_RECURRENT)
-    attn_gate: nn.Linear | None = nn.shape("hidden_size", "n_v_heads * state_size", when=_RECURRENT)  # z
-    ssm_conv1d: nn.Weight | None = nn.shape("conv_kernel", "conv_dim", when=_RECURRENT)
-    ssm_dt: Bias | None = nn.shape("n_v_heads", when=_RECURRENT)
-    ssm_a: nn.Parameter | None = nn.shape("n_v_heads", when=_RECURRENT)  # -exp(A_log)
-    ssm_beta: nn.Linear | None = nn.shape("hidden_size", "n_v_heads", when=_RECURRENT)
-    ssm_alpha: nn.Linear | None = nn.shape("hidden_size", "n_v_heads", when=_RECURRENT)
-    ssm_norm: nn.RMSNorm | None = nn.shape("state_size", when=_RECURRENT)
-    ssm_out: nn.Linear | None = nn.shape("n_v_heads * state_size", "hidden_size", when=_RECURRENT)
+    attn_qkv: nn.Linear | None = nn.shape("hidden_size", "conv_dim", when=IS_RECURRENT)
+    attn_gate: nn.Linear | None = nn.shape("hidden_size", "n_v_heads * state_size", when=IS_RECURRENT)  # z
+    ssm_conv1d: nn.Weight | None = nn.shape("conv_kernel", "conv_dim", when=IS_RECURRENT)
+    ssm_dt: Bias | None = nn.shape("n_v_heads", when=IS_RECURRENT)
+    ssm_a: nn.Parameter | None = nn.shape("n_v_heads", when=IS_RECURRENT)  # -exp(A_log)
+    ssm_beta: nn.Linear | None = nn.shape("hidden_size", "n_v_heads", when=IS_RECURRENT)
+    ssm_alpha: nn.Linear | None = nn.shape("hidden_size", "n_v_heads", when=IS_RECURRENT)
+    ssm_norm: nn.RMSNorm | None = nn.shape("state_size", when=IS_RECURRENT)
+    ssm_out: nn.Linear | None = nn.shape("n_v_heads * state_size", "hidden_size", when=IS_RECURRENT)
 
     def __call__(self, ctx: Context, x: Tensor, states: Recurrent, opts: Options, layer: int) -> Tensor:
         n, s, n_k, n_v = x.shape[1], opts.state_size, opts.n_k_heads, opts.n_v_heads
@@ -184,9 +185,9 @@ class NextN(nn.Module):
     """The multi-token-prediction block's own weights (``blk.N.nextn.*``, checked and unused)."""
 
     nested = True
-    eh_proj: nn.Linear | None = nn.shape("2 * hidden_size", "hidden_size", when=_MTP)
-    enorm: nn.RMSNorm | None = nn.shape("hidden_size", when=_MTP)
-    hnorm: nn.RMSNorm | None = nn.shape("hidden_size", when=_MTP)
+    eh_proj: nn.Linear | None = nn.shape("2 * hidden_size", "hidden_size", when=IS_MTP)
+    enorm: nn.RMSNorm | None = nn.shape("hidden_size", when=IS_MTP)
+    hnorm: nn.RMSNorm | None = nn.shape("hidden_size", when=IS_MTP)
     embed_tokens: nn.Embedding | None = nn.shape("hidden_size", "vocab_size")
     shared_head_head: nn.Linear | None = nn.shape("hidden_size", "vocab_size")
     shared_head_norm: nn.RMSNorm | None = nn.shape("hidden_size")

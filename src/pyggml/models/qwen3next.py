@@ -21,14 +21,17 @@ Options = qwen35moe.Options
 class GatedDeltaNet(qwen35.GatedDeltaNet):
     ssm_beta: None = None  # not in these files (ssm_ba holds both)
     ssm_alpha: None = None
-    ssm_ba: nn.Linear | None = nn.shape("hidden_size", "2 * n_v_heads", when=qwen35._RECURRENT)
+    ssm_ba: nn.Linear | None = nn.shape("hidden_size", "2 * n_v_heads", when=qwen35.IS_RECURRENT)
 
     def beta_alpha(self, x: Tensor, opts: Options) -> tuple[Tensor, Tensor]:
-        ba, n, r, n_k = self.ssm_ba(x), x.shape[1], opts.n_v_heads // opts.n_k_heads, opts.n_k_heads
-        return tuple(ba.view(i * 4 * r, (r, n_k, n), (8 * r, ba.strides[1])).contiguous()
-                     .reshape(r * n_k, n) for i in (0, 1))
+        """Per key head, r betas then r alphas (r = value heads per key head): each as (n_v_heads, n_tokens)."""
+        ba, n, n_k = self.ssm_ba(x), x.shape[1], opts.n_k_heads
+        r, e = opts.n_v_heads // n_k, ba.strides[0]
+        return tuple(ba.view(i * r * e, (r, n_k, n), (2 * r * e, ba.strides[1])).contiguous().reshape(r * n_k, n)
+                     for i in (0, 1))
 
     def key_heads(self, x: Tensor, opts: Options) -> Tensor:
+        """Each query or key head repeated for its value heads (value head h reads key head h // r)."""
         s, n_k, steps, seqs = x.shape
         r = opts.n_v_heads // n_k
         if r == 1:
