@@ -314,3 +314,15 @@ def test_by_sequence_lays_each_sequence_out_in_turn_and_by_batch_brings_the_rows
         assert grid.numpy()[:, 0].tolist() == [11, 12, 13, 1, 11, 11, 21, 11, 11]
         assert zeros.numpy()[:, 0].tolist() == [11, 12, 13, 1, 0, 0, 21, 0, 0]
         np.testing.assert_array_equal(back.numpy(), coded(pairs))
+
+
+def test_a_reserving_pass_lays_out_the_largest_sequence_grid(cpu):
+    """Reserving (worst-case memory, nothing computed) for a batch of 8 with 3 slots: the grid of one
+    long sequence beside two single tokens (6 steps by 3 sequences), the largest a batch of 8 can need."""
+    cache = make(cpu, max_sequences=3)
+    with cpu.new_context() as ctx:
+        cache.start_forward(ctx, batch_of([(0, p) for p in range(8)]), reserve=True)
+        grid, steps, seqs = cache.by_sequence(ctx, ctx.from_numpy(coded([(0, p) for p in range(8)])))
+        assert (steps, seqs) == (6, 3) and grid.shape == (DIM, 18)
+        assert cache.get_state(ctx, 4).shape == (4, 3)
+    assert cache.positions.tolist() == [0, 0, 0]
