@@ -517,3 +517,56 @@ def make_tiny_bert(tmp_path: Path, *, seed: int = 0, pooling: str | None = None)
             "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
             "pooling_mode_lasttoken": pooling == "lasttoken"})
     return hf_dir, model
+
+
+def make_tiny_qwen35(tmp_path: Path, *, layer_types: tuple[str, ...] = ("linear_attention", "full_attention",
+                                                                         "linear_attention", "linear_attention"),
+                     n_k_heads: int = 2, n_v_heads: int = 4, tie: bool = True, arch: str = "qwen35",
+                     seed: int = 0) -> tuple[Path, Any]:
+    """Build and save a random Qwen 3.5 text model (64 wide; attention: 4 heads of 16, 2 KV heads, rope on 8
+    of 16 dims; Gated DeltaNet: ``n_k_heads`` key and ``n_v_heads`` value heads of 16, 4 taps) with a BPE
+    tokenizer. Returns ``(hf_dir, hf_model)`` (float32, eval mode). Qwen's zero-centred norms get random
+    weights around 0, the DeltaNet's output norm around 1, the convolution taps of either sign. ``arch``:
+    ``qwen35``, ``qwen35moe`` (8 experts of 32, 2 chosen per token, a shared expert of 48 with its gate) or
+    ``qwen3next`` (those experts; fused DeltaNet projections, no mRoPE sections)."""
+    import torch
+    import transformers
+
+    kinds = "".join(t[0] for t in layer_types)
+    hf_dir = Path(tmp_path) / f"tiny-{arch}-{kinds}-k{n_k_heads}v{n_v_heads}-s{seed}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    config_cls, model_cls = {
+        "qwen35": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen35moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+        "qwen3next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM)}[arch]
+    mlp = dict(intermediate_size=96) if arch == "qwen35" else dict(
+        moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    if arch != "qwen3next":
+        rope |= {"mrope_section": [2, 1, 1], "mrope_interleaved": True}
+    config = config_cls(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, num_hidden_layers=len(layer_types), **mlp,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
+        rope_parameters=rope,
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=n_k_heads,
+        linear_num_value_heads=n_v_heads, layer_types=list(layer_types), initializer_range=0.05,
+        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    torch.manual_seed(seed)
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # initialised to zero
+                p.copy_(0.3 * torch.randn_like(p))
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("norm.weight"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("conv1d.weight"):
+                p.copy_(0.5 * torch.randn_like(p))
+            elif name.endswith("dt_bias"):
+                p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model

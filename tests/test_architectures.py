@@ -99,6 +99,25 @@ TINY: dict[str, dict] = {
                    "attention.layer_norm_epsilon": 1e-5, "attention.layer_norm_rms_epsilon": 1e-5,
                    "vocab_size": 320, "ssm.conv_kernel": 4, "ssm.inner_size": 64, "ssm.state_size": 16,
                    "ssm.time_step_rank": 4, "ssm.group_count": 2},
+    "qwen35": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+               "attention.head_count_kv": 2, "attention.key_length": 16, "attention.value_length": 16,
+               "rope.dimension_count": 8, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+               "rope.freq_base": 1e7, "vocab_size": 320, "ssm.conv_kernel": 4, "ssm.state_size": 16,
+               "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64,
+               "rope.dimension_sections": [2, 1, 1, 0], "full_attention_interval": 2},  # delta net, attention, x2
+    "qwen35moe": {"block_count": 4, "embedding_length": 64, "attention.head_count": 4, "attention.head_count_kv": 2,
+                  "attention.key_length": 16, "attention.value_length": 16, "rope.dimension_count": 8,
+                  "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e7,
+                  "vocab_size": 320, "ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2,
+                  "ssm.time_step_rank": 4, "ssm.inner_size": 64, "rope.dimension_sections": [2, 1, 1, 0],
+                  "full_attention_interval": 2, "expert_count": 8, "expert_used_count": 2,
+                  "expert_feed_forward_length": 32, "expert_shared_feed_forward_length": 48},
+    "qwen3next": {"block_count": 4, "embedding_length": 64, "attention.head_count": 4, "attention.head_count_kv": 2,
+                  "attention.key_length": 16, "attention.value_length": 16, "rope.dimension_count": 8,
+                  "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1e7,
+                  "vocab_size": 320, "ssm.conv_kernel": 4, "ssm.state_size": 16, "ssm.group_count": 2,
+                  "ssm.time_step_rank": 4, "ssm.inner_size": 64, "full_attention_interval": 2, "expert_count": 8,
+                  "expert_used_count": 2, "expert_feed_forward_length": 32, "expert_shared_feed_forward_length": 48},
     "smollm3": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                 "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
                 "rope.freq_base": 5000000.0, "vocab_size": 320},  # layer 3 has no rope
@@ -369,7 +388,8 @@ def test_llama_cpp_runs_the_same_file(arch, tiny_file):
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp (llama-cpp-python) is absent")
 @pytest.mark.parametrize("name, dtype", [("gemma3-1b", "q4_0"), ("phi3-mini-8l", "q8_0"), ("gpt-oss-small", "mxfp4"),
                                          ("lfm2-1.2b", "f16"),  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
-                                         ("granite-4.0-h-tiny-10l", "f16"), ("nemotron-nano-9b-v2-14l", "f16")])
+                                         ("granite-4.0-h-tiny-10l", "f16"), ("nemotron-nano-9b-v2-14l", "f16"),
+                                         ("qwen3.5-35b-a3b", "q8_0")])
 def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     """Each shape's keys and types (MXFP4 experts and Q8_0 elsewhere for gpt-oss, as llama.cpp's MXFP4_MOE
     files) with fewer layers, experts and tokens: both engines load the file and compute the same logits."""
@@ -384,6 +404,8 @@ def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
         smaller |= {"block_count": 3, "attention.head_count_kv": [0, 4, 0], "expert_count": 8}
     if name.startswith("nemotron"):  # Mamba-2, MLP, attention
         smaller |= {"block_count": 3, "attention.head_count_kv": [0, 0, 8], "feed_forward_length": [0, 15680, 0]}
+    if name.startswith("qwen3.5"):  # a Gated DeltaNet layer, then an attention layer
+        smaller |= {"full_attention_interval": 2, "expert_count": 8}
     path = write_synthetic(tmp_path / f"{name}.gguf", name, dtype, hparams=smaller)
     text = "hello world, 42!"
     done = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), text, "0"], capture_output=True, text=True,

@@ -295,3 +295,34 @@ def test_wrapper_resumes_where_every_cache_can(cpu):
     assert [cache.resumable(0, p) for p in (1, 2, 4, 5)] == [0, 2, 2, 5]
     cache.remove(0, cache.resumable(0, 4))
     assert states.positions.tolist() == [2] and causal.cells.cell_positions.max() == 1
+
+
+def test_by_sequence_lays_each_sequence_out_in_turn_and_by_batch_brings_the_rows_back(cpu):
+    """A batch of sequences 1, 0, 1, 2, 1 (positions 0, 0, 1, 0, 2) as a (T, N) grid: T = 3 rows per
+    sequence, N = 3 sequences in order of first appearance (1, 0, 2), shorter ones padded with a copy of
+    the batch's first row, or with zeros; and back in batch order."""
+    cache = make(cpu, max_sequences=3)
+    pairs = [(1, 0), (0, 0), (1, 1), (2, 0), (1, 2)]
+    with cpu.new_context() as ctx:
+        cache.start_forward(ctx, batch_of(pairs))
+        x = ctx.from_numpy(coded(pairs))
+        grid, steps, seqs = cache.by_sequence(ctx, x)
+        zeros, _, _ = cache.by_sequence(ctx, x, zero_padding=True)
+        back = cache.by_batch(ctx, grid)
+        ctx.compute(grid, zeros, back)
+        assert (steps, seqs) == (3, 3)
+        assert grid.numpy()[:, 0].tolist() == [11, 12, 13, 1, 11, 11, 21, 11, 11]
+        assert zeros.numpy()[:, 0].tolist() == [11, 12, 13, 1, 0, 0, 21, 0, 0]
+        np.testing.assert_array_equal(back.numpy(), coded(pairs))
+
+
+def test_a_reserving_pass_lays_out_the_largest_sequence_grid(cpu):
+    """Reserving (worst-case memory, nothing computed) for a batch of 8 with 3 slots: the grid of one
+    long sequence beside two single tokens (6 steps by 3 sequences), the largest a batch of 8 can need."""
+    cache = make(cpu, max_sequences=3)
+    with cpu.new_context() as ctx:
+        cache.start_forward(ctx, batch_of([(0, p) for p in range(8)]), reserve=True)
+        grid, steps, seqs = cache.by_sequence(ctx, ctx.from_numpy(coded([(0, p) for p in range(8)])))
+        assert (steps, seqs) == (6, 3) and grid.shape == (DIM, 18)
+        assert cache.get_state(ctx, 4).shape == (4, 3)
+    assert cache.positions.tolist() == [0, 0, 0]

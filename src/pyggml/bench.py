@@ -497,7 +497,8 @@ def add_parsers(sub: Any) -> None:
     bench.add_argument("--synthetic", metavar="SHAPE",
                        help="a random-weight model of this shape (tiny, tinyllama-1.1b, llama-3.2-1b, llama-3.1-8b, "
                             "qwen2.5-0.5b, qwen3-0.6b, qwen3moe-small, qwen3-small-dense, gemma3-1b, phi3-mini, "
-                            "phi3-mini-8l, gpt-oss-small; pyggml.synthetic.SHAPES), written once into the pyggml "
+                            "phi3-mini-8l, gpt-oss-small, lfm2-1.2b, qwen3.5-9b, qwen3.5-35b-a3b, qwen3-next-80b-a3b; "
+                            "pyggml.synthetic.SHAPES), written once into the pyggml "
                             "cache directory")
     bench.add_argument("--type", default="q4_0", help="weight type of the --synthetic model (default: q4_0; "
                        "mxfp4: MXFP4 experts, Q8_0 elsewhere)")

@@ -56,6 +56,19 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "nemotron_h": {"block_count": 4, "attention.head_count_kv": [0, 0, 2, 0], "feed_forward_length": [0, 128, 0, 128],
                    "attention.key_length": 16, "attention.value_length": 16, "ssm.conv_kernel": 4,
                    "ssm.inner_size": 64, "ssm.state_size": 16, "ssm.time_step_rank": 4, "ssm.group_count": 2},
+    # Qwen 3.5: three Gated DeltaNet layers (4 taps, 2 key heads and 4 value heads of 16) to one attention layer
+    "qwen35": {"block_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+               "attention.value_length": 16, "rope.dimension_count": 8, "ssm.conv_kernel": 4, "ssm.state_size": 16,
+               "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64,
+               "rope.dimension_sections": [2, 1, 1, 0]},  # llama.cpp requires the key (text: plain rope)
+    "qwen35moe": {"block_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+                  "attention.value_length": 16, "rope.dimension_count": 8, "ssm.conv_kernel": 4, "ssm.state_size": 16,
+                  "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64,
+                  "rope.dimension_sections": [2, 1, 1, 0], **_EXPERTS, "expert_shared_feed_forward_length": 32},
+    "qwen3next": {"block_count": 4, "attention.head_count_kv": 2, "attention.key_length": 16,
+                  "attention.value_length": 16, "rope.dimension_count": 8, "ssm.conv_kernel": 4, "ssm.state_size": 16,
+                  "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64, **_EXPERTS,
+                  "expert_shared_feed_forward_length": 32},
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 
@@ -95,6 +108,10 @@ class Shape:
 _SMALL_MATRICES = (".shortconv.conv.weight", ".ssm_conv1d.weight", ".ssm_norm.weight")
 _QWEN3_HEADS = {"attention.key_length": 128, "attention.value_length": 128, "rope.dimension_count": 128,
                 "attention.layer_norm_rms_epsilon": 1e-6, "tokenizer.ggml.model": "gpt2"}
+_QWEN35 = {"attention.key_length": 256, "attention.value_length": 256, "rope.dimension_count": 64,
+           "rope.dimension_sections": [11, 11, 10, 0], "attention.layer_norm_rms_epsilon": 1e-6,
+           "tokenizer.ggml.model": "gpt2", "full_attention_interval": 4, "ssm.conv_kernel": 4, "ssm.state_size": 128,
+           "ssm.group_count": 16, "ssm.time_step_rank": 32, "ssm.inner_size": 4096}
 # a general.name with "phi3" or "phi-3" in it makes llama.cpp want Phi-3's <|endoftext|> token, which a
 # synthetic vocabulary lacks
 _PHI3 = {"attention.sliding_window": 2047, "rope.scaling.original_context_length": 4096,
@@ -128,6 +145,19 @@ SHAPES = {
     "lfm2-1.2b": Shape(16, 2048, 8192, 32, 8, 65536, 128000, 1000000.0, True, "lfm2",
                        {"attention.head_count_kv": [8 if i in (2, 5, 8, 10, 12, 14) else 0 for i in range(16)],
                         "shortconv.l_cache": 3}),
+    # Qwen3.5-9B: 24 Gated DeltaNet layers (16 key and 32 value heads of 128, 4 taps) and 8 gated attention layers
+    # (16 heads of 256, 4 KV heads, rope on 64 dims), a 248k vocabulary
+    "qwen3.5-9b": Shape(32, 4096, 12288, 16, 4, 248320, 262144, 10000000.0, False, "qwen35", _QWEN35),
+    # Qwen3.5-35B-A3B: 40 layers of 2048 (30 Gated DeltaNet, 10 gated attention with 2 KV heads), 256 experts of 512
+    # (8 used) and a shared expert of 512 per layer
+    "qwen3.5-35b-a3b": Shape(40, 2048, 512, 16, 2, 248320, 262144, 10000000.0, False, "qwen35moe",
+                             {**_QWEN35, "expert_count": 256, "expert_used_count": 8, "expert_feed_forward_length": 512,
+                              "expert_shared_feed_forward_length": 512}),
+    # Qwen3-Next-80B-A3B: 48 layers of 2048 (36 Gated DeltaNet, 12 gated attention), 512 experts of 512 (10 used)
+    "qwen3-next-80b-a3b": Shape(48, 2048, 512, 16, 2, 151936, 262144, 10000000.0, False, "qwen3next",
+                                {**{k: v for k, v in _QWEN35.items() if k != "rope.dimension_sections"},
+                                 "expert_count": 512, "expert_used_count": 10, "expert_feed_forward_length": 512,
+                                 "expert_shared_feed_forward_length": 512}),
     "gpt-oss-small": Shape(8, 1024, 1024, 16, 2, 201088, 131072, 150000.0, False, "gpt-oss",
                            {"attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 64,
                             "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 1024,

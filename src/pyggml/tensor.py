@@ -218,7 +218,7 @@ _FN = {op: ffi.addressof(lib, "ggml_" + fn) for op, fn in {
     "exp": "exp", "log": "log", "sin": "sin", "cos": "cos", "abs": "abs", "tanh": "tanh", "relu": "relu",
     "sigmoid": "sigmoid", "silu": "silu", "gelu": "gelu", "gelu_erf": "gelu_erf", "gelu_quick": "gelu_quick",
     "silu_glu": "swiglu_split", "gelu_glu": "geglu_split", "rms_norm": "rms_norm", "norm": "norm",
-    "l2_norm": "l2_norm"}.items()}
+    "l2_norm": "l2_norm", "softplus": "softplus"}.items()}
 
 
 def _elementwise_method(op: str) -> Any:
@@ -515,6 +515,10 @@ class Tensor:
 
     def sigmoid(self) -> Tensor:
         return self._unary(lib.ggml_sigmoid, "sigmoid")
+
+    def softplus(self) -> Tensor:
+        """log(1 + exp(x)) (ggml returns x itself past 20, where they agree in F32)."""
+        return self._unary(lib.ggml_softplus, "softplus")
 
     def silu(self, up: Tensor | None = None) -> Tensor:
         """SiLU; with ``up``, the fused SwiGLU ``silu(self) * up``."""
@@ -1177,6 +1181,38 @@ class Tensor:
             v_t = v_t.contiguous()
         out = v_t.mulmat(probs)  # (Dv, T, H)
         return out.permute(0, 2, 1, 3).contiguous()  # (Dv, H, T)
+
+    # ---- recurrent layers ------------------------------------------------------------------
+    def gated_delta_net(self, key: Tensor, value: Tensor, gate: Tensor, beta: Tensor,
+                        state: Tensor) -> tuple[Tensor, Tensor]:
+        """The gated delta rule (Gated DeltaNet's linear attention) over ``n_tokens`` steps of
+        ``n_seqs`` sequences: per value head, the state S (S_v, S_v) decays by ``exp(gate)``, learns
+        ``beta * (v - S k)`` along ``k``, and answers ``S q / sqrt(S_k)``. ``self`` (the query) and
+        ``key`` are (S_k, H_k, n_tokens, n_seqs) with S_k == S_v; ``value`` (S_v, H_v, n_tokens,
+        n_seqs), value head h reading key head ``h % H_k``; ``gate`` (1, H_v, n_tokens, n_seqs) in log
+        space; ``beta`` (1, H_v, n_tokens, n_seqs); ``state`` (S_v, S_v, H_v, n_seqs), each sequence's
+        initial state (stored transposed). All F32. Returns (output (S_v, H_v, n_tokens, n_seqs), final
+        state shaped like ``state``), views of one result."""
+        q, k, v, g, b, s = (t._ne for t in (self, key, value, gate, beta, state))
+        sv, h, n, seqs = v
+        if q != k or q[0] != sv or h % q[1] or q[2] != n or seqs % q[3] or g != (1, h, n, seqs) or \
+                b != (1, h, n, seqs) or s != (sv, sv, h, seqs):
+            raise _fail("gated_delta_net", "expects q, k (S, H_k, T, N), v (S, H_v, T, N) with H_k | H_v, gate and "
+                        "beta (1, H_v, T, N), state (S, S, H_v, N)", self, key, value, gate, beta, state)
+        operands = (self, key, value, gate, beta, state)
+        if any(t._p.type != DType.F32 for t in operands):
+            raise TypeError("gated_delta_net: needs F32 operands, got " + ", ".join(t.dtype.name for t in operands))
+        if not all(_rows_packed(t._p) for t in (self, key, value)) or \
+                not all(lib.ggml_is_contiguous(t._p) for t in (gate, beta, state)):
+            raise _fail("gated_delta_net", "q, k, v need contiguous rows and gate, beta, state must be contiguous "
+                        "(call .contiguous())", *operands)
+        _check_size("gated_delta_net", DType.F32, (sv * h, n * seqs + sv * seqs, 1, 1))
+        ctx = self._ctx_with(key, "gated_delta_net")
+        self._same_graph(ctx, "gated_delta_net", value, gate, beta, state)
+        packed = Tensor(lib.ggml_gated_delta_net(ctx._state.ptr, self._p, key._p, value._p, gate._p, beta._p,
+                                                 state._p, 1), ctx, 2)
+        out = packed.view(0, (sv, h, n, seqs))
+        return out, packed.view(4 * sv * h * n * seqs, (sv, sv, h, seqs))
 
     # ---- convolution and pooling (vision encoders) -----------------------------------------
     def im2col(self, kernel: Tensor, s0: int, s1: int, p0: int, p1: int, d0: int, d1: int, *,

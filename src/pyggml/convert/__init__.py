@@ -4,7 +4,8 @@ Shared code reads the checkpoint (safetensors, memory-mapped, or torch .bin), th
 (SentencePiece, BPE, WordPiece) and writes the file tensor by tensor (peak memory about one tensor);
 each architecture is one small file registered by its Hugging Face ``architectures`` name (llama,
 bert, nomic_bert, qwen2, qwen3, qwen3moe, gemma2, gemma3 (with vision), phi3, gpt_oss, lfm2 (and lfm2moe),
-olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text), granitehybrid, nemotron_h; the
+olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text), granitehybrid, nemotron_h,
+qwen35 (and qwen35moe, qwen3next); the
 hooks are described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
 ``gguf``'s tensor-name map), so the files also load there.
 
@@ -30,6 +31,7 @@ from . import (  # noqa: F401
     qwen2,
     qwen3,
     qwen3moe,
+    qwen35,
     smollm3,
 )
 from .base import Architecture, architecture_for, register, supported

@@ -31,7 +31,12 @@ GPT4O_PATTERN = (  # o200k (gpt-oss)
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
     r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-PRE_TOKENIZERS = {LLAMA3_PATTERN: "llama-bpe", QWEN2_PATTERN: "qwen2", GPT4O_PATTERN: "gpt-4o"}
+QWEN35_PATTERN = (  # Qwen 3.5: letters and combining marks together
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+    r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+PRE_TOKENIZERS = {LLAMA3_PATTERN: "llama-bpe", QWEN2_PATTERN: "qwen2", GPT4O_PATTERN: "gpt-4o",
+                  QWEN35_PATTERN: "qwen35"}
 
 
 @dataclass

@@ -125,8 +125,9 @@ class Recurrent(Cache):
         if positions.shape != sequences.shape or positions.ndim != 1 or positions.size != len(batch.inputs):
             raise ValueError(f"Recurrent.start_forward: batch has {len(batch.inputs)} inputs, {positions.size} "
                              f"positions and {sequences.size} sequences")
-        if reserve:
-            sequences = np.zeros_like(sequences)
+        if reserve and sequences.size:  # the largest (T, N) grid of ``by_sequence``: one long sequence, single tokens
+            k = min(self.max_sequences, sequences.size)
+            sequences = np.concatenate([np.zeros(sequences.size - k + 1, np.int64), np.arange(1, k)])
         elif sequences.size and (sequences.min() < 0 or sequences.max() >= self.max_sequences):
             raise ValueError(f"Recurrent.start_forward: sequence ids must be in 0..{self.max_sequences - 1}")
         seqs = list(dict.fromkeys(sequences.tolist()))

@@ -192,6 +192,9 @@ def _import_builtin() -> None:
         qwen2,
         qwen3,
         qwen3moe,
+        qwen3next,
+        qwen35,
+        qwen35moe,
         smollm3,
     )
 

@@ -40,6 +40,9 @@ _PATTERNS: dict[str, list[str]] = {
     "gpt2": [_GPT2],
     "llama3": [_llama3_like(r"\p{N}{1,3}")],
     "qwen2": [_llama3_like(r"\p{N}")],
+    # Qwen 3.5: qwen2's, with combining marks (\p{M}) kept in words (Devanagari, decomposed accents)
+    "qwen35": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+               r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
     "starcoder": [r"\p{N}", _GPT2],
     "falcon": [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"],
     "deepseek-llm": [
@@ -65,7 +68,7 @@ _ALIASES = {
     "dbrx": "llama3", "smaug-bpe": "llama3", "chatglm-bpe": "llama3", "glm4": "llama3",
     "glm5": "llama3",
     "qwen2": "qwen2", "deepseek-r1-qwen": "qwen2", "kormo": "qwen2", "f2llmv2": "qwen2", "stablelm2": "qwen2",
-    "megrez": "qwen2",
+    "megrez": "qwen2", "qwen35": "qwen35",
     "starcoder": "starcoder", "refact": "starcoder", "command-r": "starcoder",
     "smollm": "starcoder", "codeshell": "starcoder", "exaone": "starcoder",
     "minerva-7b": "starcoder", "mellum2": "starcoder",
