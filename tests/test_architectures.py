@@ -50,6 +50,17 @@ TINY: dict[str, dict] = {
                "attention.head_count_kv": 2, "attention.key_length": 16, "attention.value_length": 16,
                "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "attention.sliding_window": 4,
                "attention.sliding_window_pattern": 2, "rope.freq_base": 1e6, "vocab_size": 320},
+    # gemma4: global layers with wider heads and fewer KV heads, the last two layers reading the cache of
+    # layers 3 (global) and 2 (sliding), per-layer embeddings, experts beside the MLP
+    "gemma4": {"block_count": 6, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+               "attention.head_count_kv": [2, 2, 2, 1, 2, 1], "attention.key_length": 32,
+               "attention.value_length": 32, "attention.key_length_swa": 16, "attention.value_length_swa": 16,
+               "attention.sliding_window_pattern": [True, True, True, False, True, False],
+               "attention.shared_kv_layers": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+               "attention.sliding_window": 4, "rope.freq_base": 1e6, "rope.freq_base_swa": 10000.0,
+               "rope.dimension_count": 32, "rope.dimension_count_swa": 16, "embedding_length_per_layer_input": 8,
+               "final_logit_softcapping": 30.0, "vocab_size": 320,
+               "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32},
     "qwen2": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
               "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
               "rope.freq_base": 1000000.0, "vocab_size": 320, "tokenizer.ggml.model": "gpt2"},
