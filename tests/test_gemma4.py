@@ -150,3 +150,15 @@ def test_llama_cpp_computes_the_same_logits_from_our_file(converted):
     # measured: 0 (e2b-like: the same kernels in the same order), 1.0e-4 (26b-like: experts summed apart)
     assert scaled_error(ours, theirs) <= 1e-3
     assert scaled_error(theirs, ref) <= 1e-3
+
+
+def test_pyggml_compare_matches_every_block(converted, tmp_path):
+    """`pyggml compare` finds every block, the final norm and the logits, all within the GELU-table floor
+    above (measured: at most 3.5e-3 max error, e2b-like's last block)."""
+    from pyggml import porting
+
+    case, path, tokens, _, _ = converted
+    result = porting.compare(path.parent / "tiny-gemma4", path, TEXT, n_threads=2, tolerance=5e-3)
+    names = [x.name for x in result.layers]
+    assert names == ["token_embd", *(f"blk.{i}" for i in range(6)), "output_norm", "logits"], result.table()
+    assert not result.unmatched and result.ok, result.table()
