@@ -363,7 +363,8 @@ def test_llama_cpp_runs_the_same_file(arch, tiny_file):
 # ---- the bench shapes of these architectures (pyggml.synthetic.SHAPES), shrunk ------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp (llama-cpp-python) is absent")
 @pytest.mark.parametrize("name, dtype", [("gemma3-1b", "q4_0"), ("phi3-mini-8l", "q8_0"), ("gpt-oss-small", "mxfp4"),
-                                         ("lfm2-1.2b", "f16")])  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
+                                         ("lfm2-1.2b", "f16"),  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
+                                         ("gemma4-e2b", "q4_0")])
 def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     """Each shape's keys and types (MXFP4 experts and Q8_0 elsewhere for gpt-oss, as llama.cpp's MXFP4_MOE
     files) with fewer layers, experts and tokens: both engines load the file and compute the same logits."""
@@ -374,6 +375,9 @@ def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
         smaller["expert_count"] = 4
     if name.startswith("lfm2"):  # a layer kind per layer: convolution, attention, convolution
         smaller |= {"block_count": 3, "attention.head_count_kv": [0, 8, 0]}
+    if name.startswith("gemma4"):  # 4 sliding, 1 global, 2 sliding reading layer 3's cache
+        smaller |= {"block_count": 7, "attention.sliding_window_pattern": [i % 5 < 4 for i in range(7)],
+                    "attention.shared_kv_layers": 2, "feed_forward_length": [6144] * 5 + [12288] * 2}
     path = write_synthetic(tmp_path / f"{name}.gguf", name, dtype, hparams=smaller)
     text = "hello world, 42!"
     done = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), text, "0"], capture_output=True, text=True,
