@@ -7,12 +7,13 @@ keys' projection)."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from .hf_fixtures import make_spm_tokenizer
+from .hf_fixtures import make_spaced_bpe_tokenizer, make_spm_tokenizer
 from .test_convert import llama_cpp_logits, needs_llama_cpp
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
@@ -33,10 +34,10 @@ CASES = {
 }
 
 
-def make_tiny_gemma4(tmp_path: Path, seed: int = 0, **overrides) -> tuple[Path, object]:
+def make_tiny_gemma4(tmp_path: Path, seed: int = 0, tokenizer=make_spm_tokenizer, **overrides) -> tuple[Path, object]:
     hf_dir = tmp_path / "tiny-gemma4"
     hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_spm_tokenizer(hf_dir, seed)
+    n_tokens = tokenizer(hf_dir, seed)
     vocab = -(-n_tokens // 32) * 32
     config = transformers.Gemma4TextConfig(
         vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64, intermediate_size=96,
@@ -136,6 +137,33 @@ def test_the_shared_layers_store_nothing_and_read_their_source(converted):
     else:
         assert opts.kv_layers == tuple(range(6)) and stored == list(range(6))
         assert opts.n_kv_heads == (2, 2, 1, 2, 2, 1)
+
+
+TOKENIZER_TEXTS = ["Hello  world", "Then they left.\n\nThe cafe is naive, 42 people said!", "naïve 日本 🙂 über",
+                   " leading and trailing spaces  ", "\n\n\n", "a\tb"]
+
+
+def test_a_spaced_bpe_tokenizer_json_becomes_llama_cpps_gemma4_vocabulary(tmp_path):
+    """Gemma 4's tokenizer.json (BPE over U+2581 text, <0xXX> bytes) converts to the ``gemma4`` vocabulary,
+    which tokenizes as the Hugging Face tokenizer and llama.cpp do and decodes back to the text."""
+    import gguf
+    from tokenizers import Tokenizer
+
+    import pyggml
+    from pyggml.convert import convert_hf
+
+    hf_dir, _ = make_tiny_gemma4(tmp_path, tokenizer=make_spaced_bpe_tokenizer, **CASES["e2b-like-ple-shared-kv"])
+    path = convert_hf(hf_dir, tmp_path / "model.gguf", "f32")
+    assert gguf.GGUFReader(path).fields["tokenizer.ggml.model"].contents() == "gemma4"
+    reference = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    with pyggml.load(path, n_threads=1, num_ctx=64) as llm:
+        for text in TOKENIZER_TEXTS:
+            ids = llm.tokenize(text)
+            assert ids == reference.encode(text).ids, text
+            assert llm.detokenize(ids[1:]) == text
+    if importlib.util.find_spec("llama_cpp") is not None:
+        for text in TOKENIZER_TEXTS:
+            assert llama_cpp_logits(path, text)[0] == reference.encode(text).ids, text
 
 
 @needs_llama_cpp
