@@ -190,3 +190,34 @@ def test_pyggml_compare_matches_every_block(converted, tmp_path):
     names = [x.name for x in result.layers]
     assert names == ["token_embd", *(f"blk.{i}" for i in range(6)), "output_norm", "logits"], result.table()
     assert not result.unmatched and result.ok, result.table()
+
+
+def test_the_text_decoder_of_a_multimodal_checkpoint_converts(tmp_path):
+    """Gemma 4 is published as Gemma4ForConditionalGeneration: its text decoder converts (the vision tower is
+    left out) and gives the multimodal model's logits for text."""
+    import pyggml
+    from pyggml.convert import convert_hf
+
+    hf_dir = tmp_path / "tiny-gemma4-mm"
+    hf_dir.mkdir()
+    n_tokens = make_spm_tokenizer(hf_dir, 0)
+    vocab = -(-n_tokens // 32) * 32
+    text = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                max_position_embeddings=256, sliding_window=WINDOW, final_logit_softcapping=10.0,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, **CASES["e2b-like-ple-shared-kv"])
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision.to_dict(), audio_config=None)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(config).float().eval()
+    model.save_pretrained(hf_dir)
+    path = convert_hf(hf_dir, tmp_path / "model.gguf", "f32")
+    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
+        assert llm.model.options.kv_layers == (0, 1, 2, 3, 2, 3)
+        tokens = llm.tokenize(TEXT)
+        ours = llm.logits(tokens)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([tokens])).logits[0].numpy()[:, :ours.shape[1]]
+    assert scaled_error(ours, ref) <= 5e-3  # the GELU-table floor (see above)

@@ -7,6 +7,7 @@ the rotated part."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import gguf
@@ -171,3 +172,18 @@ class Gemma4(Architecture):
             shapes[b + "layer_output_scale.weight"] = (1,)
         shapes["output_norm.weight"] = (embd,)
         return shapes
+
+
+@register("Gemma4ForConditionalGeneration", model_types=("gemma4",))
+class Gemma4Text(Gemma4):
+    """The text decoder of a multimodal Gemma 4 checkpoint (how Google publishes them); its vision and audio
+    towers are left out of the file (pyggml has no Gemma 4 vision or audio part)."""
+
+    skip = (*Gemma4.skip, r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.")
+
+    def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
+        text = {"tie_word_embeddings": config.get("tie_word_embeddings", True), **(config.get("text_config") or {})}
+        super().__init__(hf_dir, text, pooling)
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        yield from super().tensors(name.replace("model.language_model.", "model.", 1), source)
