@@ -221,3 +221,19 @@ def test_the_text_decoder_of_a_multimodal_checkpoint_converts(tmp_path):
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([tokens])).logits[0].numpy()[:, :ours.shape[1]]
     assert scaled_error(ours, ref) <= 5e-3  # the GELU-table floor (see above)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention.shared_kv_layers": 1}, "follow a sliding layer and a global one"),  # llama.cpp: 5 reads 4
+    ({"attention.shared_kv_layers": 3}, "have none of kind"),  # no global layer before layer 3
+    ({"attention.shared_kv_layers": 6}, "leave no layer"),
+    ({"attention.head_count_kv": [2, 2, 3, 1, 2, 1]}, "must divide"),
+    ({"expert_feed_forward_length": 0}, "expert_feed_forward_length set"),
+])
+def test_files_gemma4_cannot_run_are_refused_at_load(change, message, tmp_path):
+    from pyggml.synthetic import write_model
+
+    from .test_architectures import TINY
+
+    with pytest.raises(ValueError, match=message):
+        write_model(tmp_path / "bad.gguf", "gemma4", {**TINY["gemma4"], **change}, "f32")

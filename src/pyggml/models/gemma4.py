@@ -96,20 +96,21 @@ class Options:
                              n_ctx_orig=rope.n_ctx_orig)
         n_experts = config.uint("expert_count", 0)
         n_used = config.uint("expert_used_count", 0)
-        if n_experts and not 0 < n_used <= n_experts:
-            raise ModelError(f"{arch}: {arch}.expert_used_count ({n_used}) must be in 1..expert_count ({n_experts})")
+        expert_ffn = config.uint("expert_feed_forward_length", 0, max=MAX_WIDTH) if n_experts else 0
+        if n_experts and not (0 < n_used <= n_experts and expert_ffn):
+            raise ModelError(f"{arch}: with {arch}.expert_count ({n_experts}), expert_used_count ({n_used}) must be in "
+                             "1..expert_count and expert_feed_forward_length set")
         return cls(
             hidden_size=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
             head_dims=tuple(head_dim_swa if k == nn.SLIDING else head_dim for k in kinds), head_dim=head_dim,
             ffn_size=_per_layer(config, "feed_forward_length", n_layers, 0),
             vocab_size=config.uint("vocab_size", 0) or len(config.get("tokenizer.ggml.tokens", ())) or None,
-            context_length=config.uint("context_length", 131072), eps=config.float("attention.layer_norm_rms_epsilon",
-                                                                                      1e-6),
+            context_length=config.uint("context_length", 131072),
+            eps=config.float("attention.layer_norm_rms_epsilon", 1e-6),
             sliding_window=window, layer_kinds=kinds, kv_layers=kv_layers, rope=rope, rope_local=rope_local,
             final_softcap=config.float("final_logit_softcapping", 0.0) or 0.0,
             ple_size=config.uint("embedding_length_per_layer_input", 0, max=MAX_WIDTH),
-            n_experts=n_experts, n_experts_used=n_used,
-            expert_ffn_size=config.uint("expert_feed_forward_length", 0, max=MAX_WIDTH) if n_experts else 0,
+            n_experts=n_experts, n_experts_used=n_used, expert_ffn_size=expert_ffn,
         )
 
 
