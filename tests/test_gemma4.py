@@ -237,3 +237,26 @@ def test_files_gemma4_cannot_run_are_refused_at_load(change, message, tmp_path):
 
     with pytest.raises(ValueError, match=message):
         write_model(tmp_path / "bad.gguf", "gemma4", {**TINY["gemma4"], **change}, "f32")
+
+
+def test_k_and_v_weights_of_the_sharing_layers_are_left_out(tmp_path):
+    """Published checkpoints keep k/v projections in the layers that read another layer's cache; transformers
+    ignores them, and so does the converter (the file equals one converted without them)."""
+    from safetensors.numpy import load_file, save_file
+
+    import pyggml
+    from pyggml.convert import convert_hf
+
+    hf_dir, _ = make_tiny_gemma4(tmp_path, **CASES["e2b-like-ple-shared-kv"])
+    plain = convert_hf(hf_dir, tmp_path / "plain.gguf", "f32")
+    weights = load_file(hf_dir / "model.safetensors")
+    rng = np.random.default_rng(0)
+    for layer, head in ((4, 16), (5, 32)):
+        for name, shape in (("k_proj.weight", (2 * head, 64)), ("v_proj.weight", (2 * head, 64)),
+                            ("k_norm.weight", (head,))):
+            weights[f"model.layers.{layer}.self_attn.{name}"] = rng.standard_normal(shape).astype(np.float32)
+    save_file(weights, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    extra = convert_hf(hf_dir, tmp_path / "extra.gguf", "f32")
+    with pyggml.load(plain, n_threads=2, num_ctx=64) as a, pyggml.load(extra, n_threads=2, num_ctx=64) as b:
+        tokens = a.tokenize(TEXT)
+        np.testing.assert_array_equal(a.logits(tokens), b.logits(tokens))

@@ -6,6 +6,7 @@ the rotated part."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,9 @@ class Gemma4(Architecture):
         return self._vocab
 
     def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        shared = re.search(r"\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.", name)
+        if shared and int(shared[1]) >= self.n_layers - self.n_shared:
+            return  # transformers ignores these in the layers reading an earlier layer's cache (so does llama.cpp)
         if name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight")):
             source = source.map(lambda w: w[:self.n_tokens], (self.n_tokens, *source.shape[1:]))
         for suffix, owner in _SCALES.items():
