@@ -633,8 +633,7 @@ def capture_taps() -> Iterator[dict[str, Tensor]]:
 
 # ---- attention --------------------------------------------------------------------------------
 def attention(ctx: Context, query: Tensor, key: Tensor | None, value: Tensor | None, cache: Cache | None,
-              scale: float, *,
-              flash: bool | None = None, mask: Tensor | None = None, softcap: float = 0.0,
+              scale: float, *, flash: bool | None = None, mask: Tensor | None = None, softcap: float = 0.0,
               sinks: Tensor | None = None) -> Tensor:
     """Multi-head attention with GQA. ``query`` is (head_dim, n_heads, n_tokens), ``key`` and
     ``value`` (head_dim, n_kv_heads, n_tokens). With a cache, the new keys/values are stored and
@@ -647,11 +646,11 @@ def attention(ctx: Context, query: Tensor, key: Tensor | None, value: Tensor | N
     cache, see ``shared_kv_layers``). Returns (head_dim_v * n_heads, n_tokens)."""
     if flash is None:
         flash = ctx.backend.flash_attention
+    if (key is None) != (value is None) or (key is None and cache is None):
+        raise ValueError("attention: give both key and value, or neither to attend over what a cache holds")
     if cache is not None:
         if mask is not None:
             raise ValueError("attention: a mask is only for attention without a cache (the cache has its own)")
-        if (key is None) != (value is None):
-            raise ValueError("attention: give both key and value, or neither (attend over what the cache holds)")
         if key is not None:
             cache.put(ctx, key, value)
         groups = cache.get_groups(ctx)
