@@ -81,6 +81,32 @@ def make_bpe_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384, patt
     return tok.get_vocab_size(with_added_tokens=True)
 
 
+def make_spaced_bpe_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 400) -> int:
+    """Train a BPE over SentencePiece-style text, as Gemma 4's tokenizer.json: spaces written as U+2581, no
+    pre-tokenizer, characters outside the vocabulary spelled in <0xXX> byte tokens (in the model's vocabulary);
+    write tokenizer.json and tokenizer_config.json. Returns the number of token ids."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(corpus(seed), trainer)
+    bos = tok.token_to_id("<bos>")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", bos)])
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):  # the byte tokens, as Gemma's vocabulary has them
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    (out_dir / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    _write_json(out_dir / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<bos>", "eos_token": "<eos>",
+        "pad_token": "<pad>", "unk_token": "<unk>", "add_bos_token": True, "chat_template": CHAT_TEMPLATE})
+    return len(vocab)
+
+
 def make_qwen_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 384) -> int:
     """Train a byte-level BPE the Qwen 2/3 way: Qwen's split pattern, ChatML special tokens, no BOS
     (no post-processor template, ``bos_token`` null); write tokenizer.json and tokenizer_config.json."""

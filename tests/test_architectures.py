@@ -50,6 +50,17 @@ TINY: dict[str, dict] = {
                "attention.head_count_kv": 2, "attention.key_length": 16, "attention.value_length": 16,
                "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "attention.sliding_window": 4,
                "attention.sliding_window_pattern": 2, "rope.freq_base": 1e6, "vocab_size": 320},
+    # gemma4: global layers with wider heads and fewer KV heads, the last two layers reading the cache of
+    # layers 3 (global) and 2 (sliding), per-layer embeddings, experts beside the MLP
+    "gemma4": {"block_count": 6, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+               "attention.head_count_kv": [2, 2, 2, 1, 2, 1], "attention.key_length": 32,
+               "attention.value_length": 32, "attention.key_length_swa": 16, "attention.value_length_swa": 16,
+               "attention.sliding_window_pattern": [True, True, True, False, True, False],
+               "attention.shared_kv_layers": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+               "attention.sliding_window": 4, "rope.freq_base": 1e6, "rope.freq_base_swa": 10000.0,
+               "rope.dimension_count": 32, "rope.dimension_count_swa": 16, "embedding_length_per_layer_input": 8,
+               "final_logit_softcapping": 30.0, "vocab_size": 320,
+               "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32},
     "qwen2": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
               "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
               "rope.freq_base": 1000000.0, "vocab_size": 320, "tokenizer.ggml.model": "gpt2"},
@@ -389,7 +400,8 @@ def test_llama_cpp_runs_the_same_file(arch, tiny_file):
 @pytest.mark.parametrize("name, dtype", [("gemma3-1b", "q4_0"), ("phi3-mini-8l", "q8_0"), ("gpt-oss-small", "mxfp4"),
                                          ("lfm2-1.2b", "f16"),  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
                                          ("granite-4.0-h-tiny-10l", "f16"), ("nemotron-nano-9b-v2-14l", "f16"),
-                                         ("qwen3.5-35b-a3b", "q8_0")])
+                                         ("qwen3.5-35b-a3b", "q8_0"),
+                                         ("gemma4-e2b", "q4_0")])
 def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     """Each shape's keys and types (MXFP4 experts and Q8_0 elsewhere for gpt-oss, as llama.cpp's MXFP4_MOE
     files) with fewer layers, experts and tokens: both engines load the file and compute the same logits."""
@@ -406,6 +418,9 @@ def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
         smaller |= {"block_count": 3, "attention.head_count_kv": [0, 0, 8], "feed_forward_length": [0, 15680, 0]}
     if name.startswith("qwen3.5"):  # a Gated DeltaNet layer, then an attention layer
         smaller |= {"full_attention_interval": 2, "expert_count": 8}
+    if name.startswith("gemma4"):  # 4 sliding, 1 global, 2 sliding reading layer 3's cache
+        smaller |= {"block_count": 7, "attention.sliding_window_pattern": [i % 5 < 4 for i in range(7)],
+                    "attention.shared_kv_layers": 2, "feed_forward_length": [6144] * 5 + [12288] * 2}
     path = write_synthetic(tmp_path / f"{name}.gguf", name, dtype, hparams=smaller)
     text = "hello world, 42!"
     done = subprocess.run([sys.executable, "-c", _LLAMA_CPP, str(path), text, "0"], capture_output=True, text=True,

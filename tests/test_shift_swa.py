@@ -35,6 +35,28 @@ def test_runner_logprobs_after_a_shift_through_a_window_equal_a_fresh_computatio
     try:
         assert [getattr(c, "swa_window", None) for c in model.cache.caches] == [4, None]
         assert model.options.layer_kinds == (0,) and model.options.rope_local.base != model.options.rope.base
+    finally:
+        model.close()
+    _check_shifted_logprobs(model_path)
+
+
+def test_runner_logprobs_after_a_shift_of_partly_rotated_keys_equal_a_fresh_computation(tmp_path):
+    """Gemma 4's global layers rotate a quarter of each head (rope_freqs stop the rest): the shift must
+    re-rotate with the same factors. One global layer with two KV heads of 32, 8 of them rotated."""
+    config = {**TINY["gemma4"], "block_count": 1, "attention.head_count_kv": 2, "attention.shared_kv_layers": 0,
+              "attention.sliding_window_pattern": [False], "feed_forward_length": 96}
+    factors = [1.0] * 4 + [1e30] * 12  # as the converter writes them for partial_rotary_factor 0.25
+
+    def init(name, shape, rng):
+        return factors if name == "rope_freqs.weight" else None
+
+    path = write_model(tmp_path / "gemma4.gguf", "gemma4", config, "f32", seed=3, init=init)
+    _check_shifted_logprobs(path)
+
+
+def _check_shifted_logprobs(model_path) -> None:
+    model = pyggml.models.load(model_path, pyggml.BackendParams(n_threads=2))
+    try:
         banned = {t: -1e9 for t in model.tokenizer.vocab.eog}  # never ends early
         with Runner(model, parallel=1, num_ctx=NUM_CTX, batch_size=8, cache_type="f32") as runner:
             # a presence penalty: this random model (tied embeddings) repeats its last token, whose keys differ

@@ -86,6 +86,26 @@ def test_llama_cpp_vectors(name: str) -> None:
     assert not wrong, f"{len(wrong)} of {len(cases)} differ, first: {wrong[0]!r}"
 
 
+@pytest.mark.ci_may_skip
+def test_gemma4_vectors() -> None:
+    """Gemma 4's ``gemma4`` vocabulary (BPE over U+2581 text, 262144 tokens): llama.cpp's cases, each decoding
+    back to its text. Its file ships in the pinned llama-cpp-python sdist (vendor/llama.cpp/models/) but is
+    not staged in shared/models/vocab by default (MANIFEST.md)."""
+    if not (VOCABS / "ggml-vocab-gemma-4.gguf").exists():
+        pytest.skip(f"ggml-vocab-gemma-4.gguf not found in {VOCABS}")
+    tok = from_metadata(read_metadata(VOCABS / "ggml-vocab-gemma-4.gguf"))
+    # this .inp has no separator after its last case
+    texts = (VOCABS / "ggml-vocab-gemma-4.gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    lines = (VOCABS / "ggml-vocab-gemma-4.gguf.out").read_text(encoding="utf-8").split("\n")
+    cases = [(text, [int(x) for x in line.split()]) for text, line in zip(texts, lines, strict=False)]
+    assert len(cases) == 46 and tok.vocab.model == "gemma4"
+    wrong = [(text, expected, tok.encode(text, add_special=False, parse_special=False))
+             for text, expected in cases
+             if tok.encode(text, add_special=False, parse_special=False) != expected]
+    assert not wrong, f"{len(wrong)} of {len(cases)} differ, first: {wrong[0]!r}"
+    assert all(tok.decode(expected) == text for text, expected in cases)
+
+
 def test_meta_matches_gguf_reader() -> None:
     needs_vocabs()
     path = VOCABS / "ggml-vocab-phi-3.gguf"  # strings, bools, ints, float and string arrays

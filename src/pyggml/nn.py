@@ -24,7 +24,7 @@ import ast
 import operator
 import types
 import typing
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -472,15 +472,32 @@ def layer_kinds(config: Any, n_layers: int, default_pattern: int) -> tuple[int, 
     return tuple(SLIDING if pattern == 0 or i % pattern < pattern - 1 else GLOBAL for i in range(n_layers))
 
 
-def layers(blk: list[Any], cache: Cache | None, outputs: Tensor | None) -> Iterator[tuple[int, Any, Tensor | None]]:
-    """The decoder-layer loop: ``(i, layer, rows)`` per layer, the cache (if any) set to layer i first;
-    ``rows`` is ``outputs`` for the last layer (only the rows whose logits are wanted go on past its
-    attention) and None before it."""
+def layers(blk: list[Any], cache: Cache | None, outputs: Tensor | None,
+           cache_layers: Sequence[int] | None = None) -> Iterator[tuple[int, Any, Tensor | None]]:
+    """The decoder-layer loop: ``(i, layer, rows)`` per layer, the cache (if any) set to layer i first
+    (to ``cache_layers[i]`` when given: layers that attend over an earlier layer's keys and values, see
+    ``shared_kv_layers``); ``rows`` is ``outputs`` for the last layer (only the rows whose logits are
+    wanted go on past its attention) and None before it."""
     last = len(blk) - 1
     for i, layer in enumerate(blk):
         if cache is not None:
-            cache.set_layer(i)
+            cache.set_layer(i if cache_layers is None else cache_layers[i])
         yield i, layer, outputs if i == last else None
+
+
+def shared_kv_layers(kinds: Sequence[int], n_shared: int) -> tuple[int, ...]:
+    """The layer whose cache each layer attends over when the last ``n_shared`` layers store no keys and
+    values of their own (Gemma 3n / 4): a sharing layer reads the last storing layer of its kind
+    (``kinds``: SLIDING/GLOBAL per layer); the others their own. ModelError when a kind has no such layer."""
+    first = len(kinds) - n_shared
+    if not 0 <= n_shared < len(kinds):
+        raise ModelError(f"{n_shared} layers sharing keys and values leave no layer of {len(kinds)} to store them")
+    last_of = {kind: i for i, kind in enumerate(kinds[:first])}
+    missing = {kinds[i] for i in range(first, len(kinds))} - set(last_of)
+    if missing:
+        raise ModelError(f"layers {first}.. share the cache of an earlier layer of their kind, but layers "
+                         f"0..{first - 1} have none of kind {sorted(missing)} ({SLIDING}: sliding, {GLOBAL}: global)")
+    return tuple(i if i < first else last_of[kinds[i]] for i in range(len(kinds)))
 
 
 def output_rows(rows: Tensor | None, *tensors: Tensor) -> tuple[Tensor, ...]:
@@ -506,8 +523,14 @@ def mix_experts(x: Tensor, chosen: Tensor, weights: Tensor, gate: Experts, up: E
     """Each token of ``x`` (hidden, n_tokens) through its ``chosen`` experts (I32 ids, (k, n_tokens)),
     ``down(glu(gate(x), up(x)))`` per expert, the k outputs summed with ``weights`` (k, n_tokens). Only
     the chosen experts' matrices are read. Returns (hidden, n_tokens)."""
-    k, n_tokens = chosen.shape[0], chosen.shape[1]
-    out = down(glu(gate(x, chosen), up(x, chosen)), chosen) * weights.reshape(1, k, n_tokens)  # (hidden, k, n)
+    return sum_experts(down(glu(gate(x, chosen), up(x, chosen)), chosen), weights)
+
+
+def sum_experts(out: Tensor, weights: Tensor) -> Tensor:
+    """The chosen experts' outputs ``out`` (hidden, k, n_tokens) summed with ``weights`` (k, n_tokens):
+    (hidden, n_tokens)."""
+    k, n_tokens = out.shape[1], out.shape[2]
+    out = out * weights.reshape(1, k, n_tokens)
     rows, per_token = (out.shape[0], n_tokens), (out.strides[2],)
     total = out.view(0, rows, per_token)  # the weighted sum over the k experts: k strided views added up
     for i in range(1, k):
@@ -609,8 +632,8 @@ def capture_taps() -> Iterator[dict[str, Tensor]]:
 
 
 # ---- attention --------------------------------------------------------------------------------
-def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Cache | None, scale: float, *,
-              flash: bool | None = None, mask: Tensor | None = None, softcap: float = 0.0,
+def attention(ctx: Context, query: Tensor, key: Tensor | None, value: Tensor | None, cache: Cache | None,
+              scale: float, *, flash: bool | None = None, mask: Tensor | None = None, softcap: float = 0.0,
               sinks: Tensor | None = None) -> Tensor:
     """Multi-head attention with GQA. ``query`` is (head_dim, n_heads, n_tokens), ``key`` and
     ``value`` (head_dim, n_kv_heads, n_tokens). With a cache, the new keys/values are stored and
@@ -618,13 +641,18 @@ def attention(ctx: Context, query: Tensor, key: Tensor, value: Tensor, cache: Ca
     every other (encoders), or those ``mask`` (n_tokens, n_tokens; 0 or -inf) lets it see (several
     sequences in one encoder batch). ``softcap``: scores become ``softcap * tanh(score / softcap)``
     before the mask (Gemma 2). ``sinks`` (n_heads,): a learned logit per head joining each softmax
-    (gpt-oss's attention sinks). Returns (head_dim_v * n_heads, n_tokens)."""
+    (gpt-oss's attention sinks). ``key`` and ``value`` None (with a cache): attend over the keys and
+    values the cache's current layer already holds, storing none (a layer sharing an earlier layer's
+    cache, see ``shared_kv_layers``). Returns (head_dim_v * n_heads, n_tokens)."""
     if flash is None:
         flash = ctx.backend.flash_attention
+    if (key is None) != (value is None) or (key is None and cache is None):
+        raise ValueError("attention: give both key and value, or neither to attend over what a cache holds")
     if cache is not None:
         if mask is not None:
             raise ValueError("attention: a mask is only for attention without a cache (the cache has its own)")
-        cache.put(ctx, key, value)
+        if key is not None:
+            cache.put(ctx, key, value)
         groups = cache.get_groups(ctx)
         if groups is not None:
             return _grouped_attention(query, groups, scale, flash, softcap, sinks)

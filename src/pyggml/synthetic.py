@@ -135,6 +135,17 @@ SHAPES = {
                        {"attention.key_length": 256, "attention.value_length": 256, "rope.dimension_count": 256,
                         "attention.sliding_window": 512, "attention.sliding_window_pattern": 6,
                         "attention.layer_norm_rms_epsilon": 1e-6}),
+    # Gemma 4 E2B's text decoder (as its published config reads): 35 layers, 4 sliding-window (512) layers to 1
+    # global, one KV head of 256 (sliding) or 512 (global, a quarter rotated), the last 20 layers reading the
+    # caches of layers 13 and 14 with MLPs twice as wide, 256-wide per-layer embeddings; a synthetic file has
+    # no attn_v (its values are the keys' projection, in llama.cpp too)
+    "gemma4-e2b": Shape(35, 1536, 6144, 8, 1, 262144, 131072, 1000000.0, True, "gemma4", {
+        "feed_forward_length": [6144] * 15 + [12288] * 20, "attention.key_length": 512, "attention.value_length": 512,
+        "attention.key_length_swa": 256, "attention.value_length_swa": 256, "rope.dimension_count": 512,
+        "rope.dimension_count_swa": 256, "rope.freq_base_swa": 10000.0, "attention.sliding_window": 512,
+        "attention.sliding_window_pattern": [i % 5 < 4 for i in range(35)], "attention.shared_kv_layers": 20,
+        "embedding_length_per_layer_input": 256, "final_logit_softcapping": 30.0,
+        "attention.layer_norm_rms_epsilon": 1e-6}),
     # Phi-3-mini-4k (3.8B), and its first 8 layers (~1.1B: the same matrices per token, quick on 2 cores)
     "phi3-mini": Shape(32, 3072, 8192, 32, 32, 32064, 4096, 10000.0, False, "phi3", _PHI3),
     "phi3-mini-8l": Shape(8, 3072, 8192, 32, 32, 32064, 4096, 10000.0, False, "phi3", _PHI3),

@@ -3,10 +3,9 @@
 Shared code reads the checkpoint (safetensors, memory-mapped, or torch .bin), the tokenizer
 (SentencePiece, BPE, WordPiece) and writes the file tensor by tensor (peak memory about one tensor);
 each architecture is one small file registered by its Hugging Face ``architectures`` name (llama,
-bert, nomic_bert, qwen2, qwen3, qwen3moe, gemma2, gemma3 (with vision), phi3, gpt_oss, lfm2 (and lfm2moe),
-olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text), granitehybrid, nemotron_h,
-qwen35 (and qwen35moe, qwen3next); the
-hooks are described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
+bert, nomic_bert, qwen2, qwen3, qwen3moe, gemma2, gemma3 (with vision), gemma4 (text), phi3, gpt_oss,
+lfm2 (and lfm2moe), olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text), granitehybrid, nemotron_h,
+qwen35 (and qwen35moe, qwen3next); the hooks are described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
 ``gguf``'s tensor-name map), so the files also load there.
 
 Only numpy and the ``gguf`` package (writer, quantisers) are needed: no torch, safetensors or
@@ -18,6 +17,7 @@ from . import (  # noqa: F401
     gemma2,
     gemma3,
     gemma3_vision,
+    gemma4,
     gpt_oss,
     granitehybrid,
     lfm2,

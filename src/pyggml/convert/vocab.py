@@ -41,7 +41,7 @@ PRE_TOKENIZERS = {LLAMA3_PATTERN: "llama-bpe", QWEN2_PATTERN: "qwen2", GPT4O_PAT
 
 @dataclass
 class Vocab:
-    model: str  # "llama" (SentencePiece), "gpt2" (byte-level BPE) or "bert" (WordPiece)
+    model: str  # "llama" (SentencePiece), "gpt2" (byte-level BPE), "gemma4" (BPE of U+2581 text), "bert" (WordPiece)
     tokens: list[str]
     types: list[int]
     special: dict[str, int]  # "bos"/"eos"/"unk"/"pad" -> id
@@ -188,15 +188,21 @@ def _bpe_vocab(tok_json: dict, added: dict[int, tuple[str, bool]]) -> Vocab:
     model = tok_json.get("model") or {}
     if model.get("type") != "BPE":
         raise ValueError(f"tokenizer.json model type {model.get('type')!r} is not supported (only BPE)")
-    if not _find([tok_json.get("pre_tokenizer"), tok_json.get("decoder")], "ByteLevel"):
-        raise ValueError("tokenizer.json is a BPE without ByteLevel bytes (SentencePiece-style); "
+    # SentencePiece-style BPE (spaces as U+2581, <0xXX> byte tokens: Gemma 4) is llama.cpp's "gemma4" vocabulary
+    spaced = any((r.get("pattern") or {}).get("String") == "\u2581" for r in _find(tok_json.get("decoder"), "Replace"))
+    if not spaced and not _find([tok_json.get("pre_tokenizer"), tok_json.get("decoder")], "ByteLevel"):
+        raise ValueError("tokenizer.json is a BPE with neither ByteLevel bytes nor U+2581 spaces; "
                          "add the model's tokenizer.model to convert it")
     size = max(model["vocab"].values()) + 1
     tokens, types = [f"[PAD{i}]" for i in range(size)], [UNUSED] * size
     for tok, i in model["vocab"].items():
-        tokens[i], types[i] = tok, NORMAL
+        tokens[i] = tok
+        types[i] = BYTE if spaced and len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">") else NORMAL
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    vocab = Vocab("gpt2", tokens, types, {}, merges=merges, pre=_bpe_pre(tok_json))
+    if spaced:
+        vocab = Vocab("gemma4", tokens, types, {}, merges=merges, pre="gemma4", add_space_prefix=False)
+    else:
+        vocab = Vocab("gpt2", tokens, types, {}, merges=merges, pre=_bpe_pre(tok_json))
     _apply_added(vocab, added)
     vocab.add_bos, vocab.add_eos = _template_adds(tok_json)
     return vocab

@@ -4,9 +4,10 @@
     ids = tok.encode("Hello world")    # BOS/EOS as the vocabulary asks
     tok.decode(ids, skip_special=True) == "Hello world"
 
-Three vocabulary types, by ``tokenizer.ggml.model``: ``llama`` (SentencePiece),
-``gpt2`` (byte-level BPE with the pre-tokenizer named by ``tokenizer.ggml.pre``)
-and ``bert`` (WordPiece). Encoding matches llama.cpp's tokenizer test vectors.
+Four vocabulary types, by ``tokenizer.ggml.model``: ``llama`` (SentencePiece),
+``gpt2`` (byte-level BPE with the pre-tokenizer named by ``tokenizer.ggml.pre``),
+``gemma4`` (BPE over SentencePiece-style text) and ``bert`` (WordPiece).
+Encoding matches llama.cpp's tokenizer test vectors.
 """
 
 from __future__ import annotations
@@ -15,17 +16,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from .base import StreamDecoder, Tokenizer
-from .bpe import BytePairEncoding
+from .bpe import BytePairEncoding, SpacedBytePairEncoding
 from .spm import SentencePiece
 from .vocab import TokenType, Vocab
 from .wpm import WordPiece
 
-__all__ = ["BytePairEncoding", "SentencePiece", "StreamDecoder", "TokenType", "Tokenizer",
+__all__ = ["BytePairEncoding", "SentencePiece", "SpacedBytePairEncoding", "StreamDecoder", "TokenType", "Tokenizer",
            "Vocab", "WordPiece", "from_metadata"]
 
 _TOKENIZERS: dict[str, type[Tokenizer]] = {
     "llama": SentencePiece,
     "gpt2": BytePairEncoding,
+    "gemma4": SpacedBytePairEncoding,
     "bert": WordPiece,
 }
 

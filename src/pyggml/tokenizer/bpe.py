@@ -3,11 +3,16 @@
 Text is cut into pre-tokens by the regexes of ``tokenizer.ggml.pre``; each
 pre-token's UTF-8 bytes are written with GPT-2's printable byte alphabet and
 merged pair by pair, lowest ``tokenizer.ggml.merges`` rank first.
+
+Gemma 4's BPE (``"gemma4"``) merges SentencePiece-style text instead: spaces
+written as U+2581, characters as they are, one line at a time; a symbol left
+without a token is spelled in ``<0xXX>`` byte tokens.
 """
 
 from __future__ import annotations
 
 import heapq
+import re
 
 from .base import CACHED_WORD_CHARS, Tokenizer
 from .pretokenize import patterns_for, split_words
@@ -97,12 +102,15 @@ class BytePairEncoding(Tokenizer):
             if tid is not None:
                 out.append(tid)
             else:  # a merge result missing from the vocabulary: spell it out
-                for ch in syms[i]:
-                    tid = ids.get(ch, self.vocab.unk)
-                    if tid is not None:
-                        out.append(tid)
+                self._spell(syms[i], out)
             i = nxt[i]
         return out
+
+    def _spell(self, symbol: str, out: list[int]) -> None:
+        for ch in symbol:
+            tid = self._ids.get(ch, self.vocab.unk)
+            if tid is not None:
+                out.append(tid)
 
     def _normal_piece(self, text: str) -> bytes:
         try:
@@ -110,3 +118,39 @@ class BytePairEncoding(Tokenizer):
         except UnicodeEncodeError:
             return b"".join(bytes([CHAR_TO_BYTE[ch]]) if ch in CHAR_TO_BYTE else ch.encode()
                             for ch in text)
+
+
+SPACE = "\u2581"
+_LINES = re.compile("[^\n]+|\n+")
+
+
+class SpacedBytePairEncoding(BytePairEncoding):
+    """Gemma 4's BPE, as llama.cpp's ``gemma4`` vocabulary (see the module docstring)."""
+
+    model = "gemma4"
+
+    def __init__(self, vocab: Vocab) -> None:
+        Tokenizer.__init__(self, vocab)  # no pre-tokenizer regexes: lines are the words
+        merges = vocab.merges
+        self._ranks = dict(zip(reversed(merges), range(len(merges) - 1, -1, -1), strict=True))
+        self._cache = {}
+        self._bytes = [self._ids.get(f"<0x{b:02X}>") for b in range(256)]
+
+    def _encode_text(self, text: str, after_special: bool, out: list[int]) -> None:
+        cache = self._cache
+        if len(cache) > 100_000:
+            cache.clear()
+        for line in _LINES.findall(text.replace(" ", SPACE)):
+            ids = cache.get(line)
+            if ids is None:
+                whole = self._ids.get(line) if line[0] == "\n" else None  # a run of newlines that is one token
+                ids = [whole] if whole is not None else self._merge(line)
+                if len(line) <= CACHED_WORD_CHARS:
+                    cache[line] = ids
+            out.extend(ids)
+
+    def _spell(self, symbol: str, out: list[int]) -> None:
+        out.extend(tid for tid in (self._bytes[b] for b in symbol.encode()) if tid is not None)
+
+    def _normal_piece(self, text: str) -> bytes:
+        return text.replace(SPACE, " ").encode()

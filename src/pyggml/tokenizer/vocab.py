@@ -87,9 +87,9 @@ class Vocab:
     def from_metadata(cls, meta: Mapping[str, Any]) -> Vocab:
         """Build from GGUF keys; raise ``ValueError`` for a missing or unknown vocabulary."""
         model = meta.get("tokenizer.ggml.model")
-        if model not in ("llama", "gpt2", "bert"):
+        if model not in ("llama", "gpt2", "gemma4", "bert"):
             raise ValueError(f"unsupported tokenizer.ggml.model {model!r} "
-                             "(supported: 'llama', 'gpt2', 'bert')")
+                             "(supported: 'llama', 'gpt2', 'gemma4', 'bert')")
         tokens = meta.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
@@ -101,8 +101,8 @@ class Vocab:
             raise ValueError(f"tokenizer.ggml.token_type/scores have {len(types)}/{len(scores)} "
                              f"entries for {n} tokens")
         merges = list(meta.get("tokenizer.ggml.merges") or [])
-        if model == "gpt2" and not merges:
-            raise ValueError("tokenizer.ggml.model 'gpt2' needs tokenizer.ggml.merges")
+        if model in ("gpt2", "gemma4") and not merges:
+            raise ValueError(f"tokenizer.ggml.model {model!r} needs tokenizer.ggml.merges")
         pre = meta.get("tokenizer.ggml.pre", "default") or "default"
 
         def token_id(key: str, default: int | str | None = None) -> int | None:
