@@ -92,6 +92,11 @@ TINY: dict[str, dict] = {
                  "rope.dimension_count": 32, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                  "rope.scaling.original_context_length": 4, "rope.scaling.yarn_log_multiplier": 1.0,
                  "attention.temperature_scale": 0.1, "vocab_size": 320},  # the temperature steps every 4 tokens
+    "llama4": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+               "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
+               "rope.freq_base": 500000.0, "vocab_size": 320, "tokenizer.ggml.model": "gpt2",
+               "expert_count": 4, "expert_used_count": 1, "expert_feed_forward_length": 32,
+               "interleave_moe_layer_step": 2},  # layers 1 and 3 have experts; layer 3 no rope
     "mllama": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
                "rope.freq_base": 10000.0, "vocab_size": 320, "attention.cross_attention_layers": [1]},  # text only
@@ -352,13 +357,16 @@ def test_llama_cpp_runs_the_same_file(arch, tiny_file):
 # ---- the bench shapes of these architectures (pyggml.synthetic.SHAPES), shrunk ------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp (llama-cpp-python) is absent")
 @pytest.mark.parametrize("name, dtype", [("gemma3-1b", "q4_0"), ("phi3-mini-8l", "q8_0"), ("gpt-oss-small", "mxfp4"),
-                                         ("lfm2-1.2b", "f16")])  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
+                                         ("lfm2-1.2b", "f16"),  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
+                                         ("llama4-small", "f16")])
 def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     """Each shape's keys and types (MXFP4 experts and Q8_0 elsewhere for gpt-oss, as llama.cpp's MXFP4_MOE
     files) with fewer layers, experts and tokens: both engines load the file and compute the same logits."""
     from pyggml.synthetic import SHAPES, write_synthetic
 
     smaller = {"block_count": 6 if name.startswith("gemma3") else 2, "vocab_size": 512}
+    if name.startswith("llama4"):  # one layer without rope: llama.cpp's temperature input must be used by one
+        smaller["block_count"] = 4
     if "expert_count" in SHAPES[name].extra:
         smaller["expert_count"] = 4
     if name.startswith("lfm2"):  # a layer kind per layer: convolution, attention, convolution

@@ -125,6 +125,12 @@ SHAPES = {
                             "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 1024,
                             "attention.sliding_window": 128, "rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
                             "rope.scaling.original_context_length": 4096, "tokenizer.ggml.model": "gpt2"}),
+    # Llama 4 Scout's layer layout (128-wide heads, 4 query heads per KV head, 16 experts of which 1 is used plus a
+    # shared one in every layer, rope left out of every 4th layer, 8192-token chunks) narrowed to 1024 wide and
+    # 8 layers (~0.9B parameters, ~0.2B active per token with the 202k-token embeddings)
+    "llama4-small": Shape(8, 1024, 4096, 8, 2, 202048, 131072, 500000.0, False, "llama4",
+                          {"expert_count": 16, "expert_used_count": 1, "expert_feed_forward_length": 1024,
+                           "interleave_moe_layer_step": 1, "tokenizer.ggml.model": "gpt2"}),
 }
 
 

@@ -183,6 +183,7 @@ def _import_builtin() -> None:
         lfm2,
         lfm2moe,
         llama,
+        llama4,
         mistral3,
         nomic_bert,
         olmo2,
