@@ -50,6 +50,12 @@ TINY: dict[str, dict] = {
                "attention.head_count_kv": 2, "attention.key_length": 16, "attention.value_length": 16,
                "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "attention.sliding_window": 4,
                "attention.sliding_window_pattern": 2, "rope.freq_base": 1e6, "vocab_size": 320},
+    "gemma-embedding": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                        "attention.head_count_kv": 2, "attention.key_length": 16, "attention.value_length": 16,
+                        "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "attention.sliding_window": 4,
+                        "attention.sliding_window_pattern": 2, "rope.freq_base": 1e6, "vocab_size": 320,
+                        "pooling_type": 1, "dense_2_feat_in": 64, "dense_2_feat_out": 96, "dense_3_feat_in": 96,
+                        "dense_3_feat_out": 64},  # a window of 2 tokens either way; layer 1 global
     "qwen2": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
               "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
               "rope.freq_base": 1000000.0, "vocab_size": 320, "tokenizer.ggml.model": "gpt2"},

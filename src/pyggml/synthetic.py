@@ -44,6 +44,7 @@ _ENCODER = {"pooling_type": 1, "tokenizer.ggml.model": "bert"}  # mean pooling: 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3moe": _EXPERTS, "gpt-oss": {**_EXPERTS, "attention.sliding_window": 16},
     "bert": _ENCODER, "nomic-bert": _ENCODER,
+    "gemma-embedding": {"pooling_type": 1, "attention.sliding_window": 8},
     # LFM2: a short convolution of 3 taps; one attention layer of three (head_count_kv 0: a convolution)
     "lfm2": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0]},
     "lfm2moe": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0], **_EXPERTS,

@@ -179,6 +179,7 @@ def _import_builtin() -> None:
         bert,
         gemma2,
         gemma3,
+        gemma_embedding,
         gptoss,
         lfm2,
         lfm2moe,
