@@ -236,3 +236,29 @@ def test_pyggml_compare_agrees_layer_by_layer(converted):
     assert [n for n in names if n.startswith("blk.")] == [f"blk.{i}" for i in range(4)], result.table()
     assert names[0] == "token_embd" and names[-2:] == ["output_norm", "output"], result.table()
     assert not result.unmatched and result.ok and max(x.error for x in result.layers) < TOLERANCE, result.table()
+
+
+@pytest.mark.parametrize("prefix", ["language_model.model.", "model.language_model."])  # transformers 4 / 5
+def test_the_text_decoder_of_a_checkpoint_with_its_vision_part(prefix, converted, tmp_path):
+    """A ``Llama4ForConditionalGeneration`` checkpoint (as Meta publishes Llama 4) gives the file its text model
+    alone gives; the vision tower and projector are left out."""
+    from safetensors.numpy import load_file, save_file
+
+    path, _, _ = converted("gqa-chunk4")
+    text_dir, full = converted.hf_dirs["gqa-chunk4"], tmp_path / "full"
+    shutil.copytree(text_dir, full)
+    weights = load_file(str(full / "model.safetensors"))
+    renamed = {("language_model." if prefix.startswith("language") else "") + "lm_head.weight" if k == "lm_head.weight"
+               else prefix + k.removeprefix("model."): v for k, v in weights.items()}
+    renamed |= {"vision_model.patch_embedding.linear.weight": np.zeros((8, 12), np.float32),
+                "multi_modal_projector.linear_1.weight": np.zeros((64, 8), np.float32)}
+    (full / "model.safetensors").unlink()
+    save_file(renamed, str(full / "model.safetensors"))
+    text = json.loads((full / "config.json").read_text())
+    (full / "config.json").write_text(json.dumps({"architectures": ["Llama4ForConditionalGeneration"],
+                                                  "model_type": "llama4", "text_config": text,
+                                                  "vision_config": {"hidden_size": 8}, "tie_word_embeddings": False}))
+    _, ours = read_gguf(convert_hf(full, tmp_path / "full.gguf", "f32"))
+    _, reference_file = read_gguf(path)
+    assert set(ours) == set(reference_file)
+    assert all((ours[n][1] == reference_file[n][1]).all() for n in ours)
