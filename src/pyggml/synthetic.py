@@ -45,6 +45,8 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3moe": _EXPERTS, "gpt-oss": {**_EXPERTS, "attention.sliding_window": 16},
     "bert": _ENCODER, "nomic-bert": _ENCODER,
     "gemma-embedding": {"pooling_type": 1, "attention.sliding_window": 8},
+    # Llama 4: layer 3 without rope, layers 1 and 3 with experts (one chosen, as Llama 4 chooses)
+    "llama4": {"block_count": 4, **_EXPERTS, "expert_used_count": 1, "interleave_moe_layer_step": 2},
     # LFM2: a short convolution of 3 taps; one attention layer of three (head_count_kv 0: a convolution)
     "lfm2": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0]},
     "lfm2moe": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0], **_EXPERTS,
