@@ -155,7 +155,8 @@ def test_llama_cpp_agrees_past_its_8192_position_chunk(tmp_path):
     theirs = np.array(json.loads(done.stdout.strip().splitlines()[-1]), np.float32)
     with pyggml.load(path, n_threads=2, num_ctx=len(tokens) + 64, batch_size=512) as llm:
         ours = llm.logits(tokens)[-last:]
-    assert error(ours, theirs) < TOLERANCE
+    # both F16 caches; llama.cpp's fixed temperature left out gives 1.3e-2, its chunks left out 0.87
+    assert error(ours, theirs) < 1e-3
 
 
 @pytest.mark.parametrize("case", ["gqa-chunk4", "mha-all-experts-llama3-rope"])
