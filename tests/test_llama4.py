@@ -33,8 +33,8 @@ CHUNK = 4
 # chunk: attention_chunk_size; floor: the temperature's step (floor_scale); llama.cpp's fixed values: 8192 both
 CASES = {"gqa-chunk4": dict(chunk=CHUNK, floor=3),
          "mha-all-experts-llama3-rope": dict(chunk=CHUNK, floor=5, n_kv_heads=4, moe_step=1, seed=1,
-                                             rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-                                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                             rope={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                                                   "low_freq_factor": 1.0, "high_freq_factor": 1.0,  # as Scout's
                                                    "original_max_position_embeddings": 16}),
          "maverick-no-qk-norm": dict(chunk=CHUNK, floor=4, n_experts=128, seed=2),  # 128 experts: no q/k norm
          "no-temperature": dict(chunk=CHUNK, floor=4, tuning=False, seed=3),
