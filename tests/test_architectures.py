@@ -61,6 +61,12 @@ TINY: dict[str, dict] = {
                "rope.dimension_count": 32, "rope.dimension_count_swa": 16, "embedding_length_per_layer_input": 8,
                "final_logit_softcapping": 30.0, "vocab_size": 320,
                "expert_count": 4, "expert_used_count": 2, "expert_feed_forward_length": 32},
+    "gemma-embedding": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                        "attention.head_count_kv": 2, "attention.key_length": 16, "attention.value_length": 16,
+                        "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "attention.sliding_window": 4,
+                        "attention.sliding_window_pattern": 2, "rope.freq_base": 1e6, "vocab_size": 320,
+                        "pooling_type": 1, "dense_2_feat_in": 64, "dense_2_feat_out": 96, "dense_3_feat_in": 96,
+                        "dense_3_feat_out": 64},  # a window of 2 tokens either way; layer 1 global
     "qwen2": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
               "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
               "rope.freq_base": 1000000.0, "vocab_size": 320, "tokenizer.ggml.model": "gpt2"},
@@ -138,6 +144,11 @@ TINY: dict[str, dict] = {
                  "rope.dimension_count": 32, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                  "rope.scaling.original_context_length": 4, "rope.scaling.yarn_log_multiplier": 1.0,
                  "attention.temperature_scale": 0.1, "vocab_size": 320},  # the temperature steps every 4 tokens
+    "llama4": {"block_count": 4, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+               "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
+               "rope.freq_base": 500000.0, "vocab_size": 320, "tokenizer.ggml.model": "gpt2",
+               "expert_count": 4, "expert_used_count": 1, "expert_feed_forward_length": 32,
+               "interleave_moe_layer_step": 2},  # layers 1 and 3 have experts; layer 3 no rope
     "mllama": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
                "rope.freq_base": 10000.0, "vocab_size": 320, "attention.cross_attention_layers": [1]},  # text only
@@ -401,13 +412,15 @@ def test_llama_cpp_runs_the_same_file(arch, tiny_file):
                                          ("lfm2-1.2b", "f16"),  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
                                          ("granite-4.0-h-tiny-10l", "f16"), ("nemotron-nano-9b-v2-14l", "f16"),
                                          ("qwen3.5-35b-a3b", "q8_0"),
-                                         ("gemma4-e2b", "q4_0")])
+                                         ("gemma4-e2b", "q4_0"), ("llama4-small", "f16")])
 def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     """Each shape's keys and types (MXFP4 experts and Q8_0 elsewhere for gpt-oss, as llama.cpp's MXFP4_MOE
     files) with fewer layers, experts and tokens: both engines load the file and compute the same logits."""
     from pyggml.synthetic import SHAPES, write_synthetic
 
     smaller = {"block_count": 6 if name.startswith("gemma3") else 2, "vocab_size": 512}
+    if name.startswith("llama4"):  # one layer without rope: llama.cpp's temperature input must be used by one
+        smaller["block_count"] = 4
     if "expert_count" in SHAPES[name].extra:
         smaller["expert_count"] = 4
     if name.startswith("lfm2"):  # a layer kind per layer: convolution, attention, convolution

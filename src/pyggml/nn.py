@@ -519,23 +519,45 @@ def moe(x: Tensor, router_logits: Tensor, k: int, gate: Experts, up: Experts, do
 
 
 def mix_experts(x: Tensor, chosen: Tensor, weights: Tensor, gate: Experts, up: Experts, down: Experts,
-                glu: typing.Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+                glu: typing.Callable[[Tensor, Tensor], Tensor], weigh_inputs: bool = False) -> Tensor:
     """Each token of ``x`` (hidden, n_tokens) through its ``chosen`` experts (I32 ids, (k, n_tokens)),
     ``down(glu(gate(x), up(x)))`` per expert, the k outputs summed with ``weights`` (k, n_tokens). Only
-    the chosen experts' matrices are read. Returns (hidden, n_tokens)."""
-    return sum_experts(down(glu(gate(x, chosen), up(x, chosen)), chosen), weights)
+    the chosen experts' matrices are read. ``weigh_inputs``: scale each expert's input by its weight
+    instead, and sum the outputs as they are (Llama 4). Returns (hidden, n_tokens)."""
+    if not weigh_inputs:
+        return sum_experts(down(glu(gate(x, chosen), up(x, chosen)), chosen), weights)
+    k, n_tokens = chosen.shape[0], chosen.shape[1]
+    x = x.reshape(x.shape[0], 1, n_tokens).repeat(x.shape[0], k, n_tokens) * weights.reshape(1, k, n_tokens)
+    return sum_experts(down(glu(gate(x, chosen), up(x, chosen)), chosen), None)
 
 
-def sum_experts(out: Tensor, weights: Tensor) -> Tensor:
-    """The chosen experts' outputs ``out`` (hidden, k, n_tokens) summed with ``weights`` (k, n_tokens):
-    (hidden, n_tokens)."""
+def sum_experts(out: Tensor, weights: Tensor | None) -> Tensor:
+    """The chosen experts' outputs ``out`` (hidden, k, n_tokens) summed with ``weights`` (k, n_tokens),
+    or as they are with None: (hidden, n_tokens)."""
     k, n_tokens = out.shape[1], out.shape[2]
-    out = out * weights.reshape(1, k, n_tokens)
+    if weights is not None:
+        out = out * weights.reshape(1, k, n_tokens)
     rows, per_token = (out.shape[0], n_tokens), (out.strides[2],)
     total = out.view(0, rows, per_token)  # the weighted sum over the k experts: k strided views added up
     for i in range(1, k):
         total = total + out.view(i * out.strides[1], rows, per_token)
     return total
+
+
+def attention_temperature(ctx: Context, positions: Tensor, scale: float, length: int, max_position: int,
+                          offset: int = 0) -> Tensor:
+    """Attention temperature tuning (Llama 4's NoPE layers, Mistral 3): (1, 1, n_tokens) holding
+    ``scale * ln(1 + floor((p + offset) / length))`` per position p of ``positions`` (I32, all below
+    ``max_position``); queries are multiplied by 1 + that. Computed in the graph from the positions, so a
+    reused graph stays right: 1 + floor((p + offset) / length) counts the steps j * length - offset - 1/2
+    (j = 0, 1, ...) that p has passed."""
+    n = positions.shape[0]
+    steps = (max(max_position, 1) - 1 + offset) // length + 1
+    thresholds = np.arange(steps, dtype=np.float32)[None, :] * length - offset - 0.5
+    passed = positions.cast("f32").reshape(1, n).repeat(steps, n) - ctx.from_numpy(
+        thresholds, name="attention_temperature.steps")
+    count = passed.scale(2.0).clamp(0.0, 1.0).sum_rows()  # (1, n_tokens): 1 + floor((p + offset) / length)
+    return count.log().scale(scale).reshape(1, 1, n)
 
 
 # ---- rope -------------------------------------------------------------------------------------

@@ -44,6 +44,9 @@ _ENCODER = {"pooling_type": 1, "tokenizer.ggml.model": "bert"}  # mean pooling: 
 ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3moe": _EXPERTS, "gpt-oss": {**_EXPERTS, "attention.sliding_window": 16},
     "bert": _ENCODER, "nomic-bert": _ENCODER,
+    "gemma-embedding": {"pooling_type": 1, "attention.sliding_window": 8},
+    # Llama 4: layer 3 without rope, layers 1 and 3 with experts (one chosen, as Llama 4 chooses)
+    "llama4": {"block_count": 4, **_EXPERTS, "expert_used_count": 1, "interleave_moe_layer_step": 2},
     # LFM2: a short convolution of 3 taps; one attention layer of three (head_count_kv 0: a convolution)
     "lfm2": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0]},
     "lfm2moe": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0], **_EXPERTS,
@@ -195,6 +198,12 @@ SHAPES = {
                     "attention.layer_norm_epsilon": 1e-5, "tokenizer.ggml.model": "gpt2"})
        for name, pattern in (("nemotron-nano-9b-v2", "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"),
                              ("nemotron-nano-9b-v2-14l", "M-M-M-MM-M-M-M*"))},
+    # Llama 4 Scout's layer layout (128-wide heads, 4 query heads per KV head, 16 experts of which 1 is used plus a
+    # shared one in every layer, rope left out of every 4th layer, 8192-token chunks) narrowed to 1024 wide and
+    # 8 layers (~0.9B parameters, ~0.2B active per token with the 202k-token embeddings)
+    "llama4-small": Shape(8, 1024, 4096, 8, 2, 202048, 131072, 500000.0, False, "llama4",
+                          {"expert_count": 16, "expert_used_count": 1, "expert_feed_forward_length": 1024,
+                           "interleave_moe_layer_step": 1, "tokenizer.ggml.model": "gpt2"}),
 }
 
 

@@ -4,6 +4,7 @@ factors as ``rope_freqs.weight``."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import gguf
 import numpy as np
@@ -16,6 +17,7 @@ from .tensors import Source
 class Llama(Architecture):
     gguf_arch = "llama"
     rope_types = ("default", "linear", "yarn", "llama3")
+    interleave_qk: ClassVar[bool] = True  # HF's half-split rope rows -> ggml's adjacent pairs (False: already adjacent)
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -31,7 +33,7 @@ class Llama(Architecture):
 
     def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
         for gguf_name, out in super().tensors(name, source):
-            if gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
+            if self.interleave_qk and gguf_name.endswith((".attn_q.weight", ".attn_k.weight")):
                 heads = self.n_heads if ".attn_q." in gguf_name else self.n_kv_heads
                 out = out.map(lambda w, heads=heads: to_interleaved_rope(w, heads))
             yield gguf_name, out

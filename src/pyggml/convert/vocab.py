@@ -68,7 +68,8 @@ def read_vocab(hf_dir: Path, n_vocab: int, pad: bool = True) -> Vocab:
     (unless not ``pad``: then as many tokens as the tokenizer has)."""
     tok_config = read_json(hf_dir / "tokenizer_config.json") or {}
     tok_json = read_json(hf_dir / "tokenizer.json")
-    added = _added_tokens(hf_dir, tok_config, tok_json)
+    # as llama.cpp: added tokens past the model's rows are left out (Gemma 3's <image_soft_token>, id 262144)
+    added = {i: token for i, token in _added_tokens(hf_dir, tok_config, tok_json).items() if i < n_vocab}
     if (hf_dir / "tokenizer.model").exists():
         vocab = _spm_vocab(hf_dir / "tokenizer.model", added)
     elif tok_json is not None:

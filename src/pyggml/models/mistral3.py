@@ -12,8 +12,6 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from pyggml import nn
 from pyggml.backend import Context
 from pyggml.backend.metadata import MAX_CONTEXT
@@ -94,13 +92,5 @@ class Mistral3(llama.Llama):
         return self.options.rope(key, shift)
 
     def _temperature(self, ctx: Context, positions: Tensor) -> Tensor:
-        """(1, 1, n_tokens): scale * ln(1 + floor(p / floor)) per position p, computed in the graph from the
-        positions (so a reused graph stays right): 1 + floor(p / floor) counts the steps k * floor - 1/2 that
-        p has passed, k = 0 .. up to the cache's capacity."""
-        o, n = self.options, positions.shape[0]
-        steps = -(-max(self.cache.capacity, 1) // o.temperature_floor) + 1
-        thresholds = np.arange(steps, dtype=np.float32)[None, :] * o.temperature_floor - 0.5
-        passed = positions.cast("f32").reshape(1, n).repeat(steps, n) - ctx.from_numpy(
-            thresholds, name="mistral3.temperature_steps")
-        count = passed.scale(2.0).clamp(0.0, 1.0).sum_rows()  # (1, n_tokens): 1 + floor(p / floor)
-        return count.log().scale(o.temperature_scale).reshape(1, 1, n)
+        o = self.options
+        return nn.attention_temperature(ctx, positions, o.temperature_scale, o.temperature_floor, self.cache.capacity)

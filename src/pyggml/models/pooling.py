@@ -1,8 +1,10 @@
 """What every embedding model does around its encoder: check a batch of whole sequences, mask attention
-to each sequence, pool token states per sequence. Shared by the model files; not a model."""
+to each sequence (``WithinSequences`` in place of a decoder's KV cache), pool token states per sequence.
+Shared by the model files; not a model."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,6 +43,27 @@ def sequence_mask(sequences: np.ndarray) -> np.ndarray:
     """(n_tokens, n_tokens) additive attention mask: 0 within a sequence, -inf across sequences."""
     same = sequences[:, None] == sequences[None, :]
     return np.where(same, 0.0, -np.inf).astype(np.float32)
+
+
+class WithinSequences:
+    """Stands in for the KV cache while a decoder's layers embed whole texts: attention over the batch
+    itself, each token seeing what the mask of the current layer lets it ((n_tokens, n_tokens), 0 or
+    -inf): ``masks[layer_kinds[layer]]`` after ``set_layer(layer)``, else (and before) ``masks[0]``."""
+
+    def __init__(self, *masks: Tensor, layer_kinds: Sequence[int] | None = None):
+        self.masks, self.layer_kinds, self.mask = masks, layer_kinds, masks[0]
+
+    def set_layer(self, layer: int) -> None:
+        self.mask = self.masks[self.layer_kinds[layer] if self.layer_kinds is not None else 0]
+
+    def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
+        self.key, self.value = key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
+
+    def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor]:
+        return self.key, self.value, self.mask
+
+    def get_groups(self, ctx: Context) -> None:
+        return None  # one attention over the batch, by the mask
 
 
 def pool(ctx: Context, h: Tensor, sequences: np.ndarray, pooling: Pooling) -> Tensor:

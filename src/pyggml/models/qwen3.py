@@ -16,7 +16,7 @@ import numpy as np
 from pyggml import nn
 from pyggml.backend import Backend, Context
 from pyggml.models import Batch, ModelError, Pooling, llama, qwen2, register
-from pyggml.models.pooling import check_batch, pool
+from pyggml.models.pooling import WithinSequences, check_batch, pool
 from pyggml.tensor import Tensor
 
 Options = qwen2.Options  # Qwen 2's: NeoX rope
@@ -37,26 +37,6 @@ class Layer(llama.Layer):
 
 class Weights(llama.Weights):
     blk: list[Layer]
-
-
-class WithinSequences:
-    """Stands in for the KV cache while embedding: attention over the batch itself, each token
-    seeing the tokens of its own text up to itself (``mask``: (n_tokens, n_tokens), 0 or -inf)."""
-
-    def __init__(self, mask: Tensor):
-        self.mask = mask
-
-    def set_layer(self, layer: int) -> None:
-        pass
-
-    def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
-        self.key, self.value = key.permute(0, 2, 1, 3), value.permute(0, 2, 1, 3)
-
-    def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor]:
-        return self.key, self.value, self.mask
-
-    def get_groups(self, ctx: Context) -> None:
-        return None  # one attention over the batch, by ``mask``
 
 
 @register("qwen3")
