@@ -188,6 +188,7 @@ def _import_builtin() -> None:
         olmo2,
         phi3,
         qwen2,
+        qwen2vl,
         qwen3,
         qwen3moe,
         smollm3,
