@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from .hf_fixtures import make_qwen_tokenizer, png
+from .test_convert import needs_llama_cpp
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (`reference` extra)")
@@ -183,3 +184,143 @@ def test_a_cached_image_is_not_encoded_again(tiny):
         assert engine.vision_built + engine.vision_reused == encoded  # the prompt cache held the image
         assert again[-1].cached_tokens > 0
         assert [t for c in first for t in c.tokens] == [t for c in again for t in c.tokens]
+
+
+def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
+    import pyggml
+    from pyggml.convert.gemma3_vision import split_mmproj
+    from pyggml.runner import CompletionRequest
+
+    text, mmproj = split_mmproj(tiny[2], tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    data = image_of(SIZES[0], 10)
+
+    def logits(llm):
+        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
+                                                           prompt_logits=True))
+        return last.prompt_logits
+
+    with pyggml.load(tiny[2], n_threads=2, num_ctx=128, cache_type="f32") as llm:
+        single = logits(llm)
+    with pyggml.load(text, n_threads=2, num_ctx=128) as llm:
+        assert not llm.model.takes_images
+    with pyggml.load(text, n_threads=2, num_ctx=128, cache_type="f32", mmproj=mmproj) as llm:
+        assert llm.model.takes_images
+        np.testing.assert_array_equal(logits(llm), single)
+    with pytest.raises(ValueError, match="has a vision part already"):
+        pyggml.load(tiny[2], n_threads=1, num_ctx=64, mmproj=mmproj)
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize("size", [(112, 56), (252, 56), (56, 168)])
+def test_llama_cpp_reads_our_mmproj_and_computes_the_same_image_embeddings(tiny, ours, tmp_path, size):
+    """llama.cpp's multimodal path (mtmd) on the split files; the images' sides are multiples of 28
+    within the pixel bounds, so neither side resizes them (llama.cpp resizes its own way). (252, 56) has
+    three attention windows; (56, 168) two, one above the other."""
+    import json
+    import subprocess
+    import sys
+
+    from pyggml.convert.gemma3_vision import split_mmproj
+
+    from .test_gemma3_vision import _MTMD
+
+    text, mmproj = split_mmproj(tiny[2], tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    width, height = size
+    pixels = np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    (tmp_path / "img.rgb").write_bytes(pixels.tobytes())
+    done = subprocess.run([sys.executable, "-c", _MTMD, str(text), str(mmproj), str(tmp_path / "img.rgb"),
+                           str(width), str(height)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = np.array(json.loads(done.stdout.strip().splitlines()[-1]), np.float32).reshape(-1, 64)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    with ours.backend.new_context() as ctx:
+        (item,) = ours.vision.encode(ctx, out.getvalue())
+        ctx.compute(item.tensor)
+        mine = item.tensor.numpy()
+    assert mine.shape == theirs.shape
+    print(f"{size}: vs llama.cpp {scaled_error(mine, theirs):.2e}")
+    assert scaled_error(mine, theirs) <= 2e-3
+
+
+def test_api_cli_and_server_take_images(tiny, tmp_path, capsys):
+    import base64
+
+    import httpx
+
+    import pyggml
+    from pyggml.cli import main
+
+    from ._server import post, running_server
+
+    data = image_of(SIZES[1], 12)
+    b64 = base64.b64encode(data).decode()
+    greedy = dict(max_tokens=2, temperature=0)
+    with pyggml.load(tiny[2], n_threads=2, num_ctx=256) as llm:
+        by_bytes = llm.generate("what [img-0] is", images=[data], **greedy)
+        assert llm.generate("what [img-0] is", images=[data], **greedy) == by_bytes
+        assert llm.stats.cached_tokens > 0  # the same image: the prompt came from the cache
+        ollama = llm.chat([{"role": "user", "content": "what is this?", "images": [b64]}], **greedy)
+        openai = llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}},
+            {"type": "text", "text": "what is this?"}]}], **greedy)
+        assert ollama == openai
+    picture = tmp_path / "p.png"
+    picture.write_bytes(data)
+    assert main(["run", str(tiny[2]), "--image", str(picture), "what [img-0] is", "--max-tokens", "3",
+                 "--temperature", "0", "--threads", "1"]) == 0
+    capsys.readouterr()
+    with running_server(tiny[2], parallel=1, num_ctx=256) as server:
+        base, served = server
+        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
+        assert "vision" in show["capabilities"]
+        options = {"temperature": 0, "num_predict": 3}
+        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
+        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
+                                          "options": options})
+        assert gen["response"] == chat["message"]["content"]  # the same rendered prompt
+        bad = httpx.post(base + "/api/generate", json={"model": served.name, "stream": False, "prompt": "x",
+                                                       "images": [base64.b64encode(b"GIF89a junk").decode()]},
+                         timeout=60)
+        assert bad.status_code == 400 and "not an image" in bad.text
+
+
+def test_context_shift_past_an_image_processes_the_rest_again(tiny):
+    """A full slot drops its oldest inputs after num_keep. Re-rotating the keys after a dropped image
+    by the number of inputs dropped would be wrong (its mRoPE positions moved the text after it by its
+    shape): the slot is cleared and what is kept is processed again; text alone shifts as usual. And a
+    generation that shifts past its image runs to its end."""
+    from pyggml.input import Input
+    from pyggml.runner.inputcache import InputCache, ReprocessInputsError
+
+    cache = InputCache(16, 1)
+    slot, _ = cache.load_cache_slot([Input(token=1)] * 2)
+    image = [Input(token=9, same_batch=3, rope_step=0), Input(token=9, rope_step=0), Input(token=9, rope_step=2),
+             Input(token=8)]
+    slot.inputs = [Input(token=1), *image, *(Input(token=t) for t in range(20, 31))]
+
+    class Shifts:
+        removed = []
+
+        def remove(self, seq, begin, end=None):
+            self.removed.append((begin, end))
+
+    cache.cache = Shifts()
+    with pytest.raises(ReprocessInputsError) as raised:
+        cache.shift_cache_slot(slot, 1)
+    assert Shifts.removed == [(0, None)] and slot.inputs == []  # the whole slot goes; the kept inputs come back
+    assert [i.token for i in raised.value.inputs][:1] == [1]
+    slot.inputs = [Input(token=1), *(Input(token=t) for t in range(20, 35))]  # text only: a plain shift
+    Shifts.removed.clear()
+    cache.shift_cache_slot(slot, 1)
+    assert Shifts.removed and Shifts.removed[0][0] == 1 and Shifts.removed[0][1] is not None
+
+    import pyggml
+    from pyggml.runner import CompletionRequest
+
+    with pyggml.load(tiny[2], n_threads=2, num_ctx=32, batch_size=32) as llm:
+        eos = sorted(llm.tokenizer.vocab.eog)
+        chunks = list(llm.runner.completion(CompletionRequest(
+            prompt="a [img-0] cat", images=[image_of(SIZES[4], 13)], max_tokens=60, temperature=0, num_keep=1,
+            logit_bias={t: float("-inf") for t in eos})))
+    assert chunks[-1].generated_tokens == 60 and chunks[-1].finish_reason == "length"
