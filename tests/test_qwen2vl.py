@@ -94,6 +94,8 @@ def test_pixels_equal_the_hf_processor(tiny, ours, size):
     patches = ours.vision.preprocess(data)[PIXELS]
     rows, cols = patches.shape[:2]
     assert [1, rows * 2, cols * 2] == grid[0].tolist()
+    largest = ours.vision.worst_case()[PIXELS].shape  # what the runner reserves and sizes its batches by
+    assert rows * cols <= largest[0] * largest[1] == MAX_PIXELS // 28 ** 2
     frames = ref.reshape(len(ref), 3, 2, 14 * 14)
     np.testing.assert_array_equal(frames[:, :, 0], frames[:, :, 1])  # a still image: two equal frames
     np.testing.assert_array_equal(patches.reshape(len(ref), -1), frames[:, :, 0].reshape(len(ref), -1))

@@ -185,10 +185,11 @@ class Vision(VisionPart):
         return [self(ctx, inputs[PIXELS])]
 
     def worst_case(self) -> dict[str, np.ndarray]:
-        """The most tokens, square (the window mask is all that grows with the shape, as tokens^2)."""
+        """An image of the most tokens max_pixels allows (memory grows with their number, not the shape)."""
         o = self.options
-        side = math.isqrt(o.max_pixels) // (o.patch_size * o.merge)
-        return {PIXELS: np.zeros((side, side, o.merge ** 2, 3 * o.patch_size ** 2), np.float32)}
+        most = o.max_pixels // (o.patch_size * o.merge) ** 2
+        rows = max(d for d in range(1, math.isqrt(most) + 1) if most % d == 0)
+        return {PIXELS: np.zeros((rows, most // rows, o.merge ** 2, 3 * o.patch_size ** 2), np.float32)}
 
     def placeholders(self, picture: Input, tokenizer) -> list[Input]:
         start, end, pad = _image_tokens(tokenizer)
