@@ -3,10 +3,10 @@
 Shared code reads the checkpoint (safetensors, memory-mapped, or torch .bin), the tokenizer
 (SentencePiece, BPE, WordPiece) and writes the file tensor by tensor (peak memory about one tensor);
 each architecture is one small file registered by its Hugging Face ``architectures`` name (llama,
-bert, nomic_bert, qwen2, qwen2vl (Qwen 2.5-VL, with vision), qwen3, qwen3moe, gemma2, gemma3 (with vision),
-phi3, gpt_oss, lfm2 (and lfm2moe), olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text); the hooks
-are described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
-``gguf``'s tensor-name map), so the files also load there.
+bert, nomic_bert, qwen2, qwen2vl (Qwen 2.5-VL, with vision), qwen3, qwen3moe, qwen3vl (Qwen3-VL, with
+vision), gemma2, gemma3 (with vision), phi3, gpt_oss, lfm2 (and lfm2moe), olmo2 (and olmo3), smollm3, mistral3
+(Ministral 3 text); the hooks are described in ``base.py``). Tensor names and metadata keys are llama.cpp's
+(names through ``gguf``'s tensor-name map), so the files also load there.
 
 Only numpy and the ``gguf`` package (writer, quantisers) are needed: no torch, safetensors or
 sentencepiece at conversion time (torch only to read a pytorch_model.bin).
@@ -29,6 +29,7 @@ from . import (  # noqa: F401
     qwen2vl,
     qwen3,
     qwen3moe,
+    qwen3vl,
     smollm3,
 )
 from .base import Architecture, architecture_for, register, supported

@@ -47,39 +47,16 @@ class Qwen25VL(Qwen2):
             raise ValueError(f"vision_config.fullatt_block_indexes {full} is not every n-th layer (llama.cpp's "
                              "n_wa_pattern)")
         self.wa_pattern = full[0] + 1
-        pre = read_json(hf_dir / "preprocessor_config.json") or {}
-        size = pre.get("size") or {}
-        self.min_pixels = int(pre.get("min_pixels") or size.get("shortest_edge") or MIN_PIXELS)
-        self.max_pixels = int(pre.get("max_pixels") or size.get("longest_edge") or MAX_PIXELS)
-        self.image_mean, self.image_std = pre.get("image_mean", MEAN), pre.get("image_std", STD)
-        if pre.get("patch_size", v["patch_size"]) != v["patch_size"] or \
-                pre.get("merge_size", v["spatial_merge_size"]) != v["spatial_merge_size"]:
-            raise ValueError("preprocessor_config.json's patch_size/merge_size differ from config.json's vision_config")
+        self.processor = read_processor(hf_dir, v)
         super().__init__(hf_dir, text, pooling)
-        sections = list(self.rope.get("mrope_section") or [])
-        if len(sections) != 3 or 2 * sum(sections) != self.head_dim:
-            raise ValueError(f"rope mrope_section {sections} must be 3 numbers summing to head_dim / 2 "
-                             f"({self.head_dim // 2})")
-        self.sections = sections + [0]
+        self.sections = mrope_sections(self.rope, self.head_dim)
 
     def metadata(self, w: gguf.GGUFWriter) -> None:
         super().metadata(w)
         w.add_rope_dimension_sections(self.sections)
-        v = self.vision
-        w.add_string("clip.projector_type", "qwen2.5vl_merger")
-        w.add_bool("clip.has_vision_encoder", True)
-        w.add_bool("clip.use_silu", True)
-        for key, value in (("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
-                           ("block_count", v["depth"]), ("attention.head_count", v["num_heads"]),
-                           ("patch_size", v["patch_size"]), ("spatial_merge_size", v["spatial_merge_size"]),
-                           ("projection_dim", v["out_hidden_size"]), ("n_wa_pattern", self.wa_pattern),
-                           ("window_size", v["window_size"]), ("image_size", 560),  # llama.cpp's placeholder
-                           ("image_min_pixels", self.min_pixels), ("image_max_pixels", self.max_pixels)):
-            w.add_uint32(f"clip.vision.{key}", int(value))
-        w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)  # HF's Qwen2_5_VLRMSNorm
-        w.add_float32("clip.vision.rope.freq_base", float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
-        w.add_array("clip.vision.image_mean", [float(x) for x in self.image_mean])
-        w.add_array("clip.vision.image_std", [float(x) for x in self.image_std])
+        write_clip(w, "qwen2.5vl_merger", self.vision, self.processor, use_silu=True)
+        w.add_uint32("clip.vision.n_wa_pattern", self.wa_pattern)
+        w.add_uint32("clip.vision.window_size", self.vision["window_size"])
 
     def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
         # transformers >= 5: model.language_model.* / model.visual.*; before: model.* / visual.*
@@ -125,3 +102,44 @@ class Qwen25VL(Qwen2):
         for i in range(v["depth"]):
             shapes |= {f"v.blk.{i}.{key}": shape for key, shape in layer.items()}
         return super().expected() | shapes
+
+
+def read_processor(hf_dir: Path, vision: dict[str, Any], mean: list[float] = MEAN,
+                   std: list[float] = STD) -> dict[str, Any]:
+    """The image processor's min/max pixels and normalisation (preprocessor_config.json, with
+    transformers' defaults), refused when its patch or merge size is not the vision tower's."""
+    pre = read_json(hf_dir / "preprocessor_config.json") or {}
+    size = pre.get("size") or {}
+    if pre.get("patch_size", vision["patch_size"]) != vision["patch_size"] or \
+            pre.get("merge_size", vision["spatial_merge_size"]) != vision["spatial_merge_size"]:
+        raise ValueError("preprocessor_config.json's patch_size/merge_size differ from config.json's vision_config")
+    return dict(min_pixels=int(pre.get("min_pixels") or size.get("shortest_edge") or MIN_PIXELS),
+                max_pixels=int(pre.get("max_pixels") or size.get("longest_edge") or MAX_PIXELS),
+                mean=pre.get("image_mean", mean), std=pre.get("image_std", std))
+
+
+def mrope_sections(rope: dict[str, Any], head_dim: int) -> list[int]:
+    """The rope's mrope_section (pairs of each head on the temporal, height, width axes), padded to four."""
+    sections = list(rope.get("mrope_section") or [])
+    if len(sections) != 3 or 2 * sum(sections) != head_dim:
+        raise ValueError(f"rope mrope_section {sections} must be 3 numbers summing to head_dim / 2 ({head_dim // 2})")
+    return [*sections, 0]
+
+
+def write_clip(w: gguf.GGUFWriter, projector: str, v: dict[str, Any], processor: dict[str, Any],
+               **flags: bool) -> None:
+    """The ``clip.*`` keys a Qwen-VL vision part shares, named as llama.cpp's mmproj files name them."""
+    w.add_string("clip.projector_type", projector)
+    w.add_bool("clip.has_vision_encoder", True)
+    for flag, on in flags.items():
+        w.add_bool(f"clip.{flag}", on)
+    for key, value in (("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
+                       ("block_count", v["depth"]), ("attention.head_count", v["num_heads"]),
+                       ("patch_size", v["patch_size"]), ("spatial_merge_size", v["spatial_merge_size"]),
+                       ("projection_dim", v["out_hidden_size"]), ("image_size", v.get("image_size", 560)),
+                       ("image_min_pixels", processor["min_pixels"]), ("image_max_pixels", processor["max_pixels"])):
+        w.add_uint32(f"clip.vision.{key}", int(value))
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)  # HF's vision norms
+    w.add_float32("clip.vision.rope.freq_base", float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+    w.add_array("clip.vision.image_mean", [float(x) for x in processor["mean"]])
+    w.add_array("clip.vision.image_std", [float(x) for x in processor["std"]])

@@ -191,6 +191,7 @@ def _import_builtin() -> None:
         qwen2vl,
         qwen3,
         qwen3moe,
+        qwen3vl,
         smollm3,
     )
 

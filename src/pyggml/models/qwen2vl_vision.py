@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 KEY = "clip.vision."
 PIXELS = "pixels"  # (rows/merge, columns/merge, merge*merge, 3*patch*patch) normalised patches, 2x2 blocks together
 POSITIONS, WINDOWS = "v.positions", "v.windows"  # graph constants of a grid shape
+PROJECTORS = ("qwen2.5vl_merger", "qwen3vl_merger")  # Qwen 2.5-VL's, Qwen3-VL's (qwen3vl_vision.py)
 MAX_TOKENS = 1280  # image tokens at most (Hugging Face's default max_pixels): the window mask grows as tokens^2
 FLASH = True
 
@@ -49,6 +50,8 @@ class VisionOptions:
     max_pixels: int
     image_mean: tuple[float, float, float]
     image_std: tuple[float, float, float]
+    projector: str = "qwen2.5vl_merger"
+    deepstack: tuple[int, ...] = ()  # Qwen3-VL: layers whose states also feed the text model's first layers
 
     @property
     def head_dim(self) -> int:
@@ -61,8 +64,8 @@ class VisionOptions:
     @classmethod
     def from_config(cls, config, text_hidden: int) -> VisionOptions:
         projector = config.get("clip.projector_type", config.get(KEY + "projector_type", ""))
-        if projector != "qwen2.5vl_merger":
-            raise ModelError(f"qwen2vl: the vision projector is {projector!r}; supported: 'qwen2.5vl_merger'")
+        if projector not in PROJECTORS:
+            raise ModelError(f"the vision projector is {projector!r}; supported: {', '.join(PROJECTORS)}")
 
         def uint(key: str, default: int | None = None) -> int:
             value = config.uint(KEY + key, default)
@@ -86,12 +89,13 @@ class VisionOptions:
         if len(mean) != 3 or len(std) != 3 or not all(s > 0 for s in std):
             raise ModelError(f"qwen2vl: {KEY}image_mean/image_std must be 3 numbers (std > 0)")
         window = config.uint(KEY + "window_size", 112) // factor
+        deepstack = tuple(i for i, on in enumerate(config.get(KEY + "is_deepstack_layers", ()) or ()) if on)
         return cls(hidden_size=hidden, ffn_size=uint("feed_forward_length"), n_layers=uint("block_count"),
                    n_heads=n_heads, eps=config.float(KEY + "attention.layer_norm_epsilon", 1e-6), patch_size=patch,
                    merge=merge, full_every=config.uint(KEY + "n_wa_pattern", 0), window=max(window, 1),
                    text_hidden=text_hidden, rope_base=config.float(KEY + "rope.freq_base", 10000.0, min=1.0),
                    min_pixels=min(uint("image_min_pixels", 56 * 56), max_pixels), max_pixels=max_pixels,
-                   image_mean=mean, image_std=std)
+                   image_mean=mean, image_std=std, projector=projector, deepstack=deepstack)
 
     def rope(self) -> nn.MRope:
         """2-D rope: pair i of a head (d/2 pairs) turns with the height for i < d/4, else with the width,
@@ -140,30 +144,30 @@ class Projector(nn.Module):
 
 
 @dataclass(frozen=True)
-class Vision(VisionPart):
+class DynamicVision(VisionPart):
+    """What Qwen-VL vision parts share: the resizing, the patches, the placeholders; a subclass's
+    ``__call__`` encodes one image's patches."""
+
     options: VisionOptions
-    tower: VisionTower
-    second_frame: Tensor  # v.patch_embd.weight.1
-    projector: Projector
 
     def __call__(self, ctx: Context, patches: np.ndarray) -> Tensor:
-        o, t = self.options, self.tower
+        raise NotImplementedError
+
+    def embed_patches(self, ctx: Context, patches: np.ndarray, kernels: tuple[Tensor, Tensor]) -> Tensor:
+        """(hidden, n_patches) from the patches (the graph's named input) through both frames' kernels:
+        a still image's two frames are the same picture, so the 3-D convolution is the 2-D one of each
+        frame, added."""
+        o = self.options
         rows, cols = patches.shape[0], patches.shape[1]  # in merged tokens
         n, size = rows * cols * o.merge ** 2, 3 * o.patch_size ** 2
         x = ctx.from_numpy(np.ascontiguousarray(patches, np.float32), name=PIXELS).reshape(size, n)
-        # both frames of a still image are the same picture: the 3-D convolution is the 2-D one of each frame, added
-        h = t.patch_embd.weight.reshape(size, o.hidden_size, ctx=ctx).mulmat(x) + \
-            self.second_frame.reshape(size, o.hidden_size, ctx=ctx).mulmat(x)
-        mrope = o.rope()
-        rope = (mrope, ctx.from_numpy(grid_positions(rows, cols, o.merge), name=POSITIONS),
+        first, second = (k.reshape(size, o.hidden_size, ctx=ctx).mulmat(x) for k in kernels)
+        return first + second
+
+    def rope_inputs(self, ctx: Context, rows: int, cols: int) -> tuple[nn.MRope, Tensor, list[Tensor]]:
+        mrope = self.options.rope()
+        return (mrope, ctx.from_numpy(grid_positions(rows, cols, self.options.merge), name=POSITIONS),
                 mrope.factors(ctx, "v.rope.axis"))
-        windows = window_mask(rows, cols, o.merge, o.window)
-        mask = ctx.from_numpy(windows, name=WINDOWS) if windows is not None else None
-        for i, layer in enumerate(t.blk):
-            full = o.full_every and (i + 1) % o.full_every == 0
-            h = nn.tap(f"v.blk.{i}", layer(ctx, h, rope, None if full else mask, o))
-        h = t.post_ln(h, o.eps).reshape(o.merged, n // o.merge ** 2)
-        return self.projector.mm_2(self.projector.mm_0(h).gelu_erf())
 
     def grid(self, width: int, height: int) -> tuple[int, int]:
         """The image's size in merged tokens (rows, columns)."""
@@ -200,6 +204,28 @@ class Vision(VisionPart):
                           same_batch=n, rope_offset=(0, 0, 0), rope_step=0)
         tokens[-1].rope_step = max(rows, cols)  # the text after goes on from the image's largest position + 1
         return [Input(token=start), *tokens, Input(token=end)]
+
+
+@dataclass(frozen=True)
+class Vision(DynamicVision):
+    """Qwen 2.5-VL's tower and merger."""
+
+    tower: VisionTower
+    second_frame: Tensor  # v.patch_embd.weight.1
+    projector: Projector
+
+    def __call__(self, ctx: Context, patches: np.ndarray) -> Tensor:
+        o, t = self.options, self.tower
+        rows, cols = patches.shape[0], patches.shape[1]
+        h = self.embed_patches(ctx, patches, (t.patch_embd.weight, self.second_frame))
+        rope = self.rope_inputs(ctx, rows, cols)
+        windows = window_mask(rows, cols, o.merge, o.window)
+        mask = ctx.from_numpy(windows, name=WINDOWS) if windows is not None else None
+        for i, layer in enumerate(t.blk):
+            full = o.full_every and (i + 1) % o.full_every == 0
+            h = nn.tap(f"v.blk.{i}", layer(ctx, h, rope, None if full else mask, o))
+        h = t.post_ln(h, o.eps).reshape(o.merged, rows * cols)
+        return self.projector.mm_2(self.projector.mm_0(h).gelu_erf())
 
 
 def patchify(pixels: np.ndarray, patch: int, merge: int) -> np.ndarray:
@@ -239,20 +265,24 @@ def _image_tokens(tok) -> tuple[int, int, int]:
     return special("<|vision_start|>"), special("<|vision_end|>"), special("<|image_pad|>")
 
 
-def load(backend, text_hidden: int) -> Vision | None:
-    """The vision part of a qwen2vl file or mmproj (``v.*``, ``mm.*``), or None when it has none."""
+def load(backend, text_hidden: int) -> DynamicVision | None:
+    """The vision part of a qwen2vl/qwen3vl file or mmproj (``v.*``, ``mm.*``), or None when it has none."""
     if backend.get("v.patch_embd.weight") is None:
         return None
     opts = VisionOptions.from_config(backend.config, text_hidden)
     second = backend.get("v.patch_embd.weight.1")
-    tower = nn.load(VisionTower, _Prefixed(backend, "v."), opts)
-    if second is None or second.shape != tower.patch_embd.weight.shape:
+    if second is None or second.shape != backend.get("v.patch_embd.weight").shape:
         raise ModelError(f"{backend.path}: v.patch_embd.weight.1 (the patch kernel's second frame) is missing or "
                          "not shaped like v.patch_embd.weight")
-    return Vision(opts, tower, second, nn.load(Projector, _Numbered(backend, ""), opts))
+    if opts.projector == "qwen3vl_merger":
+        from pyggml.models import qwen3vl_vision
+
+        return qwen3vl_vision.load(backend, opts, second)
+    tower = nn.load(VisionTower, _Prefixed(backend, "v."), opts)
+    return Vision(opts, tower, second, nn.load(Projector, Numbered(backend, ""), opts))
 
 
-class _Numbered(_Prefixed):
+class Numbered(_Prefixed):
     """The merger's ``mm.0``/``mm.2`` tensors under field names Python allows (``mm_0``, ``mm_2``)."""
 
     def get(self, name: str) -> Tensor | None:
