@@ -205,3 +205,59 @@ def test_two_images_of_different_grids_in_one_batch_equal_each_alone(ours):
     for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
         assert tokens_alone == tokens_both
         assert scaled_error(logits_both, logits_alone) <= 1e-5, scaled_error(logits_both, logits_alone)
+
+
+def test_moe_image_and_text_logits_match_transformers(tmp_path):
+    """Qwen3-VL-MoE (GGUF qwen3vlmoe): the same vision part and positions, Qwen 3 MoE's experts."""
+    from tokenizers import Tokenizer
+
+    import pyggml
+    from pyggml.convert import convert_hf
+    from pyggml.runner import CompletionRequest
+
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    make_qwen_tokenizer(hf_dir, 0)
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
+    tok.save(str(hf_dir / "tokenizer.json"))
+    start, end, pad = (tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    text = dict(vocab_size=416, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
+                moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=16, spatial_merge_size=2,
+                  out_hidden_size=64, num_position_embeddings=16, deepstack_visual_indexes=[0])
+    config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                                           vision_start_token_id=start, vision_end_token_id=end,
+                                           tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(1)
+    model = transformers.Qwen3VLMoeForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias") or "experts" in name or "mlp.gate" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    processor = transformers.Qwen2VLImageProcessorPil(
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, patch_size=16, merge_size=2,
+        image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    processor.save_pretrained(hf_dir)
+    path = convert_hf(hf_dir, tmp_path / "model.gguf", "f32")
+    data = image_of(SIZES[0])
+    with pyggml.load(path, n_threads=2, num_ctx=256, cache_type="f32") as llm:
+        assert llm.model.architecture == "qwen3vlmoe"
+        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
+                                                           prompt_logits=True))
+        pixels, grid = hf_image(processor, data)
+        before, after = PROMPT.split("[img-0]")
+        ids = llm.tokenizer.encode(before) + [start] + [pad] * (int(grid[0].prod()) // 4) + [end] + \
+            llm.tokenizer.encode(after, add_special=False)
+    types = [1 if t == pad else 0 for t in ids]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
+                    mm_token_type_ids=torch.tensor([types])).logits[0].numpy()
+    print(f"moe logits {scaled_error(last.prompt_logits, ref):.2e}")
+    assert scaled_error(last.prompt_logits, ref) <= 1e-4, scaled_error(last.prompt_logits, ref)

@@ -16,6 +16,7 @@ import gguf
 from .base import UnknownTensorError, register
 from .qwen2vl import mrope_sections, read_processor, write_clip
 from .qwen3 import Qwen3
+from .qwen3moe import Qwen3Moe
 from .tensors import Source
 
 # transformers' Qwen3VLVisionConfig defaults, for what config.json leaves out
@@ -95,3 +96,15 @@ class Qwen3VL(Qwen3):
             for key, shape in (("norm", (merged,)), ("fc1", (merged, merged)), ("fc2", (out, merged))):
                 shapes[f"v.deepstack.{i}.{key}.weight"], shapes[f"v.deepstack.{i}.{key}.bias"] = shape, shape[:1]
         return super().expected() | shapes
+
+
+@register("Qwen3VLMoeForConditionalGeneration", model_types=("qwen3_vl_moe",))
+class Qwen3VLMoe(Qwen3VL, Qwen3Moe):
+    """Qwen3-VL with Qwen 3 MoE's experts (GGUF ``qwen3vlmoe``); its router always renormalises the chosen."""
+
+    gguf_arch = "qwen3vlmoe"
+    embedding = False
+
+    def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
+        text = {"norm_topk_prob": True, **(config.get("text_config") or {})}
+        super().__init__(hf_dir, {**config, "text_config": text}, pooling)

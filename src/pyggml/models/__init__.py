@@ -191,7 +191,7 @@ def _import_builtin() -> None:
         qwen2vl,
         qwen3,
         qwen3moe,
-        qwen3vl,
+        qwen3vl,  # and qwen3vlmoe
         smollm3,
     )
 

@@ -19,12 +19,16 @@ from pyggml.tensor import Tensor
 class Options(qwen2.Options):
     @classmethod
     def from_config(cls, config, **extra) -> Options:
-        opts = super().from_config(config, **extra)
-        sections = config.uints("rope.dimension_sections", [], max=opts.head_dim)
-        if len(sections) < 3 or sum(sections[:3]) * 2 != opts.rope.n_dims or any(sections[3:]):
-            raise ModelError(f"{config.architecture}: rope.dimension_sections {sections} must give the three axes "
-                             f"(time, height, width) {opts.rope.n_dims // 2} rotated pairs in all")
-        return replace(opts, rope=nn.MRope.sections(opts.rope, sections[:3]))
+        return with_mrope(super().from_config(config, **extra), config)
+
+
+def with_mrope(opts, config, interleaved: bool = False):
+    """``opts`` with its rope made multi-axis by ``<arch>.rope.dimension_sections`` (pairs per axis)."""
+    sections = config.uints("rope.dimension_sections", [], max=opts.head_dim)
+    if len(sections) < 3 or sum(sections[:3]) * 2 != opts.rope.n_dims or any(sections[3:]):
+        raise ModelError(f"{config.architecture}: rope.dimension_sections {sections} must give the three axes "
+                         f"(time, height, width) {opts.rope.n_dims // 2} rotated pairs in all")
+    return replace(opts, rope=nn.MRope.sections(opts.rope, sections[:3], interleaved))
 
 
 @register("qwen2vl")

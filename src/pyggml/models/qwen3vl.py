@@ -2,29 +2,29 @@
 take the temporal, height and width positions in turn: pair i on axis i mod 3 while that axis's section
 lasts, else temporal) and DeepStack: an image's embeddings carry, after the merger's, one more set per
 ``qwen3vl.n_deepstack_layers``, added to the image's rows after each of the first layers. Images come
-from the vision part (qwen3vl_vision.py) with the positions of Qwen 2.5-VL (qwen2vl.py)."""
+from the vision part (qwen3vl_vision.py) with the positions of Qwen 2.5-VL (qwen2vl.py). "qwen3vlmoe" is the
+same with Qwen 3 MoE's experts."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import numpy as np
 
 from pyggml import nn
 from pyggml.backend import Backend, Context
-from pyggml.models import Batch, ModelError, qwen2vl, qwen3, register
+from pyggml.models import Batch, ModelError, qwen2vl, qwen3, qwen3moe, register
 from pyggml.tensor import Tensor
 
 
 class Options(qwen3.Options):
     @classmethod
     def from_config(cls, config, **extra) -> Options:
-        opts = super().from_config(config, **extra)
-        sections = config.uints("rope.dimension_sections", [], max=opts.head_dim)
-        if len(sections) < 3 or sum(sections[:3]) * 2 != opts.rope.n_dims or any(sections[3:]):
-            raise ModelError(f"{config.architecture}: rope.dimension_sections {sections} must give the three axes "
-                             f"(time, height, width) {opts.rope.n_dims // 2} rotated pairs in all")
-        return replace(opts, rope=nn.MRope.sections(opts.rope, sections[:3], interleaved=True))
+        return qwen2vl.with_mrope(super().from_config(config, **extra), config, interleaved=True)
+
+
+class MoeOptions(qwen3moe.Options):
+    @classmethod
+    def from_config(cls, config, **extra) -> MoeOptions:
+        return qwen2vl.with_mrope(super().from_config(config, **extra), config, interleaved=True)
 
 
 @register("qwen3vl")
@@ -79,3 +79,10 @@ class Qwen3VL(qwen2vl.Qwen2VL, qwen3.Qwen3):
             raise ValueError(f"qwen3vl: {len(rows)} image rows do not fit a batch of {len(batch.inputs)}")
         sets = [ctx.from_numpy(np.ascontiguousarray(rows[:, k * hidden:(k + 1) * hidden])) for k in range(n_sets)]
         return nn.int32_input(ctx, index), sets
+
+
+@register("qwen3vlmoe")
+class Qwen3VLMoe(Qwen3VL):
+    """Qwen3-VL-30B-A3B and kin: Qwen3-VL with Qwen 3 MoE's experts (qwen3moe.py) in every layer."""
+
+    Options, Weights = MoeOptions, qwen3moe.Weights
