@@ -244,13 +244,13 @@ def grid_positions(rows: int, cols: int, merge: int) -> np.ndarray:
 
 
 def window_mask(rows: int, cols: int, merge: int, window: int) -> np.ndarray | None:
-    """(n, n) 0/-inf: patches see the patches of their own window (``window`` merged tokens a side);
+    """(n, n) 0/-inf (F16): patches see the patches of their own window (``window`` merged tokens a side);
     None when the image is one window."""
     if rows <= window and cols <= window:
         return None
     by, bx = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
     ids = np.repeat(((by // window) * -(-cols // window) + bx // window).reshape(-1), merge * merge)
-    return np.where(ids[:, None] == ids[None, :], 0.0, -np.inf).astype(np.float32)
+    return np.where(ids[:, None] == ids[None, :], 0.0, -np.inf).astype(np.float16)  # what flash attention reads
 
 
 def _image_tokens(tok) -> tuple[int, int, int]:
