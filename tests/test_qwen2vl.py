@@ -5,6 +5,7 @@ with images of different grid sizes in one batch equal each alone; a cached imag
 
 from __future__ import annotations
 
+import importlib.util
 import io
 
 import numpy as np
@@ -214,35 +215,47 @@ def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
 
 @needs_llama_cpp
 @pytest.mark.parametrize("size", [(112, 56), (252, 56), (56, 168)])
-def test_llama_cpp_reads_our_mmproj_and_computes_the_same_image_embeddings(tiny, ours, tmp_path, size):
+def test_llama_cpp_reads_our_mmproj_and_computes_the_same_image_embeddings(tiny, tmp_path, size):
     """llama.cpp's multimodal path (mtmd) on the split files; the images' sides are multiples of 28
     within the pixel bounds, so neither side resizes them (llama.cpp resizes its own way). (252, 56) has
     three attention windows; (56, 168) two, one above the other."""
+
+    mine, theirs = _ours_and_mtmd(tiny[2], tmp_path, size)
+    print(f"{size}: vs llama.cpp {scaled_error(mine, theirs):.2e}")
+    assert scaled_error(mine, theirs) <= 2e-3
+
+
+def _ours_and_mtmd(path, tmp_path, size: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """One random image's embeddings from our single file and from llama.cpp's mtmd on its split files."""
     import json
     import subprocess
     import sys
 
+    from pyggml import BackendParams, models
     from pyggml.convert.gemma3_vision import split_mmproj
 
     from .test_gemma3_vision import _MTMD
 
-    text, mmproj = split_mmproj(tiny[2], tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
     width, height = size
     pixels = np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8)
     (tmp_path / "img.rgb").write_bytes(pixels.tobytes())
     done = subprocess.run([sys.executable, "-c", _MTMD, str(text), str(mmproj), str(tmp_path / "img.rgb"),
                            str(width), str(height)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    theirs = np.array(json.loads(done.stdout.strip().splitlines()[-1]), np.float32).reshape(-1, 64)
     out = io.BytesIO()
     Image.fromarray(pixels).save(out, format="PNG")
-    with ours.backend.new_context() as ctx:
-        (item,) = ours.vision.encode(ctx, out.getvalue())
-        ctx.compute(item.tensor)
-        mine = item.tensor.numpy()
-    assert mine.shape == theirs.shape
-    print(f"{size}: vs llama.cpp {scaled_error(mine, theirs):.2e}")
-    assert scaled_error(mine, theirs) <= 2e-3
+    model = models.load(path, BackendParams(n_threads=2))
+    try:
+        with model.backend.new_context() as ctx:
+            (item,) = model.vision.encode(ctx, out.getvalue())
+            ctx.compute(item.tensor)
+            mine = item.tensor.numpy()
+    finally:
+        model.close()
+    theirs = np.array(json.loads(done.stdout.strip().splitlines()[-1]), np.float32)
+    assert theirs.size == mine.size, (theirs.size, mine.shape)
+    return mine, theirs.reshape(mine.shape)
 
 
 def test_api_cli_and_server_take_images(tiny, tmp_path, capsys):
@@ -326,3 +339,63 @@ def test_context_shift_past_an_image_processes_the_rest_again(tiny):
             prompt="a [img-0] cat", images=[image_of(SIZES[4], 13)], max_tokens=60, temperature=0, num_keep=1,
             logit_bias={t: float("-inf") for t in eos})))
     assert chunks[-1].generated_tokens == 60 and chunks[-1].finish_reason == "length"
+
+
+def test_qwen2_vl_vision_and_logits_match_transformers(tmp_path):
+    """Qwen2-VL (projector qwen2vl_merger): LayerNorms, QuickGELU, full attention in every layer."""
+    from tokenizers import Tokenizer
+
+    import pyggml
+    from pyggml.convert import convert_hf
+    from pyggml.runner import CompletionRequest
+
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    make_qwen_tokenizer(hf_dir, 0)
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
+    tok.save(str(hf_dir / "tokenizer.json"))
+    start, end, pad = (tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    text = dict(vocab_size=416, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14, spatial_merge_size=2)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                                        vision_start_token_id=start, vision_end_token_id=end,
+                                        attn_implementation="eager")
+    torch.manual_seed(2)
+    model = transformers.Qwen2VLForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    processor = transformers.Qwen2VLImageProcessorPil(size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+    processor.save_pretrained(hf_dir)
+    path = convert_hf(hf_dir, tmp_path / "model.gguf", "f32")
+    data = image_of(SIZES[0])  # 2x9 tokens: more than one window, were there windows
+    pixels, grid = hf_image(processor, data)
+    with torch.no_grad():
+        ref_embeds = model.model.visual(torch.tensor(pixels), grid_thw=torch.tensor(grid)).pooler_output.numpy()
+    with pyggml.load(path, n_threads=2, num_ctx=256, cache_type="f32") as llm:
+        assert llm.model.vision.options.layer_norm
+        with llm.model.backend.new_context() as ctx:
+            (item,) = llm.model.vision.encode(ctx, data)
+            ctx.compute(item.tensor)
+            embeds = item.tensor.numpy()
+        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
+                                                           prompt_logits=True))
+        before, after = PROMPT.split("[img-0]")
+        ids = llm.tokenizer.encode(before) + [start] + [pad] * (int(grid[0].prod()) // 4) + [end] + \
+            llm.tokenizer.encode(after, add_special=False)
+    types = [1 if t == pad else 0 for t in ids]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
+                    mm_token_type_ids=torch.tensor([types])).logits[0].numpy()
+    print(f"qwen2-vl: embeddings {scaled_error(embeds, ref_embeds):.2e}, "
+          f"logits {scaled_error(last.prompt_logits, ref):.2e}")
+    assert scaled_error(embeds, ref_embeds) <= 1e-4, scaled_error(embeds, ref_embeds)
+    assert scaled_error(last.prompt_logits, ref) <= 1e-4, scaled_error(last.prompt_logits, ref)
+    if importlib.util.find_spec("llama_cpp") is not None:  # llama.cpp's mtmd reads our mmproj alike
+        mine, theirs = _ours_and_mtmd(path, tmp_path, (252, 56))
+        assert scaled_error(mine, theirs) <= 2e-3, scaled_error(mine, theirs)

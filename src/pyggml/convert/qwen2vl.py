@@ -25,7 +25,7 @@ VISION_DEFAULTS = dict(depth=32, hidden_size=3584, intermediate_size=3420, num_h
 MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]  # OpenAI CLIP's
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 28 * 28 * 1280
 LAYER = {"norm1": "ln1", "norm2": "ln2", "attn.proj": "attn_out", "mlp.gate_proj": "ffn_gate",
-         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "mlp.fc1": "ffn_up", "mlp.fc2": "ffn_down"}
 MERGER = {"merger.ln_q": "v.post_ln", "merger.mlp.0": "mm.0", "merger.mlp.2": "mm.2"}
 
 
@@ -102,6 +102,33 @@ class Qwen25VL(Qwen2):
         for i in range(v["depth"]):
             shapes |= {f"v.blk.{i}.{key}": shape for key, shape in layer.items()}
         return super().expected() | shapes
+
+
+@register("Qwen2VLForConditionalGeneration", model_types=("qwen2_vl",))
+class Qwen2VL(Qwen25VL):
+    """Qwen2-VL: Qwen 2.5-VL's layout with LayerNorms (biased), a QuickGELU MLP (``fc1``/``fc2``), full
+    attention in every layer, and its vision config's own names (embed_dim, mlp_ratio; its hidden_size
+    is the text width). Projector ``qwen2vl_merger``."""
+
+    def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
+        v = dict(config.get("vision_config") or {})
+        embed, ratio = v.get("embed_dim", 1280), v.get("mlp_ratio", 4)
+        v.update(hidden_size=embed, intermediate_size=embed * ratio, out_hidden_size=v.get("hidden_size", 3584),
+                 fullatt_block_indexes=[0], window_size=0)
+        super().__init__(hf_dir, {**config, "vision_config": v}, pooling)
+
+    def metadata(self, w: gguf.GGUFWriter) -> None:
+        Qwen2.metadata(self, w)
+        w.add_rope_dimension_sections(self.sections)
+        write_clip(w, "qwen2vl_merger", self.vision, self.processor, use_gelu=False)  # QuickGELU
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        shapes = super().expected()
+        hidden = self.vision["hidden_size"]
+        for key in [k for k in shapes if k.startswith("v.") and ".ffn_gate." in k]:
+            del shapes[key]
+        norms = [f"v.blk.{i}.{n}.bias" for i in range(self.vision["depth"]) for n in ("ln1", "ln2")]
+        return shapes | {name: (hidden,) for name in (*norms, "v.post_ln.bias")}
 
 
 def read_processor(hf_dir: Path, vision: dict[str, Any], mean: list[float] = MEAN,

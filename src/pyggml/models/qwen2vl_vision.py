@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 KEY = "clip.vision."
 PIXELS = "pixels"  # (rows/merge, columns/merge, merge*merge, 3*patch*patch) normalised patches, 2x2 blocks together
 POSITIONS, WINDOWS = "v.positions", "v.windows"  # graph constants of a grid shape
-PROJECTORS = ("qwen2.5vl_merger", "qwen3vl_merger")  # Qwen 2.5-VL's, Qwen3-VL's (qwen3vl_vision.py)
+PROJECTORS = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")  # Qwen3-VL's: qwen3vl_vision.py
 MAX_TOKENS = 1280  # image tokens at most (Hugging Face's default max_pixels): the window mask grows as tokens^2
 FLASH = True
 
@@ -52,6 +52,11 @@ class VisionOptions:
     image_std: tuple[float, float, float]
     projector: str = "qwen2.5vl_merger"
     deepstack: tuple[int, ...] = ()  # Qwen3-VL: layers whose states also feed the text model's first layers
+
+    @property
+    def layer_norm(self) -> bool:
+        """Qwen2-VL's LayerNorms and QuickGELU MLP, in place of Qwen 2.5-VL's RMSNorms and SwiGLU."""
+        return self.projector == "qwen2vl_merger"
 
     @property
     def head_dim(self) -> int:
@@ -107,24 +112,33 @@ class VisionOptions:
                         (1.0,) * quarter + (self.rope_base,) * quarter)
 
 
+class Norm(nn.LayerNorm):
+    """Qwen 2.5-VL's RMSNorm, or Qwen2-VL's LayerNorm (``.bias`` required then: see ``load``)."""
+
+    def __call__(self, x: Tensor, o: VisionOptions) -> Tensor:
+        return x.norm(o.eps, self.weight, self.bias) if o.layer_norm else x.rms_norm(o.eps, self.weight)
+
+
 class EncoderLayer(nn.Module):
-    ln1: nn.RMSNorm = nn.shape("hidden_size")
+    ln1: Norm = nn.shape("hidden_size")  # + .bias: a LayerNorm
     attn_q: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
     attn_k: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
     attn_v: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
     attn_out: nn.Linear = nn.shape("hidden_size", "hidden_size", bias=True)
-    ln2: nn.RMSNorm = nn.shape("hidden_size")
-    ffn_gate: nn.Linear = nn.shape("hidden_size", "ffn_size", bias=True)
+    ln2: Norm = nn.shape("hidden_size")  # + .bias: a LayerNorm
+    ffn_gate: nn.Linear | None = nn.shape("hidden_size", "ffn_size", bias=True, when="not layer_norm")
     ffn_up: nn.Linear = nn.shape("hidden_size", "ffn_size", bias=True)
     ffn_down: nn.Linear = nn.shape("ffn_size", "hidden_size", bias=True)
 
     def __call__(self, ctx: Context, h: Tensor, rope: tuple, mask: Tensor | None, o: VisionOptions) -> Tensor:
-        x, n = self.ln1(h, o.eps), h.shape[1]
+        x, n = self.ln1(h, o), h.shape[1]
         q, k, v = (lin(x).reshape(o.head_dim, o.n_heads, n) for lin in (self.attn_q, self.attn_k, self.attn_v))
         mrope, positions, factors = rope
         q, k = mrope(q, positions, factors), mrope(k, positions, factors)
         h = h + self.attn_out(nn.attention(ctx, q, k, v, None, 1.0 / math.sqrt(o.head_dim), mask=mask, flash=FLASH))
-        x = self.ln2(h, o.eps)
+        x = self.ln2(h, o)
+        if self.ffn_gate is None:  # Qwen2-VL: QuickGELU
+            return h + self.ffn_down(self.ffn_up(x).gelu_quick())
         return h + self.ffn_down(self.ffn_gate(x).silu(self.ffn_up(x)))
 
 
@@ -133,7 +147,7 @@ class VisionTower(nn.Module):
 
     patch_embd: nn.Weight = nn.shape("patch_size", "patch_size", 3, "hidden_size")
     blk: list[EncoderLayer]
-    post_ln: nn.RMSNorm = nn.shape("hidden_size")
+    post_ln: Norm = nn.shape("hidden_size")  # + .bias: a LayerNorm
 
 
 class Projector(nn.Module):
@@ -222,9 +236,9 @@ class Vision(DynamicVision):
         windows = window_mask(rows, cols, o.merge, o.window)
         mask = ctx.from_numpy(windows, name=WINDOWS) if windows is not None else None
         for i, layer in enumerate(t.blk):
-            full = o.full_every and (i + 1) % o.full_every == 0
+            full = not o.full_every or (i + 1) % o.full_every == 0
             h = nn.tap(f"v.blk.{i}", layer(ctx, h, rope, None if full else mask, o))
-        h = t.post_ln(h, o.eps).reshape(o.merged, rows * cols)
+        h = t.post_ln(h, o).reshape(o.merged, rows * cols)
         return self.projector.mm_2(self.projector.mm_0(h).gelu_erf())
 
 
@@ -279,6 +293,9 @@ def load(backend, text_hidden: int) -> DynamicVision | None:
 
         return qwen3vl_vision.load(backend, opts, second)
     tower = nn.load(VisionTower, _Prefixed(backend, "v."), opts)
+    norms = [t.post_ln for t in [tower]] + [n for layer in tower.blk for n in (layer.ln1, layer.ln2)]
+    if opts.layer_norm and any(norm.bias is None for norm in norms):
+        raise ModelError(f"{backend.path}: qwen2vl_merger: the vision LayerNorms need their .bias tensors")
     return Vision(opts, tower, second, nn.load(Projector, Numbered(backend, ""), opts))
 
 
