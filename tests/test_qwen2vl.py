@@ -399,3 +399,25 @@ def test_qwen2_vl_vision_and_logits_match_transformers(tmp_path):
     if importlib.util.find_spec("llama_cpp") is not None:  # llama.cpp's mtmd reads our mmproj alike
         mine, theirs = _ours_and_mtmd(path, tmp_path, (252, 56))
         assert scaled_error(mine, theirs) <= 2e-3, scaled_error(mine, theirs)
+
+
+def test_prompt_lookup_drafts_after_an_image_give_the_same_output(ours):
+    """Drafted tokens after an image get the moved rope positions too (a rejected draft's rollback:
+    tests/test_scheduler.py)."""
+    from pyggml.runner import CompletionRequest, Runner
+
+    data = image_of(SIZES[0], 14)
+    prompt = "one two three [img-0] one two three one two three one two"
+
+    def run(runner, lookup):
+        chunks = list(runner.completion(CompletionRequest(prompt=prompt, images=[data], max_tokens=12, temperature=0,
+                                                          prompt_lookup=lookup, cache_prompt=False,
+                                                          logit_bias={t: float("-inf")
+                                                                      for t in ours.tokenizer.vocab.eog})))
+        return [t for c in chunks for t in c.tokens], chunks[-1]
+
+    with Runner(ours, parallel=1, num_ctx=128, batch_size=64, cache_type="f32", background=False) as runner:
+        plain, _ = run(runner, 0)
+        drafted, last = run(runner, 4)
+    assert drafted == plain
+    assert last.draft_tokens > 0
