@@ -48,6 +48,10 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "lfm2": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0]},
     "lfm2moe": {"block_count": 3, "shortconv.l_cache": 3, "attention.head_count_kv": [0, 2, 0], **_EXPERTS,
                 "leading_dense_block_count": 1, "expert_gating_func": 2},
+    # Qwen-VL text models: mRoPE sections of the 8 rotated pairs of a 16-wide head (text only: no vision part)
+    "qwen2vl": {"rope.dimension_sections": [2, 3, 3, 0]},
+    "qwen3vl": {"rope.dimension_sections": [2, 3, 3, 0]},
+    "qwen3vlmoe": {"rope.dimension_sections": [2, 3, 3, 0], **_EXPERTS},
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 
