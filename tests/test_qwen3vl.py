@@ -261,3 +261,35 @@ def test_moe_image_and_text_logits_match_transformers(tmp_path):
                     mm_token_type_ids=torch.tensor([types])).logits[0].numpy()
     print(f"moe logits {scaled_error(last.prompt_logits, ref):.2e}")
     assert scaled_error(last.prompt_logits, ref) <= 1e-4, scaled_error(last.prompt_logits, ref)
+
+
+def test_f16_and_q8_0_files_and_the_cli_mmproj_layout(tiny, tmp_path, capsys):
+    """The converter's other types quantise the vision matrices too (the patch kernels and the position
+    table stay F32); `pyggml convert --mmproj` writes llama.cpp's two files, which `run` and `show` read."""
+    from pyggml import BackendParams, models
+    from pyggml.cli import main
+    from pyggml.convert import convert_hf
+
+    hf_dir = tiny[2].parent / "hf"
+    data = image_of(SIZES[0], 15)
+    outputs = {}
+    for kind in ("f32", "f16", "q8_0"):
+        path = tiny[2] if kind == "f32" else convert_hf(hf_dir, tmp_path / f"{kind}.gguf", kind)
+        model = models.load(path, BackendParams(n_threads=2))
+        try:
+            with model.backend.new_context() as ctx:
+                (item,) = model.vision.encode(ctx, data)
+                ctx.compute(item.tensor)
+                outputs[kind] = item.tensor.numpy()
+        finally:
+            model.close()
+    errors = {kind: scaled_error(out, outputs["f32"]) for kind, out in outputs.items()}
+    assert errors["f16"] <= 2e-3 and errors["q8_0"] <= 2e-2, errors  # measured 1.3e-4, 3.3e-3
+    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
+    assert main(["convert", str(hf_dir), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    picture = tmp_path / "p.png"
+    picture.write_bytes(data)
+    assert main(["run", str(text), "--mmproj", str(mmproj), "--image", str(picture), "what [img-0] is",
+                 "--max-tokens", "3", "--temperature", "0", "--threads", "1"]) == 0
+    assert main(["show", str(mmproj)]) == 0
+    assert "qwen3vl_merger projector, 3 layers" in capsys.readouterr().out
