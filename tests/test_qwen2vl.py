@@ -421,3 +421,49 @@ def test_prompt_lookup_drafts_after_an_image_give_the_same_output(ours):
         drafted, last = run(runner, 4)
     assert drafted == plain
     assert last.draft_tokens > 0
+
+
+def test_ollamas_qwen25vl_layout_gives_the_same_logits(tiny, tmp_path):
+    """A file written the way Ollama's converter writes Qwen 2.5-VL (architecture qwen25vl, its key and tensor
+    names, one file) runs as ours does (the image is within both files' pixel bounds)."""
+    import gguf
+
+    import pyggml
+    from pyggml.models.qwen25vl import RENAMED
+    from pyggml.runner import CompletionRequest
+
+    reader = gguf.GGUFReader(tiny[2])
+    path = tmp_path / "ollama.gguf"
+    writer = gguf.GGUFWriter(path, "qwen25vl")
+    for key, field in reader.fields.items():
+        if key.startswith(("GGUF.", "clip.")) or key == "general.architecture":
+            continue
+        key = key.replace("qwen2vl.rope.dimension_sections", "qwen25vl.rope.mrope_section").replace(
+            "qwen2vl.", "qwen25vl.")
+        kind = field.types[0]
+        writer.add_key_value(key, field.contents(), kind, sub_type=field.types[-1] if kind == gguf.GGUFValueType.ARRAY
+                             else None)
+    c = {key: reader.fields[key].contents() for key in reader.fields if key.startswith("clip.vision.")}
+    for key in ("block_count", "embedding_length", "attention.head_count", "patch_size", "spatial_merge_size",
+                "window_size"):
+        writer.add_uint32(f"qwen25vl.vision.{key}", c[f"clip.vision.{key}"])
+    writer.add_float32("qwen25vl.vision.attention.layer_norm_epsilon", 1e-6)
+    writer.add_float32("qwen25vl.vision.rope.freq_base", 10000.0)
+    writer.add_array("qwen25vl.vision.fullatt_block_indexes", [1])
+    for t in reader.tensors:
+        writer.add_tensor(RENAMED.get(t.name, t.name), t.data, raw_shape=list(reversed(t.shape.tolist())),
+                          raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = image_of(SIZES[0], 16)
+
+    def logits(file):
+        with pyggml.load(file, n_threads=2, num_ctx=128, cache_type="f32") as llm:
+            assert llm.model.takes_images
+            *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
+                                                               prompt_logits=True))
+            return last.prompt_logits
+
+    np.testing.assert_array_equal(logits(path), logits(tiny[2]))

@@ -52,6 +52,7 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2vl": {"rope.dimension_sections": [2, 3, 3, 0]},
     "qwen3vl": {"rope.dimension_sections": [2, 3, 3, 0]},
     "qwen3vlmoe": {"rope.dimension_sections": [2, 3, 3, 0], **_EXPERTS},
+    "qwen25vl": {"rope.mrope_section": [2, 3, 3]},  # Ollama's layout and name
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 

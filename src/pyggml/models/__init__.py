@@ -193,6 +193,7 @@ def _import_builtin() -> None:
         qwen3,
         qwen3moe,
         qwen3vl,  # and qwen3vlmoe
+        qwen25vl,
         smollm3,
     )
 

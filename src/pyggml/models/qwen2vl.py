@@ -23,8 +23,10 @@ class Options(qwen2.Options):
 
 
 def with_mrope(opts, config, interleaved: bool = False):
-    """``opts`` with its rope made multi-axis by ``<arch>.rope.dimension_sections`` (pairs per axis)."""
-    sections = config.uints("rope.dimension_sections", [], max=opts.head_dim)
+    """``opts`` with its rope made multi-axis by ``<arch>.rope.dimension_sections`` (pairs per axis; Ollama's
+    files: ``rope.mrope_section``)."""
+    sections = config.uints("rope.dimension_sections", None, max=opts.head_dim) or \
+        config.uints("rope.mrope_section", [], max=opts.head_dim)  # Ollama's name
     if len(sections) < 3 or sum(sections[:3]) * 2 != opts.rope.n_dims or any(sections[3:]):
         raise ModelError(f"{config.architecture}: rope.dimension_sections {sections} must give the three axes "
                          f"(time, height, width) {opts.rope.n_dims // 2} rotated pairs in all")

@@ -279,11 +279,12 @@ def _image_tokens(tok) -> tuple[int, int, int]:
     return special("<|vision_start|>"), special("<|vision_end|>"), special("<|image_pad|>")
 
 
-def load(backend, text_hidden: int) -> DynamicVision | None:
-    """The vision part of a qwen2vl/qwen3vl file or mmproj (``v.*``, ``mm.*``), or None when it has none."""
+def load(backend, text_hidden: int, opts: VisionOptions | None = None) -> DynamicVision | None:
+    """The vision part of a qwen2vl/qwen3vl file or mmproj (``v.*``, ``mm.*``), or None when it has none;
+    ``opts``: its options when the file's keys are not llama.cpp's ``clip.vision.*`` (Ollama's layout)."""
     if backend.get("v.patch_embd.weight") is None:
         return None
-    opts = VisionOptions.from_config(backend.config, text_hidden)
+    opts = opts or VisionOptions.from_config(backend.config, text_hidden)
     second = backend.get("v.patch_embd.weight.1")
     if second is None or second.shape != backend.get("v.patch_embd.weight").shape:
         raise ModelError(f"{backend.path}: v.patch_embd.weight.1 (the patch kernel's second frame) is missing or "
