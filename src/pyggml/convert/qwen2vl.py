@@ -131,8 +131,8 @@ class Qwen2VL(Qwen25VL):
         return shapes | {name: (hidden,) for name in (*norms, "v.post_ln.bias")}
 
 
-def read_processor(hf_dir: Path, vision: dict[str, Any], mean: list[float] = MEAN,
-                   std: list[float] = STD) -> dict[str, Any]:
+def read_processor(hf_dir: Path, vision: dict[str, Any], mean: list[float] = MEAN, std: list[float] = STD,
+                   min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> dict[str, Any]:
     """The image processor's min/max pixels and normalisation (preprocessor_config.json, with
     transformers' defaults), refused when its patch or merge size is not the vision tower's."""
     pre = read_json(hf_dir / "preprocessor_config.json") or {}
@@ -140,8 +140,8 @@ def read_processor(hf_dir: Path, vision: dict[str, Any], mean: list[float] = MEA
     if pre.get("patch_size", vision["patch_size"]) != vision["patch_size"] or \
             pre.get("merge_size", vision["spatial_merge_size"]) != vision["spatial_merge_size"]:
         raise ValueError("preprocessor_config.json's patch_size/merge_size differ from config.json's vision_config")
-    return dict(min_pixels=int(pre.get("min_pixels") or size.get("shortest_edge") or MIN_PIXELS),
-                max_pixels=int(pre.get("max_pixels") or size.get("longest_edge") or MAX_PIXELS),
+    return dict(min_pixels=int(pre.get("min_pixels") or size.get("shortest_edge") or min_pixels),
+                max_pixels=int(pre.get("max_pixels") or size.get("longest_edge") or max_pixels),
                 mean=pre.get("image_mean", mean), std=pre.get("image_std", std))
 
 

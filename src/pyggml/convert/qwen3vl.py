@@ -43,7 +43,8 @@ class Qwen3VL(Qwen3):
         self.deepstack = list(v["deepstack_visual_indexes"])
         if any(not 0 <= i < v["depth"] for i in self.deepstack) or len(set(self.deepstack)) != len(self.deepstack):
             raise ValueError(f"vision_config.deepstack_visual_indexes {self.deepstack} must be distinct layers")
-        self.processor = read_processor(hf_dir, v, [0.5] * 3, [0.5] * 3)
+        # Qwen3-VL's preprocessor_config.json: mean and std 0.5, 256 x 256 to 4096 x 4096 pixels
+        self.processor = read_processor(hf_dir, v, [0.5] * 3, [0.5] * 3, 256 * 256, 4096 * 4096)
         super().__init__(hf_dir, text, pooling)
         self.sections = mrope_sections(self.rope, self.head_dim)
         if len(self.deepstack) >= self.n_layers:

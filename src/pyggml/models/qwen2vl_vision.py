@@ -1,4 +1,5 @@
-"""Qwen 2.5-VL's vision part (llama.cpp projector ``qwen2.5vl_merger``): dynamic resolution. An image is
+"""Qwen 2.5-VL's vision part (llama.cpp projector ``qwen2.5vl_merger``; Qwen2-VL's ``qwen2vl_merger`` is the same
+with LayerNorms, a QuickGELU MLP and no windows; Qwen3-VL's: qwen3vl_vision.py): dynamic resolution. An image is
 resized to a grid of patches (each side a multiple of patch x merge pixels, the pixel count within the
 file's min/max: ``image.smart_resize``), patches embedded by the 3-D convolution over two equal frames
 (the two kernel frames added), RMSNorm transformer layers with a SwiGLU MLP and 2-D rotary positions
@@ -29,6 +30,7 @@ KEY = "clip.vision."
 PIXELS = "pixels"  # (rows/merge, columns/merge, merge*merge, 3*patch*patch) normalised patches, 2x2 blocks together
 POSITIONS, WINDOWS = "v.positions", "v.windows"  # graph constants of a grid shape
 PROJECTORS = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")  # Qwen3-VL's: qwen3vl_vision.py
+MIN_PIXELS = {"qwen3vl_merger": 256 * 256}  # the processors' least pixels where a file does not say (else 56 x 56)
 MAX_TOKENS = 1280  # image tokens at most (Hugging Face's default max_pixels): the window mask grows as tokens^2
 FLASH = True
 
@@ -99,7 +101,8 @@ class VisionOptions:
                    n_heads=n_heads, eps=config.float(KEY + "attention.layer_norm_epsilon", 1e-6), patch_size=patch,
                    merge=merge, full_every=config.uint(KEY + "n_wa_pattern", 0), window=max(window, 1),
                    text_hidden=text_hidden, rope_base=config.float(KEY + "rope.freq_base", 10000.0, min=1.0),
-                   min_pixels=min(uint("image_min_pixels", 56 * 56), max_pixels), max_pixels=max_pixels,
+                   min_pixels=min(uint("image_min_pixels", MIN_PIXELS.get(projector, 56 * 56)), max_pixels),
+                   max_pixels=max_pixels,
                    image_mean=mean, image_std=std, projector=projector, deepstack=deepstack)
 
     def rope(self) -> nn.MRope:
