@@ -467,3 +467,14 @@ def test_ollamas_qwen25vl_layout_gives_the_same_logits(tiny, tmp_path):
             return last.prompt_logits
 
     np.testing.assert_array_equal(logits(path), logits(tiny[2]))
+
+
+def test_an_image_too_thin_fails_its_request_clearly(tiny):
+    """Hugging Face refuses an aspect ratio over 200; so does the request, before anything computes."""
+    import pyggml
+    from pyggml.runner import CompletionRequest
+
+    with pyggml.load(tiny[2], n_threads=1, num_ctx=128) as llm:
+        with pytest.raises(ValueError, match="aspect ratio"):
+            list(llm.runner.completion(CompletionRequest(prompt="a [img-0]", images=[image_of((1000, 4))])))
+        assert llm.generate("a [img-0]", images=[image_of((4, 800))], max_tokens=1) is not None  # ratio 200: taken
