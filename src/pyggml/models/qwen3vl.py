@@ -7,12 +7,16 @@ same with Qwen 3 MoE's experts."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from pyggml import nn
 from pyggml.backend import Backend, Context
 from pyggml.models import Batch, ModelError, qwen2vl, qwen3, qwen3moe, register
 from pyggml.tensor import Tensor
+
+log = logging.getLogger(__name__)
 
 
 class Options(qwen3.Options):
@@ -34,6 +38,10 @@ class Qwen3VL(qwen2vl.Qwen2VL, qwen3.Qwen3):
     def __init__(self, backend: Backend):
         super().__init__(backend)
         self.n_deepstack = backend.config.uint("n_deepstack_layers", 0, max=self.options.n_layers - 1)
+        if self.vision is None and backend.get("v.patch_embed.weight") is not None:
+            log.warning("%s: its vision part is in Ollama's layout (v.patch_embed, v.merger), which pyggml does not "
+                        "read yet: the model runs text only (convert the Hugging Face checkpoint for images)",
+                        backend.path)
         self.check_vision()
 
     def attach_mmproj(self, projector: Backend) -> None:
