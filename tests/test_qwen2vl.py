@@ -478,3 +478,50 @@ def test_an_image_too_thin_fails_its_request_clearly(tiny):
         with pytest.raises(ValueError, match="aspect ratio"):
             list(llm.runner.completion(CompletionRequest(prompt="a [img-0]", images=[image_of((1000, 4))])))
         assert llm.generate("a [img-0]", images=[image_of((4, 800))], max_tokens=1) is not None  # ratio 200: taken
+
+
+def test_real_head_sizes_match_transformers(tmp_path):
+    """The real models' head sizes: text heads of 128 with mRoPE sections 16/24/24 and base 1e6, vision heads
+    of 80 (20 rotated pairs per axis), windows and full attention every second layer."""
+    from tokenizers import Tokenizer
+
+    import pyggml
+    from pyggml.convert import convert_hf
+    from pyggml.runner import CompletionRequest
+
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    make_qwen_tokenizer(hf_dir, 0)
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
+    tok.save(str(hf_dir / "tokenizer.json"))
+    start, end, pad = (tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    text = dict(vocab_size=416, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=4096, rms_norm_eps=1e-6,
+                rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})
+    vision = dict(depth=4, hidden_size=160, intermediate_size=256, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  window_size=112, out_hidden_size=256, fullatt_block_indexes=[1, 3])
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=pad,
+                                           vision_start_token_id=start, vision_end_token_id=end,
+                                           attn_implementation="eager")
+    torch.manual_seed(3)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).float().eval()
+    model.save_pretrained(hf_dir)
+    processor = transformers.Qwen2VLImageProcessorPil()
+    processor.save_pretrained(hf_dir)
+    path = convert_hf(hf_dir, tmp_path / "model.gguf", "f32")
+    data = image_of((300, 170), 17)
+    pixels, grid = hf_image(processor, data)
+    prompt = PROMPT + " and so on" * 10
+    with pyggml.load(path, n_threads=2, num_ctx=512, cache_type="f32") as llm:
+        *_, last = llm.runner.completion(CompletionRequest(prompt=prompt, images=[data], max_tokens=0,
+                                                           prompt_logits=True))
+        before, after = prompt.split("[img-0]")
+        ids = llm.tokenizer.encode(before) + [start] + [pad] * (int(grid[0].prod()) // 4) + [end] + \
+            llm.tokenizer.encode(after, add_special=False)
+    types = [1 if t == pad else 0 for t in ids]
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
+                    mm_token_type_ids=torch.tensor([types])).logits[0].numpy()
+    assert grid[0].tolist() == [1, 12, 22]  # 6 x 11 tokens: two windows high, three wide
+    assert scaled_error(last.prompt_logits, ref) <= 1e-4, scaled_error(last.prompt_logits, ref)  # measured 8e-7
