@@ -1,4 +1,5 @@
-"""llama.cpp's image encode time (mtmd): argv = text.gguf mmproj.gguf raw_rgb side threads; prints JSON."""
+"""llama.cpp's image encode time (mtmd): argv = text.gguf mmproj.gguf raw_rgb side threads [height] (side is the
+width then); prints JSON: seconds and the image's tokens."""
 import ctypes
 import json
 import sys
@@ -8,6 +9,7 @@ import llama_cpp
 from llama_cpp import mtmd_cpp as m
 
 text, mmproj, raw, side, threads = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+height = int(sys.argv[6]) if len(sys.argv) > 6 else side
 llama_cpp.llama_backend_init()
 model = llama_cpp.llama_model_load_from_file(text.encode(), llama_cpp.llama_model_default_params())
 params = m.mtmd_context_params_default()
@@ -17,7 +19,7 @@ assert ctx, "mmproj failed to load"
 data = open(raw, "rb").read()
 out = {}
 for run in range(1):
-    bitmap = m.mtmd_bitmap_init(side, side, (ctypes.c_uint8 * len(data)).from_buffer_copy(data))
+    bitmap = m.mtmd_bitmap_init(side, height, (ctypes.c_uint8 * len(data)).from_buffer_copy(data))
     chunks = m.mtmd_input_chunks_init()
     t = m.mtmd_input_text()
     t.text = m.mtmd_default_marker()
@@ -29,4 +31,5 @@ for run in range(1):
             start = time.perf_counter()
             assert m.mtmd_encode_chunk(ctx, chunk) == 0
             out[f"llama_cpp_encode_s_{run}"] = time.perf_counter() - start
+            out["llama_cpp_tokens"] = m.mtmd_input_chunk_get_n_tokens(chunk)
 print(json.dumps(out))

@@ -70,10 +70,28 @@ TINY: dict[str, dict] = {
     "qwen2": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
               "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
               "rope.freq_base": 1000000.0, "vocab_size": 320, "tokenizer.ggml.model": "gpt2"},
+    "qwen2vl": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+                "rope.freq_base": 1000000.0, "rope.dimension_sections": [2, 3, 3, 0], "vocab_size": 320,
+                "tokenizer.ggml.model": "gpt2"},
+    "qwen25vl": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                 "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+                 "rope.freq_base": 1000000.0, "rope.mrope_section": [2, 3, 3], "vocab_size": 320,
+                 "tokenizer.ggml.model": "gpt2"},  # Ollama's name of the sections
     "qwen3": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
               "attention.head_count_kv": 2, "attention.key_length": 32, "attention.value_length": 32,
               "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1000000.0,
               "vocab_size": 320, "tokenizer.ggml.model": "gpt2"},
+    "qwen3vl": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                "attention.head_count_kv": 2, "attention.key_length": 32, "attention.value_length": 32,
+                "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 1000000.0,
+                "rope.dimension_sections": [6, 5, 5, 0], "n_deepstack_layers": 0, "vocab_size": 320,
+                "tokenizer.ggml.model": "gpt2"},
+    "qwen3vlmoe": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                   "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
+                   "rope.freq_base": 1000000.0, "rope.dimension_sections": [2, 3, 3, 0], "n_deepstack_layers": 0,
+                   "vocab_size": 320, "tokenizer.ggml.model": "gpt2", "expert_count": 8, "expert_used_count": 2,
+                   "expert_feed_forward_length": 32},
     "qwen3moe": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                  "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-6,
                  "rope.freq_base": 1000000.0, "vocab_size": 320, "tokenizer.ggml.model": "gpt2",
@@ -370,7 +388,7 @@ def test_gpu_logits_and_greedy_tokens_agree_with_cpu(arch, tiny_file):
 
 
 # ---- the same file in llama.cpp ----------------------------------------------------------------------
-NOT_IN_LLAMA_CPP = {"mllama"}  # Ollama's architecture: llama.cpp never ran it
+NOT_IN_LLAMA_CPP = {"mllama", "qwen25vl"}  # Ollama's architectures: llama.cpp never ran them
 _LLAMA_CPP = textwrap.dedent("""
     import json, sys
     import llama_cpp

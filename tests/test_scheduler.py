@@ -159,3 +159,29 @@ def test_a_stop_ends_the_batch_there_once():
     assert steps[0].positions[:5] == [2, 3, 4, 5, 6] and steps[1].positions == [7]
     assert [s_ for _, s_ in steps[0].rows] == [t] and [s_ for _, s_ in steps[1].rows] == [s]  # no row before the stop
     assert scheduler.stops == {}
+
+
+def test_rope_positions_move_after_an_image_and_follow_a_cut_short_slot():
+    """mRoPE: an image of 2 x 3 tokens (offsets (0, row, column), steps 0 and max(2, 3) for the last) moves
+    the text after it to the image's start + 3; a batch of text alone at unmoved positions carries none.
+    When the slot's inputs are cut short (a rejected draft) or replaced, the rope positions are counted
+    again for what the slot holds."""
+    image = [Input(token=7, multimodal=[Multimodal(tensor=np.zeros((6, 4)))], multimodal_hash=5, same_batch=6,
+                   rope_offset=(0, 0, 0), rope_step=0)]
+    image += [Input(token=7, rope_offset=(0, k // 3, k % 3), rope_step=0) for k in range(1, 6)]
+    image[-1].rope_step = 3
+    s = Seq(InputCacheSlot(0), deque([Input(token=1), Input(token=2), *image, Input(token=8), Input(token=3)]))
+    scheduler = Scheduler(batch_size=16, num_ctx=64)
+    step = scheduler.schedule([s], build_ahead=False)
+    assert step.positions == list(range(10))
+    assert [list(r) for r in step.batch.rope_positions] == [
+        [0, 0, 0], [1, 1, 1], [2, 2, 2], [2, 2, 3], [2, 2, 4], [2, 3, 2], [2, 3, 3], [2, 3, 4], [5, 5, 5], [6, 6, 6]]
+    s.outputs_in_flight = 0
+    s.pending.extend([Input(token=4), Input(token=5)])
+    assert [list(r) for r in scheduler.schedule([s], build_ahead=False).batch.rope_positions] == [[7] * 3, [8] * 3]
+    del s.slot.inputs[10:]  # the two drafted tokens rejected
+    s.outputs_in_flight = 0
+    s.pending.append(Input(token=6))
+    assert [list(r) for r in scheduler.schedule([s], build_ahead=False).batch.rope_positions] == [[7] * 3]
+    text = seq(1, [1, 2, 3])
+    assert not len(scheduler.schedule([text], build_ahead=False).batch.rope_positions)  # nothing moved

@@ -117,15 +117,34 @@ def to_rgb(image):
 
 
 def resize_normalize(image, size: tuple[int, int], mean: Sequence[float], std: Sequence[float],
-                     rescale: float = 1 / 255) -> np.ndarray:
-    """``image`` resized to ``size`` (width, height) with bilinear filtering, scaled by ``rescale`` and
-    normalised per channel: float32 (3, height, width), equal to Hugging Face's PIL image processors."""
+                     rescale: float = 1 / 255, bicubic: bool = False) -> np.ndarray:
+    """``image`` resized to ``size`` (width, height) with bilinear (or bicubic) filtering, scaled by
+    ``rescale`` and normalised per channel: float32 (3, height, width), equal to Hugging Face's PIL
+    image processors."""
     from PIL import Image
 
-    resized = np.asarray(image.resize(size, Image.Resampling.BILINEAR), dtype=np.uint8)
+    filter_ = Image.Resampling.BICUBIC if bicubic else Image.Resampling.BILINEAR
+    resized = np.asarray(image.resize(size, filter_), dtype=np.uint8)
     pixels = (resized.astype(np.float64) * rescale).astype(np.float32)
     pixels = (pixels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen-VL's target size (height, width): each side a multiple of ``factor`` nearest the image's,
+    scaled (aspect kept as well as the rounding allows) into [min_pixels, max_pixels] (Hugging Face's
+    ``smart_resize``, Python's round-half-to-even included)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ImageError(f"the image is {width}x{height}: its aspect ratio must be under 200")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
 
 
 def image_bytes(item: Any, where: str = "image") -> bytes:

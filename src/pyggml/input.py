@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+ROPE_AXES = 3  # the axes of multi-axis rotary positions a batch carries (mRoPE: temporal, height, width)
 
 @dataclass(frozen=True)
 class Multimodal:
@@ -21,12 +22,20 @@ class Input:
 
     Equal when ``token`` and ``multimodal_hash`` are equal (so prompt caches compare inputs).
     ``same_batch`` asks that this many following inputs go in the same batch (an image's tokens).
+
+    Multi-axis rotary positions (Qwen-VL's mRoPE: temporal, height, width): a sequence's rope position
+    starts at 0 and moves on by each input's ``rope_step`` (1 for text); an input's position on each
+    axis is that rope position plus its ``rope_offset`` on the axis (() : zero on every axis). An
+    image of h x w tokens gives its tokens offsets (0, row, column), steps of 0 and max(h, w) for the
+    last, so the text after it goes on from the image's largest position + 1 (see ``rope_positions``).
     """
 
     token: int = 0
     multimodal: list[Multimodal] | None = None
     multimodal_hash: int = 0
     same_batch: int = 0
+    rope_offset: tuple[int, ...] = ()
+    rope_step: int = 1
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Input) and self.token == other.token and \
@@ -47,13 +56,16 @@ class MultimodalIndex:
 @dataclass
 class Batch:
     """One forward pass: ``inputs`` (token ids or Inputs), their ``positions`` and ``sequences``,
-    the batch indices whose logits are wanted (``outputs``), and multimodal items by index."""
+    the batch indices whose logits are wanted (``outputs``), and multimodal items by index.
+    ``rope_positions``: per input its position on each rotary axis (mRoPE: t, h, w), where some input
+    of the batch's sequences moved them off ``positions`` (an image); empty: every axis is ``positions``."""
 
     inputs: Sequence[int] = ()
     outputs: Sequence[int] = ()
     positions: Sequence[int] = ()
     sequences: Sequence[int] = ()
     multimodal: Sequence[MultimodalIndex] = field(default_factory=tuple)
+    rope_positions: Sequence[Sequence[int]] = ()
 
     @property
     def tokens(self) -> list[int]:
@@ -64,3 +76,14 @@ class Batch:
         """Rows whose logits the model computes: ``outputs``, or the last row when none are wanted
         (a prompt chunk still needs a valid graph; its logits are ignored)."""
         return list(self.outputs) if len(self.outputs) else [len(self.inputs) - 1]
+
+
+def rope_start(inputs: Sequence[Input], n: int) -> int:
+    """The rope position of a sequence's input at position ``n`` (after ``inputs[:n]``)."""
+    return sum(inp.rope_step for inp in inputs[:n])
+
+
+def rope_positions(start: int, inp: Input, axes: int) -> tuple[int, ...]:
+    """``inp``'s position on each of ``axes`` rotary axes when its rope position is ``start``."""
+    offset = inp.rope_offset
+    return tuple(start + (offset[a] if a < len(offset) else 0) for a in range(axes))

@@ -606,6 +606,62 @@ class Rope:
                       attn_factor=self.attn_factor, beta_fast=self.beta_fast, beta_slow=self.beta_slow)
 
 
+@dataclass(frozen=True)
+class MRope:
+    """Multi-axis rotary embedding (Qwen-VL's mRoPE): each rotated pair of dimensions takes its angle
+    from the position on one axis (temporal, height, width). Built of one ``Rope`` per axis, each
+    turning only its own pairs: the frequency factors of the other pairs are infinite (angle 0, an exact
+    identity), so the result is ggml's ``rope_multi`` without binding it. ``axes``: the axis of each
+    pair (``n_dims // 2`` entries); ``scales``: per pair a frequency multiplier (1 for the text model's)."""
+
+    rope: Rope
+    axes: tuple[int, ...]
+    scales: tuple[float, ...] = ()
+
+    @classmethod
+    def sections(cls, rope: Rope, sections: typing.Sequence[int], interleaved: bool = False) -> MRope:
+        """Contiguous sections of pairs per axis (Qwen 2/2.5-VL: [16, 24, 24]), or ``interleaved``
+        (Qwen3-VL: pair i on axis i % 3 while that axis has pairs left, else on the first)."""
+        n_pairs = rope.n_dims // 2
+        if interleaved:
+            axes = [next((a for a in (1, 2) if i % 3 == a and i < 3 * sections[a]), 0) for i in range(n_pairs)]
+        else:
+            bounds = np.cumsum(sections)
+            axes = [int(np.searchsorted(bounds, i % bounds[-1], side="right")) for i in range(n_pairs)]
+        return cls(rope, tuple(axes))
+
+    @property
+    def n_axes(self) -> int:
+        return max(self.axes) + 1
+
+    @property
+    def n_dims(self) -> int:
+        return self.rope.n_dims
+
+    def factors(self, ctx: Context, name: str = "rope.axis") -> list[Tensor]:
+        """The frequency factors of each axis, graph constants (named, so a refilled graph keeps them)."""
+        scales = np.asarray(self.scales or [1.0] * len(self.axes), np.float64)
+        out = []
+        for a in range(self.n_axes):
+            mine = np.asarray(self.axes) == a
+            factor = np.where(mine, 1.0 / scales, np.inf).astype(np.float32)
+            out.append(ctx.from_numpy(factor, name=f"{name}.{a}"))
+        return out
+
+    def __call__(self, x: Tensor, positions: Tensor, factors: list[Tensor] | None = None) -> Tensor:
+        """Rotate ``x`` (head_dim, n_heads, n_tokens) by ``positions``: (n_axes * n_tokens,), axis by
+        axis, or (n_tokens,), one position for every axis (a context shift: a plain rope then)."""
+        n = x.shape[2]
+        if positions.shape[0] == n:
+            return self.rope(x, positions)
+        if positions.shape[0] != self.n_axes * n or factors is None:
+            raise ValueError(f"mrope: {positions.shape[0]} positions for {n} tokens on {self.n_axes} axes")
+        step = positions.strides[0] * n
+        for a, factor in enumerate(factors):
+            x = self.rope(x, positions.view(a * step, (n,)), factor)
+        return x
+
+
 # ---- taps -------------------------------------------------------------------------------------
 # Named intermediate results ("token_embd", "blk.3", "output_norm") that a layer-by-layer comparison
 # (pyggml.porting) reads back. Outside ``capture_taps`` a tap costs one context-variable lookup.
@@ -732,24 +788,40 @@ def multimodal_embeddings(ctx: Context, h: Tensor, batch: Batch) -> Tensor:
 # The names under which the engine refills a kept graph for the next batch of the same shape; only
 # ``batch_inputs`` and ``refill_batch_inputs`` use them, so a model cannot lose graph reuse by a typo.
 _TOKENS, _POSITIONS, _OUTPUTS = "batch.tokens", "batch.positions", "batch.outputs"
+_ROPE_POSITIONS = "batch.rope_positions"
 
 
 @dataclass(frozen=True)
 class BatchInputs:
     """The graph inputs of one batch: ``tokens`` and ``positions`` (n_tokens,) and ``outputs``
-    (the rows whose logits are wanted, see ``Batch.output_rows``), all I32."""
+    (the rows whose logits are wanted, see ``Batch.output_rows``), all I32; for a model with
+    multi-axis rope, ``rope_positions`` (n_axes * n_tokens,): every token's position on axis 0, then
+    on axis 1, ... (ggml's ``rope_multi`` layout)."""
 
     tokens: Tensor
     positions: Tensor
     outputs: Tensor
+    rope_positions: Tensor | None = None
 
 
-def batch_inputs(ctx: Context, batch: Batch) -> BatchInputs:
-    """Create the batch's token, position and output-row inputs (tokens on the input device).
-    The token array is used in place when it already is int32 (the runner fills in late ids)."""
+def batch_inputs(ctx: Context, batch: Batch, rope_axes: int = 0) -> BatchInputs:
+    """Create the batch's token, position and output-row inputs (tokens on the input device), and
+    with ``rope_axes`` its positions on that many rotary axes. The token array is used in place when
+    it already is int32 (the runner fills in late ids)."""
+    ropes = int32_input(ctx, _axis_positions(batch, rope_axes), _ROPE_POSITIONS) if rope_axes else None
     return BatchInputs(tokens=int32_input(ctx.input(), batch.tokens, _TOKENS),
                        positions=int32_input(ctx, batch.positions, _POSITIONS),
-                       outputs=int32_input(ctx, batch.output_rows, _OUTPUTS))
+                       outputs=int32_input(ctx, batch.output_rows, _OUTPUTS), rope_positions=ropes)
+
+
+def _axis_positions(batch: Batch, axes: int) -> np.ndarray:
+    """(axes, n_tokens): ``batch.rope_positions`` by axis, or ``positions`` on every axis."""
+    if not len(batch.rope_positions):
+        return np.tile(np.asarray(batch.positions, np.int32), (axes, 1))
+    ropes = np.asarray(batch.rope_positions, np.int32).reshape(len(batch.positions), -1)
+    if ropes.shape[1] < axes:
+        raise ValueError(f"batch_inputs: rope positions on {ropes.shape[1]} axes, the model needs {axes}")
+    return np.ascontiguousarray(ropes[:, :axes].T)
 
 
 def refill_batch_inputs(ctx: Context, batch: Batch) -> None:
@@ -758,6 +830,9 @@ def refill_batch_inputs(ctx: Context, batch: Batch) -> None:
     ctx.set_input(_TOKENS, batch.tokens)
     ctx.set_input(_POSITIONS, _int32_list(batch.positions))
     ctx.set_input(_OUTPUTS, _int32_list(batch.output_rows))
+    shape = ctx.input_shape(_ROPE_POSITIONS)
+    if shape is not None:
+        ctx.set_input(_ROPE_POSITIONS, _axis_positions(batch, shape[0] // len(batch.positions)))
 
 
 def _int32_list(values: Any) -> Any:

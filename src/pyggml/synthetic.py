@@ -72,6 +72,11 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
                   "attention.value_length": 16, "rope.dimension_count": 8, "ssm.conv_kernel": 4, "ssm.state_size": 16,
                   "ssm.group_count": 2, "ssm.time_step_rank": 4, "ssm.inner_size": 64, **_EXPERTS,
                   "expert_shared_feed_forward_length": 32},
+    # Qwen-VL text models: mRoPE sections of the 8 rotated pairs of a 16-wide head (text only: no vision part)
+    "qwen2vl": {"rope.dimension_sections": [2, 3, 3, 0]},
+    "qwen3vl": {"rope.dimension_sections": [2, 3, 3, 0]},
+    "qwen3vlmoe": {"rope.dimension_sections": [2, 3, 3, 0], **_EXPERTS},
+    "qwen25vl": {"rope.mrope_section": [2, 3, 3]},  # Ollama's layout and name
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 

@@ -5,8 +5,9 @@ Shared code reads the checkpoint (safetensors, memory-mapped, or torch .bin), th
 each architecture is one small file registered by its Hugging Face ``architectures`` name (llama,
 bert, nomic_bert, qwen2, qwen3, qwen3moe, gemma2, gemma3 (with vision), gemma4 (text), phi3, gpt_oss,
 lfm2 (and lfm2moe), olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text), granitehybrid, nemotron_h,
-qwen35 (and qwen35moe, qwen3next), llama4 (text), gemma_embedding (EmbeddingGemma); the hooks are
-described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
+qwen35 (and qwen35moe, qwen3next), llama4 (text), gemma_embedding (EmbeddingGemma), qwen2vl (Qwen2-VL,
+Qwen 2.5-VL, with vision), qwen3vl (Qwen3-VL and its MoE, with vision); the hooks are described in
+``base.py``). Tensor names and metadata keys are llama.cpp's (names through
 ``gguf``'s tensor-name map), so the files also load there.
 
 Only numpy and the ``gguf`` package (writer, quantisers) are needed: no torch, safetensors or
@@ -32,8 +33,10 @@ from . import (  # noqa: F401
     olmo2,
     phi3,
     qwen2,
+    qwen2vl,
     qwen3,
     qwen3moe,
+    qwen3vl,
     qwen35,
     smollm3,
 )

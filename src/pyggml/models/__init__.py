@@ -120,7 +120,8 @@ class VisionPart:
     - ``preprocess(data)``: the image file's bytes, decoded (once: on the requesting thread, so a bad
       image fails its request before any work) into the named arrays its graph reads;
     - ``placeholders(image, tokenizer)``: the inputs that stand for one image in the prompt (marker
-      tokens, and the image's ``Input`` with ``same_batch`` keeping its rows in one batch);
+      tokens, and the image's ``Input`` with ``same_batch`` keeping its rows in one batch; for a text
+      model with multi-axis rope, each input's ``rope_offset``/``rope_step``: Qwen-VL's mRoPE positions);
     - ``build(ctx, inputs)``: the encoder graph of those arrays, read through
       ``ctx.from_numpy(array, name=name)`` so the engine keeps one graph per input shape and refills
       it for the next image of that shape (shapes may differ per image: dynamic resolution);
@@ -193,9 +194,12 @@ def _import_builtin() -> None:
         olmo2,
         phi3,
         qwen2,
+        qwen2vl,
         qwen3,
         qwen3moe,
         qwen3next,
+        qwen3vl,  # and qwen3vlmoe
+        qwen25vl,
         qwen35,
         qwen35moe,
         smollm3,

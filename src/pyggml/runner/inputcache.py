@@ -180,6 +180,9 @@ class InputCache:
                   num_keep, discard)
         if self.cache is not None:
             try:
+                if any(inp.rope_step != 1 for inp in slot.inputs[num_keep:num_keep + discard]):
+                    # an mRoPE image: the positions after it were moved by its shape, not by its length
+                    raise NotSupportedError("an input that moves rope positions cannot be shifted out")
                 self.cache.remove(slot.id, num_keep, num_keep + discard)
             except NotSupportedError:
                 rest = slot.inputs[:num_keep] + slot.inputs[num_keep + discard:]

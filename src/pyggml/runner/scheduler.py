@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from pyggml.input import Batch, Input, Multimodal, MultimodalIndex
+from pyggml.input import ROPE_AXES, Batch, Input, Multimodal, MultimodalIndex, rope_positions, rope_start
 from pyggml.runner.sequence import RunningSequence
 
 UNSET = -1  # token id of a placeholder input whose token is not sampled yet
@@ -61,6 +61,7 @@ class Step:
     sequences: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)  # batch indices with a logits row
     multimodal: list[MultimodalIndex] = field(default_factory=list)
+    ropes: list[tuple[int, Input]] = field(default_factory=list)  # each input's rope position (Input.rope_step)
     rows: list[tuple[int, RunningSequence]] = field(default_factory=list)  # (logits row, sequence) to sample
     scored: list[tuple[int, RunningSequence]] = field(default_factory=list)  # prompt rows a sequence keeps
     spec: list[tuple[int, RunningSequence]] = field(default_factory=list)  # (first row, sequence) with drafts
@@ -78,7 +79,7 @@ class Step:
     def reads_logits(self) -> bool:
         return bool(self.rows or self.scored or self.spec)
 
-    def add(self, inp: Input, position: int, sequence: int, seq: RunningSequence) -> None:
+    def add(self, inp: Input, position: int, sequence: int, seq: RunningSequence, rope: int | None = None) -> None:
         if inp.multimodal:
             self.multimodal.append(MultimodalIndex(len(self.tokens), inp.multimodal))
         if inp.token == UNSET:
@@ -86,13 +87,16 @@ class Step:
         self.tokens.append(inp.token)
         self.positions.append(position)
         self.sequences.append(sequence)
+        self.ropes.append((position if rope is None else rope, inp))
 
     def seal(self) -> None:
         """Make the batch of what was packed (none when nothing was)."""
         if self.tokens:
             self.ids = np.array(self.tokens, np.int32)
+            moved = any(r != p or inp.rope_offset for (r, inp), p in zip(self.ropes, self.positions, strict=True))
+            ropes = [rope_positions(r, inp, ROPE_AXES) for r, inp in self.ropes] if moved else ()
             self.batch = StepBatch(self.ids, outputs=self.outputs, positions=self.positions,
-                                   sequences=self.sequences, multimodal=self.multimodal)
+                                   sequences=self.sequences, multimodal=self.multimodal, rope_positions=ropes)
 
 
 def packing_order(seq: RunningSequence) -> tuple[bool, int]:
@@ -113,6 +117,7 @@ class Scheduler:
     def __init__(self, batch_size: int, num_ctx: int):
         self.batch_size, self.num_ctx = batch_size, num_ctx
         self.stops: dict[int, int] = {}  # slot id -> a position a batch must end at (once), e.g. a checkpoint
+        self._ropes: dict[int, tuple[list[Input], int, int]] = {}  # slot id -> (its inputs, n, rope_start(n))
 
     @staticmethod
     def feeds(seq: RunningSequence) -> bool:
@@ -151,6 +156,7 @@ class Scheduler:
         """Move up to ``room`` of ``seq``'s pending inputs into the step and its slot. A full slot
         takes nothing more (the context shift makes room before the next step)."""
         slot, taken, first = seq.slot, 0, len(step.tokens)
+        rope = self._rope_start(slot)
         while seq.pending and taken < room:
             inp = seq.pending[0]
             if len(slot.inputs) >= self.num_ctx or not encoded(inp):
@@ -167,12 +173,24 @@ class Scheduler:
                 elif inp.same_batch >= room - taken:
                     break
             seq.pending.popleft()
-            step.add(inp, len(slot.inputs), slot.id, seq)
+            step.add(inp, len(slot.inputs), slot.id, seq, rope)
             slot.inputs.append(inp)
+            rope += inp.rope_step
             taken += 1
         if taken:
+            self._ropes[slot.id] = (slot.inputs, len(slot.inputs), rope)
             step.seqs.append(seq)
             self._ask_logits(step, seq, first, taken)
+
+    def _rope_start(self, slot: Any) -> int:
+        """The rope position after ``slot``'s inputs: remembered from the last batch and advanced over
+        inputs added since (only the scheduler appends; anything that replaces or shortens the list
+        makes it count from the start)."""
+        inputs, n = slot.inputs, len(slot.inputs)
+        memo = self._ropes.get(slot.id)
+        if memo is not None and memo[0] is inputs and memo[1] <= n:
+            return memo[2] + sum(inp.rope_step for inp in inputs[memo[1]:])
+        return rope_start(inputs, n)
 
     @staticmethod
     def _ask_logits(step: Step, seq: RunningSequence, first: int, taken: int) -> None:
