@@ -440,3 +440,30 @@ def make_tiny_bert(tmp_path: Path, *, seed: int = 0, pooling: str | None = None)
             "pooling_mode_mean_tokens": pooling == "mean", "pooling_mode_max_tokens": False,
             "pooling_mode_lasttoken": pooling == "lasttoken"})
     return hf_dir, model
+
+
+def make_tiny_bert_reranker(tmp_path: Path, *, seed: int = 0, type_vocab_size: int = 2) -> tuple[Path, Any]:
+    """A 2-layer, 64-wide random ``BertForSequenceClassification`` with one label (a cross-encoder
+    reranker such as ms-marco-MiniLM) and the WordPiece vocabulary of ``make_tiny_bert``; biases and
+    LayerNorm weights randomised. Returns ``(hf_dir, hf_model)`` (float32, eval mode)."""
+    import torch
+    import transformers
+
+    hf_dir = Path(tmp_path) / f"tiny-bert-reranker-s{seed}-t{type_vocab_size}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_wordpiece_vocab(hf_dir, seed)
+    config = transformers.BertConfig(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=128, type_vocab_size=type_vocab_size, layer_norm_eps=1e-12,
+        hidden_act="gelu", initializer_range=0.1, pad_token_id=0, num_labels=1,
+        architectures=["BertForSequenceClassification"])
+    torch.manual_seed(seed)
+    model = transformers.BertForSequenceClassification(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model

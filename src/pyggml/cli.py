@@ -550,8 +550,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--type", choices=CONVERT_TYPES,
                          default="f16", help="type of the weight matrices (norms and vectors stay f32; the "
                                              "k-quant mixes as `pyggml quantize` makes them; default: f16)")
-    convert.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
-                         help="BERT: how embeddings are pooled (default: the sentence-transformers config, else mean)")
+    convert.add_argument("--pooling", choices=["mean", "cls", "last", "none", "rank"], default=None,
+                         help="BERT: how embeddings are pooled (default: the sentence-transformers config, else mean); "
+                              "rank: a Qwen3 checkpoint is Qwen3-Reranker")
     convert.add_argument("--mmproj", default=None, metavar="PATH",
                          help="vision models: write the vision part to this llama.cpp mmproj file (default: in OUT)")
     convert.set_defaults(func=cmd_convert)

@@ -162,6 +162,19 @@ class LLM:
         return self.runner.embeddings([texts] if isinstance(texts, str) else texts, normalize=normalize,
                                       truncate=truncate, pooling=pooling)
 
+    def rerank(self, query: str, documents: Sequence[str], top_n: int | None = None, *,
+               truncate: bool = False) -> list[dict[str, Any]]:
+        """Rank ``documents`` by relevance to ``query`` with a reranker (a cross-encoder such as
+        bge-reranker, or Qwen3-Reranker): ``[{"index", "relevance_score", "document"}, ...]``, best
+        first, at most ``top_n``. The scores are the model's own (a logit; Qwen3-Reranker: P(yes)).
+        A pair longer than the context is a ``ValueError`` unless ``truncate=True`` cuts the document."""
+        from pyggml.runner.embedding import ranked
+
+        if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):
+            raise ValueError(f"rerank: top_n must be a positive int, got {top_n!r}")
+        scores, _ = self.runner.rerank(query, documents, truncate=truncate)
+        return [{"index": i, "relevance_score": s, "document": documents[i]} for i, s in ranked(scores, top_n)]
+
     def _pieces(self, completion: CompletionStream) -> Iterator[str]:
         stats = self.stats = Stats(load_seconds=self._load_to_report)
         self._load_to_report = 0.0

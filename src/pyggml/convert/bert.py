@@ -66,3 +66,36 @@ def encoder_metadata(arch: Architecture, w: gguf.GGUFWriter) -> None:
     w.add_causal_attention(False)
     w.add_pooling_type(arch.pooling_type)
     w.add_token_type_count(arch.n_types)
+
+
+@register("BertForSequenceClassification")
+class BertReranker(Bert):
+    """A BERT cross-encoder (ms-marco-MiniLM, bge-reranker-base style heads on BERT): rank pooling,
+    the pooler (dense + tanh on [CLS]) as llama.cpp's ``cls``, the classifier as ``cls.output``."""
+
+    skip = (r"^(bert\.)?embeddings\.position_ids",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.pooling is not None:
+            raise ValueError("a reranker scores query/document pairs (rank pooling); --pooling does not apply")
+        self.pooling_type = gguf.PoolingType.RANK
+        labels = self.config.get("id2label") or {}
+        self.labels = [labels[k] for k in sorted(labels, key=int)] or ["LABEL_0"] * (self.config.get("num_labels") or 1)
+
+    def metadata(self, w: gguf.GGUFWriter) -> None:
+        super().metadata(w)
+        w.add_classifier_output_labels(self.labels)
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        head = {"bert.pooler.dense": "cls", "pooler.dense": "cls", "classifier": "cls.output"}
+        base, _, suffix = name.rpartition(".")
+        if base in head:
+            yield f"{head[base]}.{suffix}", source
+        else:
+            yield from super().tensors(name, source)
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        embd = self.n_embd
+        return {**super().expected(), "cls.weight": (embd, embd), "cls.bias": (embd,),
+                "cls.output.weight": (len(self.labels), embd), "cls.output.bias": (len(self.labels),)}
