@@ -71,6 +71,21 @@ def test_tied_output_and_bert_files_equal_llama_quantize(tmp_path, file_type):
     assert_same_as_llama_quantize(bert, tmp_path, file_type)
 
 
+@pytest.mark.parametrize("file_type", ["Q4_K_M", "Q5_K_M", "IQ4_NL", "Q4_K_S"])
+def test_moe_and_hybrid_files_equal_llama_quantize(tmp_path, file_type):
+    # 8 experts: llama.cpp gives attention v/k Q8_0 and the output projection Q5_K; a hybrid (LFM2: attention in
+    # some layers only) counts its attention layers, not its layers, to choose the ones with more bits
+    moe = write_model(tmp_path / "moe.gguf", "qwen3moe", {
+        **defaults("qwen3moe"), "block_count": 8, "embedding_length": 256, "attention.head_count": 4,
+        "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 256, "vocab_size": 512})
+    assert_same_as_llama_quantize(moe, tmp_path, file_type)
+    kv = [0, 2, 0, 0, 2, 0, 0, 2, 2, 0, 2, 0, 0, 2, 0, 0]
+    hybrid = write_model(tmp_path / "lfm2.gguf", "lfm2", {
+        **defaults("lfm2"), "block_count": 16, "embedding_length": 256, "feed_forward_length": 256,
+        "attention.head_count": 4, "attention.head_count_kv": kv, "vocab_size": 512})
+    assert_same_as_llama_quantize(hybrid, tmp_path, file_type)
+
+
 def test_mixes_choose_llama_cpps_types():
     mix = Mix("Q4_K_M", n_layers=8)
     # more bits for attn_v/ffn_down of the first and last eighth and every third layer between

@@ -50,14 +50,25 @@ def parse_file_type(name: str) -> str:
     return key
 
 
+_ATTN_V = ("attn_v.weight", "attn_qkv.weight", "attn_kv_b.weight")  # llama.cpp's attention-v-like tensors
+
+
 @dataclass(frozen=True)
 class Mix:
-    """Which type each tensor of one model gets for one file type (llama.cpp's rules, roughly)."""
+    """Which type each tensor of one model gets for one file type: llama.cpp's rules for these types."""
 
     file_type: str
     n_layers: int
     gqa: int = 1  # query heads per KV head
+    n_expert: int = 0
     tied_output: bool = False  # no output.weight: token_embd is the output matrix too
+    attn_v: tuple[str, ...] = ()  # the attention-v-like tensors in order (llama.cpp counts them)
+
+    @classmethod
+    def of(cls, file_type: str, names: list[str], n_layers: int, gqa: int = 1, n_expert: int = 0) -> Mix:
+        """The mix for a model whose tensors are ``names``."""
+        attn_v = sorted((n for n in names if any(k in n for k in _ATTN_V)), key=lambda n: (_layer(n), n))
+        return cls(file_type, n_layers, gqa, n_expert, "output.weight" not in names, tuple(attn_v))
 
     def tensor_type(self, name: str, shape: tuple[int, ...], current: DType) -> DType:
         """The type for tensor ``name`` of ggml shape ``shape`` now stored as ``current``."""
@@ -69,27 +80,28 @@ class Mix:
         return self._fit(self._mixed(name, shape, base), shape[0])
 
     def _mixed(self, name: str, shape: tuple[int, ...], base: DType) -> DType:
-        ft = self.file_type
+        ft, eight = self.file_type, self.n_expert == 8
         if name == "output.weight" or (self.tied_output and name == "token_embd.weight"):
             if shape[0] % base.block_size:
                 return DType.Q8_0
             return base if base == DType.Q8_0 else DType.Q6_K
-        layer = re.match(r"blk\.(\d+)\.", name)
-        if layer is None:
-            return base
-        i, n = int(layer[1]), self.n_layers
-        more_bits = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
-        if "attn_v.weight" in name or "attn_qkv.weight" in name:
-            if ft in ("Q4_K_M", "Q5_K_M") and "attn_qkv" in name:
-                return DType.Q5_K if ft == "Q4_K_M" else DType.Q6_K
-            if ft in ("Q4_K_M", "Q5_K_M") and more_bits:
+        if any(k in name for k in _ATTN_V):
+            i, n = (self.attn_v.index(name), len(self.attn_v)) if name in self.attn_v else (_layer(name), self.n_layers)
+            if eight:
+                return DType.Q8_0
+            if ft == "IQ4_NL" and self.gqa >= 4:
+                return DType.Q5_K
+            if ft in ("Q4_K_M", "Q5_K_M") and _more_bits(i, n):
                 return DType.Q6_K
             if ft == "Q4_K_S" and i < 4:
                 return DType.Q5_K
-            if ft == "IQ4_NL" and self.gqa >= 4:
-                return DType.Q5_K
+        elif "attn_k.weight" in name and eight:
+            return DType.Q8_0
+        elif "attn_output.weight" in name and eight and ft in ("Q4_K_S", "Q4_K_M", "IQ4_NL"):
+            return DType.Q5_K
         elif "ffn_down" in name:
-            if ft in ("Q4_K_M", "Q5_K_M") and more_bits:
+            i, n = _layer(name), self.n_layers
+            if ft in ("Q4_K_M", "Q5_K_M") and _more_bits(i, n):
                 return DType.Q6_K
             if ft in ("Q4_K_S", "IQ4_NL") and i < n // 8:
                 return DType.Q5_K
@@ -100,6 +112,16 @@ class Mix:
         if row % dtype.block_size:
             dtype = _FALLBACK.get(dtype, DType.F16)
         return DType.F16 if row % dtype.block_size else dtype
+
+
+def _layer(name: str) -> int:
+    found = re.match(r"blk\.(\d+)\.", name)
+    return int(found[1]) if found else -1
+
+
+def _more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of layers for more bits: the first and last eighth, and every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
 def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, file_type: str, *,
@@ -118,8 +140,9 @@ def quantize_gguf(src: str | os.PathLike, dst: str | os.PathLike, file_type: str
     n_layers = int(_field(reader, f"{arch}.block_count") or 0)
     heads, kv_heads = _field(reader, f"{arch}.attention.head_count"), _field(reader, f"{arch}.attention.head_count_kv")
     gqa = heads // kv_heads if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads else 1
-    names = {t.name for t in reader.tensors}
-    mix = Mix(file_type, n_layers, gqa, tied_output="output.weight" not in names)
+    n_expert = _field(reader, f"{arch}.expert_count")
+    mix = Mix.of(file_type, [t.name for t in reader.tensors], n_layers, gqa,
+                 n_expert if isinstance(n_expert, int) else 0)
     plan = [(t, DType(int(t.tensor_type)), mix.tensor_type(t.name, tuple(int(n) for n in t.shape),
                                                            DType(int(t.tensor_type)))) for t in reader.tensors]
 

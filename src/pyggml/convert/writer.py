@@ -146,8 +146,8 @@ def _quantized(arch: Architecture, plan: list[_Planned], file_type: str) -> tupl
     from pyggml.quantize import FILE_TYPES, Mix
     from pyggml.tensor import DType
 
-    mix = Mix(file_type, arch.n_layers, gqa=max(1, arch.n_heads // max(1, arch.n_kv_heads)),
-              tied_output=all(t.name != "output.weight" for t in plan))
+    mix = Mix.of(file_type, [t.name for t in plan], arch.n_layers, max(1, arch.n_heads // max(1, arch.n_kv_heads)),
+                 int(arch.config.get("num_experts") or arch.config.get("num_local_experts") or 0))
     plan = [t if t.qtype != tt.Q.F16 or t.source.qtype else dataclasses.replace(
         t, qtype=tt.Q(int(mix.tensor_type(t.name, tuple(reversed(t.source.shape)), DType.F16)))) for t in plan]
     return plan, FILE_TYPES[file_type][1]
