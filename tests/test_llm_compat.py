@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 
@@ -188,3 +189,16 @@ def test_from_pretrained_reads_the_hugging_face_cache_only(tmp_path, monkeypatch
         pyggml.LLM.from_pretrained("nobody/nothing", "x.gguf")
     with pytest.raises(TypeError, match="local_dir not supported"):
         pyggml.LLM.from_pretrained("someone/stories-GGUF", "*F32.gguf", local_dir="x")
+
+
+def test_chat_completion_with_an_image_is_chat_with_that_image(tmp_path):
+    from .hf_fixtures import png
+    from .test_gguf_counts import base_file
+
+    url = "data:image/png;base64," + base64.b64encode(png(0, (20, 18))).decode()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    with pyggml.load(base_file(tmp_path, "gemma3-vision"), n_ctx=512) as llm:
+        want = llm.chat(messages, max_tokens=6, temperature=0)
+        got = llm.create_chat_completion(messages, max_tokens=6, temperature=0)["choices"][0]["message"]["content"]
+        assert got == want and llm.stats.prompt_tokens + llm.stats.cached_tokens > 20  # the image tokens were read

@@ -104,8 +104,10 @@ class LlamaCppMethods:
         rendered by the template and calls read back per model family; ``tool_choice`` "required" or a
         function forces a call. ``response_format``: ``{"type": "json_object"}`` (with an optional
         ``"schema"``, as llama-cpp-python takes it) or OpenAI's ``{"type": "json_schema", "json_schema":
-        {"schema": ...}}``. A model that thinks puts its reasoning in ``message.reasoning_content``."""
-        from pyggml.chat import encode_prompt
+        {"schema": ...}}``. A model that thinks puts its reasoning in ``message.reasoning_content``.
+        Images (vision models): ``image_url`` content parts with ``data:`` URLs, as in ``chat``."""
+        from pyggml.chat import encode_prompt, strip_bos_text
+        from pyggml.image import split_chat_images
         from pyggml.thinking import ThinkingSplitter, prompt_opens_thinking, template_thinks
         from pyggml.tools import ToolOutput, check_tools, detect_format, forced_grammar, tool_choice_name
 
@@ -122,10 +124,13 @@ class LlamaCppMethods:
                 raise ValueError("create_chat_completion: a forced tool call cannot have a response_format or "
                                  "grammar too")
             grammar = forced_grammar(fmt, tools, name).named("tools")
+        messages, images = split_chat_images(messages)
         text = self._render_chat(messages, tools=tools or None)
         top = (top_logprobs or 0) if logprobs else None
+        # with images the runner tokenizes around them (and adds the BOS itself)
+        prompt = strip_bos_text(self.tokenizer, text) if images else encode_prompt(self.tokenizer, text)
         request = CompletionRequest(
-            prompt=encode_prompt(self.tokenizer, text), max_tokens=_max_tokens(max_tokens), stop=stop or (),
+            prompt=prompt, images=images, max_tokens=_max_tokens(max_tokens), stop=stop or (),
             logprobs=max(top, 1) if top is not None else 0, num_keep=self.num_keep, temperature=temperature,
             top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, repeat_penalty=repeat_penalty,
             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, seed=seed, logit_bias=logit_bias,
