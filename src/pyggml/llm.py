@@ -256,7 +256,8 @@ def load(path: str | os.PathLike, **options: Any) -> LLM:
     gpu_layers, flash_attention, use_mmap, ...) plus num_ctx, batch_size, cache_type, num_keep, and
     ``draft`` (the path of a smaller model with the same vocabulary: speculative decoding, drafts of up
     to ``draft_max`` tokens) and ``mmproj`` (a llama.cpp multimodal projector file for a vision model's
-    image encoder)."""
+    image encoder). llama-cpp-python's names work too: ``n_ctx``, ``n_batch``, ``n_gpu_layers`` (-1: all),
+    ``verbose``."""
     return LLM.load(path, **options)
 
 

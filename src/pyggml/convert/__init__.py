@@ -3,13 +3,15 @@
 Shared code reads the checkpoint (safetensors, memory-mapped, or torch .bin), the tokenizer
 (SentencePiece, BPE, WordPiece) and writes the file tensor by tensor (peak memory about one tensor);
 each architecture is one small file registered by its Hugging Face ``architectures`` name (llama,
-bert, nomic_bert, qwen2, qwen3, qwen3moe, gemma2, gemma3 (with vision), phi3, gpt_oss, lfm2 (and lfm2moe),
+bert (and BERT cross-encoder rerankers), nomic_bert, qwen2, qwen3 (and Qwen3-Reranker), qwen3moe,
+gemma2, gemma3 (with vision), phi3, gpt_oss, lfm2 (and lfm2moe),
 olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text); the hooks
 are described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
 ``gguf``'s tensor-name map), so the files also load there.
 
 Only numpy and the ``gguf`` package (writer, quantisers) are needed: no torch, safetensors or
-sentencepiece at conversion time (torch only to read a pytorch_model.bin).
+sentencepiece at conversion time (torch only to read a pytorch_model.bin; the compiled module for
+``--type`` q4_k_m and the other ``pyggml quantize`` types).
 """
 
 from . import (  # noqa: F401
