@@ -4,9 +4,10 @@
     ids = tok.encode("Hello world")    # BOS/EOS as the vocabulary asks
     tok.decode(ids, skip_special=True) == "Hello world"
 
-Three vocabulary types, by ``tokenizer.ggml.model``: ``llama`` (SentencePiece),
+Four vocabulary types, by ``tokenizer.ggml.model``: ``llama`` (SentencePiece),
 ``gpt2`` (byte-level BPE with the pre-tokenizer named by ``tokenizer.ggml.pre``)
-and ``bert`` (WordPiece). Encoding matches llama.cpp's tokenizer test vectors.
+``bert`` (WordPiece) and ``t5`` (unigram: T5, XLM-RoBERTa). Encoding matches llama.cpp's tokenizer
+test vectors.
 """
 
 from __future__ import annotations
@@ -17,16 +18,18 @@ from typing import Any
 from .base import StreamDecoder, Tokenizer
 from .bpe import BytePairEncoding
 from .spm import SentencePiece
+from .ugm import Unigram
 from .vocab import TokenType, Vocab
 from .wpm import WordPiece
 
 __all__ = ["BytePairEncoding", "SentencePiece", "StreamDecoder", "TokenType", "Tokenizer",
-           "Vocab", "WordPiece", "from_metadata"]
+           "Unigram", "Vocab", "WordPiece", "from_metadata"]
 
 _TOKENIZERS: dict[str, type[Tokenizer]] = {
     "llama": SentencePiece,
     "gpt2": BytePairEncoding,
     "bert": WordPiece,
+    "t5": Unigram,
 }
 
 
