@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", reason="builds HF reranker ch
 import pyggml  # noqa: E402
 from pyggml.convert import convert_hf  # noqa: E402
 
-from .hf_fixtures import make_tiny_bert_reranker, make_tiny_llama  # noqa: E402
+from .hf_fixtures import make_tiny_bert_reranker, make_tiny_llama, make_tiny_xlm_roberta  # noqa: E402
 
 QUERY = "what is the sun"
 DOCS = ["the sun is a star and it is hot", "water is found in the sea", "the school has a long page",
@@ -127,6 +127,36 @@ def test_qwen3_reranker_is_p_yes_of_the_last_token_as_in_transformers_and_llama_
         want.append(torch.softmax(logits[[yes, no]], 0)[0].item())
     np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(ours, llama_cpp_rank_scores(path, pairs), atol=2e-3)
+
+
+def test_xlm_roberta_reranker_matches_transformers_and_llama_cpp(tmp_path):
+    # bge-reranker's architecture: a unigram vocabulary, pairs as <s> q </s></s> d </s>, RoBERTa's position offset
+    hf_dir, model = make_tiny_xlm_roberta(tmp_path)
+    path = convert_hf(hf_dir, tmp_path / "xlmr-rerank.gguf", "f32")
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    enc = tok([QUERY] * len(DOCS), DOCS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = model(**enc).logits[:, 0].numpy()
+    with pyggml.load(path) as llm:
+        pairs = [llm.runner.embedder.pair(QUERY, d)[0] for d in DOCS]
+        ours, _ = llm.runner.rerank(QUERY, DOCS)
+        assert llm.tokenize("the sun is hot") == tok("the sun is hot")["input_ids"]
+    assert pairs == [ids[:int(n)].tolist() for ids, n in zip(enc["input_ids"], enc["attention_mask"].sum(1),
+                                                               strict=True)]
+    np.testing.assert_allclose(ours, want, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(ours, llama_cpp_rank_scores(path, pairs), atol=2e-3)
+
+
+def test_xlm_roberta_encoder_embeddings_match_transformers(tmp_path):
+    hf_dir, model = make_tiny_xlm_roberta(tmp_path, reranker=False)
+    path = convert_hf(hf_dir, tmp_path / "xlmr.gguf", "f32")  # no sentence-transformers config: mean pooling
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    with pyggml.load(path) as llm:
+        ours = llm.embed(DOCS, normalize=False)
+    for row, doc in zip(ours, DOCS, strict=True):
+        with torch.no_grad():
+            states = model(**tok(doc, return_tensors="pt")).last_hidden_state[0]
+        np.testing.assert_allclose(row, states.mean(0).numpy(), rtol=1e-4, atol=1e-5)
 
 
 def test_rerank_refuses_what_is_not_a_reranker_and_bad_input(bert, tmp_path):

@@ -1,10 +1,10 @@
 """Hugging Face -> GGUF: ``convert_hf(hf_dir, out_path)``, the engine of ``pyggml convert``.
 
 Shared code reads the checkpoint (safetensors, memory-mapped, or torch .bin), the tokenizer
-(SentencePiece, BPE, WordPiece) and writes the file tensor by tensor (peak memory about one tensor);
+(SentencePiece, BPE, WordPiece, Unigram) and writes the file tensor by tensor (peak memory about one tensor);
 each architecture is one small file registered by its Hugging Face ``architectures`` name (llama,
-bert (and BERT cross-encoder rerankers), nomic_bert, qwen2, qwen3 (and Qwen3-Reranker), qwen3moe,
-gemma2, gemma3 (with vision), phi3, gpt_oss, lfm2 (and lfm2moe),
+bert (and BERT / XLM-RoBERTa encoders and cross-encoder rerankers), nomic_bert, qwen2,
+qwen3 (and Qwen3-Reranker), qwen3moe, gemma2, gemma3 (with vision), phi3, gpt_oss, lfm2 (and lfm2moe),
 olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text); the hooks
 are described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
 ``gguf``'s tensor-name map), so the files also load there.

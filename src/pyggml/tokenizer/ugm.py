@@ -60,6 +60,7 @@ class Charsmap:
 
 class Unigram(SentencePiece):
     model = "t5"
+    appends_sep = False  # as llama.cpp: SEP only joins a reranker's query and document
 
     def __init__(self, vocab: Vocab) -> None:
         super().__init__(vocab)
