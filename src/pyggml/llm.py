@@ -189,7 +189,8 @@ class LLM(LlamaCppMethods):
         """Rank ``documents`` by relevance to ``query`` with a reranker (a cross-encoder such as
         bge-reranker, or Qwen3-Reranker): ``[{"index", "relevance_score", "document"}, ...]``, best
         first, at most ``top_n``. The scores are the model's own (a logit; Qwen3-Reranker: P(yes)).
-        A pair longer than the context is a ``ValueError`` unless ``truncate=True`` cuts the document."""
+        A pair longer than the context is a ``ValueError`` unless ``truncate=True`` cuts the document
+        (not for a prompt template such as Qwen3-Reranker's: shorten the document)."""
         from pyggml.runner.embedding import ranked
 
         if top_n is not None and (not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1):

@@ -89,7 +89,8 @@ class Embedder:
 
     def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = False) -> tuple[np.ndarray, int]:
         """Relevance scores (len(documents),) of each document to ``query`` and the tokens read;
-        ``truncate`` cuts documents too long for the context (else ``ValueError``)."""
+        ``truncate`` cuts documents too long for the context (else ``ValueError``; always one with a
+        ``rerank`` prompt template)."""
         if self.model.pooling != Pooling.RANK:
             raise ValueError(f"rerank: the {self.model.architecture or 'loaded'} model is not a reranker (its "
                              "pooling_type is not rank); use a cross-encoder such as bge-reranker or Qwen3-Reranker")
