@@ -594,5 +594,72 @@ def make_tiny_qwen35(tmp_path: Path, *, layer_types: tuple[str, ...] = ("linear_
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith("dt_bias"):
                 p.copy_(0.5 * torch.randn_like(p))
+def make_tiny_bert_reranker(tmp_path: Path, *, seed: int = 0, type_vocab_size: int = 2) -> tuple[Path, Any]:
+    """A 2-layer, 64-wide random ``BertForSequenceClassification`` with one label (a cross-encoder
+    reranker such as ms-marco-MiniLM) and the WordPiece vocabulary of ``make_tiny_bert``; biases and
+    LayerNorm weights randomised. Returns ``(hf_dir, hf_model)`` (float32, eval mode)."""
+    import torch
+    import transformers
+
+    hf_dir = Path(tmp_path) / f"tiny-bert-reranker-s{seed}-t{type_vocab_size}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_wordpiece_vocab(hf_dir, seed)
+    config = transformers.BertConfig(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=128, type_vocab_size=type_vocab_size, layer_norm_eps=1e-12,
+        hidden_act="gelu", initializer_range=0.1, pad_token_id=0, num_labels=1,
+        architectures=["BertForSequenceClassification"])
+    torch.manual_seed(seed)
+    model = transformers.BertForSequenceClassification(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
+def make_tiny_xlm_roberta(tmp_path: Path, *, seed: int = 0, reranker: bool = True) -> tuple[Path, Any]:
+    """A 2-layer, 64-wide random XLM-RoBERTa (``XLMRobertaForSequenceClassification`` with one label, a
+    bge-reranker in small, or the bare ``XLMRobertaModel``) with a unigram tokenizer trained on
+    ``corpus(seed)`` (XLM-R's specials <s> <pad> </s> <unk> first, <mask> last; spaces merged, no
+    charsmap). Returns ``(hf_dir, hf_model)`` (float32, eval mode)."""
+    import torch
+    import transformers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    hf_dir = Path(tmp_path) / f"tiny-xlmr-s{seed}{'-rerank' if reranker else ''}"
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Replace(Regex(" {2,}"), " ")
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+                                      unk_token="<unk>", show_progress=False)
+    tok.train_from_iterator(corpus(seed), trainer)
+    tok.add_special_tokens(["<mask>"])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    fast = transformers.XLMRobertaTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                                 sep_token="</s>", cls_token="<s>", unk_token="<unk>",
+                                                 pad_token="<pad>", mask_token="<mask>")
+    fast.save_pretrained(hf_dir)
+    n_tokens = tok.get_vocab_size(with_added_tokens=True)
+    config = transformers.XLMRobertaConfig(
+        vocab_size=n_tokens, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=130, type_vocab_size=1, layer_norm_eps=1e-5, hidden_act="gelu",
+        initializer_range=0.1, pad_token_id=1, bos_token_id=0, eos_token_id=2, num_labels=1,
+        architectures=["XLMRobertaForSequenceClassification" if reranker else "XLMRobertaModel"])
+    torch.manual_seed(seed)
+    cls = transformers.XLMRobertaForSequenceClassification if reranker else transformers.XLMRobertaModel
+    model = (cls(config) if reranker else cls(config, add_pooling_layer=False)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm.weight" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(hf_dir)
     return hf_dir, model

@@ -263,9 +263,14 @@ def test_unsupported_or_inconsistent_keys_are_named(key, value, words):
         Options.from_config(Config(metadata("qwen3moe", {**TINY["qwen3moe"], key: value})))
 
 
-def test_a_reranker_pooling_type_is_refused(tmp_path):
+def test_a_reranker_pooling_type_needs_the_yes_no_head(tmp_path):
+    # issue 29: rank pooling (Qwen3-Reranker) is supported now (tests/test_rerank.py); the head must be there
     path = write_model(tmp_path / "m.gguf", "qwen3", {**TINY["qwen3"], "pooling_type": 4})
-    with pytest.raises(ModelError, match=r"qwen3\.pooling_type: rank pooling is not supported"):
+    model = models.load(path)
+    assert model.pooling == models.Pooling.RANK and not model.generates
+    model.close()
+    path = write_model(tmp_path / "n.gguf", "qwen3", {**TINY["qwen3"], "pooling_type": 4}, omit=("cls.output.weight",))
+    with pytest.raises(ModelError, match=r"cls\.output\.weight"):
         models.load(path)
 
 

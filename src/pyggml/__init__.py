@@ -31,8 +31,13 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-_SUBMODULES = {"backend", "bench", "chat", "convert", "kvcache", "llm", "models", "nn", "rpc",
+_SUBMODULES = {"backend", "bench", "chat", "compat", "convert", "kvcache", "llm", "models", "nn", "quantize", "rpc",
                "runner", "sample", "server", "synthetic", "tensor", "tiny", "tokenizer"}
+
+
+def __dir__() -> list[str]:
+    """The public API (``__all__``) and the submodules, though most are imported on first use."""
+    return sorted({*globals(), *__all__, *_SUBMODULES})
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 DEMO = "demo"
+# convert --type: pyggml.convert.tensors' OUT_TYPES and QUANTIZED_TYPES (not imported: the converter loads slowly)
+CONVERT_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m",
+                 "q6_k", "iq4_nl"]
 
 
 class ProgressBar:
@@ -384,6 +387,21 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from pyggml.quantize import parse_file_type, quantize_gguf
+
+    file_type = parse_file_type(args.type)  # before reading the input: a typo costs nothing
+    source = _resolve(args.model).path
+    types = quantize_gguf(source, args.out, file_type, progress=ProgressBar("quantizing", min_total=0),
+                          n_threads=args.threads)
+    counts = ", ".join(f"{n} {name}" for name, n in Counter(t.name for t in types.values()).most_common())
+    size = os.path.getsize(args.out)
+    print(f"wrote {args.out} ({file_type}, {size / 2**20:,.1f} MiB; tensors: {counts})")
+    return 0
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -563,13 +581,25 @@ def build_parser() -> argparse.ArgumentParser:
                                              "to GGUF; an unsupported one lists the supported architectures")
     convert.add_argument("hf_dir")
     convert.add_argument("out")
-    convert.add_argument("--type", choices=["f32", "f16", "bf16", "q8_0"], default="f16",
-                         help="type of the weight matrices (norms and vectors stay f32; default: f16)")
-    convert.add_argument("--pooling", choices=["mean", "cls", "last", "none"], default=None,
-                         help="BERT: how embeddings are pooled (default: the sentence-transformers config, else mean)")
+    convert.add_argument("--type", choices=CONVERT_TYPES,
+                         default="f16", help="type of the weight matrices (norms and vectors stay f32; the "
+                                             "k-quant mixes as `pyggml quantize` makes them; default: f16)")
+    convert.add_argument("--pooling", choices=["mean", "cls", "last", "none", "rank"], default=None,
+                         help="BERT: how embeddings are pooled (default: the sentence-transformers config, else mean); "
+                              "rank: a Qwen3 checkpoint is Qwen3-Reranker")
     convert.add_argument("--mmproj", default=None, metavar="PATH",
                          help="vision models: write the vision part to this llama.cpp mmproj file (default: in OUT)")
     convert.set_defaults(func=cmd_convert)
+
+    quant = sub.add_parser("quantize", help="re-encode a GGUF's weight matrices (like llama-quantize): "
+                                            "Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, IQ4_NL, ...")
+    quant.add_argument("model", help="input GGUF (a file or a stored model's name)")
+    quant.add_argument("out", help="output GGUF file")
+    quant.add_argument("type", metavar="TYPE", help="Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K_S, Q4_K_M, Q5_K_S, Q5_K_M, "
+                                                   "Q6_K, IQ4_NL, F16, BF16 or F32 (case does not matter)")
+    quant.add_argument("--threads", type=_positive("--threads"), default=None,
+                       help="quantizing threads (default: all CPUs)")
+    quant.set_defaults(func=cmd_quantize)
 
     compare = sub.add_parser("compare", help="per-layer error of a GGUF against its Hugging Face checkpoint "
                                              "(needs torch and transformers)")

@@ -291,6 +291,37 @@ def _find_hf(name: str) -> ModelRef | None:
     return _hf_ref(repo, files[0])
 
 
+def hf_cached_file(repo_id: str, filename: str | None = None) -> Path:
+    """A GGUF of ``repo_id`` ("org/name") in the local Hugging Face cache, as llama-cpp-python's
+    ``Llama.from_pretrained`` picks it: ``filename`` is a file name, a path in the repository or a glob
+    ("*q4_k_m.gguf"); None when the repository holds one GGUF. Never downloads: ModelNotFoundError says
+    what is cached, or how to fetch the file."""
+    import fnmatch
+
+    parts = repo_id.split("/") if isinstance(repo_id, str) else []
+    if len(parts) != 2 or not all(parts) or any(p in (".", "..") for p in parts):
+        raise ModelNotFoundError(f"repo_id must look like 'org/name', got {repo_id!r}")
+    fetch = f"huggingface-cli download {repo_id}{f' {filename!r}' if filename else ''}"
+    snapshot = _hf_snapshot(hf_cache_dir() / f"models--{parts[0]}--{parts[1]}")
+    files = sorted(p for p in snapshot.rglob("*.gguf") if p.is_file()) if snapshot else []
+    if not files:
+        raise ModelNotFoundError(f"{repo_id} has no GGUF file in the Hugging Face cache ({hf_cache_dir()}); pyggml "
+                                 f"never downloads: fetch it first (`{fetch}`)")
+    relative = {f: f.relative_to(snapshot).as_posix() for f in files}
+    if filename is None:
+        found = [f for f in files if "mmproj" not in f.name.lower()]
+    else:
+        found = [f for f in files if fnmatch.fnmatch(relative[f], filename) or fnmatch.fnmatch(f.name, filename)]
+    names = ", ".join(relative.values())
+    if not found:
+        raise ModelNotFoundError(f"no file of {repo_id} in the Hugging Face cache matches {filename!r}; cached: "
+                                 f"{names} (pyggml never downloads: `{fetch}`)")
+    if len(found) > 1:
+        raise ModelNotFoundError(f"{filename or repo_id!r} matches several cached files of {repo_id}: "
+                                 f"{', '.join(relative[f] for f in found)}; name one")
+    return found[0]
+
+
 def _hf_snapshot(repo_dir: Path) -> Path | None:
     snapshots = repo_dir / "snapshots"
     ref = repo_dir / "refs" / "main"

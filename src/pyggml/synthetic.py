@@ -352,6 +352,8 @@ def _add(writer: gguf.GGUFWriter, key: str, value: Any) -> None:
         writer.add_float32(key, float(value))
     elif isinstance(value, str):
         writer.add_string(key, value)
+    elif isinstance(value, bytes):  # e.g. a unigram vocabulary's precompiled_charsmap: uint8, as llama.cpp reads it
+        writer.add_key_value(key, list(value), V.ARRAY, sub_type=V.UINT8)
     elif isinstance(value, (list, tuple)):
         if key == "tokenizer.ggml.token_type":  # llama.cpp reads token types as int32
             writer.add_key_value(key, [int(v) for v in value], V.ARRAY, sub_type=V.INT32)

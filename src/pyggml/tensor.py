@@ -1473,3 +1473,26 @@ def quantize(data: np.ndarray, dtype: DType | str) -> np.ndarray:
     lib.ggml_quantize_chunk(dtype, ffi.cast("float *", ffi.from_buffer(data)), ffi.from_buffer(out), 0, n_rows,
                             n_per_row, NULL)
     return out
+
+
+def dequantize(raw: np.ndarray, dtype: DType | str, shape: Sequence[int]) -> np.ndarray:
+    """Raw ``dtype`` data (as stored in a GGUF: uint8 blocks, or F32/F16/BF16 values) as float32,
+    shaped ``tuple(reversed(shape))`` (``shape`` in ggml order), with ggml's own conversion."""
+    dtype = DType.parse(dtype)
+    shape = tuple(int(n) for n in shape)
+    raw = np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    if not shape or min(shape) < 1 or shape[0] % dtype.block_size:
+        raise ValueError(f"dequantize: shape {shape} is not whole {dtype.name} blocks")
+    if raw.nbytes != dtype.row_bytes(shape[0]) * math.prod(shape[1:]):
+        raise ValueError(f"dequantize: {raw.nbytes} bytes do not hold a {dtype.name} tensor of shape {shape}")
+    out = np.empty(math.prod(shape), dtype=np.float32)
+    if dtype == DType.F32:
+        out[:] = raw.view(np.float32)
+    elif dtype == DType.F16:
+        out[:] = raw.view(np.float16)
+    else:
+        to_float = lib.ggml_get_type_traits(dtype).to_float
+        if to_float == NULL or dtype in _NO_TO_FLOAT:
+            raise ValueError(f"dequantize: ggml cannot convert {dtype.name} to float")
+        to_float(ffi.from_buffer(raw), ffi.from_buffer("float[]", out), out.size)
+    return out.reshape(tuple(reversed(shape)))

@@ -8,7 +8,7 @@ import gguf
 
 from .base import Architecture, register
 from .tensors import Source
-from .vocab import Vocab, wordpiece_vocab
+from .vocab import Vocab, unigram_vocab, wordpiece_vocab
 
 
 @register("BertModel", "BertForMaskedLM", model_types=("bert",))
@@ -66,3 +66,87 @@ def encoder_metadata(arch: Architecture, w: gguf.GGUFWriter) -> None:
     w.add_causal_attention(False)
     w.add_pooling_type(arch.pooling_type)
     w.add_token_type_count(arch.n_types)
+
+
+@register("BertForSequenceClassification")
+class BertReranker(Bert):
+    """A BERT cross-encoder (ms-marco-MiniLM style): rank pooling, the pooler (dense + tanh on [CLS]) as
+    llama.cpp's ``cls``, the classifier as ``cls.output``."""
+
+    skip = (r"^(bert\.)?embeddings\.position_ids",)
+    head = {"bert.pooler.dense": "cls", "pooler.dense": "cls", "classifier": "cls.output"}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.pooling is not None:
+            raise ValueError("a reranker scores query/document pairs (rank pooling); --pooling does not apply")
+        self.pooling_type = gguf.PoolingType.RANK
+        labels = self.config.get("id2label") or {}
+        self.labels = [labels[k] for k in sorted(labels, key=int)] or ["LABEL_0"] * (self.config.get("num_labels") or 1)
+
+    def metadata(self, w: gguf.GGUFWriter) -> None:
+        super().metadata(w)
+        w.add_classifier_output_labels(self.labels)
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        base, _, suffix = name.rpartition(".")
+        if base in self.head:
+            yield f"{self.head[base]}.{suffix}", source
+        else:
+            yield from super().tensors(name, source)
+
+    def expected(self) -> dict[str, tuple[int, ...]]:
+        embd = self.n_embd
+        return {**super().expected(), "cls.weight": (embd, embd), "cls.bias": (embd,),
+                "cls.output.weight": (len(self.labels), embd), "cls.output.bias": (len(self.labels),)}
+
+
+class _Roberta:
+    """What XLM-RoBERTa changes in a BERT file, as llama.cpp writes it: the unigram vocabulary, the
+    encoder under ``roberta.``, and position embeddings without RoBERTa's first padding_idx + 1 rows
+    (its positions start after the padding id)."""
+
+    def _roberta_init(self) -> None:
+        self.offset = (self.config.get("pad_token_id") or 1) + 1
+        self.context_length -= self.offset
+        self.n_types = self.config.get("type_vocab_size") or 1
+
+    def vocab(self) -> Vocab:
+        return unigram_vocab(self.hf_dir, self.n_vocab)
+
+    def _roberta_tensor(self, name: str, source: Source) -> tuple[str, Source]:
+        name = name.removeprefix("roberta.")
+        if name == "embeddings.position_embeddings.weight":
+            rows = source.shape[0] - self.offset
+            source = source.map(lambda w: w[self.offset:], (rows, *source.shape[1:]))
+        return name, source
+
+
+@register("XLMRobertaModel", model_types=("xlm-roberta",))
+class XLMRoberta(_Roberta, Bert):
+    """XLM-RoBERTa sentence encoders (bge-m3, multilingual-e5): a ``bert`` file with a ``t5`` vocabulary."""
+
+    skip = (r"^(roberta\.)?(pooler\.|embeddings\.position_ids)",)
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._roberta_init()
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        yield from super().tensors(*self._roberta_tensor(name, source))
+
+
+@register("XLMRobertaForSequenceClassification")
+class XLMRobertaReranker(_Roberta, BertReranker):
+    """XLM-RoBERTa cross-encoders (bge-reranker-base/large/v2-m3): the classifier's dense layer (tanh) as
+    ``cls`` and its projection as ``cls.output``."""
+
+    skip = (r"^(roberta\.)?embeddings\.position_ids",)
+    head = {"classifier.dense": "cls", "classifier.out_proj": "cls.output"}
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._roberta_init()
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        yield from super().tensors(*self._roberta_tensor(name, source))

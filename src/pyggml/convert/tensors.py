@@ -16,6 +16,8 @@ import numpy as np
 Q = gguf.GGMLQuantizationType
 # --type choices: the type of weight matrices, and the general.file_type that says so
 OUT_TYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0}
+# more --type choices: ``pyggml quantize``'s file types (pyggml.quantize.FILE_TYPES, which needs the compiled module)
+QUANTIZED_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K", "IQ4_NL")
 FILE_TYPES = {Q.F32: gguf.LlamaFileType.ALL_F32, Q.F16: gguf.LlamaFileType.MOSTLY_F16,
               Q.BF16: gguf.LlamaFileType.MOSTLY_BF16, Q.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0}
 
@@ -79,4 +81,8 @@ def encode(data: np.ndarray, qtype: Q) -> np.ndarray:
     """Float32 data in the file's encoding (quantised blocks as bytes)."""
     if qtype in (Q.F32, Q.F16):
         return np.ascontiguousarray(data, dtype=np.float32 if qtype == Q.F32 else np.float16)
-    return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
+    if qtype in (Q.BF16, Q.Q8_0):
+        return gguf.quants.quantize(np.ascontiguousarray(data, dtype=np.float32), qtype)
+    from pyggml.tensor import quantize  # ggml's own quantizers (K and IQ types): the compiled module
+
+    return quantize(data, int(qtype))

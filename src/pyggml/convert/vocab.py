@@ -53,6 +53,8 @@ class Vocab:
     add_space_prefix: bool | None = None
     add_sep: bool | None = None
     chat_template: str | list[dict[str, str]] | None = None
+    precompiled_charsmap: bytes | None = None  # unigram ("t5"): SentencePiece's normalisation table
+    remove_extra_whitespaces: bool | None = None
 
     def pad_to(self, n: int) -> None:
         """Give ids up to ``n`` placeholder tokens (embedding rows that no token uses)."""
@@ -269,6 +271,48 @@ def write_vocab(writer: Any, vocab: Vocab) -> None:
         writer.add_add_sep_token(vocab.add_sep)
     if vocab.chat_template:
         writer.add_chat_template(vocab.chat_template)
+    if vocab.precompiled_charsmap:
+        writer.add_precompiled_charsmap(vocab.precompiled_charsmap)
+    if vocab.remove_extra_whitespaces is not None:
+        writer.add_remove_extra_whitespaces(vocab.remove_extra_whitespaces)
+
+
+def unigram_vocab(hf_dir: Path, n_vocab: int) -> Vocab:
+    """tokenizer.json's Unigram model (XLM-RoBERTa's) in GGUF form (llama.cpp's ``t5`` vocabulary): the
+    pieces with their scores, the normaliser's precompiled charsmap and space merging, and the
+    specials <s> (BOS), </s> (EOS and SEP), <unk>, <pad>, <mask>; a pair is ``<s> A </s></s> B </s>``."""
+    import base64
+
+    tok_json = read_json(hf_dir / "tokenizer.json") or {}
+    model = tok_json.get("model") or {}
+    if model.get("type") != "Unigram":
+        raise FileNotFoundError(f"no Unigram tokenizer.json in {hf_dir} (XLM-RoBERTa's fast tokenizer)")
+    tokens = [piece for piece, _ in model["vocab"]]
+    scores = [float(score) for _, score in model["vocab"]]
+    types = [NORMAL] * len(tokens)
+    if model.get("unk_id") is not None:
+        types[model["unk_id"]] = UNKNOWN
+    vocab = Vocab("t5", tokens, types, {}, scores=scores, pre="default", add_bos=True, add_eos=True, add_sep=True,
+                  add_space_prefix=True, remove_extra_whitespaces=False)
+    _apply_added(vocab, _added_tokens(hf_dir, read_json(hf_dir / "tokenizer_config.json") or {}, tok_json))
+    normalizers = [tok_json.get("normalizer") or {}]
+    normalizers += normalizers[0].get("normalizers") or []
+    for n in normalizers:
+        if n.get("type") == "Precompiled" and n.get("precompiled_charsmap"):
+            vocab.precompiled_charsmap = base64.b64decode(n["precompiled_charsmap"])
+        if n.get("type") == "Replace" and (n.get("pattern") or {}).get("Regex") == " {2,}":
+            vocab.remove_extra_whitespaces = True
+    ids = {t: i for i, t in enumerate(vocab.tokens)}
+    for kind, text in (("bos", "<s>"), ("eos", "</s>"), ("sep", "</s>"), ("unk", "<unk>"), ("pad", "<pad>"),
+                       ("mask", "<mask>")):
+        if text in ids:
+            vocab.special[kind] = ids[text]
+    if "bos" not in vocab.special or "eos" not in vocab.special:
+        raise ValueError("the Unigram vocabulary has no <s> or </s> token")
+    if len(vocab.tokens) > n_vocab:
+        raise ValueError(f"tokenizer.json has {len(vocab.tokens)} tokens but the model's vocab_size is {n_vocab}")
+    vocab.pad_to(n_vocab)
+    return vocab
 
 
 _WORDPIECE_SPECIALS = ("unk", "sep", "pad", "cls", "mask")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Callable
@@ -40,24 +41,33 @@ def convert_hf(
     The architecture comes from config.json's ``architectures`` (see
     :func:`pyggml.convert.supported`); tensor names and metadata keys are llama.cpp's, so the file
     also loads there. ``out_type`` ("f32", "f16", "bf16" or "q8_0") is the type of weight matrices
-    (q8_0 only where rows are a multiple of 32, f16 otherwise); vectors and norms stay f32.
+    (q8_0 only where rows are a multiple of 32, f16 otherwise); vectors and norms stay f32. A
+    ``pyggml quantize`` type ("q4_k_m", "q6_k", ...: :data:`pyggml.quantize.FILE_TYPES`) quantizes the
+    matrices from the checkpoint's values as that command would quantize an f32 file (matrices it keeps
+    are f16).
     ``progress(done, total)`` is called after each tensor with bytes written so far and in all.
     ``pooling`` ("mean", "cls", "last" or "none") overrides an embedding model's pooling.
     The file is written beside ``out_path`` and renamed into place when complete.
     """
-    if out_type not in tt.OUT_TYPES:
-        raise ValueError(f"unknown out_type {out_type!r}; choose one of {', '.join(tt.OUT_TYPES)}")
+    mixed = out_type not in tt.OUT_TYPES and out_type.upper() in tt.QUANTIZED_TYPES
+    if out_type not in tt.OUT_TYPES and not mixed:
+        raise ValueError(f"unknown out_type {out_type!r}; choose one of "
+                         f"{', '.join([*tt.OUT_TYPES, *(t.lower() for t in tt.QUANTIZED_TYPES)])}")
     hf_dir, out_path = Path(hf_dir), Path(out_path)
     config = read_json(hf_dir / "config.json", required=True)
     arch = architecture_for(config)(hf_dir, config, pooling)
-    plan = _plan(arch, open_checkpoint(hf_dir), tt.OUT_TYPES[out_type])
+    plan = _plan(arch, open_checkpoint(hf_dir), tt.Q.F16 if mixed else tt.OUT_TYPES[out_type])
+    if mixed:
+        plan, file_type = _quantized(arch, plan, out_type.upper())
+    else:
+        file_type = tt.FILE_TYPES[tt.OUT_TYPES[out_type]]
     vocab = arch.vocab()
 
     tmp_path = out_path.with_name(out_path.name + ".tmp")
     writer = gguf.GGUFWriter(tmp_path, arch.gguf_arch)
     try:
         writer.add_name(hf_dir.resolve().name)
-        writer.add_file_type(tt.FILE_TYPES[tt.OUT_TYPES[out_type]])
+        writer.add_file_type(file_type)
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
         arch.metadata(writer)
         write_vocab(writer, vocab)
@@ -129,6 +139,18 @@ def _plan(arch: Architecture, checkpoint: Checkpoint, out_type: gguf.GGMLQuantiz
         raise ValueError("; ".join(wrong))
     return [_Planned(n, origin, source, source.qtype or tt.tensor_type(n, source.shape, out_type, arch.keep_f32))
             for n, (origin, source) in ((n, produced[n]) for n in expected)]
+
+
+def _quantized(arch: Architecture, plan: list[_Planned], file_type: str) -> tuple[list[_Planned], gguf.LlamaFileType]:
+    """The plan of an f16 file with its f16 matrices given ``pyggml quantize``'s types for ``file_type``."""
+    from pyggml.quantize import FILE_TYPES, Mix
+    from pyggml.tensor import DType
+
+    mix = Mix.of(file_type, [t.name for t in plan], arch.n_layers, max(1, arch.n_heads // max(1, arch.n_kv_heads)),
+                 int(arch.config.get("num_experts") or arch.config.get("num_local_experts") or 0))
+    plan = [t if t.qtype != tt.Q.F16 or t.source.qtype else dataclasses.replace(
+        t, qtype=tt.Q(int(mix.tensor_type(t.name, tuple(reversed(t.source.shape)), DType.F16)))) for t in plan]
+    return plan, FILE_TYPES[file_type][1]
 
 
 def _expand(templates: dict[str, tuple[int, ...]], n_layers: int) -> dict[str, tuple[int, ...]]:

@@ -3,6 +3,9 @@
 Post-norm transformer without a causal mask: token + position + token-type embeddings ->
 LayerNorm; per layer, attention -> residual -> LayerNorm, GELU MLP -> residual -> LayerNorm. The
 token states are pooled into one vector per sequence (mean, first token, last token) in the graph.
+A cross-encoder reranker (``pooling_type`` rank: bge-reranker, ms-marco cross-encoders) puts a query
+and a document in one sequence (document tokens of segment 1 where the file has two token types) and
+scores it with a classification head on the first token (``rank``).
 There is no KV cache: a sequence is encoded whole in one pass, and several sequences share a pass
 with a block-diagonal mask so that each token attends only to its own sequence.
 """
@@ -18,7 +21,7 @@ from pyggml import nn
 from pyggml.backend import Backend, Context
 from pyggml.backend.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from pyggml.models import Batch, Model, ModelError, Pooling, register
-from pyggml.models.pooling import check_batch, pool, sequence_mask
+from pyggml.models.pooling import RankHead, check_batch, classify, pool, rank_classes, sequence_mask
 from pyggml.tensor import Tensor
 
 
@@ -34,16 +37,17 @@ class Options:
     context_length: int  # rows of position_embd: the longest sequence
     eps: float
     pooling: Pooling
+    n_cls_out: int | None = None  # a reranker's classes (rank pooling)
 
     @classmethod
     def from_config(cls, config) -> Options:
-        return cls(**encoder_options(config, "bert", default_context=512))
+        return cls(**encoder_options(config, "bert", default_context=512, rank=True), n_cls_out=rank_classes(config))
 
 
-def encoder_options(config, arch: str, default_context: int) -> dict:
+def encoder_options(config, arch: str, default_context: int, rank: bool = False) -> dict:
     """The hyper-parameters every BERT-like encoder reads (the fields of ``Options``), checked, with
-    errors that name ``arch``'s key: one head size, no grouped-query or causal attention, no rank
-    pooling. ``default_context``: the context when the file does not say."""
+    errors that name ``arch``'s key: one head size, no grouped-query or causal attention, rank
+    pooling only where ``rank``. ``default_context``: the context when the file does not say."""
     hidden = config.uint("embedding_length", min=1, max=MAX_WIDTH)
     n_heads = config.uint("attention.head_count", min=1, max=MAX_WIDTH)
     if not hidden or not n_heads or hidden % n_heads:
@@ -58,7 +62,7 @@ def encoder_options(config, arch: str, default_context: int) -> dict:
         pooling = Pooling.parse(config.uint("pooling_type", Pooling.NONE))
     except ValueError as exc:
         raise ModelError(f"{arch}: {exc}") from None
-    if pooling == Pooling.RANK:
+    if pooling == Pooling.RANK and not rank:
         raise ModelError(f"{arch}: rank pooling (rerankers) is not supported")
     return dict(
         hidden_size=hidden,
@@ -115,6 +119,9 @@ class Weights(nn.Module):
     position_embd: nn.Embedding = nn.shape("hidden_size", "context_length")
     token_embd_norm: nn.LayerNorm = nn.shape("hidden_size", bias=True)
     blk: list[Layer]
+    # a reranker's head: a dense layer + tanh on the first token (optional), then the classes
+    cls: nn.Linear | None = nn.shape("hidden_size", "hidden_size")
+    rank_head: RankHead
 
 
 @register("bert")
@@ -143,13 +150,30 @@ class Bert(Model):
                                                    self.options.context_length, f"{self.architecture}.embed")
         return pool(ctx, self.encode(ctx, tokens, positions, sequences), sequences, pooling)
 
-    def encode(self, ctx: Context, tokens: np.ndarray, positions: np.ndarray, sequences: np.ndarray) -> Tensor:
-        """Token states (hidden, n_tokens) of a checked batch of whole sequences."""
+    def rank(self, ctx: Context, batch: Batch, segments: np.ndarray | None = None) -> Tensor:
+        """A reranker's class logits (n_cls_out, n_seqs) of whole query+document sequences;
+        ``segments``: each token's type (0: query, 1: document), used where the file has two."""
+        if self.pooling != Pooling.RANK:
+            raise ValueError(f"{self.architecture}.rank: the model is not a reranker (its pooling is "
+                             f"{self.pooling.name.lower()})")
+        tokens, positions, sequences = check_batch(batch, self.weights.token_embd.weight.shape[1],
+                                                   self.options.context_length, f"{self.architecture}.rank")
+        h = pool(ctx, self.encode(ctx, tokens, positions, sequences, segments), sequences, Pooling.CLS)
+        return classify(h, self.weights.cls, self.weights.rank_head)
+
+    def encode(self, ctx: Context, tokens: np.ndarray, positions: np.ndarray, sequences: np.ndarray,
+               segments: np.ndarray | None = None) -> Tensor:
+        """Token states (hidden, n_tokens) of a checked batch of whole sequences (``segments``: token
+        types, all 0 when None or when the file has one type)."""
         w, o = self.weights, self.options
         h = w.token_embd(nn.int32_input(ctx.input(), tokens))
         nn.tap("token_embd", h)
         if w.token_types is not None:
-            h = h + w.token_types(nn.int32_input(ctx.input(), np.zeros_like(tokens)))
+            n_types = math.prod(w.token_types.weight.shape[1:])  # a table of one row is 1-d
+            types = np.zeros_like(tokens) if segments is None or n_types < 2 else np.asarray(segments, np.int64)
+            if types.shape != tokens.shape or types.min() < 0 or types.max() >= n_types:
+                raise ValueError(f"{self.architecture}.encode: need one segment in 0..{n_types - 1} per token")
+            h = h + w.token_types(nn.int32_input(ctx.input(), types))
         h = h + w.position_embd(nn.int32_input(ctx.input(), positions))
         h = nn.tap("token_embd_norm", w.token_embd_norm(h, o.eps))
         mask = ctx.from_numpy(sequence_mask(sequences))

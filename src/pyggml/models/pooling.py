@@ -1,6 +1,6 @@
 """What every embedding model does around its encoder: check a batch of whole sequences, mask attention
-to each sequence (``WithinSequences`` in place of a decoder's KV cache), pool token states per sequence.
-Shared by the model files; not a model."""
+to each sequence (``WithinSequences`` in place of a decoder's KV cache), pool token states per sequence,
+and a reranker's classification head. Shared by the model files; not a model."""
 
 from __future__ import annotations
 
@@ -81,3 +81,27 @@ def pool(ctx: Context, h: Tensor, sequences: np.ndarray, pooling: Pooling) -> Te
     weights = np.zeros((n_seqs, len(sequences)), np.float32)  # numpy order: row s is sequence s
     weights[sequences, np.arange(len(sequences))] = (1.0 / (ends - starts))[sequences]
     return h.transpose().contiguous().mulmat(ctx.from_numpy(weights))
+
+
+class RankHead(nn.Module):
+    """A reranker's output projection, llama.cpp's ``cls.output`` (``n_cls_out`` classes: one relevance
+    logit for a BERT cross-encoder; the "yes" and "no" rows of the LM head for Qwen3-Reranker); required
+    when the file's pooling is rank."""
+    nested = "cls"
+    output: nn.Linear | None = nn.shape("hidden_size", "n_cls_out", when="n_cls_out")
+
+
+def rank_classes(config) -> int | None:
+    """The classes of a reranker's head (``<arch>.classifier.output_labels``, else 1) when the file's
+    ``pooling_type`` is rank, else None."""
+    if config.uint("pooling_type", Pooling.NONE) != Pooling.RANK:
+        return None
+    return len(config.get(f"{config.architecture}.classifier.output_labels") or ()) or 1
+
+
+def classify(x: Tensor, dense: nn.Linear | None, head: RankHead) -> Tensor:
+    """The classification head on pooled states ``x`` (hidden, n_seqs), as llama.cpp applies it:
+    ``cls`` then tanh (BERT's pooler, RoBERTa's classifier.dense) when present, then ``cls.output``."""
+    if dense is not None:
+        x = dense(x).tanh()
+    return head.output(x) if head.output is not None else x

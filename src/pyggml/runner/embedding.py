@@ -4,6 +4,9 @@ An encoder sees a text all at once, so there is no KV cache and no chunking: eac
 the context (``truncate=True`` cuts it to fit), and several texts share a forward pass, up to
 ``batch_size`` tokens, as separate sequences. The model pools in the graph; the vectors are
 L2-normalised here when asked.
+
+A reranker (``Pooling.RANK``) scores (query, document) pairs the same way: each pair is one sequence,
+``Model.rank`` gives its class scores, the first of which is the relevance score.
 """
 
 from __future__ import annotations
@@ -84,6 +87,62 @@ class Embedder:
             out /= np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-12)
         return out
 
+    def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = False) -> tuple[np.ndarray, int]:
+        """Relevance scores (len(documents),) of each document to ``query`` and the tokens read;
+        ``truncate`` cuts documents too long for the context (else ``ValueError``; always one with a
+        ``rerank`` prompt template)."""
+        if self.model.pooling != Pooling.RANK:
+            raise ValueError(f"rerank: the {self.model.architecture or 'loaded'} model is not a reranker (its "
+                             "pooling_type is not rank); use a cross-encoder such as bge-reranker or Qwen3-Reranker")
+        if not isinstance(query, str) or not query:
+            raise ValueError("rerank: query must be a non-empty string")
+        if isinstance(documents, str) or not isinstance(documents, Sequence) or not documents:
+            raise ValueError("rerank: documents must be a non-empty list of strings")
+        pairs = [self.pair(query, d, truncate) for d in documents]
+        rows = []
+        with self._lock:
+            for group in self._packs([ids for ids, _ in pairs]):
+                rows.append(self._compute([pairs[i][0] for i in group], None,
+                                          np.concatenate([pairs[i][1] for i in group])))
+        return np.concatenate(rows, axis=0)[:, 0], sum(len(ids) for ids, _ in pairs)
+
+    def pair(self, query: str, document: str, truncate: bool = False) -> tuple[list[int], np.ndarray]:
+        """The tokens of one (query, document) sequence and their segments (0: query, 1: document).
+
+        With a ``rerank`` template in the file (Qwen3-Reranker): the template with ``{query}`` and
+        ``{document}`` filled in, as llama.cpp makes it. Otherwise a BERT vocabulary gives
+        transformers' pair ``[CLS] query [SEP] document [SEP]``; any other, llama.cpp's ``BOS query
+        EOS SEP document EOS`` (each special where the vocabulary adds it)."""
+        if not isinstance(document, str) or not document:
+            raise ValueError("rerank: documents must be non-empty strings")
+        template = self.model.config.get("tokenizer.chat_template.rerank")
+        if template:
+            ids = self.tokenizer.encode(template.replace("{query}", query).replace("{document}", document),
+                                        add_special=False)
+            if len(ids) > self.num_ctx:
+                raise ValueError(f"rerank: a query and document of {len(ids)} tokens do not fit the context of "
+                                 f"{self.num_ctx} tokens (shorten the document)")
+            return ids, np.zeros(len(ids), np.int64)
+        v = self.tokenizer.vocab
+        q = self.tokenizer.encode(query, add_special=False)
+        d = self.tokenizer.encode(document, add_special=False)
+        if v.model == "bert":
+            head, tail = [v.bos, *q, v.sep], [v.sep]
+        else:
+            eos = [v.eos if v.eos is not None else v.sep] if v.add_eos else []
+            head = ([v.bos] if v.add_bos else []) + q + eos + ([v.sep] if v.add_sep else [])
+            tail = eos
+        if None in head or None in tail:
+            raise ValueError("rerank: the vocabulary lacks the special tokens that join a query and a document")
+        room = self.num_ctx - len(head) - len(tail)
+        if len(d) > room:
+            if not truncate or room < 1:
+                raise ValueError(f"rerank: a query and document of {len(head) + len(d) + len(tail)} tokens do not "
+                                 f"fit the context of {self.num_ctx} tokens (shorten them, or truncate)")
+            d = d[:room]
+        ids = head + d + tail
+        return ids, np.repeat(np.array([0, 1], np.int64), [len(head), len(d) + len(tail)])
+
     def reserve(self) -> None:
         """Allocate the compute memory of the largest pass now (MemoryError here, not mid-request)."""
         n, per = self.batch_size, self.num_ctx
@@ -104,11 +163,20 @@ class Embedder:
             used += len(text)
         return packs
 
-    def _compute(self, texts: list[list[int]], pooling: Pooling) -> np.ndarray:
+    def _compute(self, texts: list[list[int]], pooling: Pooling | None, segments: np.ndarray | None = None
+                 ) -> np.ndarray:
+        """(len(texts), n) pooled vectors, or with ``pooling=None`` a reranker's class scores."""
         with self.model.backend.new_context() as ctx:
-            out = self.model.embed(ctx, _batch(texts), pooling)
+            batch = _batch(texts)
+            out = self.model.rank(ctx, batch, segments) if pooling is None else self.model.embed(ctx, batch, pooling)
             ctx.compute(out)
             return out.numpy().astype(np.float32, copy=True)
+
+
+def ranked(scores: Sequence[float], top_n: int | None = None) -> list[tuple[int, float]]:
+    """(index, score) pairs, best first (ties by index), at most ``top_n``."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    return [(i, float(scores[i])) for i in order[:top_n]]
 
 
 def _batch(texts: list[list[int]]) -> Batch:

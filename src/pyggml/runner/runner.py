@@ -236,6 +236,16 @@ class Runner:
             raise RunnerClosedError(f"the runner is closed{f': {self._error}' if self._error else ''}")
         return self.embedder.embed(texts, normalize=normalize, truncate=truncate, pooling=pooling)
 
+    def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = False) -> tuple[np.ndarray, int]:
+        """A reranker's relevance scores of ``documents`` to ``query`` and the tokens read (``Embedder.rerank``)."""
+        if self.embedder is None:
+            raise EmbeddingsNotSupportedError(
+                f"the {self.model.architecture or 'loaded'} model generates text; reranking needs a reranker "
+                "(a cross-encoder such as bge-reranker, or Qwen3-Reranker)")
+        if self._closing:
+            raise RunnerClosedError(f"the runner is closed{f': {self._error}' if self._error else ''}")
+        return self.embedder.rerank(query, documents, truncate=truncate)
+
     @property
     def active_sequences(self) -> int:
         return len(self.active)

@@ -29,7 +29,7 @@ from starlette.routing import Route
 
 from pyggml.repl import params_to_options
 from pyggml.runner.config import DEFAULT_CONTEXT, EngineConfig, close_engine, open_engine
-from pyggml.server import anthropic, manage, ollama, openai, responses
+from pyggml.server import anthropic, manage, ollama, openai, rerank, responses
 from pyggml.server.guard import Guard
 from pyggml.server.models import DEFAULT_KEEP_ALIVE, ModelManager, SingleModel, estimate_memory
 from pyggml.server.params import APIError
@@ -54,6 +54,7 @@ def create_app(served: ServedModel | ModelManager | SingleModel, *, bind_host: s
         *openai.routes,
         *anthropic.routes,
         *responses.routes,
+        *rerank.routes,
     ]
     manager = SingleModel(served) if isinstance(served, ServedModel) else served
 

@@ -40,6 +40,7 @@ from starlette.types import Receive, Scope, Send
 
 from pyggml.chat import MIN_TEMPLATE_CHARS, ChatTemplate, encode_prompt
 from pyggml.image import ImageBusyError
+from pyggml.models import Pooling
 from pyggml.runner import CompletionChunk, CompletionRequest, Runner, RunnerClosedError
 from pyggml.server.params import APIError
 from pyggml.thinking import template_thinks
@@ -255,6 +256,24 @@ class ServedModel:
         if normalize:
             vectors /= np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
         return vectors.tolist(), n_tokens
+
+    async def rerank(self, query: str, documents: list[str], *, truncate: bool = False) -> tuple[list[float], int]:
+        """Relevance scores of ``documents`` to ``query`` and the tokens read (400 for a model that is
+        not a reranker, or a pair too long without ``truncate``)."""
+        embedder = self.runner.embedder
+        if embedder is None or self.model.pooling != Pooling.RANK:
+            raise APIError(400, f"model {self.name!r} is not a reranker: reranking needs a cross-encoder such as "
+                           "bge-reranker or Qwen3-Reranker (pooling_type rank)", code="rerank_not_supported")
+        self.admit()
+        try:
+            scores, n_tokens = await asyncio.to_thread(self.runner.rerank, query, documents, truncate=truncate)
+        except (ValueError, TypeError) as exc:  # a pair too long for the context, and the like
+            raise APIError(400, str(exc), param="documents") from None
+        except RunnerClosedError as exc:
+            raise APIError(503, f"the model runner is not running: {exc}") from None
+        finally:
+            self.release()
+        return scores.tolist(), n_tokens
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.token_to_piece(token).decode("utf-8", "replace")

@@ -4,10 +4,10 @@
     ids = tok.encode("Hello world")    # BOS/EOS as the vocabulary asks
     tok.decode(ids, skip_special=True) == "Hello world"
 
-Four vocabulary types, by ``tokenizer.ggml.model``: ``llama`` (SentencePiece),
+Five vocabulary types, by ``tokenizer.ggml.model``: ``llama`` (SentencePiece),
 ``gpt2`` (byte-level BPE with the pre-tokenizer named by ``tokenizer.ggml.pre``),
-``gemma4`` (BPE over SentencePiece-style text) and ``bert`` (WordPiece).
-Encoding matches llama.cpp's tokenizer test vectors.
+``gemma4`` (BPE over SentencePiece-style text), ``bert`` (WordPiece) and ``t5`` (unigram: T5,
+XLM-RoBERTa). Encoding matches llama.cpp's tokenizer test vectors.
 """
 
 from __future__ import annotations
@@ -18,17 +18,19 @@ from typing import Any
 from .base import StreamDecoder, Tokenizer
 from .bpe import BytePairEncoding, SpacedBytePairEncoding
 from .spm import SentencePiece
+from .ugm import Unigram
 from .vocab import TokenType, Vocab
 from .wpm import WordPiece
 
 __all__ = ["BytePairEncoding", "SentencePiece", "SpacedBytePairEncoding", "StreamDecoder", "TokenType", "Tokenizer",
-           "Vocab", "WordPiece", "from_metadata"]
+           "Unigram", "Vocab", "WordPiece", "from_metadata"]
 
 _TOKENIZERS: dict[str, type[Tokenizer]] = {
     "llama": SentencePiece,
     "gpt2": BytePairEncoding,
     "gemma4": SpacedBytePairEncoding,
     "bert": WordPiece,
+    "t5": Unigram,
 }
 
 

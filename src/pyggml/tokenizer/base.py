@@ -28,6 +28,8 @@ class Tokenizer:
     # WordPiece) and, for SentencePiece, in front of text after a special token.
     strips_prefix_space: bool = False
     strips_after_special: bool = False
+    # ``add_sep`` ends an encoded text with SEP (BERT's); a unigram vocabulary uses it only to join pairs
+    appends_sep: ClassVar[bool] = True
 
     def __init__(self, vocab: Vocab) -> None:
         self.vocab = vocab
@@ -75,7 +77,7 @@ class Tokenizer:
                 after_special = False
         if add_special and v.add_eos and v.eos is not None:
             out.append(v.eos)
-        if add_special and v.add_sep and v.sep is not None:
+        if add_special and self.appends_sep and v.add_sep and v.sep is not None:
             out.append(v.sep)
         return out
 

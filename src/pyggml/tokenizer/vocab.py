@@ -82,14 +82,16 @@ class Vocab:
     ignore_merges: bool
     # fill-in-the-middle tokens by role ("fim_pre", "fim_suf", "fim_mid", ...), from their id keys or texts
     fim: Mapping[str, int] = field(default_factory=dict)
+    precompiled_charsmap: bytes = b""  # unigram ("t5"): SentencePiece's normalisation table
+    remove_extra_whitespaces: bool = False  # unigram: runs of spaces become one
 
     @classmethod
     def from_metadata(cls, meta: Mapping[str, Any]) -> Vocab:
         """Build from GGUF keys; raise ``ValueError`` for a missing or unknown vocabulary."""
         model = meta.get("tokenizer.ggml.model")
-        if model not in ("llama", "gpt2", "gemma4", "bert"):
+        if model not in ("llama", "gpt2", "gemma4", "bert", "t5"):
             raise ValueError(f"unsupported tokenizer.ggml.model {model!r} "
-                             "(supported: 'llama', 'gpt2', 'gemma4', 'bert')")
+                             "(supported: 'llama', 'gpt2', 'gemma4', 'bert', 't5')")
         tokens = meta.get("tokenizer.ggml.tokens")
         if not tokens:
             raise ValueError("GGUF metadata has no tokenizer.ggml.tokens")
@@ -122,6 +124,10 @@ class Vocab:
             eos, unk = token_id("eos_token_id"), token_id("unknown_token_id", "[UNK]")
             sep = token_id("seperator_token_id", "[SEP]")
             add_bos, add_eos, add_sep = True, False, True
+        elif model == "t5":  # unigram (T5, XLM-RoBERTa)
+            bos, eos, unk = token_id("bos_token_id"), token_id("eos_token_id", 1), token_id("unknown_token_id", 2)
+            sep = token_id("seperator_token_id")
+            add_bos, add_eos, add_sep = False, True, False
         else:
             bos, eos, unk = token_id("bos_token_id"), token_id("eos_token_id"), token_id("unknown_token_id")
             sep = token_id("seperator_token_id")
@@ -135,8 +141,10 @@ class Vocab:
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", add_bos)),
             add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", add_eos)),
             add_sep=bool(meta.get("tokenizer.ggml.add_sep_token", add_sep)),
-            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", model == "llama")),
+            add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", model in ("llama", "t5"))),
             ignore_merges=pre in IGNORE_MERGES_PRE, fim=fim,
+            precompiled_charsmap=bytes(b & 0xFF for b in meta.get("tokenizer.ggml.precompiled_charsmap") or ()),
+            remove_extra_whitespaces=bool(meta.get("tokenizer.ggml.remove_extra_whitespaces", False)),
         )
 
 
