@@ -21,6 +21,7 @@ from . import (  # noqa: F401
     lfm2,
     llama,
     mistral3,
+    mistral3_vision,
     mllama,
     nomic_bert,
     olmo2,

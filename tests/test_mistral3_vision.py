@@ -1,0 +1,167 @@
+"""Mistral 3 vision (Pixtral): a tiny random ``Mistral3ForConditionalGeneration`` converted by our converter gives
+transformers' pixels (PixtralImageProcessor: native aspect ratio, longest edge bounded), vision tower states, image
+embeddings and image+text logits for images of several shapes; images of different grids share a batch; the
+prompt cache serves a repeated image; the two-file (mmproj) layout gives the same logits."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+
+from .hf_fixtures import make_bpe_tokenizer, png
+
+torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
+transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (`reference` extra)")
+Image = pytest.importorskip("PIL.Image", reason="images need Pillow")
+
+LONGEST, PATCH, MERGE = 64, 8, 2  # images up to 64 px a side, in 16 px image tokens (8x8 grids at most)
+UNIT = PATCH * MERGE
+# Ministral 3's: YaRN and Llama 4's attention temperature (a step every 8 positions: the prompts cross several)
+ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 32.0, "original_max_position_embeddings": 8,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+PROMPT = "The cafe is [img-0] naive, 42 people said! Then they left"
+SHORT = "a [img-0] cat"
+# (width, height): landscape, portrait, larger than the longest edge (scaled down, rounded down, then up to 16 px
+# multiples), one row of tokens (no [IMG_BREAK]), a single token
+SIZES = {"landscape": (40, 28), "portrait": (20, 60), "large": (150, 90), "one-row": (60, 10), "tiny": (9, 12)}
+GRIDS = {"landscape": (3, 2), "portrait": (2, 4), "large": (4, 3), "one-row": (4, 1), "tiny": (1, 1)}  # cols, rows
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tokenizers import Tokenizer
+
+    from pyggml.convert import convert_hf
+
+    tmp = tmp_path_factory.mktemp("mistral3v")
+    hf_dir = tmp / "hf"
+    hf_dir.mkdir()
+    make_bpe_tokenizer(hf_dir, 0)
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    tok.add_special_tokens(["[IMG]", "[IMG_BREAK]", "[IMG_END]"])
+    tok.save(str(hf_dir / "tokenizer.json"))
+    ids = {t: tok.token_to_id(t) for t in ("[IMG]", "[IMG_BREAK]", "[IMG_END]")}
+    n_tokens = tok.get_vocab_size(with_added_tokens=True)
+    text = transformers.Ministral3Config(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
+        rope_parameters=dict(ROPE), initializer_range=0.05, bos_token_id=0,
+        eos_token_id=1, pad_token_id=2)
+    vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, image_size=LONGEST, patch_size=PATCH,
+                                              head_dim=16, hidden_act="silu")
+    config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=ids["[IMG]"],
+                                         spatial_merge_size=MERGE, multimodal_projector_bias=True,
+                                         attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Mistral3ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    processor = transformers.PixtralImageProcessorPil(size={"longest_edge": LONGEST},
+                                                      patch_size={"height": UNIT, "width": UNIT})
+    processor.save_pretrained(hf_dir)
+    path = convert_hf(hf_dir, tmp / "model.gguf", "f32")
+    return model, processor, path, ids
+
+
+def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def hf_inputs(processor, data: bytes) -> tuple[np.ndarray, list]:
+    out = processor(Image.open(io.BytesIO(data)), return_tensors="np")
+    return out["pixel_values"][0], [list(map(int, out["image_sizes"][0]))]
+
+
+@pytest.mark.parametrize("shape", list(SIZES))
+@pytest.mark.parametrize("mode", ["RGB", "RGBA", "L"])
+def test_pixels_equal_the_hf_processor(tiny, shape, mode):
+    from pyggml import models
+
+    _, processor, path, _ = tiny
+    data = png(1, SIZES[shape], mode=mode)
+    model = models.load(path)
+    try:
+        ours = model.vision.preprocess(data)["pixels"]
+    finally:
+        model.close()
+    cols, rows = GRIDS[shape]
+    assert ours.shape == (3, rows * UNIT, cols * UNIT)
+    np.testing.assert_array_equal(ours, hf_inputs(processor, data)[0])
+
+
+@pytest.mark.parametrize("shape", list(SIZES))
+def test_vision_tower_and_image_embeddings_match_transformers(tiny, shape):
+    from pyggml import BackendParams, models
+
+    model, processor, path, ids = tiny
+    data = png(3, SIZES[shape])
+    pixels, sizes = hf_inputs(processor, data)
+    with torch.no_grad():
+        ref_states = model.model.vision_tower(torch.tensor(pixels[None]), image_sizes=sizes).last_hidden_state[0]
+        # (the projector as get_image_features calls it, whose split of the result fails for one token)
+        ref_embeds = model.model.multi_modal_projector(ref_states, torch.tensor(sizes)).numpy()
+        break_row = model.get_input_embeddings().weight[ids["[IMG_BREAK]"]].numpy()
+    ours = models.load(path, BackendParams(n_threads=2))
+    cols, rows = GRIDS[shape]
+    try:
+        v = ours.vision
+        with ours.backend.new_context() as ctx:
+            states = v.tower(ctx, pixels, v.options)
+            embeds = v.projector(ctx, states, cols * MERGE, rows * MERGE, v.options)
+            ctx.compute(states, embeds)
+            states, embeds = states.numpy(), embeds.numpy()
+        with ours.backend.new_context() as ctx:
+            (item,) = v.encode(ctx, data)
+            ctx.compute(item.tensor)
+            lines = item.tensor.numpy()
+    finally:
+        ours.close()
+    print(f"{shape}: states {scaled_error(states, ref_states.numpy()):.2e}, "
+          f"embeddings {scaled_error(embeds, ref_embeds):.2e}")
+    assert scaled_error(states, ref_states.numpy()) <= 1e-4
+    assert scaled_error(embeds, ref_embeds) <= 1e-4
+    # the image's rows as the prompt holds them: each row's embeddings, [IMG_BREAK]'s after all but the last
+    assert lines.shape == (rows * (cols + 1) - 1, 64)
+    expected = np.concatenate([np.vstack([embeds[r * cols:(r + 1) * cols], break_row[None]]) for r in range(rows)])
+    np.testing.assert_array_equal(lines, expected[:-1])
+
+
+def _hf_ids(llm, ids: dict[str, int], cols: int, rows: int) -> list[int]:
+    before, after = PROMPT.split("[img-0]")
+    image = ([ids["[IMG]"]] * cols + [ids["[IMG_BREAK]"]]) * rows
+    image[-1] = ids["[IMG_END]"]
+    return llm.tokenizer.encode(before) + image + llm.tokenizer.encode(after, add_special=False)
+
+
+@pytest.mark.parametrize("shape", ["landscape", "portrait", "large", "one-row"])  # (HF fails on one token)
+def test_image_and_text_logits_match_transformers(tiny, shape):
+    import pyggml
+    from pyggml.runner import CompletionRequest
+
+    model, processor, path, ids = tiny
+    data = png(4, SIZES[shape])
+    with pyggml.load(path, n_threads=2, num_ctx=128, cache_type="f32") as llm:
+        tokens = _hf_ids(llm, ids, *GRIDS[shape])
+        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
+                                                           prompt_logits=True))
+        ours = last.prompt_logits
+        assert last.prompt_tokens == len(tokens)
+        n_vocab = llm.tokenizer.vocab_size
+    pixels, sizes = hf_inputs(processor, data)
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([tokens]), pixel_values=torch.tensor(pixels[None]),
+                    image_sizes=sizes).logits[0].numpy()[:, :n_vocab]
+        text_only = model(input_ids=torch.tensor([tokens])).logits[0].numpy()[:, :n_vocab]
+    assert ours.shape == ref.shape
+    print(f"{shape}: image+text logits {scaled_error(ours, ref):.2e} (without the image: "
+          f"{scaled_error(ours, text_only):.2e})")
+    assert scaled_error(ours, ref) <= 1e-4, scaled_error(ours, ref)
+    assert scaled_error(ours, text_only) > 1e-2  # the image's embeddings matter to the logits checked
