@@ -6,6 +6,7 @@ prompt cache serves a repeated image; the two-file (mmproj) layout gives the sam
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,3 +166,100 @@ def test_image_and_text_logits_match_transformers(tiny, shape):
           f"{scaled_error(ours, text_only):.2e})")
     assert scaled_error(ours, ref) <= 1e-4, scaled_error(ours, ref)
     assert scaled_error(ours, text_only) > 1e-2  # the image's embeddings matter to the logits checked
+
+
+def test_converter_writes_llama_cpps_pixtral_names_and_keys(tiny):
+    import gguf
+
+    _, _, path, _ = tiny
+    reader = gguf.GGUFReader(Path(path))
+    names = {t.name for t in reader.tensors}
+    assert {"v.patch_embd.weight", "v.pre_ln.weight", "v.blk.1.attn_q.weight", "v.blk.1.ffn_gate.weight",
+            "v.token_embd.img_break", "mm.input_norm.weight", "mm.patch_merger.weight", "mm.1.weight", "mm.1.bias",
+            "mm.2.weight", "mm.2.bias", "token_embd.weight"} <= names
+    assert not any(n.startswith("v.post_ln") or "position_embd" in n for n in names)
+    fields = {k: reader.fields[k].contents() for k in reader.fields if k.startswith("clip.")}
+    assert fields["clip.projector_type"] == "pixtral" and fields["clip.use_silu"] is True
+    assert (fields["clip.vision.image_size"], fields["clip.vision.patch_size"],
+            fields["clip.vision.spatial_merge_size"], fields["clip.vision.projection_dim"]) == (
+        LONGEST, PATCH, MERGE, 64)
+
+
+def test_two_sequences_with_different_images_in_one_batch_equal_each_alone(tiny):
+    from pyggml import BackendParams, models
+    from pyggml.runner import CompletionRequest, Runner
+
+    from .test_multimodal_runner import record_batches
+
+    _, _, path, _ = tiny
+    cases = [(SHORT, png(30, SIZES["landscape"])), ("the [img-0] dog", png(31, SIZES["portrait"]))]
+
+    def request(prompt, data):
+        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True,
+                                 logit_bias={1: float("-inf")})
+
+    def read(stream):
+        chunks = list(stream)
+        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
+
+    model = models.load(path, BackendParams(n_threads=2))
+    try:
+        with Runner(model, parallel=2, num_ctx=128, batch_size=64, cache_type="f32", background=False) as runner:
+            alone = [read(runner.completion(request(*case))) for case in cases]
+            batches = record_batches(runner)
+            streams = [runner.completion(request(*case)) for case in cases]
+            together = [read(stream) for stream in streams]
+            assert runner.engine.vision_built >= 2  # a graph per grid shape
+    finally:
+        model.close()
+    assert [len(index) for _, index in batches if index] == [2]  # both images in the first batch
+    for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
+        assert tokens_alone == tokens_both
+        print(f"two images in one batch vs alone: {scaled_error(logits_both, logits_alone):.2e}")
+        assert scaled_error(logits_both, logits_alone) <= 1e-4, scaled_error(logits_both, logits_alone)
+
+
+def test_same_image_is_served_from_the_cache_and_another_is_not(tiny):
+    import pyggml
+    from pyggml.runner import CompletionRequest
+
+    _, _, path, _ = tiny
+    with pyggml.load(path, n_threads=2, num_ctx=128) as llm:
+        def run(data):
+            chunks = list(llm.runner.completion(CompletionRequest(prompt=SHORT, images=[data], max_tokens=2,
+                                                                  temperature=0, logit_bias={1: float("-inf")})))
+            return [t for c in chunks for t in c.tokens], chunks[-1]
+
+        engine = llm.runner.engine
+        encoded = engine.vision_built + engine.vision_reused
+        first, a = run(png(5, SIZES["large"]))
+        assert engine.vision_built + engine.vision_reused == encoded + 1
+        again, b = run(png(5, SIZES["large"]))
+        assert engine.vision_built + engine.vision_reused == encoded + 1  # from the cache: not encoded again
+        other, c = run(png(6, SIZES["large"]))
+        assert engine.vision_built + engine.vision_reused == encoded + 2
+        assert a.cached_tokens == 0 and b.cached_tokens == b.prompt_tokens - 1 and first == again
+        assert c.cached_tokens < c.prompt_tokens - 12  # the prefix stops before the other image
+
+
+def test_the_vision_graph_is_kept_per_image_shape(tiny):
+    """One graph per grid shape (the largest built at start-up); an image of a shape seen before refills it,
+    and a refilled graph computes what a new one does."""
+    import pyggml
+
+    _, _, path, _ = tiny
+    images = [png(20, (40, 28)), png(21, (44, 30)), png(22, (20, 60)), png(23, (64, 64), "L")]  # grids 3x2 3x2 2x4 4x4
+    with pyggml.load(path, n_threads=2, num_ctx=128) as llm:
+        engine, model = llm.runner.engine, llm.model
+        assert (engine.vision_built, engine.vision_reused) == (1, 0)  # the largest (4x4), at start-up
+        counts = []
+        for data in images:
+            llm.generate(SHORT, images=[data], max_tokens=1)
+            counts.append((engine.vision_built, engine.vision_reused))
+        assert counts == [(2, 0), (2, 1), (3, 1), (3, 2)]
+        for data in images:
+            (refilled,) = engine.encode(data)
+            with model.backend.new_context() as ctx:
+                (fresh,) = model.vision.encode(ctx, data)
+                ctx.compute(fresh.tensor)
+                np.testing.assert_array_equal(refilled.tensor, fresh.tensor.numpy())
