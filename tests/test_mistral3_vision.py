@@ -6,12 +6,14 @@ prompt cache serves a repeated image; the two-file (mmproj) layout gives the sam
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from .hf_fixtures import make_bpe_tokenizer, png
+from .test_convert import needs_llama_cpp
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (`reference` extra)")
@@ -263,3 +265,64 @@ def test_the_vision_graph_is_kept_per_image_shape(tiny):
                 (fresh,) = model.vision.encode(ctx, data)
                 ctx.compute(fresh.tensor)
                 np.testing.assert_array_equal(refilled.tensor, fresh.tensor.numpy())
+
+
+def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
+    import pyggml
+    from pyggml.convert.gemma3_vision import split_mmproj
+    from pyggml.runner import CompletionRequest
+
+    _, _, path, _ = tiny
+    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    data = png(10, SIZES["portrait"])
+
+    def logits(llm):
+        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
+                                                           prompt_logits=True))
+        return last.prompt_logits
+
+    with pyggml.load(path, n_threads=2, num_ctx=128, cache_type="f32") as llm:
+        single = logits(llm)
+    with pyggml.load(text, n_threads=2, num_ctx=128) as llm:
+        assert not llm.model.takes_images
+    with pyggml.load(text, n_threads=2, num_ctx=128, cache_type="f32", mmproj=mmproj) as llm:
+        assert llm.model.takes_images
+        np.testing.assert_array_equal(logits(llm), single)
+    with pytest.raises(ValueError, match="has a vision part already"):
+        pyggml.load(path, n_threads=1, num_ctx=64, mmproj=mmproj)
+
+
+@needs_llama_cpp
+def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_embeddings(tiny, tmp_path):
+    """llama.cpp's mtmd on the split files: the image chunk (rows with [IMG_BREAK] between them) of an image
+    already at a size it keeps (64x48: 4x3 tokens, above its minimum of 8), so its own resizing does not enter."""
+    import subprocess
+    import sys
+
+    from pyggml import BackendParams, models
+    from pyggml.convert.gemma3_vision import split_mmproj
+
+    from .test_gemma3_vision import _MTMD
+
+    _, _, path, _ = tiny
+    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    width, height = 64, 48
+    pixels = np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    (tmp_path / "img.rgb").write_bytes(pixels.tobytes())
+    done = subprocess.run([sys.executable, "-c", _MTMD, str(text), str(mmproj), str(tmp_path / "img.rgb"),
+                           str(width), str(height)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    theirs = np.array(json.loads(done.stdout.strip().splitlines()[-1]), np.float32).reshape(-1, 64)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    model = models.load(path, BackendParams(n_threads=2))
+    try:
+        with model.backend.new_context() as ctx:
+            (item,) = model.vision.encode(ctx, out.getvalue())
+            ctx.compute(item.tensor)
+            ours = item.tensor.numpy()
+    finally:
+        model.close()
+    assert ours.shape == theirs.shape == (3 * 5 - 1, 64)
+    print(f"vs llama.cpp mtmd: {scaled_error(ours, theirs):.2e}")
+    assert scaled_error(ours, theirs) <= 2e-3
