@@ -326,3 +326,84 @@ def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_e
     assert ours.shape == theirs.shape == (3 * 5 - 1, 64)
     print(f"vs llama.cpp mtmd: {scaled_error(ours, theirs):.2e}")
     assert scaled_error(ours, theirs) <= 2e-3
+
+
+def test_llm_generate_and_chat_take_images(tiny, tmp_path):
+    import base64
+
+    import pyggml
+
+    _, _, path, _ = tiny
+    data = png(8, SIZES["landscape"])
+    file = tmp_path / "cat.png"
+    file.write_bytes(data)
+    greedy = dict(max_tokens=2, temperature=0, logit_bias={1: float("-inf")})
+    with pyggml.load(path, n_threads=2, num_ctx=128) as llm:
+        by_bytes = llm.generate(SHORT, images=[data], **greedy)
+        assert llm.generate(SHORT, images=[file], **greedy) == by_bytes
+        assert llm.stats.cached_tokens > 0  # the same image: the prompt came from the cache
+        b64 = base64.b64encode(data).decode()
+        ollama = llm.chat([{"role": "user", "content": "what is this?", "images": [b64]}], **greedy)
+        openai = llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}},
+            {"type": "text", "text": "what is this?"}]}], **greedy)
+        assert ollama == openai
+
+
+def test_server_takes_images_through_both_apis(tiny):
+    import base64
+
+    import httpx
+
+    from ._server import post, running_server
+
+    _, _, path, _ = tiny
+    b64 = base64.b64encode(png(9, SIZES["portrait"])).decode()
+    options = {"temperature": 0, "num_predict": 3}
+    with running_server(path, parallel=1, num_ctx=128) as server:
+        base, served = server
+        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
+        assert "vision" in show["capabilities"]
+        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
+        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
+                                          "options": options})
+        assert gen["response"] == chat["message"]["content"]  # the same rendered prompt
+        openai = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}]}],
+            "max_tokens": 3, "temperature": 0})
+        assert openai["choices"][0]["message"]["content"] is not None
+        assert openai["usage"]["prompt_tokens"] > 2 * 5 - 1  # the portrait's 2x4 tokens and 3 breaks
+        response = httpx.post(base + "/api/generate", json={"model": served.name, "stream": False, "prompt": "x",
+                                                            "images": [base64.b64encode(b"junk").decode()]},
+                              timeout=60)
+        assert response.status_code == 400 and "not an image" in response.text
+
+
+def test_cli_converts_to_text_plus_mmproj_and_runs_with_an_image(tiny, tmp_path, capsys):
+    from pyggml.cli import main
+
+    _, _, path, _ = tiny
+    hf_dir = Path(path).parent / "hf"
+    text, mmproj = tmp_path / "text.gguf", tmp_path / "mmproj.gguf"
+    assert main(["convert", str(hf_dir), str(text), "--type", "f32", "--mmproj", str(mmproj)]) == 0
+    picture = tmp_path / "p.png"
+    picture.write_bytes(png(11, SIZES["large"]))
+    assert main(["run", str(text), "--mmproj", str(mmproj), "--image", str(picture), "what [img-0] is",
+                 "--max-tokens", "3", "--temperature", "0"]) == 0
+    assert main(["show", str(mmproj)]) == 0
+    assert "pixtral projector, 2 layers" in capsys.readouterr().out
+    assert main(["run", str(text), "--image", str(picture), "what is"]) == 1  # no vision part: a clear error
+    assert "takes no images" in capsys.readouterr().err
+
+
+def test_a_vocabulary_without_image_tokens_converts_the_text_only(tmp_path):
+    """A checkpoint whose tokenizer lacks [IMG_BREAK] etc. cannot place images: its text decoder is converted alone."""
+    import pyggml
+    from pyggml.convert import convert_hf
+
+    from .hf_fixtures import make_tiny_mistral3_with_vision
+
+    hf_dir, _ = make_tiny_mistral3_with_vision(tmp_path, ROPE)
+    with pyggml.load(convert_hf(hf_dir, tmp_path / "m.gguf", "f32"), n_threads=1, num_ctx=64) as llm:
+        assert not llm.model.takes_images
