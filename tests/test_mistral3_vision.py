@@ -32,13 +32,14 @@ SIZES = {"landscape": (40, 28), "portrait": (20, 60), "large": (150, 90), "one-r
 GRIDS = {"landscape": (3, 2), "portrait": (2, 4), "large": (4, 3), "one-row": (4, 1), "tiny": (1, 1)}  # cols, rows
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def build(tmp: Path, text_type: str = "ministral3"):
+    """(HF model, its image processor, our converted F32 file, the image token ids) of a tiny random
+    Mistral3ForConditionalGeneration: a Ministral 3 (GGUF mistral3) or Mistral Small 3.x (GGUF llama) text decoder,
+    a 2-layer Pixtral tower, spatial merge 2, projector biases, a vocabulary with the image tokens."""
     from tokenizers import Tokenizer
 
     from pyggml.convert import convert_hf
 
-    tmp = tmp_path_factory.mktemp("mistral3v")
     hf_dir = tmp / "hf"
     hf_dir.mkdir()
     make_bpe_tokenizer(hf_dir, 0)
@@ -47,11 +48,16 @@ def tiny(tmp_path_factory):
     tok.save(str(hf_dir / "tokenizer.json"))
     ids = {t: tok.token_to_id(t) for t in ("[IMG]", "[IMG_BREAK]", "[IMG_END]")}
     n_tokens = tok.get_vocab_size(with_added_tokens=True)
-    text = transformers.Ministral3Config(
+    if text_type == "ministral3":
+        text_config, extra = transformers.Ministral3Config, {"rope_parameters": dict(ROPE)}
+    else:
+        text_config, extra = transformers.MistralConfig, {"rope_parameters": {"rope_type": "default",
+                                                                              "rope_theta": 1e9},
+                                                          "sliding_window": None}
+    text = text_config(
         vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
-        rope_parameters=dict(ROPE), initializer_range=0.05, bos_token_id=0,
-        eos_token_id=1, pad_token_id=2)
+        initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=2, **extra)
     vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                               num_attention_heads=2, image_size=LONGEST, patch_size=PATCH,
                                               head_dim=16, hidden_act="silu")
@@ -72,6 +78,16 @@ def tiny(tmp_path_factory):
     processor.save_pretrained(hf_dir)
     path = convert_hf(hf_dir, tmp / "model.gguf", "f32")
     return model, processor, path, ids
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("mistral3v"))
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("mistral-small-v"), "mistral")
 
 
 def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -146,10 +162,22 @@ def _hf_ids(llm, ids: dict[str, int], cols: int, rows: int) -> list[int]:
 
 @pytest.mark.parametrize("shape", ["landscape", "portrait", "large", "one-row"])  # (HF fails on one token)
 def test_image_and_text_logits_match_transformers(tiny, shape):
+    check_logits(tiny, shape)
+
+
+def test_mistral_small_image_and_text_logits_match_transformers(small):
+    """Mistral Small 3.x: the text decoder is GGUF llama, the vision part the same."""
+    import gguf
+
+    assert gguf.GGUFReader(small[2]).fields["general.architecture"].contents() == "llama"
+    check_logits(small, "large")
+
+
+def check_logits(converted, shape: str) -> None:
     import pyggml
     from pyggml.runner import CompletionRequest
 
-    model, processor, path, ids = tiny
+    model, processor, path, ids = converted
     data = png(4, SIZES[shape])
     with pyggml.load(path, n_threads=2, num_ctx=128, cache_type="f32") as llm:
         tokens = _hf_ids(llm, ids, *GRIDS[shape])
@@ -267,12 +295,13 @@ def test_the_vision_graph_is_kept_per_image_shape(tiny):
                 np.testing.assert_array_equal(refilled.tensor, fresh.tensor.numpy())
 
 
-def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
+@pytest.mark.parametrize("which", ["tiny", "small"])
+def test_text_file_plus_mmproj_gives_the_same_logits(which, request, tmp_path):
     import pyggml
     from pyggml.convert.gemma3_vision import split_mmproj
     from pyggml.runner import CompletionRequest
 
-    _, _, path, _ = tiny
+    _, _, path, _ = request.getfixturevalue(which)
     text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
     data = png(10, SIZES["portrait"])
 
@@ -293,7 +322,8 @@ def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
 
 
 @needs_llama_cpp
-def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_embeddings(tiny, tmp_path):
+@pytest.mark.parametrize("which", ["tiny", "small"])
+def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_embeddings(which, request, tmp_path):
     """llama.cpp's mtmd on the split files: the image chunk (rows with [IMG_BREAK] between them) of an image
     already at a size it keeps (64x48: 4x3 tokens, above its minimum of 8), so its own resizing does not enter."""
     import subprocess
@@ -304,7 +334,7 @@ def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_e
 
     from .test_gemma3_vision import _MTMD
 
-    _, _, path, _ = tiny
+    _, _, path, _ = request.getfixturevalue(which)
     text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
     width, height = 64, 48
     pixels = np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8)

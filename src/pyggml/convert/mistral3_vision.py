@@ -1,10 +1,10 @@
-"""Mistral 3 with vision (HF ``Mistral3ForConditionalGeneration``) -> one GGUF ``mistral3`` file: the text
-decoder as ``mistral3.py`` writes it, plus the Pixtral tower (``v.*``), Mistral 3's projector (``mm.*``) and
-the ``[IMG_BREAK]`` embedding (``v.token_embd.img_break``) with llama.cpp's ``pixtral`` mmproj names and
-``clip.*`` keys (q/k rows reordered per head into rope pairs, as llama.cpp's converter does). The vision
-part is written for a ``ministral3`` text decoder whose vocabulary has ``[IMG]``, ``[IMG_BREAK]`` and
-``[IMG_END]``; otherwise (and for Mistral Small 3.x, GGUF ``llama``, whose pyggml model takes no images)
-only the text decoder is."""
+"""Mistral 3 with vision (HF ``Mistral3ForConditionalGeneration``) -> one GGUF file: the text decoder as
+``mistral3.py`` writes it (GGUF ``mistral3`` for Ministral 3, ``llama`` for Mistral Small 3.x), plus the
+Pixtral tower (``v.*``), Mistral 3's projector (``mm.*``) and the ``[IMG_BREAK]`` embedding
+(``v.token_embd.img_break``) with llama.cpp's ``pixtral`` mmproj names and ``clip.*`` keys (q/k rows
+reordered per head into rope pairs, as llama.cpp's converter does). The vision part is written when the
+vocabulary has ``[IMG]``, ``[IMG_BREAK]`` and ``[IMG_END]`` (without them images cannot be placed: only
+the text decoder is)."""
 
 from __future__ import annotations
 
@@ -47,10 +47,10 @@ class Mistral3Vision(Mistral3Text):
     def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
         super().__init__(hf_dir, config, pooling)
         self.image_tokens = self._image_token_ids(hf_dir)
-        self.with_vision = self.gguf_arch == "mistral3" and self.image_tokens is not None
+        self.with_vision = self.image_tokens is not None
         if not self.with_vision:
-            log.warning("%s: the vision part is not converted (%s)", hf_dir, "Mistral Small's text decoder is GGUF "
-                        "llama" if self.gguf_arch != "mistral3" else f"the vocabulary lacks {', '.join(IMAGE_TOKENS)}")
+            log.warning("%s: the vision part is not converted (the vocabulary lacks %s)", hf_dir,
+                        ", ".join(IMAGE_TOKENS))
             return
         v = self.vision = {**VISION_DEFAULTS, **(config.get("vision_config") or {})}
         rope = {**(v.get("rope_scaling") or {}), **(v.get("rope_parameters") or {})}

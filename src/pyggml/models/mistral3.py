@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pyggml import nn
-from pyggml.backend import Backend, Context
+from pyggml.backend import Context
 from pyggml.backend.metadata import MAX_CONTEXT
 from pyggml.kvcache import Causal
 from pyggml.models import Batch, ModelError, llama, mistral3_vision, register
@@ -79,32 +79,14 @@ class Weights(llama.Weights):
 @register("mistral3")
 class Mistral3(llama.Llama):
     Options, Weights = Options, Weights
-    vision: mistral3_vision.Vision | None = None
-
-    def __init__(self, backend: Backend):
-        super().__init__(backend)
-        self.vision = mistral3_vision.load(backend, self.options.hidden_size)
-
-    def attach_mmproj(self, projector: Backend) -> None:
-        if self.vision is not None:
-            raise ModelError(f"{self.backend.path} has a vision part already; it takes no mmproj file")
-        vision = mistral3_vision.load(projector, self.options.hidden_size)
-        if vision is None:
-            raise ModelError(f"{projector.path}: no vision tensors (v.patch_embd.weight)")
-        self.vision, self._projector = vision, projector
-
-    def close(self) -> None:
-        super().close()
-        if getattr(self, "_projector", None) is not None:
-            self._projector.close()
-            self._projector = None
+    vision: mistral3_vision.Vision | None = None  # (Llama's __init__ loads it; attach_mmproj too)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         w, o = self.weights, self.options
         inputs = nn.batch_inputs(ctx, batch)
         temperature = self._temperature(ctx, inputs.positions) if o.temperature_scale else None
         h = nn.tap("token_embd", w.token_embd(inputs.tokens))
-        if batch.multimodal:  # image embeddings over their placeholders (Pixtral: attended causally)
+        if batch.multimodal:  # image embeddings over their placeholders (Pixtral's: attended causally)
             h = nn.multimodal_embeddings(ctx, h, batch)
         for i, layer, rows in nn.layers(w.blk, self.cache, inputs.outputs):
             # the Llama layer hands its last argument to the attention: here the queries' temperature

@@ -252,3 +252,14 @@ def load(backend, text_hidden: int) -> Vision | None:
         raise ModelError(f"mistral3: spatial_merge_size {opts.merge} needs mm.input_norm.weight and "
                          "mm.patch_merger.weight")
     return Vision(opts, nn.load(VisionTower, _Prefixed(backend, "v."), opts), projector)
+
+
+def attach(model, projector) -> None:
+    """Give ``model`` (a text model with Pixtral's placeholders in its forward) the vision part of a llama.cpp
+    pixtral mmproj, which it then owns (``model._projector``, closed with it)."""
+    if model.vision is not None:
+        raise ModelError(f"{model.backend.path} has a vision part already; it takes no mmproj file")
+    vision = load(projector, model.options.hidden_size)
+    if vision is None:
+        raise ModelError(f"{projector.path}: no vision tensors (v.patch_embd.weight)")
+    model.vision, model._projector = vision, projector
