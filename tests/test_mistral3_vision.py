@@ -72,6 +72,8 @@ def build(tmp: Path, text_type: str = "ministral3"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif "vision_tower" in name and name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.copy_(0.5 * torch.randn_like(p))  # sharp attention: the patches' rotary positions matter
     model.save_pretrained(hf_dir)
     processor = transformers.PixtralImageProcessorPil(size={"longest_edge": LONGEST},
                                                       patch_size={"height": UNIT, "width": UNIT})
