@@ -39,7 +39,7 @@ class VisionOptions:
     patch_size: int
     merge: int  # patches per side merged into one image token
     text_hidden: int
-    silu: bool  # the layers' gated activation: SiLU, else GELU
+    silu: bool  # the layers' gated activation: SiLU (clip.use_silu), else GELU (llama.cpp's default)
     image_mean: tuple[float, float, float]
     image_std: tuple[float, float, float]
 
@@ -78,7 +78,7 @@ class VisionOptions:
         return cls(hidden_size=hidden, ffn_size=uint("feed_forward_length"), n_layers=uint("block_count"),
                    n_heads=n_heads, eps=config.float(KEY + "attention.layer_norm_epsilon", 1e-5),
                    image_size=uint("image_size"), patch_size=patch, merge=merge, text_hidden=text_hidden,
-                   silu=not config.get("clip.use_gelu", False), image_mean=tuple(mean), image_std=tuple(std))
+                   silu=bool(config.get("clip.use_silu", False)), image_mean=tuple(mean), image_std=tuple(std))
 
 
 def rope_2d(x: Tensor, rows: Tensor, cols: Tensor, base: float = ROPE_BASE) -> Tensor:
