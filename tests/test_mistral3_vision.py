@@ -453,3 +453,27 @@ def test_a_vocabulary_without_image_tokens_converts_the_text_only(tmp_path):
     hf_dir, _ = make_tiny_mistral3_with_vision(tmp_path, ROPE)
     with pyggml.load(convert_hf(hf_dir, tmp_path / "m.gguf", "f32"), n_threads=1, num_ctx=64) as llm:
         assert not llm.model.takes_images
+
+
+def test_an_mmproj_for_another_model_is_refused_clearly(tiny, tmp_path):
+    """A pixtral mmproj on a model built on Llama's graph that is not Mistral's (qwen2), a gemma3 mmproj on a
+    llama file: a clear error at load; on a llama file whose vocabulary lacks [IMG]: a clear error per request."""
+    import pyggml
+    from pyggml.convert.gemma3_vision import split_mmproj
+    from pyggml.synthetic import write_synthetic
+
+    from .test_gemma3_vision import _mmproj
+
+    _, _, path, _ = tiny
+    _, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    qwen2 = write_synthetic(tmp_path / "q.gguf", "qwen2", "f32")
+    llama = write_synthetic(tmp_path / "l.gguf", "llama", "f32")
+    with pytest.raises(ValueError, match="takes no mmproj file"):
+        pyggml.load(qwen2, n_threads=1, num_ctx=64, mmproj=mmproj)
+    with pyggml.load(llama, n_threads=1, num_ctx=64, mmproj=mmproj) as llm:  # (of the same width, 64)
+        assert llm.model.takes_images
+        with pytest.raises(ValueError, match=r"no \[IMG\] token"):  # its vocabulary cannot place images
+            llm.generate("x", images=[png(1)], max_tokens=1)
+    gemma = _mmproj(tmp_path / "gemma-mmproj.gguf", image=32, patch=8)
+    with pytest.raises(ValueError, match="'gemma3', not 'pixtral'"):
+        pyggml.load(llama, n_threads=1, num_ctx=64, mmproj=gemma)
