@@ -32,7 +32,7 @@ SIZES = {"landscape": (40, 28), "portrait": (20, 60), "large": (150, 90), "one-r
 GRIDS = {"landscape": (3, 2), "portrait": (2, 4), "large": (4, 3), "one-row": (4, 1), "tiny": (1, 1)}  # cols, rows
 
 
-def build(tmp: Path, text_type: str = "ministral3", hidden_act: str = "silu"):
+def build(tmp: Path, text_type: str = "ministral3", hidden_act: str = "silu", merge: int = MERGE):
     """(HF model, its image processor, our converted F32 file, the image token ids) of a tiny random
     Mistral3ForConditionalGeneration: a Ministral 3 (GGUF mistral3) or Mistral Small 3.x (GGUF llama) text decoder,
     a 2-layer Pixtral tower, spatial merge 2, projector biases, a vocabulary with the image tokens."""
@@ -62,7 +62,7 @@ def build(tmp: Path, text_type: str = "ministral3", hidden_act: str = "silu"):
                                               num_attention_heads=2, image_size=LONGEST, patch_size=PATCH,
                                               head_dim=16, hidden_act=hidden_act)
     config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=ids["[IMG]"],
-                                         spatial_merge_size=MERGE, multimodal_projector_bias=True,
+                                         spatial_merge_size=merge, multimodal_projector_bias=True,
                                          attn_implementation="eager")
     torch.manual_seed(0)
     model = transformers.Mistral3ForConditionalGeneration(config).float().eval()
@@ -76,7 +76,7 @@ def build(tmp: Path, text_type: str = "ministral3", hidden_act: str = "silu"):
                 p.copy_(0.5 * torch.randn_like(p))  # sharp attention: the patches' rotary positions matter
     model.save_pretrained(hf_dir)
     processor = transformers.PixtralImageProcessorPil(size={"longest_edge": LONGEST},
-                                                      patch_size={"height": UNIT, "width": UNIT})
+                                                      patch_size={"height": PATCH * merge, "width": PATCH * merge})
     processor.save_pretrained(hf_dir)
     path = convert_hf(hf_dir, tmp / "model.gguf", "f32")
     return model, processor, path, ids
@@ -123,16 +123,18 @@ def test_vision_tower_and_image_embeddings_match_transformers(tiny, shape):
     check_vision(tiny, shape)
 
 
-def test_a_gelu_tower_matches_transformers(tmp_path):
-    """Pixtral's own default activation (clip.use_gelu; the released models use SiLU)."""
-    converted = build(tmp_path, hidden_act="gelu")
+def test_a_gelu_tower_without_merging_matches_transformers(tmp_path):
+    """Pixtral's own default activation (clip.use_gelu; the released models use SiLU) and spatial_merge_size 1
+    (one token per patch; the merger's norm and linear layer still apply)."""
     import gguf
 
-    assert gguf.GGUFReader(converted[2]).fields["clip.use_gelu"].contents() is True
-    check_vision(converted, "large")
+    converted = build(tmp_path, hidden_act="gelu", merge=1)
+    fields = gguf.GGUFReader(converted[2]).fields
+    assert fields["clip.use_gelu"].contents() is True and fields["clip.vision.spatial_merge_size"].contents() == 1
+    check_vision(converted, "large", merge=1)
 
 
-def check_vision(converted, shape: str) -> None:
+def check_vision(converted, shape: str, merge: int = MERGE) -> None:
     from pyggml import BackendParams, models
 
     model, processor, path, ids = converted
@@ -144,12 +146,12 @@ def check_vision(converted, shape: str) -> None:
         ref_embeds = model.model.multi_modal_projector(ref_states, torch.tensor(sizes)).numpy()
         break_row = model.get_input_embeddings().weight[ids["[IMG_BREAK]"]].numpy()
     ours = models.load(path, BackendParams(n_threads=2))
-    cols, rows = GRIDS[shape]
+    cols, rows = pixels.shape[2] // (PATCH * merge), pixels.shape[1] // (PATCH * merge)
     try:
         v = ours.vision
         with ours.backend.new_context() as ctx:
             states = v.tower(ctx, pixels, v.options)
-            embeds = v.projector(ctx, states, cols * MERGE, rows * MERGE, v.options)
+            embeds = v.projector(ctx, states, cols * merge, rows * merge, v.options)
             ctx.compute(states, embeds)
             states, embeds = states.numpy(), embeds.numpy()
         with ours.backend.new_context() as ctx:

@@ -135,8 +135,7 @@ class Mistral3Vision(Mistral3Text):
                  "ffn_down": (hidden, ff)}
         for i in range(v["num_hidden_layers"]):
             shapes |= {f"v.blk.{i}.{key}.weight": shape for key, shape in layer.items()}
-        if self.merge > 1:
-            shapes |= {"mm.input_norm.weight": (hidden,), "mm.patch_merger.weight": (hidden, hidden * self.merge ** 2)}
+        shapes |= {"mm.input_norm.weight": (hidden,), "mm.patch_merger.weight": (hidden, hidden * self.merge ** 2)}
         shapes |= {"mm.1.weight": (text, hidden), "mm.2.weight": (text, text)}
         if self.projector_bias:
             shapes |= {"mm.1.bias": (text,), "mm.2.bias": (text,)}

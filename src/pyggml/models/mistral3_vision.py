@@ -147,13 +147,14 @@ class VisionTower(nn.Module):
 class Projector(nn.Module):
     """The ``mm.*`` tensors: states (hidden, patches) -> image embeddings (text_hidden, merged patches)."""
 
-    input_norm: nn.RMSNorm | None = nn.shape("hidden_size")  # (the merger's, when merge > 1)
+    # Mistral 3's merger (llama.cpp's pixtral mmproj also serves Pixtral 12B, which has none)
+    input_norm: nn.RMSNorm | None = nn.shape("hidden_size")
     patch_merger: nn.Linear | None = nn.shape("merged_size", "hidden_size")
     linear_1: nn.Linear = nn.shape("hidden_size", "text_hidden")
     linear_2: nn.Linear = nn.shape("text_hidden", "text_hidden")
 
     def __call__(self, ctx: Context, h: Tensor, nx: int, ny: int, o: VisionOptions) -> Tensor:
-        if o.merge > 1:
+        if self.patch_merger is not None:
             m = o.merge
             grid = self.input_norm(h, o.eps).transpose().contiguous(nx, ny, o.hidden_size)  # (x, y, channel)
             # each m x m block's states, channel-major then row then column (torch's unfold): an im2col
@@ -248,9 +249,10 @@ def load(backend, text_hidden: int) -> Vision | None:
         return None
     opts = VisionOptions.from_config(backend.config, text_hidden)
     projector = nn.load(Projector, _Projector(backend, "mm."), opts)
-    if opts.merge > 1 and (projector.input_norm is None or projector.patch_merger is None):
+    if (projector.input_norm is None) != (projector.patch_merger is None) or (
+            opts.merge > 1 and projector.patch_merger is None):
         raise ModelError(f"mistral3: spatial_merge_size {opts.merge} needs mm.input_norm.weight and "
-                         "mm.patch_merger.weight")
+                         "mm.patch_merger.weight (both or, without merging, neither)")
     return Vision(opts, nn.load(VisionTower, _Prefixed(backend, "v."), opts), projector)
 
 
