@@ -158,8 +158,8 @@ class Projector(nn.Module):
             m = o.merge
             grid = self.input_norm(h, o.eps).transpose().contiguous(nx, ny, o.hidden_size)  # (x, y, channel)
             # each m x m block's states, channel-major then row then column (torch's unfold): an im2col
-            # whose kernel only gives the shape
-            kernel = grid.view(0, (m, m, o.hidden_size), (grid.shape[0] * 4, grid.shape[0] * grid.shape[1] * 4))
+            # whose kernel only gives the shape (a contiguous view, as GPU backends want)
+            kernel = grid.view(0, (m, m, o.hidden_size))
             blocks = grid.reshape(nx, ny, o.hidden_size, 1).im2col(kernel, m, m, 0, 0, 1, 1, dtype=DType.F32)
             h = self.patch_merger(blocks.reshape(o.merged_size, (nx // m) * (ny // m)))
         return self.linear_2(self.linear_1(h).gelu_erf())
