@@ -117,14 +117,14 @@ def to_rgb(image):
 
 
 def resize_normalize(image, size: tuple[int, int], mean: Sequence[float], std: Sequence[float],
-                     rescale: float = 1 / 255, resample: int | None = None) -> np.ndarray:
-    """``image`` resized to ``size`` (width, height) with ``resample`` filtering (default bilinear), scaled by
-    ``rescale`` and normalised per channel: float32 (3, height, width), equal to Hugging Face's PIL image
-    processors."""
+                     rescale: float = 1 / 255, bicubic: bool = False) -> np.ndarray:
+    """``image`` resized to ``size`` (width, height) with bilinear (or bicubic) filtering, scaled by
+    ``rescale`` and normalised per channel: float32 (3, height, width), equal to Hugging Face's PIL
+    image processors."""
     from PIL import Image
 
-    resample = Image.Resampling.BILINEAR if resample is None else resample
-    resized = np.asarray(image.resize(size, resample), dtype=np.uint8)
+    filter_ = Image.Resampling.BICUBIC if bicubic else Image.Resampling.BILINEAR
+    resized = np.asarray(image.resize(size, filter_), dtype=np.uint8)
     pixels = (resized.astype(np.float64) * rescale).astype(np.float32)
     pixels = (pixels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))

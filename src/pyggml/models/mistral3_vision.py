@@ -197,11 +197,9 @@ class Vision(VisionPart):
         return -(-width // o.unit) * o.unit, -(-height // o.unit) * o.unit
 
     def preprocess(self, data: bytes) -> dict[str, np.ndarray]:
-        from PIL import Image
-
         o, picture = self.options, image.decode(data)
         return {PIXELS: image.resize_normalize(picture, self.size(*picture.size), o.image_mean, o.image_std,
-                                               resample=Image.Resampling.BICUBIC)}
+                                               bicubic=True)}
 
     def build(self, ctx: Context, inputs: Mapping[str, np.ndarray]) -> list[Tensor]:
         pixels = inputs[PIXELS]
