@@ -29,6 +29,7 @@ from . import (  # noqa: F401
     llama,
     llama4,
     mistral3,
+    mistral3_vision,
     mllama,
     nemotron_h,
     nomic_bert,

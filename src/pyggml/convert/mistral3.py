@@ -42,11 +42,11 @@ class Mistral3(Llama):
                 w.add_rope_scaling_orig_ctx_len(int(self.rope["original_max_position_embeddings"]))
 
 
-@register("Mistral3ForConditionalGeneration")
 class Mistral3Text(Mistral3):
     """The text decoder of a checkpoint saved with its vision part (as published): Ministral 3 as GGUF
     ``mistral3``, Mistral Small 3.1 / 3.2 (a ``mistral`` text decoder) as GGUF ``llama``, as llama.cpp converts
-    them; the vision tower and projector are left out (pyggml does not run Pixtral)."""
+    them; the vision tower and projector are left out here (``mistral3_vision.py`` adds them, and registers
+    the checkpoint's name)."""
 
     skip = (*Mistral3.skip, r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 

@@ -15,7 +15,7 @@ from pyggml import nn
 from pyggml.backend import Backend, Context
 from pyggml.backend.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from pyggml.kvcache import Causal
-from pyggml.models import Batch, Model, ModelError, register
+from pyggml.models import Batch, Model, ModelError, mistral3_vision, register
 from pyggml.tensor import RopeType, Tensor
 
 
@@ -119,6 +119,9 @@ class Weights(nn.Module):
     rope_freqs: nn.Weight | None = nn.shape("rope.n_dims // 2")  # llama 3.1+ long-context frequency factors
 
 
+PIXTRAL_TEXT = ("llama", "mistral3")  # the text models llama.cpp pairs with a Pixtral mmproj
+
+
 @register("llama")
 class Llama(Model):
     Options, Weights = Options, Weights
@@ -128,15 +131,31 @@ class Llama(Model):
         self.options = self.Options.from_config(backend.config)
         self.weights: Weights = nn.load(self.Weights, backend, self.options)
         self.cache = Causal(self.shift)
+        if self.architecture in PIXTRAL_TEXT and backend.get("v.patch_embd.weight") is not None:
+            self.vision = mistral3_vision.load(backend, self.options.hidden_size)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         w, o = self.weights, self.options
         inputs = nn.batch_inputs(ctx, batch)
         freq_factors = w.rope_freqs.weight if w.rope_freqs is not None else None
         h = nn.tap("token_embd", w.token_embd(inputs.tokens))
+        if batch.multimodal:  # image embeddings over their placeholders (Mistral Small 3.x with Pixtral)
+            h = nn.multimodal_embeddings(ctx, h, batch)
         for i, layer, rows in nn.layers(w.blk, self.cache, inputs.outputs):
             h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, rows, self.cache, o, freq_factors))
         return nn.tap("output", w.output(nn.tap("output_norm", w.output_norm(h, o.eps))))
+
+    def attach_mmproj(self, projector: Backend) -> None:
+        """A Pixtral mmproj (Mistral Small 3.x, whose text decoder is GGUF llama; Ministral 3's is mistral3)."""
+        if self.architecture not in PIXTRAL_TEXT:  # a model built on Llama's graph is not thereby one of them
+            return super().attach_mmproj(projector)
+        mistral3_vision.attach(self, projector)
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "_projector", None) is not None:
+            self._projector.close()
+            self._projector = None
 
     def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:
         freq_factors = self.weights.rope_freqs.weight if self.weights.rope_freqs is not None else None

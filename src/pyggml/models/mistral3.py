@@ -16,7 +16,7 @@ from pyggml import nn
 from pyggml.backend import Context
 from pyggml.backend.metadata import MAX_CONTEXT
 from pyggml.kvcache import Causal
-from pyggml.models import Batch, ModelError, llama, register
+from pyggml.models import Batch, ModelError, llama, mistral3_vision, register
 from pyggml.tensor import Tensor
 
 
@@ -77,12 +77,15 @@ class Weights(llama.Weights):
 @register("mistral3")
 class Mistral3(llama.Llama):
     Options, Weights = Options, Weights
+    vision: mistral3_vision.Vision | None = None  # (Llama's __init__ loads it; attach_mmproj too)
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         w, o = self.weights, self.options
         inputs = nn.batch_inputs(ctx, batch)
         temperature = self._temperature(ctx, inputs.positions) if o.temperature_scale else None
         h = nn.tap("token_embd", w.token_embd(inputs.tokens))
+        if batch.multimodal:  # image embeddings over their placeholders (Pixtral's: attended causally)
+            h = nn.multimodal_embeddings(ctx, h, batch)
         for i, layer, rows in nn.layers(w.blk, self.cache, inputs.outputs):
             # the Llama layer hands its last argument to the attention: here the queries' temperature
             h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, rows, self.cache, o, temperature))
