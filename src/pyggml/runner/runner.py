@@ -46,7 +46,7 @@ from pyggml.input import Input
 from pyggml.models import Model, ModelError, Pooling
 from pyggml.runner.checkpoints import Checkpoints
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
-from pyggml.runner.engine import SAMPLE_HEAD_K, Engine, reads_in_place
+from pyggml.runner.engine import AUTO_HEAD_MIN_ROWS, SAMPLE_HEAD_K, Engine, reads_in_place
 from pyggml.runner.images import Images
 from pyggml.runner.inputcache import InputCache
 from pyggml.runner.plugins import Constraints, ContextShift, StepPlugin
@@ -88,7 +88,8 @@ class Runner:
     model that only embeds refuses completions. One runner per model; close it before the model.
     ``device_sampling``: graphs end in a sampling head, and steps whose sequences all sample plainly
     read each row's K largest logits instead of every logit (``Engine``; the same tokens). Default:
-    on when a GPU computes the model (a CPU computes the head slower than numpy samples)."""
+    on when a GPU computes the model, for steps of at least ``AUTO_HEAD_MIN_ROWS`` rows (a CPU computes
+    the head slower than numpy samples; on a GPU one row's head costs more than reading its logits)."""
 
     def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool | None = None,
@@ -99,9 +100,11 @@ class Runner:
         self.parallel, self.num_ctx = parallel, num_ctx
         self.batch_size = min(batch_size, num_ctx)
         self.embedder = Embedder(model, num_ctx, batch_size) if model.pooling is not None else None
-        if device_sampling is None:
+        auto = device_sampling is None  # on a GPU, for steps with many rows (AUTO_HEAD_MIN_ROWS)
+        if auto:
             device_sampling = model.backend.has_gpu
-        self.engine = Engine(model, keep=2, sample_head=SAMPLE_HEAD_K if device_sampling else 0)
+        self.engine = Engine(model, keep=2, sample_head=SAMPLE_HEAD_K if device_sampling else 0,
+                             head_min_rows=AUTO_HEAD_MIN_ROWS if auto else 1)
         # an image's inputs go in one batch (same_batch): one longer than batch_size gets a batch that
         # grows to hold it (as Ollama's runner does), up to max_batch, reserved below
         self.images = Images(self, model.vision) if model.generates and model.vision is not None else None
