@@ -309,6 +309,20 @@ def load(cls: type, backend: Backend, hparams: Any = None, n_layers: int | None 
     return module
 
 
+class Prefixed:
+    """A backend whose tensor names are read under a prefix (``v.``, ``mm.``): loads a part of a file."""
+
+    def __init__(self, backend: Any, prefix: str):
+        self._backend, self._prefix = backend, prefix
+        self.config, self.path = backend.config, backend.path
+
+    def get(self, name: str) -> Tensor | None:
+        return self._backend.get(self._prefix + name)
+
+    def matmul_weight(self, weight: Tensor) -> Tensor:
+        return self._backend.matmul_weight(weight)
+
+
 def _layer_count(hparams: Any, n_layers: int | None, backend: Backend | None) -> int:
     if n_layers is not None:
         return n_layers
