@@ -6,7 +6,6 @@ the runner resuming a recurrent state, and malformed files. The Mamba-2 mixer it
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +15,10 @@ import pyggml
 from pyggml import BackendParams, models
 from pyggml.convert import convert_hf
 from pyggml.models import ModelError
-from pyggml.runner import CompletionRequest, Runner
+from pyggml.runner import CompletionRequest
 from pyggml.synthetic import write_model
 
+from ._models import logits_from_threads
 from .test_architectures import TINY, forward
 from .test_convert import needs_llama_cpp
 
@@ -67,19 +67,7 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
 def test_several_sequences_at_once_match_transformers(converted):
     path, model, tokenizer = converted("mamba-mlp-attention")
     prompts = [tokenizer.encode(t) for t in TEXTS]
-    results: list = [None] * len(prompts)
-    llm = models.load(path, BackendParams(n_threads=2))
-    with Runner(llm, parallel=3, num_ctx=64, batch_size=8, cache_type="f32") as runner:
-        def score(i: int) -> None:
-            *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
-            results[i] = last.prompt_logits
-
-        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    llm.close()
+    results = logits_from_threads(path, prompts)
     for tokens, ours in zip(prompts, results, strict=True):
         assert error(ours, reference(model, tokens)) < TOLERANCE
 
