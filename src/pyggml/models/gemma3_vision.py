@@ -185,3 +185,6 @@ def load(backend, text_hidden: int) -> Vision | None:
     opts = VisionOptions.from_config(backend.config, text_hidden)
     return Vision(opts, nn.load(VisionTower, nn.Prefixed(backend, "v."), opts),
                   nn.load(Projector, nn.Prefixed(backend, "mm."), opts))
+
+
+_Prefixed = nn.Prefixed  # the old name, still imported by mistral3_vision.py on main: remove once it uses nn.Prefixed
