@@ -5,6 +5,9 @@ of unequal lengths in one batch, the runner resuming a recurrent state, and malf
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -243,6 +246,27 @@ def test_ssm_scan_matches_the_recurrence_and_refuses_bad_operands():
             ins[0].ssm_scan(ins[1], ins[2], ins[3], ins[4], ins[5], ctx.from_numpy(ids[:1]))  # ids of one sequence
         with pytest.raises(TypeError, match="ssm_scan"):
             ins[0].ssm_scan(*ins[1:5], ctx.from_numpy(states.astype(np.float16)), ins[6])
+
+
+def test_ssm_scan_refuses_a_unit_outside_the_state_store():
+    """ids name units of the state store, which ggml reads unchecked: one past the store is refused at
+    compute as rows' indices are (in a child process: unchecked, it reads outside the buffer)."""
+    script = textwrap.dedent("""
+        import numpy as np, pyggml
+        f = lambda *shape: np.zeros(shape, np.float32)
+        with pyggml.Backend.cpu(n_threads=1) as backend, backend.new_context() as ctx:
+            x, dt, a, b, c = (ctx.from_numpy(v) for v in (f(2, 1, 2, 4), f(2, 1, 2), f(2, 1), f(2, 1, 1, 8),
+                                                          f(2, 1, 1, 8)))
+            states = ctx.from_numpy(f(3, 2, 4, 8))
+            y, last = x.ssm_scan(dt, a, b, c, states, ctx.from_numpy(np.array([2, 1 << 20], np.int32)))
+            try:
+                ctx.compute(y, last)
+            except ValueError as e:
+                print("refused:", e)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "refused: ssm_scan: index 1048576 out of range 0..2" in done.stdout, \
+        (done.returncode, done.stdout, done.stderr[-2000:])
 
 
 # ---- the runner's checkpoints of scan states (LFM2's layers have none) --------------------------------------
