@@ -520,6 +520,17 @@ def output_rows(rows: Tensor | None, *tensors: Tensor) -> tuple[Tensor, ...]:
     return tensors if rows is None else tuple(t.rows(rows) for t in tensors)
 
 
+def expert_counts(config: Any, required: bool = True) -> tuple[int, int]:
+    """(expert_count, expert_used_count) of a mixture-of-experts file, with 0 < used <= count; a file
+    without experts gives (0, 0) unless they are ``required``. ModelError naming both keys otherwise."""
+    arch = config.architecture
+    n_experts, n_used = config.uint("expert_count", 0), config.uint("expert_used_count", 0)
+    if (required or n_experts) and not 0 < n_used <= n_experts:
+        raise ModelError(f"{arch}: {arch}.expert_count ({n_experts}) and {arch}.expert_used_count ({n_used}) "
+                         "must be set, with 0 < expert_used_count <= expert_count")
+    return n_experts, n_used
+
+
 def moe(x: Tensor, router_logits: Tensor, k: int, gate: Experts, up: Experts, down: Experts,
         glu: typing.Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """A mixture of experts: each token of ``x`` (hidden, n_tokens) through the ``k`` experts with the

@@ -186,11 +186,7 @@ class Options(Mamba2Options):
         head_dim = config.uint("attention.key_length", 0, max=MAX_WIDTH) or hidden // n_heads
         if (config.uint("attention.value_length", 0, max=MAX_WIDTH) or head_dim) != head_dim or not head_dim:
             raise ModelError(f"{arch}: {arch}.attention.value_length must equal {arch}.attention.key_length")
-        n_experts = config.uint("expert_count", 0, max=4096)
-        n_used = config.uint("expert_used_count", 0, max=4096)
-        if n_experts and not 0 < n_used <= n_experts:
-            raise ModelError(f"{arch}: {arch}.expert_used_count ({n_used}) must be in 1..{arch}.expert_count "
-                             f"({n_experts})")
+        n_experts, n_used = nn.expert_counts(config, required=False)
         if config.float("expert_weights_scale", 0.0, min=-1e6, max=1e6) not in (0.0, 1.0):
             raise ModelError(f"{arch}: {arch}.expert_weights_scale is not supported (the chosen experts' weights "
                              "are their softmax only)")
