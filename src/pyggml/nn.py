@@ -486,6 +486,20 @@ def layer_kinds(config: Any, n_layers: int, default_pattern: int) -> tuple[int, 
     return tuple(SLIDING if pattern == 0 or i % pattern < pattern - 1 else GLOBAL for i in range(n_layers))
 
 
+def per_layer(config: Any, key: str, n_layers: int, default: int, limit: int | None = None) -> tuple[int, ...]:
+    """A count that a file gives as one number for every layer or as a list of one per layer (hybrids:
+    ``attention.head_count_kv`` 0 marks a layer of another kind); ModelError when a list's length is not
+    ``n_layers``. ``limit``: the largest value allowed."""
+    arch = config.architecture
+    if isinstance(config.get(f"{arch}.{key}", default), list):
+        values = config.uints(key, max=limit)
+    else:
+        values = [config.uint(key, default, max=limit)] * n_layers
+    if len(values) != n_layers:
+        raise ModelError(f"{arch}: {arch}.{key} has {len(values)} entries for {n_layers} layers")
+    return tuple(values)
+
+
 def layers(blk: list[Any], cache: Cache | None, outputs: Tensor | None,
            cache_layers: Sequence[int] | None = None) -> Iterator[tuple[int, Any, Tensor | None]]:
     """The decoder-layer loop: ``(i, layer, rows)`` per layer, the cache (if any) set to layer i first

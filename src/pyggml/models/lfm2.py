@@ -52,10 +52,8 @@ class Options:
         if not hidden or not n_heads or not n_layers:
             raise ModelError(f"{arch}: {arch}.embedding_length, {arch}.block_count and {arch}.attention.head_count "
                              "must be set and non-zero")
-        kv = config.get(f"{arch}.attention.head_count_kv", n_heads)
-        kv = config.uints("attention.head_count_kv", max=n_heads) if isinstance(kv, list) else \
-            [config.uint("attention.head_count_kv", n_heads, max=n_heads)] * n_layers
-        if len(kv) != n_layers or any(k and n_heads % k for k in kv):
+        kv = nn.per_layer(config, "attention.head_count_kv", n_layers, n_heads, n_heads)
+        if any(k and n_heads % k for k in kv):
             raise ModelError(f"{arch}: {arch}.attention.head_count_kv must give each of the {n_layers} layers 0 (a "
                              f"convolution layer) or a divisor of the {n_heads} heads (attention); found {kv}")
         if hidden % n_heads:
