@@ -78,16 +78,25 @@ def test_several_sequences_at_once_match_transformers(case, converted):
 
 
 def test_two_sequences_of_unequal_lengths_in_one_batch_equal_each_alone(tmp_path):
-    """Rows of two sequences interleaved in one batch (the scan runs them as a padded (steps, sequences)
-    grid), then a decode step of both in one batch: each row's logits are the sequence's alone."""
-    path = write_model(tmp_path / "g.gguf", "granitehybrid", TINY["granitehybrid"], "f32", seed=5)
+    interleaved_rows_equal_each_alone(tmp_path, "granitehybrid", [
+        (1, 0), (0, 0), (0, 1), (1, 1), (0, 2), (0, 3), (0, 4), (1, 2), (1, 3), (0, 5), (0, 6), (0, 7), (0, 8), (1, 4),
+        (1, 5), (0, 9), (0, 10)])
+
+
+def test_a_prompt_that_extends_an_earlier_one_resumes_the_state_and_equals_a_fresh_run(tmp_path):
+    extended_prompt_resumes_and_equals_a_fresh_run(tmp_path, "granitehybrid")
+
+
+def interleaved_rows_equal_each_alone(tmp_path, arch: str, order: list[tuple[int, int]]) -> None:
+    """Rows of two sequences interleaved in one batch as ``order`` says ((sequence, position) per row: the
+    scan runs them as a padded (steps, sequences) grid), then a decode step of both in one batch: each row's
+    logits are the sequence's alone. Shared with the other Mamba-2 hybrid's tests (nemotron_h)."""
+    path = write_model(tmp_path / f"{arch}.gguf", arch, TINY[arch], "f32", seed=5)
     model = models.load(path, BackendParams(n_threads=2))
     try:
         model.cache.init(model.backend, "f32", max_sequences=3, capacity=64, max_batch=32)
         a, b = [1, 5, 9, 33, 70, 2, 8, 100, 200, 7, 11], [3, 4, 5, 6, 7, 8]
         alone_a, alone_b = forward(model, a, sequences=[2] * 11), forward(model, b, sequences=[2] * 6)
-        order = [(1, 0), (0, 0), (0, 1), (1, 1), (0, 2), (0, 3), (0, 4), (1, 2), (1, 3), (0, 5), (0, 6), (0, 7),
-                 (0, 8), (1, 4), (1, 5), (0, 9), (0, 10)]
         both = forward(model, [(a, b)[s][i] for s, i in order], positions=[i for _, i in order],
                        sequences=[s for s, _ in order])
         rows = [[k for k, (s, _) in enumerate(order) if s == seq] for seq in (0, 1)]
@@ -99,12 +108,14 @@ def test_two_sequences_of_unequal_lengths_in_one_batch_equal_each_alone(tmp_path
         model.close()
 
 
-def test_a_prompt_that_extends_an_earlier_one_resumes_the_state_and_equals_a_fresh_run(tmp_path):
-    path = write_model(tmp_path / "g.gguf", "granitehybrid", TINY["granitehybrid"], "f32", seed=3)
+def extended_prompt_resumes_and_equals_a_fresh_run(tmp_path, arch: str) -> None:
+    """A prompt that extends an earlier one (its prompt and reply) resumes the scan state after the
+    earlier reply and generates what a fresh model does."""
+    path = write_model(tmp_path / f"{arch}.gguf", arch, TINY[arch], "f32", seed=3)
     prompt = [1, 17, 42, 99, 5, 23, 64, 7, 150, 33]
 
     def complete(llm, tokens: list[int]) -> tuple[list[int], int]:
-        bias = {i: -np.inf for i in range(TINY["granitehybrid"]["vocab_size"]) if llm.tokenizer.is_eog(i)}
+        bias = {i: -np.inf for i in range(TINY[arch]["vocab_size"]) if llm.tokenizer.is_eog(i)}
         chunks = list(llm.runner.completion(CompletionRequest(tokens, max_tokens=6, temperature=0.0,
                                                               logit_bias=bias)))
         return [t for c in chunks for t in c.tokens], chunks[-1].cached_tokens
