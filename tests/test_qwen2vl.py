@@ -148,11 +148,17 @@ def test_image_and_text_logits_match_transformers(tiny, size):
 
 
 def test_two_images_of_different_grids_in_one_batch_equal_each_alone(tiny, ours):
+    two_images_in_one_batch_equal_each_alone(ours, SIZES[0], SIZES[1])  # 2x9 and 6x2 tokens
+
+
+def two_images_in_one_batch_equal_each_alone(ours, size_a: tuple[int, int], size_b: tuple[int, int]) -> None:
+    """Two prompts with one image each, of different grids, computed alone and then together: both images
+    go in one batch and every prompt logit and generated token is the one computed alone (qwen3vl too)."""
     from pyggml.runner import CompletionRequest, Runner
 
     from .test_multimodal_runner import record_batches
 
-    cases = [("a [img-0] cat", image_of(SIZES[0], 5)), ("the dog [img-0] ran off", image_of(SIZES[1], 6))]
+    cases = [("a [img-0] cat", image_of(size_a, 5)), ("the dog [img-0] ran off", image_of(size_b, 6))]
 
     def request(prompt, data):
         return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True)
@@ -166,7 +172,7 @@ def test_two_images_of_different_grids_in_one_batch_equal_each_alone(tiny, ours)
         batches = record_batches(runner)
         streams = [runner.completion(request(*case)) for case in cases]
         together = [read(stream) for stream in streams]
-    assert [len(index) for _, index in batches if index] == [2]  # both images (2x9 and 6x2 tokens) in one batch
+    assert [len(index) for _, index in batches if index] == [2]  # both images in one batch
     for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
         assert tokens_alone == tokens_both
         assert scaled_error(logits_both, logits_alone) <= 1e-5, scaled_error(logits_both, logits_alone)

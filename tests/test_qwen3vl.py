@@ -10,7 +10,7 @@ import pytest
 
 from .hf_fixtures import make_qwen_tokenizer
 from .test_convert import needs_llama_cpp
-from .test_qwen2vl import PROMPT, hf_image, image_of, scaled_error
+from .test_qwen2vl import PROMPT, hf_image, image_of, scaled_error, two_images_in_one_batch_equal_each_alone
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (`reference` extra)")
@@ -183,28 +183,7 @@ def test_llama_cpp_reads_our_mmproj_and_computes_the_same_image_embeddings(tiny,
 
 def test_two_images_of_different_grids_in_one_batch_equal_each_alone(ours):
     """DeepStack adds each image's features at its own rows, whichever sequence it belongs to."""
-    from pyggml.runner import CompletionRequest, Runner
-
-    from .test_multimodal_runner import record_batches
-
-    cases = [("a [img-0] cat", image_of(SIZES[0], 5)), ("the dog [img-0] ran off", image_of(SIZES[1], 6))]
-
-    def request(prompt, data):
-        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True)
-
-    def read(stream):
-        chunks = list(stream)
-        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
-
-    with Runner(ours, parallel=2, num_ctx=128, batch_size=128, cache_type="f32", background=False) as runner:
-        alone = [read(runner.completion(request(*case))) for case in cases]
-        batches = record_batches(runner)
-        streams = [runner.completion(request(*case)) for case in cases]
-        together = [read(stream) for stream in streams]
-    assert [len(index) for _, index in batches if index] == [2]  # both images (2x8 and 5x2 tokens) in one batch
-    for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
-        assert tokens_alone == tokens_both
-        assert scaled_error(logits_both, logits_alone) <= 1e-5, scaled_error(logits_both, logits_alone)
+    two_images_in_one_batch_equal_each_alone(ours, SIZES[0], SIZES[1])  # 2x8 and 5x2 tokens
 
 
 def test_moe_image_and_text_logits_match_transformers(tmp_path):
