@@ -1,7 +1,7 @@
 """Nemotron-H (GGUF ``nemotron_h``, dense): converted tiny random checkpoints against transformers
 (whose Mamba-2 runs its reference PyTorch scan here) and llama.cpp, several sequences in one batch,
 the runner resuming a recurrent state, and malformed files. The Mamba-2 mixer itself is
-``granitehybrid``'s (tests/test_granitehybrid.py tests its scan op)."""
+``models/mamba2.py``, shared with granitehybrid (tests/test_granitehybrid.py tests its scan op)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Nemotron-H (GGUF architecture "nemotron_h": NVIDIA Nemotron-H and Nemotron Nano 2, dense).
 
-Each block is one pre-normed mixer and a residual: **Mamba-2** (the mixer of ``granitehybrid.py``:
+Each block is one pre-normed mixer and a residual: **Mamba-2** (the mixer of ``mamba2.py``:
 ``ssm_*`` tensors), **attention** (grouped-query, no positional encoding, optional biases) or a
 **squared-ReLU MLP** (``ffn_up``, ReLU², ``ffn_down``). As llama.cpp reads the file, a layer whose
 ``attention.head_count_kv`` and ``feed_forward_length`` entries are both 0 is Mamba-2, one with
@@ -21,7 +21,7 @@ from pyggml.backend import Backend, Context
 from pyggml.backend.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from pyggml.kvcache import Causal, Recurrent, Wrapper
 from pyggml.models import Batch, Model, ModelError, register
-from pyggml.models.granitehybrid import ATTENTION, SSM, Mamba2, Mamba2Options
+from pyggml.models.mamba2 import ATTENTION, SSM, Mamba2, Mamba2Options
 from pyggml.tensor import Tensor
 
 MLP = 2  # the third kind of layer (no cache)
