@@ -199,3 +199,32 @@ def logits_in_slots(path: Path, prompts: list[list[int]], batch_size: int = 4) -
             return [list(stream)[-1].prompt_logits for stream in streams]
     finally:
         model.close()
+
+
+def logits_from_threads(path: Path, prompts: list[list[int]], num_ctx: int = 64, batch_size: int = 8,
+                        timeout: float = 120) -> list[np.ndarray | None]:
+    """Each prompt's logits (len(prompt), vocab), scored by one background Runner with one slot per
+    prompt while each request comes from its own thread (as a server's would): its batches mix the
+    sequences as they arrive. A request that has not finished within ``timeout`` seconds gives None."""
+    import threading
+
+    from pyggml import BackendParams, models
+    from pyggml.runner import CompletionRequest, Runner
+
+    results: list[np.ndarray | None] = [None] * len(prompts)
+    model = models.load(path, BackendParams(n_threads=2))
+    try:
+        with Runner(model, parallel=len(prompts), num_ctx=num_ctx, batch_size=batch_size,
+                    cache_type="f32") as runner:
+            def score(i: int) -> None:
+                *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
+                results[i] = last.prompt_logits
+
+            threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout)
+    finally:
+        model.close()
+    return results

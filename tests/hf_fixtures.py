@@ -594,6 +594,10 @@ def make_tiny_qwen35(tmp_path: Path, *, layer_types: tuple[str, ...] = ("linear_
                 p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith("dt_bias"):
                 p.copy_(0.5 * torch.randn_like(p))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
 def make_tiny_bert_reranker(tmp_path: Path, *, seed: int = 0, type_vocab_size: int = 2) -> tuple[Path, Any]:
     """A 2-layer, 64-wide random ``BertForSequenceClassification`` with one label (a cross-encoder
     reranker such as ms-marco-MiniLM) and the WordPiece vocabulary of ``make_tiny_bert``; biases and

@@ -5,7 +5,9 @@ of unequal lengths in one batch, the runner resuming a recurrent state, and malf
 from __future__ import annotations
 
 import json
-import threading
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -15,9 +17,10 @@ import pyggml
 from pyggml import BackendParams, models
 from pyggml.convert import convert_hf
 from pyggml.models import ModelError
-from pyggml.runner import CompletionRequest, Runner
+from pyggml.runner import CompletionRequest
 from pyggml.synthetic import write_model
 
+from ._models import logits_from_threads
 from .test_architectures import TINY, forward
 from .test_convert import needs_llama_cpp
 
@@ -69,34 +72,31 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
 def test_several_sequences_at_once_match_transformers(case, converted):
     path, model, tokenizer = converted(case)
     prompts = [tokenizer.encode(t) for t in TEXTS]
-    results: list = [None] * len(prompts)
-    llm = models.load(path, BackendParams(n_threads=2))
-    with Runner(llm, parallel=3, num_ctx=64, batch_size=8, cache_type="f32") as runner:
-        def score(i: int) -> None:
-            *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
-            results[i] = last.prompt_logits
-
-        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    llm.close()
+    results = logits_from_threads(path, prompts)
     for tokens, ours in zip(prompts, results, strict=True):
         assert error(ours, reference(model, tokens)) < TOLERANCE
 
 
 def test_two_sequences_of_unequal_lengths_in_one_batch_equal_each_alone(tmp_path):
-    """Rows of two sequences interleaved in one batch (the scan runs them as a padded (steps, sequences)
-    grid), then a decode step of both in one batch: each row's logits are the sequence's alone."""
-    path = write_model(tmp_path / "g.gguf", "granitehybrid", TINY["granitehybrid"], "f32", seed=5)
+    interleaved_rows_equal_each_alone(tmp_path, "granitehybrid", [
+        (1, 0), (0, 0), (0, 1), (1, 1), (0, 2), (0, 3), (0, 4), (1, 2), (1, 3), (0, 5), (0, 6), (0, 7), (0, 8), (1, 4),
+        (1, 5), (0, 9), (0, 10)])
+
+
+def test_a_prompt_that_extends_an_earlier_one_resumes_the_state_and_equals_a_fresh_run(tmp_path):
+    extended_prompt_resumes_and_equals_a_fresh_run(tmp_path, "granitehybrid")
+
+
+def interleaved_rows_equal_each_alone(tmp_path, arch: str, order: list[tuple[int, int]]) -> None:
+    """Rows of two sequences interleaved in one batch as ``order`` says ((sequence, position) per row: the
+    scan runs them as a padded (steps, sequences) grid), then a decode step of both in one batch: each row's
+    logits are the sequence's alone. Shared with the other Mamba-2 hybrid's tests (nemotron_h)."""
+    path = write_model(tmp_path / f"{arch}.gguf", arch, TINY[arch], "f32", seed=5)
     model = models.load(path, BackendParams(n_threads=2))
     try:
         model.cache.init(model.backend, "f32", max_sequences=3, capacity=64, max_batch=32)
         a, b = [1, 5, 9, 33, 70, 2, 8, 100, 200, 7, 11], [3, 4, 5, 6, 7, 8]
         alone_a, alone_b = forward(model, a, sequences=[2] * 11), forward(model, b, sequences=[2] * 6)
-        order = [(1, 0), (0, 0), (0, 1), (1, 1), (0, 2), (0, 3), (0, 4), (1, 2), (1, 3), (0, 5), (0, 6), (0, 7),
-                 (0, 8), (1, 4), (1, 5), (0, 9), (0, 10)]
         both = forward(model, [(a, b)[s][i] for s, i in order], positions=[i for _, i in order],
                        sequences=[s for s, _ in order])
         rows = [[k for k, (s, _) in enumerate(order) if s == seq] for seq in (0, 1)]
@@ -108,12 +108,14 @@ def test_two_sequences_of_unequal_lengths_in_one_batch_equal_each_alone(tmp_path
         model.close()
 
 
-def test_a_prompt_that_extends_an_earlier_one_resumes_the_state_and_equals_a_fresh_run(tmp_path):
-    path = write_model(tmp_path / "g.gguf", "granitehybrid", TINY["granitehybrid"], "f32", seed=3)
+def extended_prompt_resumes_and_equals_a_fresh_run(tmp_path, arch: str) -> None:
+    """A prompt that extends an earlier one (its prompt and reply) resumes the scan state after the
+    earlier reply and generates what a fresh model does."""
+    path = write_model(tmp_path / f"{arch}.gguf", arch, TINY[arch], "f32", seed=3)
     prompt = [1, 17, 42, 99, 5, 23, 64, 7, 150, 33]
 
     def complete(llm, tokens: list[int]) -> tuple[list[int], int]:
-        bias = {i: -np.inf for i in range(TINY["granitehybrid"]["vocab_size"]) if llm.tokenizer.is_eog(i)}
+        bias = {i: -np.inf for i in range(TINY[arch]["vocab_size"]) if llm.tokenizer.is_eog(i)}
         chunks = list(llm.runner.completion(CompletionRequest(tokens, max_tokens=6, temperature=0.0,
                                                               logit_bias=bias)))
         return [t for c in chunks for t in c.tokens], chunks[-1].cached_tokens
@@ -255,6 +257,27 @@ def test_ssm_scan_matches_the_recurrence_and_refuses_bad_operands():
             ins[0].ssm_scan(ins[1], ins[2], ins[3], ins[4], ins[5], ctx.from_numpy(ids[:1]))  # ids of one sequence
         with pytest.raises(TypeError, match="ssm_scan"):
             ins[0].ssm_scan(*ins[1:5], ctx.from_numpy(states.astype(np.float16)), ins[6])
+
+
+def test_ssm_scan_refuses_a_unit_outside_the_state_store():
+    """ids name units of the state store, which ggml reads unchecked: one past the store is refused at
+    compute as rows' indices are (in a child process: unchecked, it reads outside the buffer)."""
+    script = textwrap.dedent("""
+        import numpy as np, pyggml
+        f = lambda *shape: np.zeros(shape, np.float32)
+        with pyggml.Backend.cpu(n_threads=1) as backend, backend.new_context() as ctx:
+            x, dt, a, b, c = (ctx.from_numpy(v) for v in (f(2, 1, 2, 4), f(2, 1, 2), f(2, 1), f(2, 1, 1, 8),
+                                                          f(2, 1, 1, 8)))
+            states = ctx.from_numpy(f(3, 2, 4, 8))
+            y, last = x.ssm_scan(dt, a, b, c, states, ctx.from_numpy(np.array([2, 1 << 20], np.int32)))
+            try:
+                ctx.compute(y, last)
+            except ValueError as e:
+                print("refused:", e)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "refused: ssm_scan: index 1048576 out of range 0..2" in done.stdout, \
+        (done.returncode, done.stdout, done.stderr[-2000:])
 
 
 # ---- the runner's checkpoints of scan states (LFM2's layers have none) --------------------------------------

@@ -17,7 +17,7 @@ from pyggml.models import ModelError
 from pyggml.runner import CompletionRequest, Runner
 from pyggml.synthetic import write_model
 
-from ._models import cache_states, log_softmax
+from ._models import cache_states, log_softmax, logits_from_threads
 from .test_architectures import TINY
 from .test_convert import needs_llama_cpp
 
@@ -68,19 +68,7 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
 def test_several_sequences_at_once_match_transformers(case, converted):
     path, model, tokenizer = converted(case)
     prompts = [tokenizer.encode(t) for t in TEXTS]
-    results: list = [None] * len(prompts)
-    llm = models.load(path, BackendParams(n_threads=2))
-    with Runner(llm, parallel=3, num_ctx=64, batch_size=8, cache_type="f32") as runner:
-        def score(i: int) -> None:
-            *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
-            results[i] = last.prompt_logits
-
-        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    llm.close()
+    results = logits_from_threads(path, prompts)
     for tokens, ours in zip(prompts, results, strict=True):
         assert error(ours, reference(model, tokens)) < TOLERANCE
 

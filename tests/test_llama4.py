@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 
 import numpy as np
 import pytest
@@ -19,8 +18,8 @@ import pytest
 import pyggml
 from pyggml import BackendParams, models
 from pyggml.convert import convert_hf
-from pyggml.runner import CompletionRequest, Runner
 
+from ._models import logits_from_threads
 from .test_convert import needs_llama_cpp, read_gguf
 
 torch = pytest.importorskip("torch", reason="the Llama 4 parity tests build HF models with torch")
@@ -105,19 +104,7 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
 def test_several_sequences_at_once_match_transformers(case, converted):
     path, model, tokenizer = converted(case)
     prompts = [tokenizer.encode(t) for t in (TEXTS[0] + " " + TEXTS[2], TEXTS[1], TEXTS[2])]
-    results: list = [None] * len(prompts)
-    llm = models.load(path, BackendParams(n_threads=2))
-    with Runner(llm, parallel=3, num_ctx=64, batch_size=8, cache_type="f32") as runner:
-        def score(i: int) -> None:
-            *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
-            results[i] = last.prompt_logits
-
-        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    llm.close()
+    results = logits_from_threads(path, prompts)
     for tokens, ours in zip(prompts, results, strict=True):
         assert error(ours, reference(model, tokens)) < TOLERANCE
 

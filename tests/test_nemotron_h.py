@@ -1,31 +1,33 @@
 """Nemotron-H (GGUF ``nemotron_h``, dense): converted tiny random checkpoints against transformers
 (whose Mamba-2 runs its reference PyTorch scan here) and llama.cpp, several sequences in one batch,
 the runner resuming a recurrent state, and malformed files. The Mamba-2 mixer itself is
-``granitehybrid``'s (tests/test_granitehybrid.py tests its scan op)."""
+``models/mamba2.py``, shared with granitehybrid (tests/test_granitehybrid.py tests its scan op)."""
 
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import pyggml
-from pyggml import BackendParams, models
+from pyggml import models
 from pyggml.convert import convert_hf
 from pyggml.models import ModelError
-from pyggml.runner import CompletionRequest, Runner
 from pyggml.synthetic import write_model
 
-from .test_architectures import TINY, forward
+from ._models import logits_from_threads
+from .test_architectures import TINY
 from .test_convert import needs_llama_cpp
 
 torch = pytest.importorskip("torch", reason="the Nemotron-H parity tests build HF models with torch")
 transformers = pytest.importorskip("transformers", reason="the Nemotron-H parity tests build HF models")
 
 from .hf_fixtures import make_tiny_nemotron_h  # noqa: E402  (needs torch/transformers)
+from .test_granitehybrid import (  # noqa: E402  (the Mamba-2 hybrids' shared checks)
+    extended_prompt_resumes_and_equals_a_fresh_run,
+    interleaved_rows_equal_each_alone,
+)
 from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
 
 CASES = {"mamba-mlp-attention": dict(),  # M - * - M -
@@ -67,60 +69,19 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
 def test_several_sequences_at_once_match_transformers(converted):
     path, model, tokenizer = converted("mamba-mlp-attention")
     prompts = [tokenizer.encode(t) for t in TEXTS]
-    results: list = [None] * len(prompts)
-    llm = models.load(path, BackendParams(n_threads=2))
-    with Runner(llm, parallel=3, num_ctx=64, batch_size=8, cache_type="f32") as runner:
-        def score(i: int) -> None:
-            *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
-            results[i] = last.prompt_logits
-
-        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    llm.close()
+    results = logits_from_threads(path, prompts)
     for tokens, ours in zip(prompts, results, strict=True):
         assert error(ours, reference(model, tokens)) < TOLERANCE
 
 
 def test_two_sequences_of_unequal_lengths_in_one_batch_equal_each_alone(tmp_path):
-    path = write_model(tmp_path / "n.gguf", "nemotron_h", TINY["nemotron_h"], "f32", seed=5)
-    model = models.load(path, BackendParams(n_threads=2))
-    try:
-        model.cache.init(model.backend, "f32", max_sequences=3, capacity=64, max_batch=32)
-        a, b = [1, 5, 9, 33, 70, 2, 8, 100, 200, 7, 11], [3, 4, 5, 6, 7, 8]
-        alone_a, alone_b = forward(model, a, sequences=[2] * 11), forward(model, b, sequences=[2] * 6)
-        order = [(0, 0), (1, 0), (1, 1), (0, 1), (0, 2), (1, 2), (0, 3), (0, 4), (0, 5), (1, 3), (1, 4), (0, 6),
-                 (0, 7), (0, 8), (1, 5), (0, 9), (0, 10)]
-        both = forward(model, [(a, b)[s][i] for s, i in order], positions=[i for _, i in order],
-                       sequences=[s for s, _ in order])
-        rows = [[k for k, (s, _) in enumerate(order) if s == seq] for seq in (0, 1)]
-        assert error(both[rows[0]], alone_a) < 1e-5 and error(both[rows[1]], alone_b) < 1e-5
-        step = forward(model, [17, 18], positions=[11, 6], sequences=[0, 1])
-        assert error(step[:1], forward(model, a + [17], sequences=[2] * 12)[-1:]) < 1e-5
-        assert error(step[1:], forward(model, b + [18], sequences=[2] * 7)[-1:]) < 1e-5
-    finally:
-        model.close()
+    interleaved_rows_equal_each_alone(tmp_path, "nemotron_h", [
+        (0, 0), (1, 0), (1, 1), (0, 1), (0, 2), (1, 2), (0, 3), (0, 4), (0, 5), (1, 3), (1, 4), (0, 6), (0, 7), (0, 8),
+        (1, 5), (0, 9), (0, 10)])
 
 
 def test_a_prompt_that_extends_an_earlier_one_resumes_the_state_and_equals_a_fresh_run(tmp_path):
-    path = write_model(tmp_path / "n.gguf", "nemotron_h", TINY["nemotron_h"], "f32", seed=3)
-    prompt = [1, 17, 42, 99, 5, 23, 64, 7, 150, 33]
-
-    def complete(llm, tokens: list[int]) -> tuple[list[int], int]:
-        bias = {i: -np.inf for i in range(TINY["nemotron_h"]["vocab_size"]) if llm.tokenizer.is_eog(i)}
-        chunks = list(llm.runner.completion(CompletionRequest(tokens, max_tokens=6, temperature=0.0,
-                                                              logit_bias=bias)))
-        return [t for c in chunks for t in c.tokens], chunks[-1].cached_tokens
-
-    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as llm:
-        first, _ = complete(llm, prompt)
-        longer = prompt + first + [11, 12, 13]
-        continued, cached = complete(llm, longer)
-    with pyggml.load(path, n_threads=2, num_ctx=64, cache_type="f32") as fresh:
-        assert continued == complete(fresh, longer)[0]
-    assert cached == len(prompt) + len(first) - 1  # the last sampled token was never evaluated
+    extended_prompt_resumes_and_equals_a_fresh_run(tmp_path, "nemotron_h")
 
 
 @needs_llama_cpp

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,20 +26,27 @@ SIZES = [(250, 70), (60, 170), (90, 90), (700, 500), (30, 20)]
 PROMPT = "The cafe is [img-0] naive, 42 people said! Then they left"
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+
+def vision_tokenizer(hf_dir: Path) -> tuple[int, int, int]:
+    """Write Qwen's tokenizer with the vision tokens into the new folder ``hf_dir``: the ids of
+    <|vision_start|>, <|vision_end|> and <|image_pad|> (qwen3vl's fixtures too)."""
     from tokenizers import Tokenizer
 
-    from pyggml.convert import convert_hf
-
-    tmp = tmp_path_factory.mktemp("qwen25vl")
-    hf_dir = tmp / "hf"
     hf_dir.mkdir()
     make_qwen_tokenizer(hf_dir, 0)
     tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
     tok.save(str(hf_dir / "tokenizer.json"))
-    start, end, pad = (tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    return tuple(tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+
+    from pyggml.convert import convert_hf
+
+    tmp = tmp_path_factory.mktemp("qwen25vl")
+    hf_dir = tmp / "hf"
+    start, end, pad = vision_tokenizer(hf_dir)
     text = dict(vocab_size=416, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=None,
                 eos_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -148,11 +156,17 @@ def test_image_and_text_logits_match_transformers(tiny, size):
 
 
 def test_two_images_of_different_grids_in_one_batch_equal_each_alone(tiny, ours):
+    two_images_in_one_batch_equal_each_alone(ours, SIZES[0], SIZES[1])  # 2x9 and 6x2 tokens
+
+
+def two_images_in_one_batch_equal_each_alone(ours, size_a: tuple[int, int], size_b: tuple[int, int]) -> None:
+    """Two prompts with one image each, of different grids, computed alone and then together: both images
+    go in one batch and every prompt logit and generated token is the one computed alone (qwen3vl too)."""
     from pyggml.runner import CompletionRequest, Runner
 
     from .test_multimodal_runner import record_batches
 
-    cases = [("a [img-0] cat", image_of(SIZES[0], 5)), ("the dog [img-0] ran off", image_of(SIZES[1], 6))]
+    cases = [("a [img-0] cat", image_of(size_a, 5)), ("the dog [img-0] ran off", image_of(size_b, 6))]
 
     def request(prompt, data):
         return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True)
@@ -166,7 +180,7 @@ def test_two_images_of_different_grids_in_one_batch_equal_each_alone(tiny, ours)
         batches = record_batches(runner)
         streams = [runner.completion(request(*case)) for case in cases]
         together = [read(stream) for stream in streams]
-    assert [len(index) for _, index in batches if index] == [2]  # both images (2x9 and 6x2 tokens) in one batch
+    assert [len(index) for _, index in batches if index] == [2]  # both images in one batch
     for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
         assert tokens_alone == tokens_both
         assert scaled_error(logits_both, logits_alone) <= 1e-5, scaled_error(logits_both, logits_alone)
@@ -343,19 +357,13 @@ def test_context_shift_past_an_image_processes_the_rest_again(tiny):
 
 def test_qwen2_vl_vision_and_logits_match_transformers(tmp_path):
     """Qwen2-VL (projector qwen2vl_merger): LayerNorms, QuickGELU, full attention in every layer."""
-    from tokenizers import Tokenizer
 
     import pyggml
     from pyggml.convert import convert_hf
     from pyggml.runner import CompletionRequest
 
     hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    make_qwen_tokenizer(hf_dir, 0)
-    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    tok.save(str(hf_dir / "tokenizer.json"))
-    start, end, pad = (tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    start, end, pad = vision_tokenizer(hf_dir)
     text = dict(vocab_size=416, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
@@ -483,19 +491,13 @@ def test_an_image_too_thin_fails_its_request_clearly(tiny):
 def test_real_head_sizes_match_transformers(tmp_path):
     """The real models' head sizes: text heads of 128 with mRoPE sections 16/24/24 and base 1e6, vision heads
     of 80 (20 rotated pairs per axis), windows and full attention every second layer."""
-    from tokenizers import Tokenizer
 
     import pyggml
     from pyggml.convert import convert_hf
     from pyggml.runner import CompletionRequest
 
     hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    make_qwen_tokenizer(hf_dir, 0)
-    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    tok.save(str(hf_dir / "tokenizer.json"))
-    start, end, pad = (tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    start, end, pad = vision_tokenizer(hf_dir)
     text = dict(vocab_size=416, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, max_position_embeddings=4096, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [16, 24, 24]})

@@ -7,19 +7,18 @@ block, and malformed files."""
 from __future__ import annotations
 
 import importlib.util
-import threading
 
 import numpy as np
 import pytest
 
 import pyggml
-from pyggml import BackendParams, models
+from pyggml import models
 from pyggml.backend import Backend
 from pyggml.convert import convert_hf
 from pyggml.models import ModelError
-from pyggml.runner import CompletionRequest, Runner
 from pyggml.synthetic import write_model
 
+from ._models import logits_from_threads
 from .test_architectures import TINY
 from .test_convert import needs_llama_cpp
 
@@ -113,21 +112,7 @@ def test_several_sequences_in_one_batch_match_each_alone(case, converted):
     shorter than others: the scan's padding steps must not touch their states) equal transformers."""
     path, model, tokenizer = converted(case)
     prompts = [tokenizer.encode(t) for t in (LONG, TEXTS[1], TEXTS[2])]
-    results: list = [None] * len(prompts)
-    llm = models.load(path, BackendParams(n_threads=2))
-    try:
-        with Runner(llm, parallel=3, num_ctx=128, batch_size=16, cache_type="f32") as runner:
-            def score(i: int) -> None:
-                *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
-                results[i] = last.prompt_logits
-
-            threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(300)
-    finally:
-        llm.close()
+    results = logits_from_threads(path, prompts, num_ctx=128, batch_size=16, timeout=300)
     for tokens, ours in zip(prompts, results, strict=True):
         assert error(ours, reference(model, tokens)) < TOLERANCE
 

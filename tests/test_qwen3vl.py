@@ -8,9 +8,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .hf_fixtures import make_qwen_tokenizer
 from .test_convert import needs_llama_cpp
-from .test_qwen2vl import PROMPT, hf_image, image_of, scaled_error
+from .test_qwen2vl import (
+    PROMPT,
+    hf_image,
+    image_of,
+    scaled_error,
+    two_images_in_one_batch_equal_each_alone,
+    vision_tokenizer,
+)
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (`reference` extra)")
@@ -23,18 +29,12 @@ SIZES = [(250, 70), (60, 170), (96, 96), (900, 600), (30, 20)]  # landscape, por
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tokenizers import Tokenizer
 
     from pyggml.convert import convert_hf
 
     tmp = tmp_path_factory.mktemp("qwen3vl")
     hf_dir = tmp / "hf"
-    hf_dir.mkdir()
-    make_qwen_tokenizer(hf_dir, 0)
-    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    tok.save(str(hf_dir / "tokenizer.json"))
-    start, end, pad = (tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    start, end, pad = vision_tokenizer(hf_dir)
     text = dict(vocab_size=416, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3],
@@ -183,45 +183,18 @@ def test_llama_cpp_reads_our_mmproj_and_computes_the_same_image_embeddings(tiny,
 
 def test_two_images_of_different_grids_in_one_batch_equal_each_alone(ours):
     """DeepStack adds each image's features at its own rows, whichever sequence it belongs to."""
-    from pyggml.runner import CompletionRequest, Runner
-
-    from .test_multimodal_runner import record_batches
-
-    cases = [("a [img-0] cat", image_of(SIZES[0], 5)), ("the dog [img-0] ran off", image_of(SIZES[1], 6))]
-
-    def request(prompt, data):
-        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True)
-
-    def read(stream):
-        chunks = list(stream)
-        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
-
-    with Runner(ours, parallel=2, num_ctx=128, batch_size=128, cache_type="f32", background=False) as runner:
-        alone = [read(runner.completion(request(*case))) for case in cases]
-        batches = record_batches(runner)
-        streams = [runner.completion(request(*case)) for case in cases]
-        together = [read(stream) for stream in streams]
-    assert [len(index) for _, index in batches if index] == [2]  # both images (2x8 and 5x2 tokens) in one batch
-    for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
-        assert tokens_alone == tokens_both
-        assert scaled_error(logits_both, logits_alone) <= 1e-5, scaled_error(logits_both, logits_alone)
+    two_images_in_one_batch_equal_each_alone(ours, SIZES[0], SIZES[1])  # 2x8 and 5x2 tokens
 
 
 def test_moe_image_and_text_logits_match_transformers(tmp_path):
     """Qwen3-VL-MoE (GGUF qwen3vlmoe): the same vision part and positions, Qwen 3 MoE's experts."""
-    from tokenizers import Tokenizer
 
     import pyggml
     from pyggml.convert import convert_hf
     from pyggml.runner import CompletionRequest
 
     hf_dir = tmp_path / "hf"
-    hf_dir.mkdir()
-    make_qwen_tokenizer(hf_dir, 0)
-    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    tok.add_special_tokens(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    tok.save(str(hf_dir / "tokenizer.json"))
-    start, end, pad = (tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>"))
+    start, end, pad = vision_tokenizer(hf_dir)
     text = dict(vocab_size=416, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
                 moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,

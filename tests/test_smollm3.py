@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import threading
 
 import pytest
 
 import pyggml
 from pyggml import BackendParams, models
 from pyggml.convert import convert_hf, from_interleaved_rope
-from pyggml.runner import CompletionRequest, Runner
 
+from ._models import logits_from_threads
 from .test_convert import needs_llama_cpp, read_gguf
 
 torch = pytest.importorskip("torch", reason="the SmolLM3 parity tests build HF models with torch")
@@ -64,19 +63,7 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
 def test_several_sequences_at_once_match_transformers(converted):
     path, model, tokenizer = converted("gqa-untied")
     prompts = [tokenizer.encode(t) for t in TEXTS]
-    results: list = [None] * len(prompts)
-    llm = models.load(path, BackendParams(n_threads=2))
-    with Runner(llm, parallel=3, num_ctx=64, batch_size=8, cache_type="f32") as runner:
-        def score(i: int) -> None:
-            *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
-            results[i] = last.prompt_logits
-
-        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    llm.close()
+    results = logits_from_threads(path, prompts)
     for tokens, ours in zip(prompts, results, strict=True):
         assert error(ours, reference(model, tokens)) < TOLERANCE
 

@@ -55,6 +55,14 @@ def test_without_merging_every_space_is_kept():
     assert pieces(tok, "a  b") == [f"{S}a", S, S, "b"]
 
 
+def test_a_charsmap_without_a_trie_is_refused_when_the_vocabulary_loads():
+    """A precompiled_charsmap whose trie is empty (or not whole nodes) cannot be searched: refused at load
+    with the key's name, not an IndexError in the middle of encoding."""
+    for blob in (b"\0\0\0\0" + b"x\0", b"\2\0\0\0" + b"abcdef"):
+        with pytest.raises(ValueError, match="precompiled_charsmap"):
+            tiny(**{"tokenizer.ggml.precompiled_charsmap": list(blob)})
+
+
 @pytest.mark.ci_may_skip
 @needs_vocab
 def test_real_xlm_r_vocabulary_tokenizes_as_llama_cpp():

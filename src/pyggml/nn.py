@@ -309,6 +309,20 @@ def load(cls: type, backend: Backend, hparams: Any = None, n_layers: int | None 
     return module
 
 
+class Prefixed:
+    """A backend whose tensor names are read under a prefix (``v.``, ``mm.``): loads a part of a file."""
+
+    def __init__(self, backend: Any, prefix: str):
+        self._backend, self._prefix = backend, prefix
+        self.config, self.path = backend.config, backend.path
+
+    def get(self, name: str) -> Tensor | None:
+        return self._backend.get(self._prefix + name)
+
+    def matmul_weight(self, weight: Tensor) -> Tensor:
+        return self._backend.matmul_weight(weight)
+
+
 def _layer_count(hparams: Any, n_layers: int | None, backend: Backend | None) -> int:
     if n_layers is not None:
         return n_layers
@@ -472,6 +486,20 @@ def layer_kinds(config: Any, n_layers: int, default_pattern: int) -> tuple[int, 
     return tuple(SLIDING if pattern == 0 or i % pattern < pattern - 1 else GLOBAL for i in range(n_layers))
 
 
+def per_layer(config: Any, key: str, n_layers: int, default: int, limit: int | None = None) -> tuple[int, ...]:
+    """A count that a file gives as one number for every layer or as a list of one per layer (hybrids:
+    ``attention.head_count_kv`` 0 marks a layer of another kind); ModelError when a list's length is not
+    ``n_layers``. ``limit``: the largest value allowed."""
+    arch = config.architecture
+    if isinstance(config.get(f"{arch}.{key}", default), list):
+        values = config.uints(key, max=limit)
+    else:
+        values = [config.uint(key, default, max=limit)] * n_layers
+    if len(values) != n_layers:
+        raise ModelError(f"{arch}: {arch}.{key} has {len(values)} entries for {n_layers} layers")
+    return tuple(values)
+
+
 def layers(blk: list[Any], cache: Cache | None, outputs: Tensor | None,
            cache_layers: Sequence[int] | None = None) -> Iterator[tuple[int, Any, Tensor | None]]:
     """The decoder-layer loop: ``(i, layer, rows)`` per layer, the cache (if any) set to layer i first
@@ -504,6 +532,17 @@ def output_rows(rows: Tensor | None, *tensors: Tensor) -> tuple[Tensor, ...]:
     """``tensors`` (hidden, n_tokens) cut to ``rows`` (``nn.layers`` gives the last layer the output rows:
     from its attention on only the rows whose logits are wanted go on), or as they are when None."""
     return tensors if rows is None else tuple(t.rows(rows) for t in tensors)
+
+
+def expert_counts(config: Any, required: bool = True) -> tuple[int, int]:
+    """(expert_count, expert_used_count) of a mixture-of-experts file, with 0 < used <= count; a file
+    without experts gives (0, 0) unless they are ``required``. ModelError naming both keys otherwise."""
+    arch = config.architecture
+    n_experts, n_used = config.uint("expert_count", 0), config.uint("expert_used_count", 0)
+    if (required or n_experts) and not 0 < n_used <= n_experts:
+        raise ModelError(f"{arch}: {arch}.expert_count ({n_experts}) and {arch}.expert_used_count ({n_used}) "
+                         "must be set, with 0 < expert_used_count <= expert_count")
+    return n_experts, n_used
 
 
 def moe(x: Tensor, router_logits: Tensor, k: int, gate: Experts, up: Experts, down: Experts,

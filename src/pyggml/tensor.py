@@ -1293,8 +1293,8 @@ class Tensor:
         (head_dim, n_head, T, N); ``dt`` (n_head, T, N), before the softplus the op applies; ``a``
         (1, n_head) (Mamba-2: one decay per head) or (d_state, n_head) (Mamba-1); ``b`` and ``c``
         (d_state, n_group, T, N), head h reading group ``h // (n_head / n_group)``; ``states``
-        (d_state, head_dim, n_head, units), sequence i starting from unit ``ids[i]`` (I32 (N,): the
-        caller vouches that they are in range; ggml reads them unchecked). Per head and step:
+        (d_state, head_dim, n_head, units), sequence i starting from unit ``ids[i]`` (I32 (N,), bounded
+        as ``rows``' indices: a graph input is checked at each compute). Per head and step:
         ``s = s * exp(softplus(dt) * a) + softplus(dt) * x b^T``, ``y = s c``. All F32; rows of x, b, c
         packed, the rest contiguous. Returns (y (head_dim, n_head, T, N), the final states (d_state,
         head_dim, n_head, N)), views of one result."""
@@ -1318,6 +1318,7 @@ class Tensor:
         _check_size("ssm_scan", DType.F32, (hd * nh, t * n + n_state * n, 1, 1))
         ctx = self._ctx_with(dt, "ssm_scan")
         self._same_graph(ctx, "ssm_scan", a, b, c, states, ids)
+        ctx._index_bound(ids, states._ne[3], "ssm_scan")  # ggml reads the units at ids unchecked
         packed = Tensor(lib.ggml_ssm_scan(ctx._state.ptr, states._p, self._p, dt._p, a._p, b._p, c._p, ids._p, 1),
                         ctx, 1)
         y = packed.view(0, (hd, nh, t, n))

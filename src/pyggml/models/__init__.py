@@ -66,6 +66,7 @@ class Model:
     # image); None: no limit. The runner serves at most this many.
     max_parallel: ClassVar[int | None] = None
     vision: VisionPart | None = None  # the image encoder of a vision model (or of its mmproj file)
+    _projector: Backend | None = None  # an attached mmproj file's weights (attach_vision), closed with the model
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         """Logits (vocab, len(batch.outputs)) for the batch."""
@@ -82,6 +83,15 @@ class Model:
         the model then owns and closes); the base refuses."""
         raise ModelError(f"the {self.architecture or 'loaded'} model takes no mmproj file (no vision part is "
                          "implemented for it)")
+
+    def attach_vision(self, projector: Backend, vision: VisionPart | None) -> None:
+        """For ``attach_mmproj``: hold ``vision``, read from the mmproj weights ``projector`` (closed with
+        the model); ModelError when the model has a vision part already or the file has none."""
+        if self.vision is not None:
+            raise ModelError(f"{self.backend.path} has a vision part already; it takes no mmproj file")
+        if vision is None:
+            raise ModelError(f"{projector.path}: no vision tensors (v.patch_embd.weight)")
+        self.vision, self._projector = vision, projector
 
     @property
     def takes_images(self) -> bool:
@@ -111,6 +121,9 @@ class Model:
             self.cache.close()
             self.cache = None
         self.backend.close()
+        if self._projector is not None:
+            self._projector.close()
+            self._projector = None
 
 
 class VisionPart:

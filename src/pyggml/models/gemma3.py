@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pyggml import nn
 from pyggml.backend import Backend, Context
-from pyggml.models import Batch, ModelError, gemma2, gemma3_vision, register
+from pyggml.models import Batch, gemma2, gemma3_vision, register
 from pyggml.tensor import Tensor
 
 
@@ -44,18 +44,7 @@ class Gemma3(gemma2.Gemma2):
         self.vision = gemma3_vision.load(backend, self.options.hidden_size)
 
     def attach_mmproj(self, projector: Backend) -> None:
-        if self.vision is not None:
-            raise ModelError(f"{self.backend.path} has a vision part already; it takes no mmproj file")
-        vision = gemma3_vision.load(projector, self.options.hidden_size)
-        if vision is None:
-            raise ModelError(f"{projector.path}: no vision tensors (v.patch_embd.weight)")
-        self.vision, self._projector = vision, projector
-
-    def close(self) -> None:
-        super().close()
-        if getattr(self, "_projector", None) is not None:
-            self._projector.close()
-            self._projector = None
+        self.attach_vision(projector, gemma3_vision.load(projector, self.options.hidden_size))
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         if not batch.multimodal:

@@ -183,19 +183,8 @@ def load(backend, text_hidden: int) -> Vision | None:
     if backend.get("v.patch_embd.weight") is None:
         return None
     opts = VisionOptions.from_config(backend.config, text_hidden)
-    return Vision(opts, nn.load(VisionTower, _Prefixed(backend, "v."), opts),
-                  nn.load(Projector, _Prefixed(backend, "mm."), opts))
+    return Vision(opts, nn.load(VisionTower, nn.Prefixed(backend, "v."), opts),
+                  nn.load(Projector, nn.Prefixed(backend, "mm."), opts))
 
 
-class _Prefixed:
-    """A backend whose tensor names are read under a prefix (``v.``, ``mm.``)."""
-
-    def __init__(self, backend, prefix: str):
-        self._backend, self._prefix = backend, prefix
-        self.config, self.path = backend.config, backend.path
-
-    def get(self, name: str) -> Tensor | None:
-        return self._backend.get(self._prefix + name)
-
-    def matmul_weight(self, weight: Tensor) -> Tensor:
-        return self._backend.matmul_weight(weight)
+_Prefixed = nn.Prefixed  # the old name, still imported by mistral3_vision.py on main: remove once it uses nn.Prefixed

@@ -32,14 +32,13 @@ from pyggml.models import Batch, Model, ModelError, register
 from pyggml.tensor import RopeType, Tensor
 
 
-def _per_layer(config, key: str, n_layers: int, default: int) -> tuple[int, ...]:
-    """A key that is one number for every layer, or a list of one per layer."""
-    value = config.get(f"{config.architecture}.{key}", default)
-    values = config.uints(key, max=MAX_WIDTH) if isinstance(value, list) else [config.uint(key, default)] * n_layers
-    if len(values) != n_layers or not all(values):
+def _sizes(config, key: str, n_layers: int, default: int) -> tuple[int, ...]:
+    """A per-layer size (``nn.per_layer``), none of them 0."""
+    values = nn.per_layer(config, key, n_layers, default, MAX_WIDTH)
+    if not all(values):
         raise ModelError(f"{config.architecture}: {config.architecture}.{key} must give each of the {n_layers} "
-                         f"layers a non-zero size; found {values}")
-    return tuple(values)
+                         f"layers a non-zero size; found {list(values)}")
+    return values
 
 
 @dataclass(frozen=True)
@@ -78,7 +77,7 @@ class Options:
         if config.uint("attention.value_length_swa", head_dim_swa) != head_dim_swa:
             raise ModelError(f"{arch}: {arch}.attention.value_length_swa must equal attention.key_length_swa")
         kinds = nn.layer_kinds(config, n_layers, 0)
-        n_kv = _per_layer(config, "attention.head_count_kv", n_layers, n_heads)
+        n_kv = _sizes(config, "attention.head_count_kv", n_layers, n_heads)
         if any(n_heads % k for k in n_kv):
             raise ModelError(f"{arch}: {arch}.attention.head_count_kv {n_kv} must divide the {n_heads} heads")
         first = n_layers - config.uint("attention.shared_kv_layers", 0, max=n_layers)
@@ -103,7 +102,7 @@ class Options:
         return cls(
             hidden_size=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv,
             head_dims=tuple(head_dim_swa if k == nn.SLIDING else head_dim for k in kinds), head_dim=head_dim,
-            ffn_size=_per_layer(config, "feed_forward_length", n_layers, 0),
+            ffn_size=_sizes(config, "feed_forward_length", n_layers, 0),
             vocab_size=config.uint("vocab_size", 0) or len(config.get("tokenizer.ggml.tokens", ())) or None,
             context_length=config.uint("context_length", 131072),
             eps=config.float("attention.layer_norm_rms_epsilon", 1e-6),

@@ -86,8 +86,7 @@ class GemmaEmbedding(Model):
         cache = WithinSequences(*(ctx.from_numpy(m) for m in self._masks(positions, sequences)),
                                 layer_kinds=o.layer_kinds)
         positions_t = nn.int32_input(ctx, positions)
-        for i, layer in enumerate(w.blk):
-            cache.set_layer(i)
+        for i, layer, _ in nn.layers(w.blk, cache, None):
             rope = o.rope_local if o.layer_kinds[i] == nn.SLIDING else o.rope
             h = nn.tap(f"blk.{i}", layer(ctx, h, positions_t, None, cache, o, rope))
         out = pool(ctx, nn.tap("output_norm", w.output_norm(h, o.eps)), sequences, pooling)

@@ -1,13 +1,8 @@
-"""Granite 4.0 hybrids (GGUF architecture "granitehybrid": Granite-4.0-H-Micro/Tiny/Small), and the
-Mamba-2 mixer that Nemotron-H shares (``pyggml.models.nemotron_h``).
+"""Granite 4.0 hybrids (GGUF architecture "granitehybrid": Granite-4.0-H-Micro/Tiny/Small).
 
 Pre-norm blocks of two kinds, a layer's kind being its ``attention.head_count_kv`` entry (0: Mamba-2):
 
-- **Mamba-2** (``ssm_*``): ``ssm_in`` makes the gate z, the scan's input x with its B and C (one pair
-  per group of heads), and a time step per head; x, B, C go through a causal depthwise convolution
-  of ``ssm.conv_kernel`` taps (+ bias, SiLU); the selective scan (``Tensor.ssm_scan``: per head, a
-  (head_dim, d_state) state decaying by exp(softplus(dt) * A)) gives y; y + D x, gated by SiLU(z),
-  RMS-normed per group (``ssm_norm``), then ``ssm_out``.
+- **Mamba-2** (``ssm_*``): the mixer of ``mamba2.py``.
 - **attention**: grouped-query attention, rotary (normal, q/k rows interleaved by the converter) only
   when ``rope.scaling.finetuned`` is true (Granite 4's hybrids have none), scaled by ``attention.scale``.
 
@@ -16,10 +11,8 @@ expert (``*_shexp``, ``expert_shared_feed_forward_length``). Granite's multiplie
 ``embedding_scale``, each block's two branches times ``residual_scale``, logits divided by
 ``logit_scale``.
 
-Memory: attention layers use a ``Causal`` cache, Mamba-2 layers a ``Recurrent`` one (per sequence,
-the last ``conv_kernel - 1`` inputs of the convolution and the scan state), in a ``Wrapper`` by kind.
-The scan runs over the batch laid out per sequence (``Recurrent.by_sequence``), so sequences may
-have any number of rows in a batch; padded steps have a time step of -inf (softplus 0: no change).
+Memory: attention layers use a ``Causal`` cache, Mamba-2 layers a ``Recurrent`` one, in a ``Wrapper`` by
+kind.
 """
 
 from __future__ import annotations
@@ -32,119 +25,10 @@ from pyggml.backend import Backend, Context
 from pyggml.backend.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from pyggml.kvcache import Causal, Recurrent, Wrapper
 from pyggml.models import Batch, Model, ModelError, register
+from pyggml.models.mamba2 import ATTENTION, SSM, Mamba2, Mamba2Options
 from pyggml.tensor import RopeType, Tensor
 
-ATTENTION, SSM = 0, 1  # a layer's kind: the Wrapper's cache for it
-_PADDING_DT = -1e30  # a padded scan step's time step: softplus gives 0, so the state stays as it is
-
-
-@dataclass(frozen=True)
-class Mamba2Options:
-    """The Mamba-2 mixer's sizes (GGUF ``ssm.*``)."""
-
-    ssm_conv_kernel: int  # the convolution's taps
-    ssm_inner: int  # d_inner: ssm_heads * ssm_head_dim
-    ssm_state: int  # d_state
-    ssm_heads: int  # ``ssm.time_step_rank``: one time step (and A, D) per head
-    ssm_groups: int  # B and C per group of heads
-
-    @property
-    def ssm_head_dim(self) -> int:
-        return self.ssm_inner // self.ssm_heads
-
-    @property
-    def ssm_conv_dim(self) -> int:  # x, B and C: what the convolution sees
-        return self.ssm_inner + 2 * self.ssm_groups * self.ssm_state
-
-    @property
-    def ssm_in_size(self) -> int:  # z, x, B, C, dt
-        return 2 * self.ssm_inner + 2 * self.ssm_groups * self.ssm_state + self.ssm_heads
-
-    @property
-    def ssm_group_size(self) -> int:
-        return self.ssm_inner // self.ssm_groups
-
-    @staticmethod
-    def read(config, recurrent: bool) -> dict:
-        """The ``ssm.*`` keys, checked; zeros when no layer is recurrent."""
-        arch = config.architecture
-        keys = {"ssm_conv_kernel": "ssm.conv_kernel", "ssm_inner": "ssm.inner_size", "ssm_state": "ssm.state_size",
-                "ssm_heads": "ssm.time_step_rank", "ssm_groups": "ssm.group_count"}
-        values = {field: config.uint(key, 0, max=MAX_WIDTH) for field, key in keys.items()}
-        if not recurrent:
-            return values
-        missing = [f"{arch}.{keys[f]}" for f, v in values.items() if not v]
-        if missing:
-            raise ModelError(f"{arch}: {', '.join(missing)} must be set and non-zero for the Mamba-2 layers")
-        if values["ssm_conv_kernel"] < 2:
-            raise ModelError(f"{arch}: {arch}.ssm.conv_kernel must be >= 2 (the convolution's taps)")
-        inner, heads, groups = values["ssm_inner"], values["ssm_heads"], values["ssm_groups"]
-        if inner % heads or heads % groups:
-            raise ModelError(f"{arch}: {arch}.ssm.inner_size ({inner}) must be a multiple of {arch}.ssm.time_step_rank "
-                             f"({heads} heads), and that of {arch}.ssm.group_count ({groups})")
-        return values
-
-
-_IS_ATTENTION, _IS_SSM = f"layer_kinds[layer] == {ATTENTION}", f"layer_kinds[layer] == {SSM}"
-
-
-class Bias(nn.Weight):
-    suffix = ".bias"  # a tensor with no weight beside it (``blk.N.ssm_dt.bias``)
-
-
-class Conv(nn.Module):
-    """A depthwise convolution kernel (taps, dim) and its bias (dim,)."""
-
-    leaf = True
-
-    def __init__(self, weight: Tensor, bias: Tensor | None = None):
-        self.weight, self.bias = weight, bias
-
-
-class Mamba2(nn.Module):
-    """The Mamba-2 mixer (tensors ``blk.N.ssm_*``)."""
-
-    ssm_in: nn.Linear | None = nn.shape("hidden_size", "ssm_in_size", when=_IS_SSM)
-    # the bias is required: llama.cpp adds it unchecked (a file without one crashes there)
-    ssm_conv1d: Conv | None = nn.shape("ssm_conv_kernel", "ssm_conv_dim", bias=True, when=_IS_SSM)
-    ssm_dt: Bias | None = nn.shape("ssm_heads", when=_IS_SSM)
-    ssm_a: nn.Parameter | None = nn.shape(1, "ssm_heads", when=_IS_SSM)
-    ssm_d: nn.Parameter | None = nn.shape(1, "ssm_heads", when=_IS_SSM)
-    ssm_norm: nn.RMSNorm | None = nn.shape("ssm_group_size", "ssm_groups", when=_IS_SSM)
-    ssm_out: nn.Linear | None = nn.shape("ssm_inner", "hidden_size", when=_IS_SSM)
-
-    def __call__(self, ctx: Context, x: Tensor, states: Recurrent, o: Mamba2Options, eps: float,
-                 layer: int) -> Tensor:
-        n, inner, conv_dim, heads, head_dim = x.shape[1], o.ssm_inner, o.ssm_conv_dim, o.ssm_heads, o.ssm_head_dim
-        zxbcdt = nn.tap(f"blk.{layer}.ssm_in", self.ssm_in(x))  # (z, x B C, dt) per token
-        row, width = zxbcdt.strides[1], zxbcdt.dtype.row_bytes(1)
-
-        def rows(start: int, size: int) -> Tensor:
-            return zxbcdt.view(start * width, (size, n), (row,))
-
-        xbc = (states.conv(ctx, rows(inner, conv_dim), self.ssm_conv1d.weight) + self.ssm_conv1d.bias).silu()
-        dt = rows(inner + conv_dim, heads) + self.ssm_dt.weight
-        # per sequence: x B C, dt, and a 1 marking the real steps (padding rows are all zero)
-        ones = dt.view(0, (1, n), (dt.strides[1],)).contiguous().scale_bias(0.0, 1.0)
-        table = xbc.concat(dt, 0).concat(ones, 0)
-        grid, steps, seqs = states.by_sequence(ctx, table, zero_padding=True)
-        g_row, f = grid.strides[1], grid.dtype.row_bytes(1)
-        xs = grid.view(0, (head_dim, heads, steps, seqs), (head_dim * f, g_row, g_row * steps))
-        b, c = (grid.view((inner + i * o.ssm_groups * o.ssm_state) * f, (o.ssm_state, o.ssm_groups, steps, seqs),
-                          (o.ssm_state * f, g_row, g_row * steps)) for i in (0, 1))
-        real = grid.view((conv_dim + heads) * f, (1, steps * seqs), (g_row,))
-        dt = grid.view(conv_dim * f, (heads, steps * seqs), (g_row,)) + \
-            real.contiguous().scale_bias(-_PADDING_DT, _PADDING_DT)
-        size = o.ssm_state * head_dim * heads
-        store, units = states.state_store(ctx, size)
-        y, last = xs.ssm_scan(dt.reshape(heads, steps, seqs), self.ssm_a.weight, b, c,
-                              store.reshape(o.ssm_state, head_dim, heads, store.shape[1], ctx=ctx), units)
-        states.put_state(ctx, last.reshape(size, seqs))
-        y = states.by_batch(ctx, y.reshape(inner, steps * seqs))  # (inner, n) in batch order
-        skip = xbc.view(0, (head_dim, heads, n), (head_dim * f, xbc.strides[1])) * self.ssm_d.weight
-        y = rows(0, inner).contiguous().silu(y + skip.reshape(inner, n))  # gated by SiLU(z)
-        y = self.ssm_norm(y.reshape(o.ssm_group_size, o.ssm_groups, n), eps).reshape(inner, n)
-        return nn.tap(f"blk.{layer}.ssm_out", self.ssm_out(y))
+_IS_ATTENTION = f"layer_kinds[layer] == {ATTENTION}"
 
 
 @dataclass(frozen=True)
@@ -177,20 +61,14 @@ class Options(Mamba2Options):
         if not hidden or not n_heads or not n_layers:
             raise ModelError(f"{arch}: {arch}.embedding_length, {arch}.block_count and {arch}.attention.head_count "
                              "must be set and non-zero")
-        kv = config.get(f"{arch}.attention.head_count_kv", n_heads)
-        kv = config.uints("attention.head_count_kv", max=n_heads) if isinstance(kv, list) else \
-            [config.uint("attention.head_count_kv", n_heads, max=n_heads)] * n_layers
-        if len(kv) != n_layers or any(k and n_heads % k for k in kv):
+        kv = nn.per_layer(config, "attention.head_count_kv", n_layers, n_heads, n_heads)
+        if any(k and n_heads % k for k in kv):
             raise ModelError(f"{arch}: {arch}.attention.head_count_kv must give each of the {n_layers} layers 0 (a "
                              f"Mamba-2 layer) or a divisor of the {n_heads} heads (attention); found {kv}")
         head_dim = config.uint("attention.key_length", 0, max=MAX_WIDTH) or hidden // n_heads
         if (config.uint("attention.value_length", 0, max=MAX_WIDTH) or head_dim) != head_dim or not head_dim:
             raise ModelError(f"{arch}: {arch}.attention.value_length must equal {arch}.attention.key_length")
-        n_experts = config.uint("expert_count", 0, max=4096)
-        n_used = config.uint("expert_used_count", 0, max=4096)
-        if n_experts and not 0 < n_used <= n_experts:
-            raise ModelError(f"{arch}: {arch}.expert_used_count ({n_used}) must be in 1..{arch}.expert_count "
-                             f"({n_experts})")
+        n_experts, n_used = nn.expert_counts(config, required=False)
         if config.float("expert_weights_scale", 0.0, min=-1e6, max=1e6) not in (0.0, 1.0):
             raise ModelError(f"{arch}: {arch}.expert_weights_scale is not supported (the chosen experts' weights "
                              "are their softmax only)")

@@ -52,10 +52,8 @@ class Options:
         if not hidden or not n_heads or not n_layers:
             raise ModelError(f"{arch}: {arch}.embedding_length, {arch}.block_count and {arch}.attention.head_count "
                              "must be set and non-zero")
-        kv = config.get(f"{arch}.attention.head_count_kv", n_heads)
-        kv = config.uints("attention.head_count_kv", max=n_heads) if isinstance(kv, list) else \
-            [config.uint("attention.head_count_kv", n_heads, max=n_heads)] * n_layers
-        if len(kv) != n_layers or any(k and n_heads % k for k in kv):
+        kv = nn.per_layer(config, "attention.head_count_kv", n_layers, n_heads, n_heads)
+        if any(k and n_heads % k for k in kv):
             raise ModelError(f"{arch}: {arch}.attention.head_count_kv must give each of the {n_layers} layers 0 (a "
                              f"convolution layer) or a divisor of the {n_heads} heads (attention); found {kv}")
         if hidden % n_heads:
@@ -140,8 +138,7 @@ class Layer(nn.Module):
             x = self.shortconv(ctx, x, states, opts, layer)
         else:
             x = self.attention(ctx, x, positions, cache, opts, layer)
-        if outputs is not None:  # last layer: only the rows whose logits are wanted go on
-            x, h = x.rows(outputs), h.rows(outputs)
+        x, h = nn.output_rows(outputs, x, h)
         h = h + x
         return h + self.mlp(self.ffn_norm(h, opts.eps), opts, layer)
 
@@ -168,10 +165,8 @@ class Lfm2(Model):
         w, o = self.weights, self.options
         inputs = nn.batch_inputs(ctx, batch)
         h = nn.tap("token_embd", w.token_embd(inputs.tokens))
-        for i, layer in enumerate(w.blk):
-            self.cache.set_layer(i)
-            last = inputs.outputs if i == o.n_layers - 1 else None
-            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, last, self.cache, self.states, o, i))
+        for i, layer, rows in nn.layers(w.blk, self.cache, inputs.outputs):
+            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, rows, self.cache, self.states, o, i))
         return nn.tap("output", w.output(nn.tap("token_embd_norm", w.token_embd_norm(h, o.eps))))
 
     def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:

@@ -53,10 +53,7 @@ class Options(llama.Options):
     def from_config(cls, config, **extra) -> Options:
         arch = config.architecture
         n_layers = config.uint("block_count", 1)
-        n_experts, n_used = config.uint("expert_count", 0), config.uint("expert_used_count", 0)
-        if not n_experts or not 0 < n_used <= n_experts:
-            raise ModelError(f"{arch}: {arch}.expert_count ({n_experts}) and {arch}.expert_used_count ({n_used}) "
-                             "must be set, with 0 < expert_used_count <= expert_count")
+        n_experts, n_used = nn.expert_counts(config)
         step = config.uint("interleave_moe_layer_step", None, max=n_layers)
         if step is None:
             raise ModelError(f"{arch}: {arch}.interleave_moe_layer_step must be set (0: no expert layers)")

@@ -1,6 +1,6 @@
 """Nemotron-H (GGUF architecture "nemotron_h": NVIDIA Nemotron-H and Nemotron Nano 2, dense).
 
-Each block is one pre-normed mixer and a residual: **Mamba-2** (the mixer of ``granitehybrid.py``:
+Each block is one pre-normed mixer and a residual: **Mamba-2** (the mixer of ``mamba2.py``:
 ``ssm_*`` tensors), **attention** (grouped-query, no positional encoding, optional biases) or a
 **squared-ReLU MLP** (``ffn_up``, ReLU², ``ffn_down``). As llama.cpp reads the file, a layer whose
 ``attention.head_count_kv`` and ``feed_forward_length`` entries are both 0 is Mamba-2, one with
@@ -21,7 +21,7 @@ from pyggml.backend import Backend, Context
 from pyggml.backend.metadata import MAX_CONTEXT, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH
 from pyggml.kvcache import Causal, Recurrent, Wrapper
 from pyggml.models import Batch, Model, ModelError, register
-from pyggml.models.granitehybrid import ATTENTION, SSM, Mamba2, Mamba2Options
+from pyggml.models.mamba2 import ATTENTION, SSM, Mamba2, Mamba2Options
 from pyggml.tensor import Tensor
 
 MLP = 2  # the third kind of layer (no cache)
@@ -51,7 +51,7 @@ class Options(Mamba2Options):
                              "must be set and non-zero")
         if config.uint("expert_count", 0):
             raise ModelError(f"{arch}: {arch}.expert_count is set; Nemotron-H files with experts are not supported")
-        kv, ff = (per_layer(config, key, n_layers, limit) for key, limit in
+        kv, ff = (nn.per_layer(config, key, n_layers, 0, limit) for key, limit in
                   (("attention.head_count_kv", n_heads), ("feed_forward_length", MAX_WIDTH)))
         if any(k and n_heads % k for k in kv) or any(k and f for k, f in zip(kv, ff, strict=True)):
             raise ModelError(f"{arch}: each layer needs {arch}.attention.head_count_kv (a divisor of the {n_heads} "
@@ -73,16 +73,6 @@ class Options(Mamba2Options):
             or None,
             context_length=config.uint("context_length", 8192, min=1, max=MAX_CONTEXT), eps=eps, layer_kinds=kinds,
         )
-
-
-def per_layer(config, key: str, n_layers: int, limit: int) -> list[int]:
-    """A per-layer array key (or one value for every layer), its length checked."""
-    arch = config.architecture
-    value = config.get(f"{arch}.{key}", 0)
-    values = config.uints(key, max=limit) if isinstance(value, list) else [config.uint(key, 0, max=limit)] * n_layers
-    if len(values) != n_layers:
-        raise ModelError(f"{arch}: {arch}.{key} has {len(values)} entries for {n_layers} layers")
-    return values
 
 
 _IS_ATTENTION, _IS_MLP = f"layer_kinds[layer] == {ATTENTION}", f"layer_kinds[layer] == {MLP}"

@@ -6,9 +6,9 @@ is OpenAI CLIP's, which Ollama's files do not store) and its tensors ``v.patch_e
 
 from __future__ import annotations
 
+from pyggml import nn
 from pyggml.backend import Backend
 from pyggml.models import ModelError, qwen2, qwen2vl, qwen2vl_vision, register
-from pyggml.models.gemma3_vision import _Prefixed
 from pyggml.tensor import Tensor
 
 KEY = "qwen25vl.vision."
@@ -58,7 +58,7 @@ def vision_options(backend) -> qwen2vl_vision.VisionOptions:
         image_std=CLIP_STD)
 
 
-class _OllamaNames(_Prefixed):
+class _OllamaNames(nn.Prefixed):
     """Ollama's tensor names where they differ from llama.cpp's."""
 
     def get(self, name: str) -> Tensor | None:

@@ -43,18 +43,7 @@ class Qwen2VL(qwen2.Qwen2):
         self.vision = qwen2vl_vision.load(backend, self.options.hidden_size)
 
     def attach_mmproj(self, projector: Backend) -> None:
-        if self.vision is not None:
-            raise ModelError(f"{self.backend.path} has a vision part already; it takes no mmproj file")
-        vision = qwen2vl_vision.load(projector, self.options.hidden_size)
-        if vision is None:
-            raise ModelError(f"{projector.path}: no vision tensors (v.patch_embd.weight)")
-        self.vision, self._projector = vision, projector
-
-    def close(self) -> None:
-        super().close()
-        if getattr(self, "_projector", None) is not None:
-            self._projector.close()
-            self._projector = None
+        self.attach_vision(projector, qwen2vl_vision.load(projector, self.options.hidden_size))
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         w, o = self.weights, self.options

@@ -22,7 +22,6 @@ import numpy as np
 from pyggml import image, nn
 from pyggml.backend import Context
 from pyggml.models import Input, ModelError, VisionPart
-from pyggml.models.gemma3_vision import _Prefixed
 from pyggml.tensor import RopeType, Tensor
 
 log = logging.getLogger(__name__)
@@ -296,14 +295,14 @@ def load(backend, text_hidden: int, opts: VisionOptions | None = None) -> Dynami
         from pyggml.models import qwen3vl_vision
 
         return qwen3vl_vision.load(backend, opts, second)
-    tower = nn.load(VisionTower, _Prefixed(backend, "v."), opts)
+    tower = nn.load(VisionTower, nn.Prefixed(backend, "v."), opts)
     norms = [t.post_ln for t in [tower]] + [n for layer in tower.blk for n in (layer.ln1, layer.ln2)]
     if opts.layer_norm and any(norm.bias is None for norm in norms):
         raise ModelError(f"{backend.path}: qwen2vl_merger: the vision LayerNorms need their .bias tensors")
     return Vision(opts, tower, second, nn.load(Projector, Numbered(backend, ""), opts))
 
 
-class Numbered(_Prefixed):
+class Numbered(nn.Prefixed):
     """The merger's ``mm.0``/``mm.2`` tensors under field names Python allows (``mm_0``, ``mm_2``)."""
 
     def get(self, name: str) -> Tensor | None:

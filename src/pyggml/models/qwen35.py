@@ -208,8 +208,7 @@ class Layer(nn.Module):
             x = self.delta_net(ctx, x, states, opts, layer)
         else:
             x = self.attention(ctx, x, positions, cache, opts, layer)
-        if outputs is not None:  # last layer: only the rows whose logits are wanted go on
-            x, h = x.rows(outputs), h.rows(outputs)
+        x, h = nn.output_rows(outputs, x, h)
         h = h + x
         return h + self.mlp(self.post_attention_norm(h, opts.eps), opts, layer)
 
@@ -236,10 +235,8 @@ class Qwen35(Model):
         w, o = self.weights, self.options
         inputs = nn.batch_inputs(ctx, batch)
         h = nn.tap("token_embd", w.token_embd(inputs.tokens))
-        for i, layer in enumerate(w.blk[:o.n_main]):
-            self.cache.set_layer(i)
-            last = inputs.outputs if i == o.n_main - 1 else None
-            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, last, self.cache, self.states, o, i))
+        for i, layer, rows in nn.layers(w.blk[:o.n_main], self.cache, inputs.outputs):  # not the MTP layers
+            h = nn.tap(f"blk.{i}", layer(ctx, h, inputs.positions, rows, self.cache, self.states, o, i))
         return nn.tap("output", w.output(nn.tap("output_norm", w.output_norm(h, o.eps))))
 
     def shift(self, ctx: Context, layer: int, key: Tensor, shift: Tensor) -> Tensor:

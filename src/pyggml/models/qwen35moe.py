@@ -27,10 +27,7 @@ class Options(qwen35.Options):
     @classmethod
     def from_config(cls, config, **extra) -> Options:
         arch = config.architecture
-        n_experts, n_used = config.uint("expert_count", 0), config.uint("expert_used_count", 0)
-        if not n_experts or not 0 < n_used <= n_experts:
-            raise ModelError(f"{arch}: {arch}.expert_count ({n_experts}) and {arch}.expert_used_count ({n_used}) "
-                             "must be set, with 0 < expert_used_count <= expert_count")
+        n_experts, n_used = nn.expert_counts(config)
         expert_ffn = config.uint("expert_feed_forward_length", 0)
         shared_ffn = config.uint("expert_shared_feed_forward_length", 0)
         if not expert_ffn or not shared_ffn:

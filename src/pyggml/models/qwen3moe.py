@@ -28,10 +28,7 @@ class Options(qwen3.Options):
     @classmethod
     def from_config(cls, config, **extra) -> Options:
         arch = config.architecture
-        n_experts, n_used = config.uint("expert_count", 0), config.uint("expert_used_count", 0)
-        if not n_experts or not 0 < n_used <= n_experts:
-            raise ModelError(f"{arch}: {arch}.expert_count ({n_experts}) and {arch}.expert_used_count ({n_used}) "
-                             "must be set, with 0 < expert_used_count <= expert_count")
+        n_experts, n_used = nn.expert_counts(config)
         if config.uint("expert_shared_count", 0):
             raise ModelError(f"{arch}: {arch}.expert_shared_count is set; shared experts are not supported")
         if config.uint("expert_gating_func", 1) != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX

@@ -17,7 +17,6 @@ import numpy as np
 from pyggml import nn
 from pyggml.backend import Context
 from pyggml.models import ModelError
-from pyggml.models.gemma3_vision import _Prefixed
 from pyggml.models.qwen2vl_vision import DynamicVision, Numbered, VisionOptions, grid_positions
 from pyggml.tensor import Tensor
 
@@ -137,6 +136,6 @@ def load(backend, opts: VisionOptions, second: Tensor) -> Vision:
     o = Options(**vars(opts), n_positions=table.shape[1])
     if any(i >= o.n_layers for i in o.deepstack):
         raise ModelError(f"{backend.path}: clip.vision.is_deepstack_layers names layers past the {o.n_layers}")
-    deepstack = tuple(nn.load(Merger, _Prefixed(backend, f"v.deepstack.{i}."), o) for i in o.deepstack)
-    return Vision(o, nn.load(VisionTower, _Prefixed(backend, "v."), o), second,
+    deepstack = tuple(nn.load(Merger, nn.Prefixed(backend, f"v.deepstack.{i}."), o) for i in o.deepstack)
+    return Vision(o, nn.load(VisionTower, nn.Prefixed(backend, "v."), o), second,
                   nn.load(Projector, Numbered(backend, ""), o), deepstack)

@@ -24,8 +24,8 @@ class Charsmap:
         if len(blob) < 4:
             raise ValueError("tokenizer.ggml.precompiled_charsmap is too short")
         (size,) = struct.unpack_from("<I", blob)
-        if size % 4 or 4 + size >= len(blob):
-            raise ValueError("tokenizer.ggml.precompiled_charsmap: its trie size does not fit the blob")
+        if not size or size % 4 or 4 + size >= len(blob):  # the root node is read first: none is no map
+            raise ValueError("tokenizer.ggml.precompiled_charsmap: its trie is empty or does not fit the blob")
         self.nodes = struct.unpack_from(f"<{size // 4}I", blob, 4)
         self.strings = blob[4 + size:]
 
