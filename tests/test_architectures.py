@@ -95,6 +95,18 @@ TINY: dict[str, dict] = {
     "mllama": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
                "rope.freq_base": 10000.0, "vocab_size": 320, "attention.cross_attention_layers": [1]},  # text only
+    # DeepSeek V3's layout: q_lora, a leading dense layer, sigmoid routing over 2 groups with a choosing bias,
+    # renormalised and scaled weights, a shared expert, YaRN; its cache holds the latent (32) + rope key (16)
+    "deepseek2": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                  "attention.head_count_kv": 1, "attention.q_lora_rank": 32, "attention.kv_lora_rank": 32,
+                  "attention.key_length": 48, "attention.value_length": 32, "attention.key_length_mla": 32,
+                  "attention.value_length_mla": 16, "rope.dimension_count": 16, "context_length": 128,
+                  "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "vocab_size": 320,
+                  "leading_dense_block_count": 1, "expert_count": 8, "expert_used_count": 2,
+                  "expert_feed_forward_length": 32, "expert_shared_count": 1, "expert_gating_func": 2,
+                  "expert_group_count": 2, "expert_group_used_count": 1, "expert_weights_norm": True,
+                  "expert_weights_scale": 2.5, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                  "rope.scaling.original_context_length": 32, "rope.scaling.yarn_log_multiplier": 0.0707},
     "bert": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
              "context_length": 64, "attention.layer_norm_epsilon": 1e-12, "pooling_type": 1, "vocab_size": 160,
              "tokenizer.ggml.model": "bert", "tokenizer.ggml.token_type_count": 2},

@@ -177,6 +177,7 @@ def _import_builtin() -> None:
     import pyggml.models.mllama  # noqa: F401  (registers itself)
     from pyggml.models import (  # noqa: F401  (register themselves)
         bert,
+        deepseek2,
         gemma2,
         gemma3,
         gptoss,
