@@ -4,7 +4,7 @@ Shared code reads the checkpoint (safetensors, memory-mapped, or torch .bin), th
 (SentencePiece, BPE, WordPiece) and writes the file tensor by tensor (peak memory about one tensor);
 each architecture is one small file registered by its Hugging Face ``architectures`` name (llama,
 bert, nomic_bert, qwen2, qwen3, qwen3moe, gemma2, gemma3 (with vision), phi3, gpt_oss, lfm2 (and lfm2moe),
-olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text); the hooks
+olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text), deepseek2 (DeepSeek V2/V3); the hooks
 are described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
 ``gguf``'s tensor-name map), so the files also load there.
 
@@ -14,6 +14,7 @@ sentencepiece at conversion time (torch only to read a pytorch_model.bin).
 
 from . import (  # noqa: F401
     bert,
+    deepseek2,
     gemma2,
     gemma3,
     gemma3_vision,
