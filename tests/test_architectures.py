@@ -364,7 +364,8 @@ def test_llama_cpp_runs_the_same_file(arch, tiny_file):
 # ---- the bench shapes of these architectures (pyggml.synthetic.SHAPES), shrunk ------------------------------
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama_cpp (llama-cpp-python) is absent")
 @pytest.mark.parametrize("name, dtype", [("gemma3-1b", "q4_0"), ("phi3-mini-8l", "q8_0"), ("gpt-oss-small", "mxfp4"),
-                                         ("lfm2-1.2b", "f16")])  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
+                                         ("lfm2-1.2b", "f16"),  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
+                                         ("deepseek-v2-lite-small", "f16")])
 def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     """Each shape's keys and types (MXFP4 experts and Q8_0 elsewhere for gpt-oss, as llama.cpp's MXFP4_MOE
     files) with fewer layers, experts and tokens: both engines load the file and compute the same logits."""
@@ -373,6 +374,7 @@ def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     smaller = {"block_count": 6 if name.startswith("gemma3") else 2, "vocab_size": 512}
     if "expert_count" in SHAPES[name].extra:
         smaller["expert_count"] = 4
+        smaller["expert_used_count"] = min(SHAPES[name].extra["expert_used_count"], 4)
     if name.startswith("lfm2"):  # a layer kind per layer: convolution, attention, convolution
         smaller |= {"block_count": 3, "attention.head_count_kv": [0, 8, 0]}
     path = write_synthetic(tmp_path / f"{name}.gguf", name, dtype, hparams=smaller)
