@@ -107,6 +107,13 @@ TINY: dict[str, dict] = {
                   "expert_group_count": 2, "expert_group_used_count": 1, "expert_weights_norm": True,
                   "expert_weights_scale": 2.5, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
                   "rope.scaling.original_context_length": 32, "rope.scaling.yarn_log_multiplier": 0.0707},
+    # GLM-4.5's layout: GQA with half-rotated heads (NeoX), DeepSeek V3's experts behind a dense layer
+    "glm4moe": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                "attention.head_count_kv": 2, "rope.dimension_count": 8, "context_length": 128,
+                "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 1000000.0, "vocab_size": 320,
+                "leading_dense_block_count": 1, "expert_count": 8, "expert_used_count": 2,
+                "expert_feed_forward_length": 32, "expert_shared_count": 1, "expert_gating_func": 2,
+                "expert_weights_norm": True, "expert_weights_scale": 1.5},
     "bert": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
              "context_length": 64, "attention.layer_norm_epsilon": 1e-12, "pooling_type": 1, "vocab_size": 160,
              "tokenizer.ggml.model": "bert", "tokenizer.ggml.token_type_count": 2},

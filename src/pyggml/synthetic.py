@@ -53,6 +53,7 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek2": {"attention.head_count_kv": 1, "attention.kv_lora_rank": 32, "attention.key_length": 48,
                   "attention.value_length": 32, "attention.key_length_mla": 32, "attention.value_length_mla": 16,
                   "rope.dimension_count": 16, "leading_dense_block_count": 1, **_EXPERTS, "expert_shared_count": 1},
+    "glm4moe": {"leading_dense_block_count": 1, **_EXPERTS, "expert_shared_count": 1, "rope.dimension_count": 8},
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 

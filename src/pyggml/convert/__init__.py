@@ -4,7 +4,7 @@ Shared code reads the checkpoint (safetensors, memory-mapped, or torch .bin), th
 (SentencePiece, BPE, WordPiece) and writes the file tensor by tensor (peak memory about one tensor);
 each architecture is one small file registered by its Hugging Face ``architectures`` name (llama,
 bert, nomic_bert, qwen2, qwen3, qwen3moe, gemma2, gemma3 (with vision), phi3, gpt_oss, lfm2 (and lfm2moe),
-olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text), deepseek2 (DeepSeek V2/V3); the hooks
+olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text), deepseek2 (DeepSeek V2/V3), glm4moe (GLM-4.5); the hooks
 are described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
 ``gguf``'s tensor-name map), so the files also load there.
 
@@ -18,6 +18,7 @@ from . import (  # noqa: F401
     gemma2,
     gemma3,
     gemma3_vision,
+    glm4moe,
     gpt_oss,
     lfm2,
     llama,

@@ -180,6 +180,7 @@ def _import_builtin() -> None:
         deepseek2,
         gemma2,
         gemma3,
+        glm4moe,
         gptoss,
         lfm2,
         lfm2moe,

@@ -30,7 +30,7 @@ from pyggml.models import Batch, Model, ModelError, register
 from pyggml.tensor import RopeType, Tensor
 
 SOFTMAX, SIGMOID = 1, 2  # llama.cpp's expert_gating_func values
-_DENSE, _MOE = "layer < n_dense", "layer >= n_dense"
+_DENSE, _MOE, _SHARED = "layer < n_dense", "layer >= n_dense", "layer >= n_dense and n_shared"
 
 
 @dataclass(frozen=True)
@@ -86,23 +86,9 @@ class Options:
                 or config.uint("attention.head_count_kv", 1) != 1):
             raise ModelError(f"{arch}: attention.key_length / value_length / head_count_kv must be the latent "
                              f"cache's {kv_lora + rope_dim} / {kv_lora} / 1")
-        n_dense = min(config.uint("leading_dense_block_count", 0, max=MAX_LAYERS), n_layers)
-        moe = n_dense < n_layers
-        n_experts, n_used = config.uint("expert_count", 0), config.uint("expert_used_count", 0)
-        groups, groups_used = config.uint("expert_group_count", 0) or 1, config.uint("expert_group_used_count", 0)
-        gating = config.uint("expert_gating_func", 0) or SOFTMAX  # llama.cpp: absent means softmax (V2)
-        if moe:
-            if not n_experts or not 0 < n_used <= n_experts:
-                raise ModelError(f"{arch}: expert_count ({n_experts}) and expert_used_count ({n_used}) must be "
-                                 "set, with 0 < expert_used_count <= expert_count")
-            if gating not in (SOFTMAX, SIGMOID):
-                raise ModelError(f"{arch}: expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)")
-            if groups > 1 and (n_experts % groups or not 0 < groups_used < groups
-                               or n_used > groups_used * (n_experts // groups) or n_experts // groups < 2):
-                raise ModelError(f"{arch}: expert_group_count {groups} / expert_group_used_count {groups_used} do "
-                                 f"not fit {n_experts} experts of which {n_used} are used")
-            if not config.uint("expert_shared_count", 0) or not config.uint("expert_feed_forward_length", 0):
-                raise ModelError(f"{arch}: expert_shared_count and expert_feed_forward_length must be set")
+        moe = moe_options(config, n_layers, SOFTMAX)
+        if moe["n_experts"] and not moe["n_shared"]:
+            raise ModelError(f"{arch}: expert_shared_count must be set (deepseek2 always has shared experts)")
         rope = nn.Rope.from_config(config, rope_dim, RopeType.NORMAL)
         rope, scale = _yarn(config, rope, k_mla)
         return cls(
@@ -112,13 +98,38 @@ class Options:
             context_length=config.uint("context_length", 4096, min=1, max=MAX_CONTEXT),
             eps=config.float("attention.layer_norm_rms_epsilon", 1e-6, min=0.0, max=1.0),
             q_lora_rank=config.uint("attention.q_lora_rank", 0, max=MAX_WIDTH), kv_lora_rank=kv_lora,
-            rope_dim=rope_dim, nope_dim=k_mla - rope_dim, v_dim=v_mla,
-            ffn_size=config.uint("feed_forward_length", 0, max=MAX_WIDTH) if n_dense else 0, n_dense=n_dense,
-            n_experts=n_experts if moe else 0, n_experts_used=n_used if moe else 0,
-            expert_ffn_size=config.uint("expert_feed_forward_length", 0, max=MAX_WIDTH) if moe else 0,
-            n_shared=config.uint("expert_shared_count", 0, max=MAX_WIDTH) if moe else 0, sigmoid=gating == SIGMOID,
-            groups=groups, groups_used=groups_used, normalize=config.bool("expert_weights_norm", False),
-            expert_scale=config.float("expert_weights_scale", 0.0, min=0.0, max=1e6) or 1.0, rope=rope, scale=scale)
+            rope_dim=rope_dim, nope_dim=k_mla - rope_dim, v_dim=v_mla, rope=rope, scale=scale, **moe)
+
+
+def moe_options(config, n_layers: int, default_gating: int) -> dict:
+    """The feed-forward hyper-parameters of a DeepSeek-style model (``FeedForward``'s ``Options`` fields):
+    ``leading_dense_block_count`` dense layers, then routed experts plus ``expert_shared_count`` shared ones;
+    ``default_gating`` when the file names no ``expert_gating_func`` (llama.cpp's default per architecture)."""
+    arch = config.architecture
+    n_dense = min(config.uint("leading_dense_block_count", 0, max=MAX_LAYERS), n_layers)
+    n_experts, n_used = config.uint("expert_count", 0), config.uint("expert_used_count", 0)
+    groups, groups_used = config.uint("expert_group_count", 0) or 1, config.uint("expert_group_used_count", 0)
+    gating = config.uint("expert_gating_func", 0) or default_gating
+    moe = n_dense < n_layers
+    if moe:
+        if not n_experts or not 0 < n_used <= n_experts:
+            raise ModelError(f"{arch}: expert_count ({n_experts}) and expert_used_count ({n_used}) must be "
+                             "set, with 0 < expert_used_count <= expert_count")
+        if gating not in (SOFTMAX, SIGMOID):
+            raise ModelError(f"{arch}: expert_gating_func {gating} is not supported (1 softmax, 2 sigmoid)")
+        if groups > 1 and (n_experts % groups or not 0 < groups_used < groups
+                           or n_used > groups_used * (n_experts // groups) or n_experts // groups < 2):
+            raise ModelError(f"{arch}: expert_group_count {groups} / expert_group_used_count {groups_used} do "
+                             f"not fit {n_experts} experts of which {n_used} are used")
+        if not config.uint("expert_feed_forward_length", 0):
+            raise ModelError(f"{arch}: expert_feed_forward_length must be set")
+    return dict(
+        ffn_size=config.uint("feed_forward_length", 0, max=MAX_WIDTH) if n_dense else 0, n_dense=n_dense,
+        n_experts=n_experts if moe else 0, n_experts_used=n_used if moe else 0,
+        expert_ffn_size=config.uint("expert_feed_forward_length", 0, max=MAX_WIDTH) if moe else 0,
+        n_shared=config.uint("expert_shared_count", 0, max=MAX_WIDTH) if moe else 0, sigmoid=gating == SIGMOID,
+        groups=groups, groups_used=groups_used, normalize=config.bool("expert_weights_norm", False),
+        expert_scale=config.float("expert_weights_scale", 0.0, min=0.0, max=1e6) or 1.0)
 
 
 def _yarn(config, rope: nn.Rope, head_dim: int) -> tuple[nn.Rope, float]:
@@ -177,9 +188,9 @@ class FeedForward(nn.Module):
     ffn_gate_exps: nn.Experts | None = nn.shape("hidden_size", "expert_ffn_size", "n_experts", when=_MOE)
     ffn_up_exps: nn.Experts | None = nn.shape("hidden_size", "expert_ffn_size", "n_experts", when=_MOE)
     ffn_down_exps: nn.Experts | None = nn.shape("expert_ffn_size", "hidden_size", "n_experts", when=_MOE)
-    ffn_gate_shexp: nn.Linear | None = nn.shape("hidden_size", "expert_ffn_size * n_shared", when=_MOE)
-    ffn_up_shexp: nn.Linear | None = nn.shape("hidden_size", "expert_ffn_size * n_shared", when=_MOE)
-    ffn_down_shexp: nn.Linear | None = nn.shape("expert_ffn_size * n_shared", "hidden_size", when=_MOE)
+    ffn_gate_shexp: nn.Linear | None = nn.shape("hidden_size", "expert_ffn_size * n_shared", when=_SHARED)
+    ffn_up_shexp: nn.Linear | None = nn.shape("hidden_size", "expert_ffn_size * n_shared", when=_SHARED)
+    ffn_down_shexp: nn.Linear | None = nn.shape("expert_ffn_size * n_shared", "hidden_size", when=_SHARED)
 
     def __call__(self, x: Tensor, o: Options, layer: int) -> Tensor:
         if layer < o.n_dense:
@@ -190,6 +201,8 @@ class FeedForward(nn.Module):
                                    scale=o.expert_scale)
         routed = nn.mix_experts(x, chosen, weights, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps,
                                 lambda gate, up: gate.silu(up))
+        if self.ffn_gate_shexp is None:
+            return routed
         return routed + self.ffn_down_shexp(self.ffn_gate_shexp(x).silu(self.ffn_up_shexp(x)))
 
 
