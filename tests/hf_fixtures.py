@@ -334,11 +334,11 @@ def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_
     return hf_dir, model
 
 
-def make_tiny_deepseek(tmp_path: Path, *, version: int = 3, q_lora: int | None = 24, n_layers: int = 3,
+def make_tiny_deepseek(tmp_path: Path, *, version: int | str = 3, q_lora: int | None = 24, n_layers: int = 3,
                        yarn: dict[str, float] | None = None, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
-    """Build and save a random DeepSeek V2 or V3 model (64 wide, 4 heads; MLA with a 32-wide latent, heads of
-    16 + 8 rope / 16 value dims; one dense layer, then 16 experts of 32 (2 chosen) and a shared expert; V3:
-    4 expert groups of which 2 are kept, routed_scaling_factor 2.5) with a BPE tokenizer. ``yarn``: YaRN
+    """Build and save a random DeepSeek V2 or V3 (``version="glm-lite"``: GLM-4.7-Flash) model (64 wide, 4 heads;
+    MLA with a 32-wide latent, heads of 16 + 8 rope / 16 value dims; one dense layer, then 16 experts of 32 (2
+    chosen) and a shared expert; V3: 4 expert groups of which 2 are kept) with a BPE tokenizer. ``yarn``: YaRN
     parameters; ``overrides``: any other config key. Returns ``(hf_dir, hf_model)`` (float32, eval mode,
     eager attention). Norm weights and V3's correction bias are randomised (around 1, resp. 0)."""
     import torch
@@ -359,6 +359,11 @@ def make_tiny_deepseek(tmp_path: Path, *, version: int = 3, q_lora: int | None =
     if version == 3:
         config |= dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
         cls, model_cls = transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
+    elif version == "glm-lite":  # GLM-4.7-Flash: V3's layout, its dense layers named per layer
+        del config["first_k_dense_replace"]
+        config |= dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.8,
+                       mlp_layer_types=["dense"] + ["sparse"] * (n_layers - 1))
+        cls, model_cls = transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM
     else:
         config |= dict(topk_method="greedy", routed_scaling_factor=1.5)
         cls, model_cls = transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM

@@ -31,7 +31,8 @@ from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
 YARN = {"factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707, "mscale_all_dim": 0.707}
 CASES = {"v3-q-lora": dict(version=3),  # sigmoid routing in 4 groups (2 kept), correction bias, renorm, scale 2.5
          "v2-lite": dict(version=2, q_lora=None),  # attn_q, softmax routing, no renorm, scale 1.5
-         "v3-yarn": dict(version=3, q_lora=None, yarn=YARN, seed=1)}  # prompts run past the original 16 positions
+         "v3-yarn": dict(version=3, q_lora=None, yarn=YARN, seed=1),  # prompts run past the original 16 positions
+         "glm-4.7-flash": dict(version="glm-lite", seed=2)}  # V3's layout as GLM-4.7-Flash names it
 # max |ours - theirs| / max |theirs| over the logits; measured 4.4e-7 .. 6.1e-7 against transformers (F32 cache);
 # the expert groups ignored gives 0.1 and more (test_the_routing_is_what_the_logits_depend_on)
 TOLERANCE = 1e-3
@@ -245,7 +246,8 @@ def test_files_have_llama_cpps_names_and_keys(case, converted):
     assert meta["deepseek2.attention.key_length_mla"] == nope + rope
     assert meta["deepseek2.attention.value_length_mla"] == v
     assert meta["deepseek2.attention.head_count_kv"] == 1 and meta["deepseek2.leading_dense_block_count"] == 1
-    assert meta["deepseek2.expert_gating_func"] == (2 if cfg.model_type == "deepseek_v3" else 1)
+    v3 = cfg.model_type != "deepseek_v2"
+    assert meta["deepseek2.expert_gating_func"] == (2 if v3 else 1)
     assert meta["deepseek2.attention.q_lora_rank"] == (cfg.q_lora_rank or 0)
     sd = {k: val.detach().numpy() for k, val in model.state_dict().items()}
     kv_b = sd["model.layers.1.self_attn.kv_b_proj.weight"].reshape(heads, nope + v, rank)
@@ -253,10 +255,11 @@ def test_files_have_llama_cpps_names_and_keys(case, converted):
     assert (tensors["blk.1.attn_v_b.weight"][1] == kv_b[:, nope:]).all()  # (heads, v, rank)
     assert "blk.0.ffn_gate.weight" in tensors and "blk.0.ffn_gate_inp.weight" not in tensors
     assert tensors["blk.2.ffn_gate_exps.weight"][1].shape == (16, 32, 64)
-    if cfg.model_type == "deepseek_v3":
+    if v3:
         assert (tensors["blk.1.exp_probs_b.bias"][1] == sd["model.layers.1.mlp.gate.e_score_correction_bias"]).all()
         assert (meta["deepseek2.expert_group_count"], meta["deepseek2.expert_group_used_count"]) == (4, 2)
-        assert meta["deepseek2.expert_weights_norm"] and meta["deepseek2.expert_weights_scale"] == 2.5
+        assert meta["deepseek2.expert_weights_norm"]
+        assert meta["deepseek2.expert_weights_scale"] == pytest.approx(cfg.routed_scaling_factor)
     if case == "v3-yarn":
         assert meta["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.0707)
         assert meta["deepseek2.rope.scaling.type"] == "yarn" and meta["deepseek2.rope.scaling.factor"] == 4.0

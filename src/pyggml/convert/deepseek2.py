@@ -1,10 +1,11 @@
-"""DeepSeek V2 / V3 (GGUF ``deepseek2``, as llama.cpp converts them, with the split ``attn_k_b``/``attn_v_b`` of
-its MLA files): ``kv_b_proj`` becomes W_UK per head, stored transposed for absorbing it into the queries, and
-W_UV per head; GGUF's key/value lengths are the latent cache's (kv_lora_rank + rope, kv_lora_rank) and the
-heads' own sizes go under ``attention.key_length_mla``/``value_length_mla``; one KV head. The router is softmax
-(V2) or sigmoid with ``e_score_correction_bias`` as ``exp_probs_b`` and grouped top-k (V3); experts are stacked;
-YaRN's ``mscale_all_dim`` is written as 0.1 x itself in ``rope.scaling.yarn_log_multiplier`` (llama.cpp's
-convention for deepseek2). Configs llama.cpp's graph would run differently from transformers are refused."""
+"""DeepSeek V2 / V3 and GLM-4.7-Flash (GGUF ``deepseek2``, as llama.cpp converts them, with the split
+``attn_k_b``/``attn_v_b`` of its MLA files): ``kv_b_proj`` becomes W_UK per head, stored transposed for absorbing
+it into the queries, and W_UV per head; GGUF's key/value lengths are the latent cache's (kv_lora_rank + rope,
+kv_lora_rank) and the heads' own sizes go under ``attention.key_length_mla``/``value_length_mla``; one KV head.
+The router is softmax (V2) or sigmoid with ``e_score_correction_bias`` as ``exp_probs_b`` and grouped top-k (V3,
+GLM-4.7-Flash); experts are stacked; YaRN's ``mscale_all_dim`` is written as 0.1 x itself in
+``rope.scaling.yarn_log_multiplier`` (llama.cpp's convention for deepseek2). Configs llama.cpp's graph would run
+differently from transformers are refused."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ class DeepSeekMoE(Architecture):
         c = self.config
         self.n_experts: int = c.get("n_routed_experts") or 0
         self.n_dense: int = (c.get("first_k_dense_replace") or 0) if self.n_experts else self.n_layers
+        if kinds := c.get("mlp_layer_types"):  # GLM-4.7-Flash: "dense" or "sparse" per layer
+            self.n_dense = next((i for i, kind in enumerate(kinds) if kind != "dense"), len(kinds))
+            if len(kinds) != self.n_layers or any(kind != "sparse" for kind in kinds[self.n_dense:]):
+                raise ValueError(f"config.json's mlp_layer_types {kinds}: GGUF {self.gguf_arch} has dense layers "
+                                 f"only before the sparse ones, one kind per layer ({self.n_layers})")
         if self.n_experts:
             self.n_used: int = self.hparam("num_experts_per_tok")
             self.n_ff_exp: int = self.hparam("moe_intermediate_size")
@@ -97,7 +103,8 @@ class DeepSeekMoE(Architecture):
         return shapes
 
 
-@register("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", model_types=("deepseek_v2", "deepseek_v3"))
+@register("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
+          model_types=("deepseek_v2", "deepseek_v3", "glm4_moe_lite"))
 class DeepSeek2(DeepSeekMoE):
     gguf_arch = "deepseek2"
     rope_types = ("default", "yarn")
@@ -105,7 +112,9 @@ class DeepSeek2(DeepSeekMoE):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         c = self.config
-        self.v3 = c.get("model_type") == "deepseek_v3" or (c.get("architectures") or [""])[0].startswith("DeepseekV3")
+        # V3's router (sigmoid, correction bias, groups): DeepSeek V3 and GLM-4.7-Flash
+        v2 = c.get("model_type") == "deepseek_v2" or (c.get("architectures") or [""])[0] == "DeepseekV2ForCausalLM"
+        self.v3 = not v2
         self.router_bias = self.v3
         self.q_lora: int = c.get("q_lora_rank") or 0
         self.kv_lora: int = self.hparam("kv_lora_rank")
