@@ -711,7 +711,7 @@ def latent_attention(ctx: Context, q_nope: Tensor, q_rope: Tensor, latent: Tenso
     history, _, mask = cache.get(ctx)  # (rank + rope_dim, n_kv, 1)
     n_kv, rope_dim, row = history.shape[1], k_rope.shape[0], history.strides[1]
     cached = history.view(0, (rank, n_kv), (row,)).cast(DType.F32)
-    k_up_t = k_up.permute(1, 0, 2, 3, ctx=ctx).contiguous().reshape(rank, k_up.shape[0] * n_heads)
+    k_up_t = k_up.cast(DType.F32, ctx=ctx).permute(1, 0, 2, 3).contiguous().reshape(rank, k_up.shape[0] * n_heads)
     v_up = v_up.cast(DType.F32, ctx=ctx).reshape(rank, v_up.shape[1] * n_heads)
     k_nope = cached.mulmat(k_up_t).reshape(n_kv, k_up.shape[0], n_heads).permute(1, 0, 2, 3).contiguous()
     value = cached.mulmat(v_up).reshape(n_kv, v_up.shape[1] // n_heads, n_heads).permute(1, 0, 2, 3)
