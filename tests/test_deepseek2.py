@@ -41,19 +41,19 @@ SAME = 2e-5  # one model along two paths (summation order only)
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
-    """``converted(case)``: (path of the converted F32 file, HF model, HF tokenizer), made once;
+    """``converted(case, out_type="f32")``: (path of the converted file, HF model, HF tokenizer), made once;
     ``converted.hf_dirs[case]``: the checkpoint's folder."""
     root, done = tmp_path_factory.mktemp("deepseek"), {}
 
-    def get(case: str):
-        if case not in done:
+    def get(case: str, out_type: str = "f32"):
+        if case not in get.hf_dirs:
             hf_dir, model = make_tiny_deepseek(root, **CASES[case])
-            path = convert_hf(hf_dir, root / f"{case}.gguf", "f32")
-            done[case] = path, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
-            get.hf_dirs[case] = hf_dir
-        return done[case]
+            get.hf_dirs[case], get.models[case] = hf_dir, (model, transformers.AutoTokenizer.from_pretrained(hf_dir))
+        if (case, out_type) not in done:
+            done[case, out_type] = convert_hf(get.hf_dirs[case], root / f"{case}-{out_type}.gguf", out_type)
+        return done[case, out_type], *get.models[case]
 
-    get.hf_dirs = {}
+    get.hf_dirs, get.models = {}, {}
     return get
 
 
@@ -134,9 +134,9 @@ def test_several_sequences_at_once_match_transformers(case, converted):
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("case", list(CASES))
-def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, converted):
-    llama_cpp_agrees(converted(case)[0])
+@pytest.mark.parametrize("case, out_type", [(case, "f32") for case in CASES] + [("v3-q-lora", "q8_0")])
+def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, out_type, converted):
+    llama_cpp_agrees(converted(case, out_type)[0])
 
 
 @pytest.mark.parametrize("dtype", [DType.F32, DType.F16])
