@@ -1,7 +1,8 @@
 """Causal KV cache (with optional sliding window or chunked attention) over ggml tensors.
 
 Keys and values of layer L live in two persistent tensors of shape (head_dim * n_kv_heads, cells)
-on that layer's device, allocated at the layer's first ``put`` (a ``reserve`` pass counts). Each
+on that layer's device, allocated at the layer's first ``put`` (a ``reserve`` pass counts); with
+``value_from_key`` only the keys (the values are views of them). Each
 forward pass writes the batch's rows with ``set_rows`` at the cells ``Cells.place`` chose (any free
 cells, so no fragmentation) and attends over a view of the first ``n_kv`` cells, ``n_kv`` rounded
 up to ``config.padding`` so the graph's shape changes rarely. Per step the graph gets exactly two
