@@ -437,6 +437,93 @@ def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_
     return hf_dir, model
 
 
+def make_tiny_deepseek(tmp_path: Path, *, version: int | str = 3, q_lora: int | None = 24, n_layers: int = 3,
+                       yarn: dict[str, float] | None = None, seed: int = 0, **overrides: Any) -> tuple[Path, Any]:
+    """Build and save a random DeepSeek V2 or V3 (``version="glm-lite"``: GLM-4.7-Flash) model (64 wide, 4 heads;
+    MLA with a 32-wide latent, heads of 16 + 8 rope / 16 value dims; one dense layer, then 16 experts of 32 (2
+    chosen) and a shared expert; V3: 4 expert groups of which 2 are kept) with a BPE tokenizer. ``yarn``: YaRN
+    parameters; ``overrides``: any other config key. Returns ``(hf_dir, hf_model)`` (float32, eval mode,
+    eager attention). Norm weights and V3's correction bias are randomised (around 1, resp. 0)."""
+    import torch
+    import transformers
+
+    name = f"tiny-deepseek-v{version}-q{q_lora}-l{n_layers}-{'yarn-' if yarn else ''}s{seed}"
+    hf_dir = Path(tmp_path) / name
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    rope = {"rope_type": "default", "rope_theta": 10000.0} if yarn is None else {
+        "rope_type": "yarn", "rope_theta": 10000.0, **yarn}
+    config = dict(vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                  n_routed_experts=16, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
+                  q_lora_rank=q_lora, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.05, rope_parameters=rope,
+                  bos_token_id=0, eos_token_id=1, pad_token_id=2, attn_implementation="eager")
+    if version == 3:
+        config |= dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+        cls, model_cls = transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM
+    elif version == "glm-lite":  # GLM-4.7-Flash: V3's layout, its dense layers named per layer
+        del config["first_k_dense_replace"]
+        config |= dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=1.8,
+                       mlp_layer_types=["dense"] + ["sparse"] * (n_layers - 1))
+        cls, model_cls = transformers.Glm4MoeLiteConfig, transformers.Glm4MoeLiteForCausalLM
+    else:
+        config |= dict(topk_method="greedy", routed_scaling_factor=1.5)
+        cls, model_cls = transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM
+    torch.manual_seed(seed)
+    model = model_cls(cls(**(config | overrides))).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif pname.endswith("gate.weight"):  # a router sharp enough that the choice matters
+                p.copy_(torch.randn_like(p) * 0.5)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
+def make_tiny_glm4moe(tmp_path: Path, *, qk_norm: bool = False, tie: bool = False, seed: int = 0,
+                      **overrides: Any) -> tuple[Path, Any]:
+    """Build and save a random GLM-4.5-style model (64 wide, 4 heads of 16 over 2 KV heads with q/k/v biases, half
+    of each head rotated; one dense layer, then 16 experts of 32 (4 chosen by sigmoid in 4 groups of which 2 are
+    kept) and a shared expert) with a BPE tokenizer; ``qk_norm``: per-head q/k norms (GLM-4.5 355B). Returns
+    ``(hf_dir, hf_model)`` (float32, eval mode, eager attention). Norms, biases and the correction bias are
+    randomised."""
+    import torch
+    import transformers
+
+    name = f"tiny-glm4moe-{'qknorm-' if qk_norm else ''}{'tied-' if tie else ''}s{seed}"
+    hf_dir = Path(tmp_path) / name
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    config = transformers.Glm4MoeConfig(**(dict(
+        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_shared_experts=1,
+        n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+        norm_topk_prob=True, routed_scaling_factor=1.5, use_qk_norm=qk_norm, attention_bias=True,
+        max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.05, tie_word_embeddings=tie,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, attn_implementation="eager") | overrides))
+    torch.manual_seed(seed)
+    model = transformers.Glm4MoeForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif pname.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif pname.endswith("gate.weight"):
+                p.copy_(torch.randn_like(p) * 0.5)
+        for bname, b in model.named_buffers():
+            if bname.endswith("e_score_correction_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    model.save_pretrained(hf_dir)
+    return hf_dir, model
+
+
 def make_tiny_mistral3_with_vision(tmp_path: Path, rope: dict[str, Any], *, text_type: str = "ministral3",
                                    seed: int = 0) -> tuple[Path, Any]:
     """Build and save a random ``Mistral3ForConditionalGeneration`` (a 2-layer, 64-wide text decoder with

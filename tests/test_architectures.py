@@ -170,6 +170,25 @@ TINY: dict[str, dict] = {
     "mllama": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
                "attention.head_count_kv": 2, "context_length": 128, "attention.layer_norm_rms_epsilon": 1e-5,
                "rope.freq_base": 10000.0, "vocab_size": 320, "attention.cross_attention_layers": [1]},  # text only
+    # DeepSeek V3's layout: q_lora, a leading dense layer, sigmoid routing over 2 groups with a choosing bias,
+    # renormalised and scaled weights, a shared expert, YaRN; its cache holds the latent (32) + rope key (16)
+    "deepseek2": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                  "attention.head_count_kv": 1, "attention.q_lora_rank": 32, "attention.kv_lora_rank": 32,
+                  "attention.key_length": 48, "attention.value_length": 32, "attention.key_length_mla": 32,
+                  "attention.value_length_mla": 16, "rope.dimension_count": 16, "context_length": 128,
+                  "attention.layer_norm_rms_epsilon": 1e-6, "rope.freq_base": 10000.0, "vocab_size": 320,
+                  "leading_dense_block_count": 1, "expert_count": 8, "expert_used_count": 2,
+                  "expert_feed_forward_length": 32, "expert_shared_count": 1, "expert_gating_func": 2,
+                  "expert_group_count": 2, "expert_group_used_count": 1, "expert_weights_norm": True,
+                  "expert_weights_scale": 2.5, "rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                  "rope.scaling.original_context_length": 32, "rope.scaling.yarn_log_multiplier": 0.0707},
+    # GLM-4.5's layout: GQA with half-rotated heads (NeoX), DeepSeek V3's experts behind a dense layer
+    "glm4moe": {"block_count": 3, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+                "attention.head_count_kv": 2, "rope.dimension_count": 8, "context_length": 128,
+                "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 1000000.0, "vocab_size": 320,
+                "leading_dense_block_count": 1, "expert_count": 8, "expert_used_count": 2,
+                "expert_feed_forward_length": 32, "expert_shared_count": 1, "expert_gating_func": 2,
+                "expert_weights_norm": True, "expert_weights_scale": 1.5},
     "bert": {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
              "context_length": 64, "attention.layer_norm_epsilon": 1e-12, "pooling_type": 1, "vocab_size": 160,
              "tokenizer.ggml.model": "bert", "tokenizer.ggml.token_type_count": 2},
@@ -432,7 +451,8 @@ def test_llama_cpp_runs_the_same_file(arch, tiny_file):
                                          ("lfm2-1.2b", "f16"),  # quantized: llama.cpp 0.3.36 dies (SIGILL) here
                                          ("granite-4.0-h-tiny-10l", "f16"), ("nemotron-nano-9b-v2-14l", "f16"),
                                          ("qwen3.5-35b-a3b", "q8_0"),
-                                         ("gemma4-e2b", "q4_0"), ("llama4-small", "f16")])
+                                         ("gemma4-e2b", "q4_0"), ("llama4-small", "f16"),
+                                         ("deepseek-v2-lite-small", "f16")])
 def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     """Each shape's keys and types (MXFP4 experts and Q8_0 elsewhere for gpt-oss, as llama.cpp's MXFP4_MOE
     files) with fewer layers, experts and tokens: both engines load the file and compute the same logits."""
@@ -443,6 +463,7 @@ def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
         smaller["block_count"] = 4
     if "expert_count" in SHAPES[name].extra:
         smaller["expert_count"] = 4
+        smaller["expert_used_count"] = min(SHAPES[name].extra["expert_used_count"], 4)
     if name.startswith("lfm2"):  # a layer kind per layer: convolution, attention, convolution
         smaller |= {"block_count": 3, "attention.head_count_kv": [0, 8, 0]}
     if name.startswith("granite"):  # Mamba-2, attention, Mamba-2

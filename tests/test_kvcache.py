@@ -548,6 +548,47 @@ def test_a_group_attends_over_its_longest_stream(flash):
         backend.close()
 
 
+@pytest.mark.parametrize("flash", [False, True])
+def test_a_cache_of_keys_alone_reads_values_from_them(flash):
+    """``value_from_key=DV``: cells hold keys only and the value is each head's first DV key elements (a view;
+    DeepSeek's latent cache). Attention through it equals attention through a cache given those values
+    explicitly, across streams, groups, ungrouped batches and a prefix copied to another sequence's stream."""
+    from pyggml import nn
+
+    backend = Backend(BackendParams(n_threads=2, flash_attention=flash))
+    try:
+        caches = [Causal(rope_shift, value_from_key=DV), Causal(rope_shift)]
+        for cache in caches:
+            cache.init(backend, DType.F32, max_sequences=3, capacity=16, max_batch=8)
+        assert not caches[0].config.permuted_v  # no V of its own to store transposed
+        outs = [[], []]
+        for pairs in STREAM_STEPS:
+            for cache, out in zip(caches, outs, strict=True):
+                if pairs[0] == "copy":
+                    cache.copy_prefix(*pairs[1:])
+                    continue
+                rng = np.random.default_rng([s * 1000 + p for s, p in pairs])
+                q = rng.standard_normal((len(pairs), 2 * HEADS, DK), dtype=np.float32)
+                k = rng.standard_normal((len(pairs), HEADS, DK), dtype=np.float32)
+                with backend.new_context() as ctx:
+                    cache.start_forward(ctx, batch_of(pairs))
+                    cache.set_layer(0)
+                    value = None if cache.value_from_key else ctx.from_numpy(np.ascontiguousarray(k[:, :, :DV]))
+                    result = nn.attention(ctx, ctx.from_numpy(q), ctx.from_numpy(k), value, cache, QK_SCALE,
+                                          flash=flash)
+                    ctx.compute(result)
+                    out.append(result.numpy())
+        for a, b in zip(*outs, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        assert not caches[0].values and caches[1].values  # and so half the memory here
+        with backend.new_context() as ctx, pytest.raises(ValueError, match="value_from_key cache takes"):
+            caches[0].start_forward(ctx, batch_of([(0, 10)]))
+            keys = ctx.from_numpy(coded_keys([(0, 10)]))
+            caches[0].put(ctx, keys, keys)
+    finally:
+        backend.close()
+
+
 def test_groups_cut_the_batch_by_consecutive_sequences(cpu):
     cache = Causal(rope_shift)
     cache.init(cpu, DType.F32, max_sequences=4, capacity=8, max_batch=8)

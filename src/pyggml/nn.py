@@ -21,6 +21,7 @@ wrong shape at once; ``nn.declared(Weights, options)`` lists them for ``pyggml.s
 from __future__ import annotations
 
 import ast
+import math
 import operator
 import types
 import typing
@@ -557,6 +558,32 @@ def moe(x: Tensor, router_logits: Tensor, k: int, gate: Experts, up: Experts, do
     return mix_experts(x, chosen, weights.reshape(k, n_tokens).softmax(), gate, up, down, glu)
 
 
+def route(logits: Tensor, k: int, *, sigmoid: bool = False, bias: Tensor | None = None, groups: int = 1,
+          groups_used: int = 1, normalize: bool = False, scale: float = 1.0) -> tuple[Tensor, Tensor]:
+    """Each token's ``k`` experts and their weights from router ``logits`` (n_experts, n_tokens), as DeepSeek's
+    routers (and llama.cpp's ``build_moe_ffn``) choose them: probabilities softmax (``sigmoid``: sigmoid) of the
+    logits; ``bias`` (n_experts,) shifts them for choosing only (DeepSeek V3's correction bias); with ``groups``
+    > 1 only experts of the ``groups_used`` groups scoring best (a group's score: the sum of its two best shifted
+    probabilities) can be chosen. The weights are the chosen experts' unshifted probabilities, renormalised to sum
+    to 1 when ``normalize``, times ``scale`` (``routed_scaling_factor``). Returns (chosen I32, weights), both
+    (k, n_tokens), for ``mix_experts``."""
+    n_experts, n_tokens = logits.shape[0], logits.shape[1]
+    probs = logits.sigmoid() if sigmoid else logits.softmax()
+    select = probs if bias is None else probs + bias
+    if groups > 1:
+        per_group = n_experts // groups
+        grouped = select.reshape(per_group, groups, n_tokens)
+        best_two = grouped.reshape(1, per_group, groups, n_tokens).rows(grouped.top_k(2))  # (1, 2, groups, n_tokens)
+        kept = best_two.reshape(2, groups, n_tokens).sum_rows().reshape(groups, n_tokens).top_k(groups_used)
+        hidden = grouped.scale_bias(0.0, -math.inf)  # every expert out of reach but those of the kept groups
+        select = hidden.set_rows(grouped.rows(kept), kept).reshape(n_experts, n_tokens)
+    chosen = select.top_k(k)
+    weights = probs.reshape(1, n_experts, n_tokens).rows(chosen).reshape(k, n_tokens)
+    if normalize:  # a floor keeps an all-zero choice finite, as llama.cpp's
+        weights = weights / weights.sum_rows().clamp(6.103515625e-5, math.inf)
+    return chosen, weights if scale == 1.0 else weights.scale(scale)
+
+
 def mix_experts(x: Tensor, chosen: Tensor, weights: Tensor, gate: Experts, up: Experts, down: Experts,
                 glu: typing.Callable[[Tensor, Tensor], Tensor], weigh_inputs: bool = False) -> Tensor:
     """Each token of ``x`` (hidden, n_tokens) through its ``chosen`` experts (I32 ids, (k, n_tokens)),
@@ -758,13 +785,17 @@ def attention(ctx: Context, query: Tensor, key: Tensor | None, value: Tensor | N
     every other (encoders), or those ``mask`` (n_tokens, n_tokens; 0 or -inf) lets it see (several
     sequences in one encoder batch). ``softcap``: scores become ``softcap * tanh(score / softcap)``
     before the mask (Gemma 2). ``sinks`` (n_heads,): a learned logit per head joining each softmax
-    (gpt-oss's attention sinks). ``key`` and ``value`` None (with a cache): attend over the keys and
+    (gpt-oss's attention sinks). ``value`` None: the cache's values are views of its keys
+    (``Causal(value_from_key=...)``). ``key`` and ``value`` None (with a cache): attend over the keys and
     values the cache's current layer already holds, storing none (a layer sharing an earlier layer's
     cache, see ``shared_kv_layers``). Returns (head_dim_v * n_heads, n_tokens)."""
     if flash is None:
         flash = ctx.backend.flash_attention
-    if (key is None) != (value is None) or (key is None and cache is None):
-        raise ValueError("attention: give both key and value, or neither to attend over what a cache holds")
+    if cache is None and (key is None or value is None):
+        raise ValueError("attention: without a cache give both key and value (value=None needs a cache whose "
+                         "values are views of its keys, value_from_key)")
+    if key is None and value is not None:
+        raise ValueError("attention: give a key with the value, or neither to attend over what a cache holds")
     if cache is not None:
         if mask is not None:
             raise ValueError("attention: a mask is only for attention without a cache (the cache has its own)")
@@ -799,6 +830,42 @@ def _grouped_attention(query: Tensor, groups: list[KVGroup], scale: float, flash
         o = o.reshape(o.shape[0] * n_heads, rows)
         out = o if out is None else out.concat(o, 1)
     return out
+
+
+def latent_attention(ctx: Context, q_nope: Tensor, q_rope: Tensor, latent: Tensor, k_rope: Tensor, cache: Cache,
+                     scale: float, k_up: Tensor, v_up: Tensor, *, absorb: bool = True) -> Tensor:
+    """DeepSeek's multi-head latent attention over a ``Causal(value_from_key=kv_lora_rank)`` cache, which
+    stores per token only ``latent`` (kv_lora_rank, n_tokens) and the shared rotated key ``k_rope``
+    (rope_dim, 1, n_tokens). Each head's key is (W_UK latent, k_rope) and its value W_UV latent, with
+    ``k_up`` (nope_dim, kv_lora_rank, n_heads) and ``v_up`` (kv_lora_rank, v_dim, n_heads); queries are
+    ``q_nope`` (nope_dim, n_heads, n_tokens) and the rotated ``q_rope`` (rope_dim, n_heads, n_tokens).
+
+    ``absorb=True`` (llama.cpp's form): W_UK goes into the queries (q_nope W_UK scores against the latent
+    directly) and W_UV is applied to the attention's output, so attention is one-KV-head attention over the
+    cache as stored: nothing per head is ever built from the history. ``absorb=False`` decompresses every
+    cached token into per-head keys and values first (the textbook form; a reference). Returns
+    (v_dim * n_heads, n_tokens)."""
+    rank, n_heads, n_tokens = latent.shape[0], q_nope.shape[1], q_nope.shape[2]
+    key = latent.reshape(rank, 1, n_tokens).concat(k_rope, 0)  # the cached row: (latent, rope)
+    if absorb:
+        q_latent = k_up.mulmat(q_nope.permute(0, 2, 1, 3), ctx=ctx)  # (rank, n_tokens, n_heads)
+        query = q_latent.permute(0, 2, 1, 3).concat(q_rope, 0)  # (rank + rope_dim, n_heads, n_tokens)
+        out = attention(ctx, query, key, None, cache, scale).reshape(rank, n_heads, n_tokens)
+        out = v_up.mulmat(out.permute(0, 2, 1, 3), ctx=ctx)  # (v_dim, n_tokens, n_heads)
+        return out.permute(0, 2, 1, 3).contiguous().reshape(out.shape[0] * n_heads, n_tokens)
+    cache.put(ctx, key, None)
+    history, _, mask = cache.get(ctx)  # (rank + rope_dim, n_kv, 1)
+    n_kv, rope_dim, row = history.shape[1], k_rope.shape[0], history.strides[1]
+    cached = history.view(0, (rank, n_kv), (row,)).cast(DType.F32)
+    k_up_t = k_up.cast(DType.F32, ctx=ctx).permute(1, 0, 2, 3).contiguous().reshape(rank, k_up.shape[0] * n_heads)
+    v_up = v_up.cast(DType.F32, ctx=ctx).reshape(rank, v_up.shape[1] * n_heads)
+    k_nope = cached.mulmat(k_up_t).reshape(n_kv, k_up.shape[0], n_heads).permute(1, 0, 2, 3).contiguous()
+    value = cached.mulmat(v_up).reshape(n_kv, v_up.shape[1] // n_heads, n_heads).permute(1, 0, 2, 3)
+    rotated = history.view(history.dtype.row_bytes(rank), (rope_dim, n_kv), (row,)).cast(DType.F32)
+    k = k_nope.concat(rotated.reshape(rope_dim, n_kv, 1).repeat(rope_dim, n_kv, n_heads), 0)
+    q = q_nope.concat(q_rope, 0).permute(0, 2, 1, 3)
+    out = q.scaled_dot_product_attention(k, value, mask, scale, flash=ctx.backend.flash_attention)
+    return out.reshape(out.shape[0] * n_heads, n_tokens)
 
 
 def int32_input(ctx: Context, values: Any, name: str | None = None) -> Tensor:

@@ -77,6 +77,12 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3vl": {"rope.dimension_sections": [2, 3, 3, 0]},
     "qwen3vlmoe": {"rope.dimension_sections": [2, 3, 3, 0], **_EXPERTS},
     "qwen25vl": {"rope.mrope_section": [2, 3, 3]},  # Ollama's layout and name
+    # DeepSeek's latent attention (a 32-wide latent and 16 rope dims cached per token; heads of 16 + 16, values
+    # of 16), one dense layer, then experts with a shared one
+    "deepseek2": {"attention.head_count_kv": 1, "attention.kv_lora_rank": 32, "attention.key_length": 48,
+                  "attention.value_length": 32, "attention.key_length_mla": 32, "attention.value_length_mla": 16,
+                  "rope.dimension_count": 16, "leading_dense_block_count": 1, **_EXPERTS, "expert_shared_count": 1},
+    "glm4moe": {"leading_dense_block_count": 1, **_EXPERTS, "expert_shared_count": 1, "rope.dimension_count": 8},
 }
 Init = Callable[[str, tuple[int, ...], np.random.Generator], "np.ndarray | None"]
 
@@ -177,6 +183,20 @@ SHAPES = {
                                 {**{k: v for k, v in _QWEN35.items() if k != "rope.dimension_sections"},
                                  "expert_count": 512, "expert_used_count": 10, "expert_feed_forward_length": 512,
                                  "expert_shared_feed_forward_length": 512}),
+    # DeepSeek-V2-Lite's layers (16 heads; MLA: a 512-wide latent + 64 rope dims cached per token, heads of 128 +
+    # 64, values of 128; no q_lora; YaRN x40 of 4096 with mscale_all_dim 0.707; softmax routing to 6 experts of
+    # 1408 plus 2 shared) with 32 of its 64 experts, in 6 layers (the first dense): ~2.0B parameters, ~0.6B active
+    "deepseek-v2-lite-small": Shape(6, 2048, 10944, 16, 1, 102400, 163840, 10000.0, False, "deepseek2",
+                                    {"attention.kv_lora_rank": 512, "attention.key_length": 576,
+                                     "attention.value_length": 512, "attention.key_length_mla": 192,
+                                     "attention.value_length_mla": 128, "rope.dimension_count": 64,
+                                     "attention.q_lora_rank": 0, "attention.layer_norm_rms_epsilon": 1e-6,
+                                     "leading_dense_block_count": 1, "expert_count": 32, "expert_used_count": 6,
+                                     "expert_feed_forward_length": 1408, "expert_shared_count": 2,
+                                     "expert_gating_func": 1, "expert_weights_scale": 1.0,
+                                     "rope.scaling.type": "yarn", "rope.scaling.factor": 40.0,
+                                     "rope.scaling.original_context_length": 4096,
+                                     "rope.scaling.yarn_log_multiplier": 0.0707, "tokenizer.ggml.model": "gpt2"}),
     "gpt-oss-small": Shape(8, 1024, 1024, 16, 2, 201088, 131072, 150000.0, False, "gpt-oss",
                            {"attention.key_length": 64, "attention.value_length": 64, "rope.dimension_count": 64,
                             "expert_count": 32, "expert_used_count": 4, "expert_feed_forward_length": 1024,

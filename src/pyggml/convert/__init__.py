@@ -7,8 +7,8 @@ bert (and BERT / XLM-RoBERTa encoders and cross-encoder rerankers), nomic_bert, 
 Qwen3-Reranker), qwen3moe, gemma2, gemma3 (with vision), gemma4 (text), phi3, gpt_oss, lfm2 (and lfm2moe),
 olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text), granitehybrid, nemotron_h, qwen35 (and qwen35moe,
 qwen3next), llama4 (text), gemma_embedding (EmbeddingGemma), qwen2vl (Qwen2-VL, Qwen 2.5-VL, with vision),
-qwen3vl (Qwen3-VL and its MoE, with vision); the hooks are described in ``base.py``). Tensor names and
-metadata keys are llama.cpp's (names through
+qwen3vl (Qwen3-VL and its MoE, with vision), deepseek2 (DeepSeek V2/V3), glm4moe (GLM-4.5); the hooks are
+described in ``base.py``). Tensor names and metadata keys are llama.cpp's (names through
 ``gguf``'s tensor-name map), so the files also load there.
 
 Only numpy and the ``gguf`` package (writer, quantisers) are needed: no torch, safetensors or
@@ -18,11 +18,13 @@ sentencepiece at conversion time (torch only to read a pytorch_model.bin; the co
 
 from . import (  # noqa: F401
     bert,
+    deepseek2,
     gemma2,
     gemma3,
     gemma3_vision,
     gemma4,
     gemma_embedding,
+    glm4moe,
     gpt_oss,
     granitehybrid,
     lfm2,

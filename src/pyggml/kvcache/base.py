@@ -82,8 +82,9 @@ class Cache(abc.ABC):
         """Select the layer that following ``put``/``get`` calls address."""
 
     @abc.abstractmethod
-    def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
-        """Store the batch's keys and values for the current layer."""
+    def put(self, ctx: Context, key: Tensor, value: Tensor | None) -> None:
+        """Store the batch's keys and values for the current layer (value None: a cache whose values
+        are views of its keys, ``Causal(value_from_key=...)``)."""
 
     @abc.abstractmethod
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -1,7 +1,8 @@
 """Causal KV cache (with optional sliding window or chunked attention) over ggml tensors.
 
 Keys and values of layer L live in two persistent tensors of shape (head_dim * n_kv_heads, cells)
-on that layer's device, allocated at the layer's first ``put`` (a ``reserve`` pass counts). Each
+on that layer's device, allocated at the layer's first ``put`` (a ``reserve`` pass counts); with
+``value_from_key`` only the keys (the values are views of them). Each
 forward pass writes the batch's rows with ``set_rows`` at the cells ``Cells.place`` chose (any free
 cells, so no fragmentation) and attends over a view of the first ``n_kv`` cells, ``n_kv`` rounded
 up to ``config.padding`` so the graph's shape changes rarely. Per step the graph gets exactly two
@@ -17,6 +18,7 @@ group); a group attends over a 4-d view (head_dim, n_kv, heads, n_seqs) of its s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -123,12 +125,21 @@ class Causal(Cache):
     Several sequences get a stream of cells each (see the module docstring); ``unified=True``
     pools the cells instead (llama.cpp's ``kv_unified``): ``copy_prefix`` then shares cells rather
     than copying them, but every token's attention reads every sequence's cells.
+
+    ``value_from_key=N``: a cell stores only its key; its value is the first N elements of each
+    head's key, read as a view (``put(ctx, key, None)``). That is latent attention's cache
+    (DeepSeek's MLA: one compressed vector per token is both the value and, with the shared rope
+    key after it, the key), at the memory of the key alone, as llama.cpp's V-as-a-view-of-K cache.
     """
 
     def __init__(self, shift_fn: ShiftFn | None = None, *, swa_window: int | None = None,
-                 swa_memory: int | None = None, chunk_size: int | None = None, unified: bool = False):
+                 swa_memory: int | None = None, chunk_size: int | None = None, unified: bool = False,
+                 value_from_key: int | None = None):
+        if value_from_key is not None and value_from_key < 1:
+            raise ValueError(f"Causal: value_from_key must be positive, got {value_from_key}")
         self.shift_fn = shift_fn
         self.unified = unified
+        self.value_from_key = value_from_key
         self.swa_window = swa_window
         self.swa_memory = swa_memory
         self.chunk_size = chunk_size
@@ -157,6 +168,8 @@ class Causal(Cache):
         flash = backend.flash_attention
         config = self._config_override or CacheConfig(padding=256 if flash else 32, permuted_v=not flash,
                                                       mask_dtype=DType.F16 if flash else DType.F32)
+        if self.value_from_key is not None:  # no V of its own to store transposed
+            config = dataclasses.replace(config, permuted_v=False)
         if config.permuted_v and (flash or dtype.is_quantized):
             raise ValueError("Causal.init: permuted_v is for the plain attention path (no flash attention) with an "
                              "F16 or F32 cache")
@@ -187,15 +200,21 @@ class Causal(Cache):
         self.cells = None
         self._pass = None
 
-    def _storage(self, layer: int, key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-        dims = (key.shape[0], (key.shape + (1,))[1], value.shape[0])
-        if dims[1] != (value.shape + (1,))[1]:
+    def _storage(self, layer: int, key: Tensor, value: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        if value is None:  # the value is a view of the key (value_from_key)
+            dims = (key.shape[0], (key.shape + (1,))[1], self.value_from_key)
+            if dims[2] > dims[0]:
+                raise ValueError(f"Causal.put: values of {dims[2]} elements cannot come from keys {key.shape}")
+        else:
+            dims = (key.shape[0], (key.shape + (1,))[1], value.shape[0])
+        if value is not None and dims[1] != (value.shape + (1,))[1]:
             raise ValueError(f"Causal.put: key {key.shape} and value {value.shape} differ in heads (dim 1)")
         if layer in self.keys:
             if dims != self._dims[layer]:
                 raise ValueError(f"Causal.put: layer {layer} stores (head_dim_k, heads, head_dim_v) = "
-                                 f"{self._dims[layer]}, got key {key.shape} and value {value.shape}")
-            return self.keys[layer], self.values[layer]
+                                 f"{self._dims[layer]}, got key {key.shape} and value "
+                                 f"{None if value is None else value.shape}")
+            return self.keys[layer], self.values.get(layer)
         block = self.dtype.block_size
         if dims[0] % block or dims[2] % block:
             raise ValueError(f"Causal.put: head dims ({dims[0]}, {dims[2]}) are not multiples of the {self.dtype.name} "
@@ -206,10 +225,12 @@ class Causal(Cache):
                              "elements than int32 indexes (use flash attention, or a smaller num_ctx or parallel)")
         self.keys[layer] = self.backend.alloc_persistent(self.dtype, (dims[0] * dims[1], n), layer=layer,
                                                          name=f"cache_k_l{layer}")
+        self._dims[layer] = dims
+        if value is None:
+            return self.keys[layer], None
         # permuted_v: V stored transposed, a row of cells per (dim, head), so attention's V^T is a view
         v_shape = (n, dims[2] * dims[1]) if self.config.permuted_v else (dims[2] * dims[1], n)
         self.values[layer] = self.backend.alloc_persistent(self.dtype, v_shape, layer=layer, name=f"cache_v_l{layer}")
-        self._dims[layer] = dims
         return self.keys[layer], self.values[layer]
 
     # ---- per forward pass ---------------------------------------------------------------------
@@ -348,15 +369,22 @@ class Causal(Cache):
     def set_layer(self, layer: int) -> None:
         self._layer = layer
 
-    def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
+    def put(self, ctx: Context, key: Tensor, value: Tensor | None) -> None:
         p = self._pass
         if p is None:
             raise ValueError("Causal.put: call start_forward first")
+        if (value is None) != (self.value_from_key is not None):
+            raise ValueError("Causal.put: a value_from_key cache takes put(ctx, key, None); any other a value")
         n = p.positions.size
-        if key.ndim > 3 or value.ndim > 3 or (key.shape + (1, 1))[2] != n or (value.shape + (1, 1))[2] != n:
-            raise ValueError(f"Causal.put: key {key.shape} / value {value.shape} must be (head_dim, heads, {n}) "
-                             f"for the batch of {n} tokens")
+        values = () if value is None else (value,)
+        if any(t.ndim > 3 or (t.shape + (1, 1))[2] != n for t in (key, *values)):
+            raise ValueError(f"Causal.put: key {key.shape} / value {None if value is None else value.shape} must be "
+                             f"(head_dim, heads, {n}) for the batch of {n} tokens")
         k_store, v_store = self._storage(self._layer, key, value)
+        k_write = k_store.set_rows(key.reshape(k_store.shape[0], n), p.cells)
+        if value is None:
+            ctx.forward(k_write)
+            return
         if self.config.permuted_v:  # each value element is a row of its own (llama.cpp's v_trans)
             width = v_store.shape[1]
             if not value.is_contiguous():
@@ -365,7 +393,7 @@ class Causal(Cache):
             v_write = flat.set_rows(value.reshape(1, width * n), self._element_index(ctx, p, width))
         else:
             v_write = v_store.set_rows(value.reshape(v_store.shape[0], n), p.cells)
-        ctx.forward(k_store.set_rows(key.reshape(k_store.shape[0], n), p.cells), v_write)
+        ctx.forward(k_write, v_write)
 
     def _element_index(self, ctx: Context, p: _Pass, width: int) -> Tensor:
         """The set_rows index of a transposed V of ``width`` values per cell (one input per width)."""
@@ -391,7 +419,7 @@ class Causal(Cache):
             mask = self.cells.mask(p.positions, p.sequences, n_kv=p.n_kv, noncausal=p.noncausal,
                                    dtype=self._mask_dtype)
             p.mask = ctx.input().from_numpy(mask, self.config.mask_dtype)
-        k_store, v_store = self.keys[layer], self.values[layer]
+        k_store, v_store, v_head = self._stores(layer)
         dk, heads, dv = self._dims[layer]
         # a cell's row holds (head_dim, heads): view it as (head_dim, cells, heads) directly
         key = k_store.view(0, (dk, p.n_kv, heads), (k_store.strides[1], self.dtype.row_bytes(dk)), ctx=ctx)
@@ -399,8 +427,15 @@ class Causal(Cache):
             row = v_store.strides[1]
             value = v_store.view(0, (p.n_kv, dv, heads), (row, dv * row), ctx=ctx).permute(1, 0, 2, 3)
         else:
-            value = v_store.view(0, (dv, p.n_kv, heads), (v_store.strides[1], self.dtype.row_bytes(dv)), ctx=ctx)
+            value = v_store.view(0, (dv, p.n_kv, heads), (v_store.strides[1], v_head), ctx=ctx)
         return key, value, p.mask
+
+    def _stores(self, layer: int) -> tuple[Tensor, Tensor, int]:
+        """The layer's key and value stores and the bytes from one head's values to the next (a
+        ``value_from_key`` cache reads its values from the keys)."""
+        if self.value_from_key is not None:
+            return self.keys[layer], self.keys[layer], self.dtype.row_bytes(self._dims[layer][0])
+        return self.keys[layer], self.values[layer], self.dtype.row_bytes(self._dims[layer][2])
 
     def get_groups(self, ctx: Context) -> list[KVGroup] | None:
         p = self._pass
@@ -412,7 +447,7 @@ class Causal(Cache):
         if p.group_masks is None:
             arrays = self._group_masks(p.positions, p.sequences, p.groups, p.reserve, p.noncausal)
             p.group_masks = [ctx.input().from_numpy(a, self.config.mask_dtype) for a in arrays]
-        k_store, v_store = self.keys[layer], self.values[layer]
+        k_store, v_store, v_head = self._stores(layer)
         dk, heads, dv = self._dims[layer]
         k_row, v_row, size = k_store.strides[1], v_store.strides[1], self.cells.stream_size
         out = []
@@ -426,7 +461,7 @@ class Causal(Cache):
                                      (v_row, dv * v_row, size * cell), ctx=ctx).permute(1, 0, 2, 3)
             else:
                 value = v_store.view(g.stream * size * v_row, (dv, g.n_kv, heads, g.n_seqs),
-                                     (v_row, self.dtype.row_bytes(dv), size * v_row), ctx=ctx)
+                                     (v_row, v_head, size * v_row), ctx=ctx)
             out.append(KVGroup(g.start, g.n_tokens, g.n_seqs, key, value, mask))
         return out
 
@@ -495,7 +530,8 @@ class Causal(Cache):
         with self.backend.new_context() as ctx:
             src = ctx.from_numpy(copies[:, 0], DType.I32)
             dst = ctx.from_numpy(copies[:, 1], DType.I32)
-            stores = [self.keys[i] for i in layers] + [self.values[i] for i in layers if not self.config.permuted_v]
+            stores = [self.keys[i] for i in layers] + [self.values[i] for i in layers
+                                                       if i in self.values and not self.config.permuted_v]
             outputs = [store.set_rows(store.rows(src), dst) for store in stores]
             if self.config.permuted_v:  # a transposed V copies element by element
                 n = self.cells.capacity

@@ -56,7 +56,7 @@ class Wrapper(Cache):
         """The cache ``put``/``get`` address now."""
         return self.caches[self._current]
 
-    def put(self, ctx: Context, key: Tensor, value: Tensor) -> None:
+    def put(self, ctx: Context, key: Tensor, value: Tensor | None) -> None:
         self.current.put(ctx, key, value)
 
     def get(self, ctx: Context) -> tuple[Tensor, Tensor, Tensor | None]:

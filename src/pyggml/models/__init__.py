@@ -191,10 +191,12 @@ def _import_builtin() -> None:
     import pyggml.models.mllama  # noqa: F401  (registers itself)
     from pyggml.models import (  # noqa: F401  (register themselves)
         bert,
+        deepseek2,
         gemma2,
         gemma3,
         gemma4,
         gemma_embedding,
+        glm4moe,
         gptoss,
         granitehybrid,
         lfm2,
