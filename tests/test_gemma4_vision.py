@@ -1,0 +1,275 @@
+"""Gemma 4 vision: a tiny random ``Gemma4ForConditionalGeneration`` converted by our converter gives
+transformers' pixels (several sizes and aspect ratios: resized to a patch grid of its own), vision
+tower output and image+text logits (image tokens seeing each other both ways on the sliding layers,
+per-layer embeddings of the padding token); two sequences with different grids in one batch equal
+each alone; a cached image is not encoded again; llama.cpp's mtmd computes the same image embeddings
+from our mmproj file."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from .hf_fixtures import make_spm_tokenizer, png
+
+torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
+transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (`reference` extra)")
+Image = pytest.importorskip("PIL.Image", reason="images need Pillow")
+
+SYMBOLS = ("<|image>", "<image|>", "<|image|>")
+BOI, EOI, SOFT = 4, 5, 6  # the user-defined symbols follow <unk> <s> </s> <tool>
+PATCH, POOL, SOFT_TOKENS = 4, 2, 70  # images resized within 70 tokens of 2x2 patches of 4x4 pixels
+PROMPT = "The cafe is [img-0] naive, 42 people said! Then they left"
+SIZES = [(40, 28), (28, 60), (64, 64), (300, 90), (7, 200)]  # landscape, portrait, square, wide, thin
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from pyggml.convert import convert_hf
+
+    tmp = tmp_path_factory.mktemp("gemma4v")
+    hf_dir = tmp / "hf"
+    hf_dir.mkdir()
+    n_tokens = make_spm_tokenizer(hf_dir, 0, symbols=SYMBOLS)
+    vocab = -(-n_tokens // 32) * 32
+    sliding, full = "sliding_attention", "full_attention"
+    text = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64, intermediate_size=96,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                layer_types=[sliding, sliding, full, sliding], hidden_size_per_layer_input=8,
+                max_position_embeddings=512, sliding_window=128, rms_norm_eps=1e-6, final_logit_softcapping=10.0,
+                initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                use_bidirectional_attention="vision")
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=PATCH, pooling_kernel_size=POOL,
+                  position_embedding_size=64, standardize=True, use_clipped_linears=True, initializer_range=0.05)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                                       boi_token_id=BOI, eoi_token_id=EOI, image_token_id=SOFT,
+                                       attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.Gemma4ForConditionalGeneration(config).float().eval()
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(("norm.weight", "layernorm.weight", "layer_scalar", "std_scale")):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith("std_bias") or "embedding_projection" in name or "position_embedding" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+            elif name.endswith(("input_min", "output_min")):
+                p.fill_(-2.0 if "mlp" in name else -0.5)  # some clip, some do not
+            elif name.endswith(("input_max", "output_max")):
+                p.fill_(2.0 if "mlp" in name else 0.5)
+    model.save_pretrained(hf_dir)
+    processor = transformers.Gemma4ImageProcessorPil(patch_size=PATCH, pooling_kernel_size=POOL,
+                                                     max_soft_tokens=SOFT_TOKENS)
+    processor.save_pretrained(hf_dir)
+    path = convert_hf(hf_dir, tmp / "model.gguf", "f32")
+    return model, processor, path
+
+
+class F16TableGelu(torch.nn.Module):
+    """GELU as ggml computes it: looked up in an F16 table of F16 inputs."""
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(x.half().float(), approximate="tanh").half().float()
+
+
+@contextlib.contextmanager
+def f16_table_gelu(model):
+    mlps = [m for m in model.modules() if hasattr(m, "act_fn")]
+    saved = [m.act_fn for m in mlps]
+    for m in mlps:
+        m.act_fn = F16TableGelu()
+    try:
+        yield
+    finally:
+        for m, act in zip(mlps, saved, strict=True):
+            m.act_fn = act
+
+
+def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def hf_inputs(processor, data: bytes) -> tuple[np.ndarray, np.ndarray, int]:
+    out = processor(Image.open(io.BytesIO(data)), return_tensors="np")
+    return out["pixel_values"], out["image_position_ids"], int(out["num_soft_tokens_per_image"][0])
+
+
+def _unpatchify(patches: np.ndarray) -> np.ndarray:
+    """Ours (rows, cols, c*py*px) -> Hugging Face's patch order (rows*cols, py*px*c)."""
+    rows, cols, _ = patches.shape
+    return patches.reshape(rows, cols, 3, PATCH, PATCH).transpose(0, 1, 3, 4, 2).reshape(rows * cols, -1)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_pixels_equal_the_hf_processor(tiny, size):
+    from pyggml import models
+    from pyggml.models.gemma4_vision import PIXELS
+
+    _, processor, path = tiny
+    data = png(1, size)
+    pixels, positions, n_tokens = hf_inputs(processor, data)
+    ours = models.load(path)
+    try:
+        patches = ours.vision.preprocess(data)[PIXELS]
+    finally:
+        ours.close()
+    rows, cols = patches.shape[:2]
+    real = (positions[0] != -1).all(-1)
+    assert rows * cols == real.sum() and rows * cols // POOL ** 2 == n_tokens
+    np.testing.assert_array_equal(positions[0][real], np.stack(np.meshgrid(np.arange(cols), np.arange(rows)),
+                                                               -1).reshape(-1, 2))
+    np.testing.assert_array_equal(_unpatchify(patches), pixels[0][real])
+
+
+@pytest.mark.parametrize("size", SIZES[:4])
+def test_vision_tower_and_image_embeddings_match_transformers(tiny, size):
+    from pyggml import BackendParams, models
+
+    model, processor, path = tiny
+    data = png(3, size)
+    pixels, positions, n_tokens = hf_inputs(processor, data)
+    with torch.no_grad():
+        ref = model.model.get_image_features(torch.tensor(pixels), torch.tensor(positions)).pooler_output
+        ref = torch.cat(list(ref)).numpy()
+        with f16_table_gelu(model):
+            ref_f16 = model.model.get_image_features(torch.tensor(pixels), torch.tensor(positions)).pooler_output
+            ref_f16 = torch.cat(list(ref_f16)).numpy()
+    ours = models.load(path, BackendParams(n_threads=2))
+    try:
+        with ours.backend.new_context() as ctx:
+            (item,) = ours.vision.encode(ctx, data)
+            ctx.compute(item.tensor)
+            embeds = item.tensor.numpy().reshape(-1, 64)
+    finally:
+        ours.close()
+    assert embeds.shape == ref.shape == (n_tokens, 64)
+    print(f"{size}: image embeddings {scaled_error(embeds, ref):.2e} (F16-table GELU: "
+          f"{scaled_error(embeds, ref_f16):.2e})")
+    assert scaled_error(embeds, ref_f16) <= 5e-4, scaled_error(embeds, ref_f16)  # the rest: flash attention (F16)
+    assert scaled_error(embeds, ref) <= 3e-3, scaled_error(embeds, ref)
+
+
+def _hf_ids(llm, n_tokens: int) -> tuple[list[int], list[int]]:
+    before, after = PROMPT.split("[img-0]")
+    ids = llm.tokenizer.encode(before) + [BOI] + [SOFT] * n_tokens + [EOI] + \
+        llm.tokenizer.encode(after, add_special=False)
+    return ids, [1 if t == SOFT else 0 for t in ids]
+
+
+def _logits(llm, data: bytes) -> np.ndarray:
+    from pyggml.runner import CompletionRequest
+
+    *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
+                                                       prompt_logits=True))
+    return last.prompt_logits
+
+
+@pytest.mark.parametrize("size", [(40, 28), (28, 60)])
+def test_image_and_text_logits_match_transformers(tiny, size):
+    import pyggml
+
+    model, processor, path = tiny
+    data = png(4, size)
+    pixels, positions, n_tokens = hf_inputs(processor, data)
+    with pyggml.load(path, n_threads=2, num_ctx=256, cache_type="f32") as llm:
+        ids, types = _hf_ids(llm, n_tokens)
+        ours = _logits(llm, data)
+        n_vocab = llm.tokenizer.vocab_size
+    inputs = dict(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(pixels),
+                  image_position_ids=torch.tensor(positions))
+    with torch.no_grad():
+        ref = model(**inputs, mm_token_type_ids=torch.tensor([types])).logits[0].numpy()[:, :n_vocab]
+        causal = model(**inputs).logits[0].numpy()[:, :n_vocab]  # no token types: image tokens attend causally
+        with f16_table_gelu(model):
+            ref_f16 = model(**inputs, mm_token_type_ids=torch.tensor([types])).logits[0].numpy()[:, :n_vocab]
+    assert ours.shape == ref.shape
+    print(f"{size}: image+text logits {scaled_error(ours, ref):.2e}, F16-table GELU {scaled_error(ours, ref_f16):.2e} "
+          f"(causal image: {scaled_error(ours, causal):.2e})")
+    assert scaled_error(ours, ref_f16) <= 3e-3, scaled_error(ours, ref_f16)
+    assert scaled_error(ours, ref) <= 3e-2, scaled_error(ours, ref)
+    assert scaled_error(ours, causal) > 1e-2  # so the parity above checks the image's both-ways attention
+
+
+def test_two_sequences_with_different_grids_in_one_batch_equal_each_alone(tiny):
+    from pyggml import BackendParams, models
+    from pyggml.runner import CompletionRequest, Runner
+
+    from .test_multimodal_runner import record_batches
+
+    cases = [("a [img-0] cat", png(11, (40, 28))), ("the dog [img-0] ran off", png(12, (28, 60)))]
+
+    def request(prompt, data):
+        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True)
+
+    def read(stream):
+        chunks = list(stream)
+        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
+
+    ours = models.load(tiny[2], BackendParams(n_threads=2))
+    try:
+        with Runner(ours, parallel=2, num_ctx=256, batch_size=256, cache_type="f32", background=False) as runner:
+            alone = [read(runner.completion(request(*case))) for case in cases]
+            batches = record_batches(runner)
+            streams = [runner.completion(request(*case)) for case in cases]
+            together = [read(stream) for stream in streams]
+    finally:
+        ours.close()
+    assert [len(index) for _, index in batches if index] == [2]  # both images (9x5 and 6x13 tokens) in one batch
+    for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
+        assert tokens_alone == tokens_both
+        # measured 5.7e-5: F32 sums in other orders (batches of other sizes); a wrong mask gives > 1e-1
+        assert scaled_error(logits_both, logits_alone) <= 2e-4, scaled_error(logits_both, logits_alone)
+
+
+def test_same_image_is_served_from_the_cache_and_another_is_not(tiny):
+    import pyggml
+    from pyggml.runner import CompletionRequest
+
+    _, _, path = tiny
+    with pyggml.load(path, n_threads=2, num_ctx=256) as llm:
+        def run(data):
+            chunks = list(llm.runner.completion(CompletionRequest(prompt="a [img-0] cat", images=[data],
+                                                                  max_tokens=2, temperature=0,
+                                                                  logit_bias={2: float("-inf")})))
+            return [t for c in chunks for t in c.tokens], chunks[-1]
+
+        engine = llm.runner.engine
+        first, a = run(png(5))
+        built = engine.vision_built
+        again, b = run(png(5))
+        assert engine.vision_built == built and engine.vision_reused == 1  # not encoded again
+        assert b.cached_tokens == b.prompt_tokens - 1 and first == again
+        run(png(6))  # same grid: the kept graph encodes it
+        assert engine.vision_reused == 2 and engine.vision_built == built
+
+
+def test_converter_writes_the_vision_part(tiny):
+    import gguf
+
+    _, _, path = tiny
+    reader = gguf.GGUFReader(Path(path))
+    names = {t.name for t in reader.tensors}
+    assert {"v.patch_embd.weight", "v.position_embd.weight", "v.blk.1.ffn_post_norm.weight", "v.std_bias",
+            "v.std_scale", "v.blk.0.attn_q.input_min", "mm.input_projection.weight"} <= names
+    assert reader.fields["clip.projector_type"].contents() == "gemma4v"
+    assert reader.fields["clip.vision.projector.scale_factor"].contents() == POOL
+
+
+def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
+    import pyggml
+    from pyggml.convert.gemma3_vision import split_mmproj
+
+    _, _, path = tiny
+    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    data = png(10)
+    with pyggml.load(path, n_threads=2, num_ctx=256, cache_type="f32") as llm:
+        single = _logits(llm, data)
+    with pyggml.load(text, n_threads=2, num_ctx=256) as llm:
+        assert not llm.model.takes_images
+    with pyggml.load(text, n_threads=2, num_ctx=256, cache_type="f32", mmproj=mmproj) as llm:
+        assert llm.model.takes_images
+        np.testing.assert_array_equal(_logits(llm, data), single)
