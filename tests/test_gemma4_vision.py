@@ -30,20 +30,23 @@ SIZES = [(40, 28), (28, 60), (64, 64), (300, 90), (7, 200)]  # landscape, portra
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
+    return make_tiny(tmp_path_factory.mktemp("gemma4v"))
+
+
+def make_tiny(tmp: Path, window: int = 128, hidden: int = 64, bidirectional: str | None = "vision"):
     from pyggml.convert import convert_hf
 
-    tmp = tmp_path_factory.mktemp("gemma4v")
     hf_dir = tmp / "hf"
     hf_dir.mkdir()
     n_tokens = make_spm_tokenizer(hf_dir, 0, symbols=SYMBOLS)
     vocab = -(-n_tokens // 32) * 32
     sliding, full = "sliding_attention", "full_attention"
-    text = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=64, intermediate_size=96,
+    text = dict(vocab_size=vocab, vocab_size_per_layer_input=vocab, hidden_size=hidden, intermediate_size=96,
                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
                 layer_types=[sliding, sliding, full, sliding], hidden_size_per_layer_input=8,
-                max_position_embeddings=512, sliding_window=128, rms_norm_eps=1e-6, final_logit_softcapping=10.0,
+                max_position_embeddings=512, sliding_window=window, rms_norm_eps=1e-6, final_logit_softcapping=10.0,
                 initializer_range=0.05, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                use_bidirectional_attention="vision")
+                use_bidirectional_attention=bidirectional)
     vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, patch_size=PATCH, pooling_kernel_size=POOL,
                   position_embedding_size=64, standardize=True, use_clipped_linears=True, initializer_range=0.05)
@@ -171,6 +174,23 @@ def _logits(llm, data: bytes) -> np.ndarray:
 
 @pytest.mark.parametrize("size", [(40, 28), (28, 60)])
 def test_image_and_text_logits_match_transformers(tiny, size):
+    _check_logits(tiny, size)
+
+
+def test_an_image_longer_than_the_sliding_window_sees_itself_both_ways_but_the_past_within_it(tmp_path):
+    """Hugging Face's sliding layers: AND(window back from the token, OR(causal, same image)): an image token
+    sees all later tokens of its image, however far, and earlier ones only within the window (the image's 70
+    tokens > window 16)."""
+    _check_logits(make_tiny(tmp_path, window=16), (300, 90))
+
+
+def test_e2b_and_e4b_widths_see_images_causally(tmp_path):
+    """llama.cpp (and the published E2B/E4B configs: no use_bidirectional_attention) attend the image tokens
+    of a 1536- or 2560-wide Gemma 4 causally."""
+    _check_logits(make_tiny(tmp_path, hidden=1536, bidirectional=None), (40, 28), both_ways=False)
+
+
+def _check_logits(tiny, size, both_ways: bool = True):
     import pyggml
 
     model, processor, path = tiny
@@ -190,9 +210,12 @@ def test_image_and_text_logits_match_transformers(tiny, size):
     assert ours.shape == ref.shape
     print(f"{size}: image+text logits {scaled_error(ours, ref):.2e}, F16-table GELU {scaled_error(ours, ref_f16):.2e} "
           f"(causal image: {scaled_error(ours, causal):.2e})")
-    assert scaled_error(ours, ref_f16) <= 3e-3, scaled_error(ours, ref_f16)
+    assert scaled_error(ours, ref_f16) <= 5e-3, scaled_error(ours, ref_f16)  # measured <= 2.4e-3
     assert scaled_error(ours, ref) <= 3e-2, scaled_error(ours, ref)
-    assert scaled_error(ours, causal) > 1e-2  # so the parity above checks the image's both-ways attention
+    if both_ways:
+        assert scaled_error(ours, causal) > 1e-1  # so the parity above checks the image's both-ways attention
+    else:
+        assert scaled_error(ref, causal) == 0  # transformers' model attends images causally too
 
 
 def test_two_sequences_with_different_grids_in_one_batch_equal_each_alone(tiny):
