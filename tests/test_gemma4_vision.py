@@ -33,7 +33,7 @@ def tiny(tmp_path_factory):
     return make_tiny(tmp_path_factory.mktemp("gemma4v"))
 
 
-def make_tiny(tmp: Path, window: int = 128, hidden: int = 64, bidirectional: str | None = "vision"):
+def make_tiny(tmp: Path, window: int = 128, hidden: int = 64, bidirectional: str | None = "vision", **vision_sizes):
     from pyggml.convert import convert_hf
 
     hf_dir = tmp / "hf"
@@ -50,6 +50,8 @@ def make_tiny(tmp: Path, window: int = 128, hidden: int = 64, bidirectional: str
     vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, patch_size=PATCH, pooling_kernel_size=POOL,
                   position_embedding_size=64, standardize=True, use_clipped_linears=True, initializer_range=0.05)
+    vision |= vision_sizes
+    patch, pool = vision["patch_size"], vision["pooling_kernel_size"]
     config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
                                        boi_token_id=BOI, eoi_token_id=EOI, image_token_id=SOFT,
                                        attn_implementation="eager")
@@ -66,7 +68,7 @@ def make_tiny(tmp: Path, window: int = 128, hidden: int = 64, bidirectional: str
             elif name.endswith(("input_max", "output_max")):
                 p.fill_(2.0 if "mlp" in name else 0.5)
     model.save_pretrained(hf_dir)
-    processor = transformers.Gemma4ImageProcessorPil(patch_size=PATCH, pooling_kernel_size=POOL,
+    processor = transformers.Gemma4ImageProcessorPil(patch_size=patch, pooling_kernel_size=pool,
                                                      max_soft_tokens=SOFT_TOKENS)
     processor.save_pretrained(hf_dir)
     path = convert_hf(hf_dir, tmp / "model.gguf", "f32")
@@ -155,6 +157,51 @@ def test_vision_tower_and_image_embeddings_match_transformers(tiny, size):
           f"{scaled_error(embeds, ref_f16):.2e})")
     assert scaled_error(embeds, ref_f16) <= 5e-4, scaled_error(embeds, ref_f16)  # the rest: flash attention (F16)
     assert scaled_error(embeds, ref) <= 3e-3, scaled_error(embeds, ref)
+
+
+def test_vision_tower_at_gemma4_dimensions(tmp_path):
+    """Gemma 4's vision sizes (768 wide, 12 heads of 64, 16 px patches pooled 3x3; one layer, unclipped, 70
+    tokens): the 2-D rope over real head halves and the 48 px token grid."""
+    from pyggml import BackendParams, models
+
+    model, processor, path = make_tiny(tmp_path, hidden_size=768, intermediate_size=3072, num_hidden_layers=1,
+                                       num_attention_heads=12, num_key_value_heads=12, head_dim=64, patch_size=16,
+                                       pooling_kernel_size=3, position_embedding_size=10240, use_clipped_linears=False)
+    data = png(13, (500, 300))
+    pixels, positions, n_tokens = hf_inputs(processor, data)
+    with torch.no_grad(), f16_table_gelu(model):
+        ref = torch.cat(list(model.model.get_image_features(torch.tensor(pixels), torch.tensor(positions))
+                             .pooler_output)).numpy()
+    ours = models.load(path, BackendParams(n_threads=2))
+    try:
+        with ours.backend.new_context() as ctx:
+            (item,) = ours.vision.encode(ctx, data)
+            ctx.compute(item.tensor)
+            embeds = item.tensor.numpy().reshape(-1, 64)
+    finally:
+        ours.close()
+    assert embeds.shape == ref.shape == (n_tokens, 64) and n_tokens == 60  # a 10x6 token grid
+    print(f"gemma4 dimensions: image embeddings {scaled_error(embeds, ref):.2e}")
+    assert scaled_error(embeds, ref) <= 1e-3, scaled_error(embeds, ref)
+
+
+def test_the_server_takes_gemma4_images(tiny):
+    import base64
+
+    import httpx
+
+    from ._server import post, running_server
+
+    b64 = base64.b64encode(png(9)).decode()
+    with running_server(tiny[2], parallel=1, num_ctx=256) as server:
+        base, served = server
+        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
+        assert "vision" in show["capabilities"]
+        options = {"temperature": 0, "num_predict": 3}
+        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
+        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
+                                          "options": options})
+        assert gen["prompt_eval_count"] > SOFT_TOKENS // 2 and chat["prompt_eval_count"] > SOFT_TOKENS // 2
 
 
 def _hf_ids(llm, n_tokens: int) -> tuple[list[int], list[int]]:
