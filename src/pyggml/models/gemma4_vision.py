@@ -173,6 +173,9 @@ class Projector(nn.Module):
 
 @dataclass(frozen=True)
 class Vision(VisionPart):
+    """The model's vision part: each image its own grid (one graph per grid shape), its tokens between
+    <|image> and <image|>, as Hugging Face's Gemma4Processor writes them."""
+
     options: VisionOptions
     tower: VisionTower
     projector: Projector
