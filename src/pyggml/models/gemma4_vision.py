@@ -244,7 +244,8 @@ def patchify(pixels: np.ndarray, patch: int) -> np.ndarray:
 
 
 def image_tokens(tok) -> tuple[int, int, int]:
-    """<|image>, <image|>, <|image|> (the soft token each image embedding stands on)."""
+    """<|image>, <image|>, and the token each image embedding stands on: <|image|> (any token would do: its
+    embedding is replaced and the per-layer table reads the padding token)."""
 
     def special(text: str) -> int:
         ids = tok.encode(text, add_special=False)
@@ -252,7 +253,8 @@ def image_tokens(tok) -> tuple[int, int, int]:
             raise ModelError(f"gemma4: the vocabulary has no {text} token, which images need")
         return ids[0]
 
-    return special("<|image>"), special("<image|>"), special("<|image|>")
+    soft = tok.encode("<|image|>", add_special=False)
+    return special("<|image>"), special("<image|>"), soft[0] if len(soft) == 1 else 0
 
 
 def load(backend, text_hidden: int) -> Vision | None:
