@@ -371,9 +371,8 @@ def _without_clamps(src: Path, out: Path) -> Path:
 def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_embeddings(tiny, tmp_path, clipped):
     """llama.cpp's multimodal path (mtmd) on the split files. Its resizing is not Hugging Face's (it allows
     70 to 1120 tokens, bicubic of its own): the image is 80x56 pixels, a 10x7 token grid of 70 tokens,
-    which both leave as it is. With the clipped linears' bounds (this model clips many q/k/v values),
-    mtmd is 1.2e-2 off transformers where pyggml is 6e-4 off (test above): measured, not explained;
-    without them both agree."""
+    which both leave as it is. mtmd's flash attention is off: on the CPU it rounds keys and values to F16
+    (1.2e-2 off with this model's clipped linears, which leave sharp attention; 3.7e-3 without it)."""
     import json
     import subprocess
     import sys
@@ -390,7 +389,10 @@ def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_e
     width, height = 80, 56
     pixels = np.random.default_rng(3).integers(0, 256, (height, width, 3), dtype=np.uint8)
     (tmp_path / "img.rgb").write_bytes(pixels.tobytes())
-    done = subprocess.run([sys.executable, "-c", _MTMD, str(text), str(mmproj), str(tmp_path / "img.rgb"),
+    script = _MTMD.replace("params.warmup = False, 2, False", "params.warmup = False, 2, False\n"
+                           "params.flash_attn_type = 0")
+    assert script != _MTMD
+    done = subprocess.run([sys.executable, "-c", script, str(text), str(mmproj), str(tmp_path / "img.rgb"),
                            str(width), str(height)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     theirs = np.array(json.loads(done.stdout.strip().splitlines()[-1]), np.float32).reshape(-1, 64)
@@ -406,5 +408,5 @@ def test_llama_cpp_reads_our_text_and_mmproj_files_and_computes_the_same_image_e
         model.close()
     assert ours.shape == theirs.shape == (70, 64)
     print(f"vs mtmd (clipped {clipped}): {scaled_error(ours, theirs):.2e}")
-    # measured: 1.6e-3 unclipped; 1.2e-2 clipped
-    assert scaled_error(ours, theirs) <= (3e-2 if clipped else 3e-3), scaled_error(ours, theirs)
+    # measured: 1.0e-3 unclipped; 3.7e-3 clipped
+    assert scaled_error(ours, theirs) <= (1e-2 if clipped else 3e-3), scaled_error(ours, theirs)
