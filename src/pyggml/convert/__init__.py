@@ -4,7 +4,7 @@ Shared code reads the checkpoint (safetensors, memory-mapped, or torch .bin), th
 (SentencePiece, BPE, WordPiece, Unigram) and writes the file tensor by tensor (peak memory about one tensor);
 each architecture is one small file registered by its Hugging Face ``architectures`` name (llama,
 bert (and BERT / XLM-RoBERTa encoders and cross-encoder rerankers), nomic_bert, qwen2, qwen3 (and
-Qwen3-Reranker), qwen3moe, gemma2, gemma3 (with vision), gemma4 (text), phi3, gpt_oss, lfm2 (and lfm2moe),
+Qwen3-Reranker), qwen3moe, gemma2, gemma3 (with vision), gemma4 (with vision), phi3, gpt_oss, lfm2 (and lfm2moe),
 olmo2 (and olmo3), smollm3, mistral3 (Ministral 3 text), granitehybrid, nemotron_h, qwen35 (and qwen35moe,
 qwen3next), llama4 (text), gemma_embedding (EmbeddingGemma), qwen2vl (Qwen2-VL, Qwen 2.5-VL, with vision),
 qwen3vl (Qwen3-VL and its MoE, with vision), deepseek2 (DeepSeek V2/V3), glm4moe (GLM-4.5); the hooks are
@@ -23,6 +23,7 @@ from . import (  # noqa: F401
     gemma3,
     gemma3_vision,
     gemma4,
+    gemma4_vision,
     gemma_embedding,
     glm4moe,
     gpt_oss,

@@ -178,10 +178,9 @@ class Gemma4(Architecture):
         return shapes
 
 
-@register("Gemma4ForConditionalGeneration", model_types=("gemma4",))
 class Gemma4Text(Gemma4):
     """The text decoder of a multimodal Gemma 4 checkpoint (how Google publishes them); its vision and audio
-    towers are left out of the file (pyggml has no Gemma 4 vision or audio part)."""
+    towers are left out here (gemma4_vision.py, registered for these checkpoints, adds the vision part)."""
 
     skip = (*Gemma4.skip, r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.")
 

@@ -17,6 +17,11 @@ among global ones, with:
   ``expert_used_count`` experts (softmax, renormalised, times a per-expert scale) whose GeGLU output,
   normed, is added to the MLP's;
 - ``layer_output_scale`` multiplies each block's output; final logits are soft-capped.
+
+A file with a vision part (gemma4_vision.py, or an mmproj file) takes images: their embeddings go over
+the placeholders unscaled, their per-layer token embedding is the padding token's (as Hugging Face and
+llama.cpp), and, as llama.cpp decides by the width (all but E2B's and E4B's), an image's tokens see each
+other both ways on the sliding layers (Hugging Face's ``use_bidirectional_attention="vision"``).
 """
 
 from __future__ import annotations
@@ -24,11 +29,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from pyggml import nn
 from pyggml.backend import Backend, Context
 from pyggml.backend.metadata import MAX_LAYERS, MAX_WIDTH
 from pyggml.kvcache import Causal, Wrapper
-from pyggml.models import Batch, Model, ModelError, register
+from pyggml.models import Batch, Model, ModelError, gemma4_vision, register
 from pyggml.tensor import RopeType, Tensor
 
 
@@ -114,6 +121,7 @@ class Options:
 
 
 _STORES = "kv_layers[layer] == layer"
+CAUSAL_IMAGE_WIDTHS = (1536, 2560)  # E2B, E4B: llama.cpp attends their image tokens causally
 
 
 class SelfAttention(nn.Module):
@@ -231,12 +239,31 @@ class Gemma4(Model):
         self.weights = nn.load(Weights, backend, o)
         self.cache = Wrapper(Causal(self.shift, swa_window=o.sliding_window), Causal(self.shift),
                              layer_types=o.layer_kinds)
+        self.vision = gemma4_vision.load(backend, o.hidden_size)
+        self._pad = backend.config.get("tokenizer.ggml.padding_token_id", 0)
+
+    def attach_mmproj(self, projector: Backend) -> None:
+        if self.vision is not None:
+            raise ModelError(f"{self.backend.path} has a vision part already; it takes no mmproj file")
+        vision = gemma4_vision.load(projector, self.options.hidden_size)
+        if vision is None:
+            raise ModelError(f"{projector.path}: no vision tensors (v.patch_embd.weight)")
+        self.vision, self._projector = vision, projector
+
+    def close(self) -> None:
+        super().close()
+        if getattr(self, "_projector", None) is not None:
+            self._projector.close()
+            self._projector = None
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         w, o = self.weights, self.options
         inputs = nn.batch_inputs(ctx, batch)
         h = nn.tap("token_embd", w.token_embd(inputs.tokens).scale(math.sqrt(o.hidden_size)))
-        per_layer = self._per_layer_inputs(h, inputs.tokens) if o.ple_size else None
+        tokens = inputs.tokens
+        if batch.multimodal:
+            h, tokens = self._images(ctx, h, batch)
+        per_layer = self._per_layer_inputs(h, tokens) if o.ple_size else None
         for i, layer, rows in nn.layers(w.blk, self.cache, inputs.outputs, o.kv_layers):
             this = None if per_layer is None else per_layer.view(i * per_layer.strides[2], per_layer.shape[:2],
                                                                   per_layer.strides[1:2])
@@ -245,6 +272,17 @@ class Gemma4(Model):
         if o.final_softcap:
             logits = logits.scale(1.0 / o.final_softcap).tanh().scale(o.final_softcap)
         return logits
+
+    def _images(self, ctx: Context, h: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
+        """Image embeddings over their placeholders, and the tokens the per-layer table reads (the
+        padding token on image rows)."""
+        tokens = np.array(batch.tokens, dtype=np.int32)
+        for m in batch.multimodal:
+            end = m.index + sum(np.asarray(item.tensor).reshape(-1, h.shape[0]).shape[0] for item in m.multimodal)
+            tokens[m.index:end] = self._pad
+            if self.options.hidden_size not in CAUSAL_IMAGE_WIDTHS:
+                self.cache.caches[nn.SLIDING].set_noncausal(m.index, end)
+        return nn.multimodal_embeddings(ctx, h, batch), nn.int32_input(ctx.input(), tokens)
 
     def _per_layer_inputs(self, h: Tensor, tokens: Tensor) -> Tensor:
         """Each layer's per-layer embedding input, (ple_size, n_tokens, n_layers): the token's row of the
