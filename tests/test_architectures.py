@@ -209,7 +209,8 @@ LLAMA_CPP_TOLERANCE = 2e-3  # the same file in llama.cpp: measured 2.5e-4 (llama
 SAME_TOLERANCE = 2e-5  # one model along two batching paths: measured 0 .. 2.7e-7 (summation order only);
 #                       a token seen or hidden by mistake changes later rows by ~0.4 (measured, llama)
 if TEST_DEVICE == "gpu":  # there each batch shape picks its own matmul kernels (a one-row dot product or a
-    SAME_TOLERANCE = GPU_TOLERANCE  # tiled GEMM with F16 inputs): two batching paths differ as CPU and GPU do
+    SAME_TOLERANCE = GPU_TOLERANCE  # tiled GEMM with F16 inputs): two batching paths differ as CPU and GPU do,
+    F16_TOLERANCE += GPU_TOLERANCE  # and F16 weights add their rounding to it (measured on an H200: 6.5e-3, qwen35moe)
 
 
 def test_every_architecture_has_a_tiny_config():

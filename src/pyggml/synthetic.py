@@ -45,6 +45,14 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3moe": _EXPERTS, "gpt-oss": {**_EXPERTS, "attention.sliding_window": 16},
     "bert": _ENCODER, "nomic-bert": _ENCODER,
     "gemma-embedding": {"pooling_type": 1, "attention.sliding_window": 8},
+    # Gemma 4: sliding and global layers with their own head sizes, the last two layers reading earlier layers'
+    # caches, per-layer embeddings of 8, experts beside the MLP
+    "gemma4": {"block_count": 6, "attention.head_count_kv": [2, 2, 2, 1, 2, 1], "attention.key_length": 32,
+               "attention.value_length": 32, "attention.key_length_swa": 16, "attention.value_length_swa": 16,
+               "attention.sliding_window_pattern": [True, True, True, False, True, False],
+               "attention.shared_kv_layers": 2, "attention.sliding_window": 8, "rope.freq_base_swa": 10000.0,
+               "rope.dimension_count": 32, "rope.dimension_count_swa": 16, "embedding_length_per_layer_input": 8,
+               "final_logit_softcapping": 30.0, **_EXPERTS},
     # Llama 4: layer 3 without rope, layers 1 and 3 with experts (one chosen, as Llama 4 chooses)
     "llama4": {"block_count": 4, **_EXPERTS, "expert_used_count": 1, "interleave_moe_layer_step": 2},
     # LFM2: a short convolution of 3 taps; one attention layer of three (head_count_kv 0: a convolution)

@@ -187,4 +187,3 @@ def load(backend, text_hidden: int) -> Vision | None:
                   nn.load(Projector, nn.Prefixed(backend, "mm."), opts))
 
 
-_Prefixed = nn.Prefixed  # the old name, still imported by mistral3_vision.py on main: remove once it uses nn.Prefixed

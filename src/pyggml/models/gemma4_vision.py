@@ -22,7 +22,6 @@ import numpy as np
 from pyggml import image, nn
 from pyggml.backend import Context
 from pyggml.models import Input, ModelError, VisionPart
-from pyggml.models.gemma3_vision import _Prefixed
 from pyggml.tensor import RopeType, Tensor
 
 KEY = "clip.vision."
@@ -266,10 +265,10 @@ def load(backend, text_hidden: int) -> Vision | None:
     if table is None or len(table.shape) < 3 or table.shape[2] != 2:
         raise ModelError(f"{backend.path}: v.position_embd.weight must hold two position tables (hidden, n, 2)")
     opts = dataclasses.replace(opts, n_positions=table.shape[1])
-    tower = nn.load(VisionTower, _Prefixed(backend, "v."), opts)
+    tower = nn.load(VisionTower, nn.Prefixed(backend, "v."), opts)
     if (tower.std_bias is None) != (tower.std_scale is None):
         raise ModelError(f"{backend.path}: v.std_bias and v.std_scale go together")
-    projector = nn.load(Projector, _Prefixed(backend, "mm."), opts)
+    projector = nn.load(Projector, nn.Prefixed(backend, "mm."), opts)
     linears = {f"v.blk.{i}.{name}": getattr(layer, name) for i, layer in enumerate(tower.blk)
                for name in ("attn_q", "attn_k", "attn_v", "attn_out", "ffn_gate", "ffn_up", "ffn_down")}
     for name, linear in {**linears, "mm.input_projection": projector.input_projection}.items():

@@ -19,7 +19,6 @@ import numpy as np
 from pyggml import image, nn
 from pyggml.backend import Context
 from pyggml.models import Input, ModelError, VisionPart
-from pyggml.models.gemma3_vision import _Prefixed
 from pyggml.tensor import DType, Tensor
 
 KEY = "clip.vision."
@@ -233,7 +232,7 @@ def _special(tokenizer, text: str) -> int:
 _PROJECTOR_NAMES = {"linear_1.": "1.", "linear_2.": "2."}  # llama.cpp's mm.1 / mm.2
 
 
-class _Projector(_Prefixed):
+class _Projector(nn.Prefixed):
     def get(self, name: str) -> Tensor | None:
         for ours, theirs in _PROJECTOR_NAMES.items():
             if name.startswith(ours):
@@ -251,7 +250,7 @@ def load(backend, text_hidden: int) -> Vision | None:
             opts.merge > 1 and projector.patch_merger is None):
         raise ModelError(f"mistral3: spatial_merge_size {opts.merge} needs mm.input_norm.weight and "
                          "mm.patch_merger.weight (both or, without merging, neither)")
-    return Vision(opts, nn.load(VisionTower, _Prefixed(backend, "v."), opts), projector)
+    return Vision(opts, nn.load(VisionTower, nn.Prefixed(backend, "v."), opts), projector)
 
 
 def attach(model, projector) -> None:
