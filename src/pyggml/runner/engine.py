@@ -38,8 +38,9 @@ from pyggml import nn
 from pyggml.input import Batch, Multimodal
 
 SAMPLE_HEAD_K = 64  # logits per row a sampling head returns (top-k up to this samples from them)
-# rows a step needs before the default (GPU) sampling head pays: measured on an H200 (issue 26), TinyLlama
-# Q4_0, 32k vocabulary: at 1 sequence the head's top_k made a step slower; from 64 it was 5-11 % faster
+# rows a step needs before the default (GPU) sampling head is used: on an H200 (issue 26, TinyLlama Q4_0, 32k
+# vocabulary) it gained nothing measurable at 1-16 sequences and 20-35 % of tok/s at 64-128, where reading
+# P x vocab logits and sampling them on the host is what the device waits for
 AUTO_HEAD_MIN_ROWS = 32
 MAX_VISION_GRAPHS = 4  # vision graphs kept, one per image input shape (most recently used last)
 
