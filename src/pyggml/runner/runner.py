@@ -89,7 +89,7 @@ class Runner:
     ``device_sampling``: graphs end in a sampling head, and steps whose sequences all sample plainly
     read each row's K largest logits instead of every logit (``Engine``; the same tokens). Default:
     on when a GPU computes the model, for steps of at least ``AUTO_HEAD_MIN_ROWS`` rows (a CPU computes
-    the head slower than numpy samples; on a GPU one row's head costs more than reading its logits)."""
+    the head slower than numpy samples; on a GPU it gains nothing measurable for a few rows)."""
 
     def __init__(self, model: Model, parallel: int = 4, num_ctx: int = 4096, batch_size: int = 512,
                  cache_type: DType | str = DType.F16, multi_user_cache: bool = True, build_ahead: bool | None = None,
@@ -501,11 +501,12 @@ class Runner:
         """Wait for a batch, sample it and take its tokens."""
         self._accept(step, self._sample(step))
 
-    def _sample(self, step: Step) -> list[tuple[RunningSequence, int, np.ndarray | None]]:
+    def _sample(self, step: Step) -> list[tuple[RunningSequence, int, np.ndarray | None, bool]]:
         """Wait for a batch, let the plug-ins and then the samplers take its logits rows; fill the
-        placeholders of the batch built ahead. Returns the (sequence, token, logits row for logprobs)
-        still to ``_accept``: a constrained sequence takes its token here, since the next batch's
-        grammar masks start when it launches, which may be before ``_accept``."""
+        placeholders of the batch built ahead. Returns the arguments of ``_take`` (sequence, token,
+        logits row for logprobs, whether a placeholder took it) still to ``_accept``: a constrained
+        sequence takes its token here, since the next batch's grammar masks start when it launches,
+        which may be before ``_accept``."""
         try:
             logits = step.future.result() if step.future is not None else self._compute(step)
         except Exception as exc:
