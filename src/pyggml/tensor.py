@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pyggml._ggml import ffi, lib
+# the only import of the compiled binding: the backend package takes ``ffi``/``lib`` from here
+from pyggml._ggml import ffi, lib  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from pyggml.backend import Context

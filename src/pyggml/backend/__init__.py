@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from pyggml import rpc as _rpc
-from pyggml._ggml import ffi, lib
 from pyggml.backend.hardware import (
     NULL,
     FreeCores,
@@ -39,14 +38,16 @@ from pyggml.backend.hardware import (
 )
 from pyggml.backend.metadata import Config, GGUFError, read_metadata, refused_gguf
 from pyggml.rpc import RPCError
-from pyggml.tensor import (
+from pyggml.tensor import (  # the compiled binding, loaded in one place
     _INTERMEDIATE,
     DType,
     Tensor,
     _check_size,
     _prepare_host_array,
     dtype_of_numpy,
+    ffi,
     index_source,
+    lib,
 )
 
 

@@ -19,8 +19,8 @@ from typing import Any
 os.environ.setdefault("GGML_NO_BACKTRACE", "1")  # an abort must not fork gdb first
 
 from pyggml import rpc as _rpc  # noqa: E402
-from pyggml._ggml import ffi, lib  # noqa: E402
 from pyggml.rpc import RPCError  # noqa: E402
+from pyggml.tensor import ffi, lib  # noqa: E402  (the compiled binding, loaded in one place)
 
 NULL = ffi.NULL
 _LOG_LEVELS = {"none": 0, "debug": 1, "info": 2, "warn": 3, "error": 4}

@@ -12,9 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from pyggml._ggml import ffi, lib
 from pyggml.backend.hardware import NULL, ggml_log
-from pyggml.tensor import DType
+from pyggml.tensor import DType, ffi, lib  # the compiled binding, loaded in one place
 
 
 class GGUFError(ValueError):
