@@ -228,3 +228,33 @@ def logits_from_threads(path: Path, prompts: list[list[int]], num_ctx: int = 64,
     finally:
         model.close()
     return results
+
+
+def image_prompt_logits(llm, prompt: str, image: bytes) -> np.ndarray:
+    """The prompt logits of ``prompt`` (with an ``[img-0]``) and ``image`` through the runner."""
+    from pyggml.runner import CompletionRequest
+
+    *_, last = llm.runner.completion(CompletionRequest(prompt=prompt, images=[image], max_tokens=0,
+                                                       prompt_logits=True))
+    return last.prompt_logits
+
+
+def check_mmproj_split(path: Path, tmp_path: Path, prompt: str, image: bytes, num_ctx: int = 128) -> None:
+    """A vision model's file split into text + mmproj (``split_mmproj``, llama.cpp's layout): the text file
+    alone takes no images, with the mmproj it gives the single file's image+text logits exactly, and a
+    file that has a vision part refuses a second one."""
+    import pytest
+
+    import pyggml
+    from pyggml.convert.gemma3_vision import split_mmproj
+
+    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
+    with pyggml.load(path, n_threads=2, num_ctx=num_ctx, cache_type="f32") as llm:
+        single = image_prompt_logits(llm, prompt, image)
+    with pyggml.load(text, n_threads=2, num_ctx=num_ctx) as llm:
+        assert not llm.model.takes_images
+    with pyggml.load(text, n_threads=2, num_ctx=num_ctx, cache_type="f32", mmproj=mmproj) as llm:
+        assert llm.model.takes_images
+        np.testing.assert_array_equal(image_prompt_logits(llm, prompt, image), single)
+    with pytest.raises(ValueError, match="has a vision part already"):
+        pyggml.load(path, n_threads=1, num_ctx=64, mmproj=mmproj)

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests._models import check_mmproj_split
+
 from .hf_fixtures import make_spm_tokenizer, png
 from .test_convert import needs_llama_cpp
 
@@ -337,29 +339,11 @@ def test_the_server_decodes_each_image_once(tiny, monkeypatch):
 
 def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
     import pyggml
-    from pyggml.convert.gemma3_vision import split_mmproj
-    from pyggml.runner import CompletionRequest
 
     _, _, path, _ = tiny
-    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
-    data = png(10)
-
-    def logits(llm):
-        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
-                                                           prompt_logits=True))
-        return last.prompt_logits
-
-    with pyggml.load(path, n_threads=2, num_ctx=128, cache_type="f32") as llm:
-        single = logits(llm)
-    with pyggml.load(text, n_threads=2, num_ctx=128) as llm:
-        assert not llm.model.takes_images
-    with pyggml.load(text, n_threads=2, num_ctx=128, cache_type="f32", mmproj=mmproj) as llm:
-        assert llm.model.takes_images
-        np.testing.assert_array_equal(logits(llm), single)
+    check_mmproj_split(path, tmp_path, PROMPT, png(10))
     with pytest.raises(ValueError, match="not an mmproj file"):
-        pyggml.load(text, n_threads=1, num_ctx=64, mmproj=text)
-    with pytest.raises(ValueError, match="has a vision part already"):
-        pyggml.load(path, n_threads=1, num_ctx=64, mmproj=mmproj)
+        pyggml.load(tmp_path / "text.gguf", n_threads=1, num_ctx=64, mmproj=tmp_path / "text.gguf")
 
 
 _MTMD = """

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests._models import check_mmproj_split
+
 from .hf_fixtures import make_spm_tokenizer, png
 from .test_convert import needs_llama_cpp
 
@@ -331,19 +333,8 @@ def test_converter_writes_the_vision_part(tiny):
 
 
 def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
-    import pyggml
-    from pyggml.convert.gemma3_vision import split_mmproj
-
     _, _, path = tiny
-    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
-    data = png(10)
-    with pyggml.load(path, n_threads=2, num_ctx=256, cache_type="f32") as llm:
-        single = _logits(llm, data)
-    with pyggml.load(text, n_threads=2, num_ctx=256) as llm:
-        assert not llm.model.takes_images
-    with pyggml.load(text, n_threads=2, num_ctx=256, cache_type="f32", mmproj=mmproj) as llm:
-        assert llm.model.takes_images
-        np.testing.assert_array_equal(_logits(llm, data), single)
+    check_mmproj_split(path, tmp_path, PROMPT, png(10), num_ctx=256)
 
 
 def _without_clamps(src: Path, out: Path) -> Path:

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests._models import check_mmproj_split
+
 from .hf_fixtures import make_bpe_tokenizer, png
 from .test_convert import needs_llama_cpp
 
@@ -315,28 +317,8 @@ def test_the_vision_graph_is_kept_per_image_shape(tiny):
 
 @pytest.mark.parametrize("which", ["tiny", "small"])
 def test_text_file_plus_mmproj_gives_the_same_logits(which, request, tmp_path):
-    import pyggml
-    from pyggml.convert.gemma3_vision import split_mmproj
-    from pyggml.runner import CompletionRequest
-
     _, _, path, _ = request.getfixturevalue(which)
-    text, mmproj = split_mmproj(path, tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
-    data = png(10, SIZES["portrait"])
-
-    def logits(llm):
-        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
-                                                           prompt_logits=True))
-        return last.prompt_logits
-
-    with pyggml.load(path, n_threads=2, num_ctx=128, cache_type="f32") as llm:
-        single = logits(llm)
-    with pyggml.load(text, n_threads=2, num_ctx=128) as llm:
-        assert not llm.model.takes_images
-    with pyggml.load(text, n_threads=2, num_ctx=128, cache_type="f32", mmproj=mmproj) as llm:
-        assert llm.model.takes_images
-        np.testing.assert_array_equal(logits(llm), single)
-    with pytest.raises(ValueError, match="has a vision part already"):
-        pyggml.load(path, n_threads=1, num_ctx=64, mmproj=mmproj)
+    check_mmproj_split(path, tmp_path, PROMPT, png(10, SIZES["portrait"]))
 
 
 @needs_llama_cpp

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests._models import check_mmproj_split
+
 from .hf_fixtures import make_qwen_tokenizer, png
 from .test_convert import needs_llama_cpp
 
@@ -204,27 +206,7 @@ def test_a_cached_image_is_not_encoded_again(tiny):
 
 
 def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
-    import pyggml
-    from pyggml.convert.gemma3_vision import split_mmproj
-    from pyggml.runner import CompletionRequest
-
-    text, mmproj = split_mmproj(tiny[2], tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
-    data = image_of(SIZES[0], 10)
-
-    def logits(llm):
-        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
-                                                           prompt_logits=True))
-        return last.prompt_logits
-
-    with pyggml.load(tiny[2], n_threads=2, num_ctx=128, cache_type="f32") as llm:
-        single = logits(llm)
-    with pyggml.load(text, n_threads=2, num_ctx=128) as llm:
-        assert not llm.model.takes_images
-    with pyggml.load(text, n_threads=2, num_ctx=128, cache_type="f32", mmproj=mmproj) as llm:
-        assert llm.model.takes_images
-        np.testing.assert_array_equal(logits(llm), single)
-    with pytest.raises(ValueError, match="has a vision part already"):
-        pyggml.load(tiny[2], n_threads=1, num_ctx=64, mmproj=mmproj)
+    check_mmproj_split(tiny[2], tmp_path, PROMPT, image_of(SIZES[0], 10))
 
 
 @needs_llama_cpp

@@ -8,6 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests._models import check_mmproj_split
+
 from .test_convert import needs_llama_cpp
 from .test_qwen2vl import (
     PROMPT,
@@ -127,22 +129,7 @@ def test_image_and_text_logits_match_transformers(tiny, size):
 
 
 def test_text_file_plus_mmproj_gives_the_same_logits(tiny, tmp_path):
-    import pyggml
-    from pyggml.convert.gemma3_vision import split_mmproj
-    from pyggml.runner import CompletionRequest
-
-    text, mmproj = split_mmproj(tiny[2], tmp_path / "text.gguf", tmp_path / "mmproj.gguf")
-    data = image_of(SIZES[1], 10)
-
-    def logits(llm):
-        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
-                                                           prompt_logits=True))
-        return last.prompt_logits
-
-    with pyggml.load(tiny[2], n_threads=2, num_ctx=128, cache_type="f32") as llm:
-        single = logits(llm)
-    with pyggml.load(text, n_threads=2, num_ctx=128, cache_type="f32", mmproj=mmproj) as llm:
-        np.testing.assert_array_equal(logits(llm), single)
+    check_mmproj_split(tiny[2], tmp_path, PROMPT, image_of(SIZES[1], 10))
 
 
 @needs_llama_cpp
