@@ -258,3 +258,23 @@ def check_mmproj_split(path: Path, tmp_path: Path, prompt: str, image: bytes, nu
         np.testing.assert_array_equal(image_prompt_logits(llm, prompt, image), single)
     with pytest.raises(ValueError, match="has a vision part already"):
         pyggml.load(path, n_threads=1, num_ctx=64, mmproj=mmproj)
+
+
+def converted_cases(root: Path, make, cases: dict[str, dict]):
+    """A module fixture's ``converted(case, out_type="f32")``: (path of the file our converter wrote, HF model,
+    HF tokenizer) for ``make(root, **cases[case])`` (an ``hf_fixtures.make_tiny_*``), each made once."""
+    import transformers
+
+    from pyggml.convert import convert_hf
+
+    done, hf = {}, {}
+
+    def get(case: str, out_type: str = "f32"):
+        if case not in hf:
+            hf_dir, model = make(root, **cases[case])
+            hf[case] = hf_dir, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
+        if (case, out_type) not in done:
+            done[case, out_type] = convert_hf(hf[case][0], root / f"{case}-{out_type}.gguf", out_type)
+        return done[case, out_type], hf[case][1], hf[case][2]
+
+    return get

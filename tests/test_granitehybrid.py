@@ -19,6 +19,7 @@ from pyggml.convert import convert_hf
 from pyggml.models import ModelError
 from pyggml.runner import CompletionRequest
 from pyggml.synthetic import write_model
+from tests._models import converted_cases
 
 from ._models import logits_from_threads
 from .test_architectures import TINY, forward
@@ -43,17 +44,7 @@ TOLERANCE = 1e-3
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """``converted(case, out_type)``: (path of the converted file, HF model, HF tokenizer), made once."""
-    root, done, hf = tmp_path_factory.mktemp("granitehybrid"), {}, {}
-
-    def get(case: str, out_type: str = "f32"):
-        if case not in hf:
-            hf_dir, model = make_tiny_granitehybrid(root, **CASES[case])
-            hf[case] = hf_dir, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
-        if (case, out_type) not in done:
-            done[case, out_type] = convert_hf(hf[case][0], root / f"{case}-{out_type}.gguf", out_type)
-        return done[case, out_type], hf[case][1], hf[case][2]
-
-    return get
+    return converted_cases(tmp_path_factory.mktemp("granitehybrid"), make_tiny_granitehybrid, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
