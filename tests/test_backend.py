@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 
+import gguf
 import numpy as np
 import pytest
 
@@ -218,7 +219,7 @@ def test_no_leak_building_graphs():
 
 def test_no_leak_load_close(tmp_path):
     """Backend.load + close of a small GGUF 200 times keeps RSS flat."""
-    import gguf
+
 
     path = tmp_path / "small.gguf"
     writer = gguf.GGUFWriter(path, arch="llama")
@@ -286,3 +287,43 @@ def test_reserve_flags_the_outputs_later_computes_read(cpu):
         ctx.compute(ids, vals, sums)
         assert np.array_equal(np.sort(ids.numpy(), axis=1), np.tile(np.arange(56, 64), (4, 1)))
         assert np.array_equal(sums.numpy().reshape(-1), np.arange(4 * 64).reshape(4, 64).sum(axis=1))
+
+
+def test_expert_stacks_are_repacked_and_equal_the_plain_layout(tmp_path):
+    """Quantized ``ffn_*_exps`` stacks go to the CPU's repacked layout as llama.cpp puts them (its
+    mulmat_id kernels for them are the faster ones); the products equal the plain layout's, other ops on
+    them are refused before ggml, and a 3-d weight that is not an expert stack (MLA's ``attn_k_b``, read
+    by batched mulmat, which has no repacked kernel) stays plain and computes."""
+    rng = np.random.default_rng(5)
+    path = tmp_path / "experts.gguf"
+    writer = gguf.GGUFWriter(path, arch="llama")
+    stack = rng.standard_normal((4, 16, 64)).astype(np.float32)  # 4 experts of 16 x 64
+    for name in ("blk.0.ffn_up_exps.weight", "blk.0.attn_k_b.weight"):
+        writer.add_tensor(name, gguf.quants.quantize(stack, gguf.GGMLQuantizationType.Q4_0),
+                          raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    x = rng.standard_normal((6, 1, 64)).astype(np.float32)  # 6 tokens, each through 2 experts
+    ids = np.array([[0, 3], [1, 2], [3, 3], [2, 0], [1, 1], [0, 2]], np.int32)
+
+    def run(repack: bool):
+        with Backend.load(path, BackendParams(n_threads=2, repack=repack)) as backend:
+            experts, k_b = backend.get("blk.0.ffn_up_exps.weight"), backend.get("blk.0.attn_k_b.weight")
+            assert ("blk.0.ffn_up_exps.weight" in backend._repacked) == repack
+            assert "blk.0.attn_k_b.weight" not in backend._repacked
+            with backend.new_context() as ctx:
+                y = experts.mulmat_id(ctx.from_numpy(x), ctx.from_numpy(ids, DType.I32))
+                z = k_b.mulmat(ctx.from_numpy(rng.standard_normal((4, 3, 64)).astype(np.float32)))
+                ctx.compute(y, z)
+                if repack:
+                    with pytest.raises(ValueError, match=r"repacked.*mulmat_id"):
+                        experts.view(0, experts.shape, ctx=ctx)
+                    with pytest.raises(ValueError, match="repacked"):
+                        experts.mulmat(ctx.from_numpy(x.reshape(6, 64)))
+                return y.numpy()
+
+    plain, repacked = run(False), run(True)
+    assert plain.shape == (6, 2, 16)
+    np.testing.assert_allclose(repacked, plain, rtol=2e-2, atol=2e-2 * np.abs(plain).max())

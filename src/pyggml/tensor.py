@@ -396,7 +396,7 @@ class Tensor:
         c = self.ctx
         if c is not ctx:
             if c is None:
-                _check_alive(self, op, op != "mulmat")
+                _check_alive(self, op, op != ("mulmat" if self._p.ne[2] == 1 else "mulmat_id"))
             elif c._state is not state:
                 raise ValueError(f"{op}: operands belong to different contexts; build one graph per context")
         if other is not None:
@@ -1395,14 +1395,16 @@ def _node(ptr: Any, ctx: Context, nd: int) -> Tensor:
 
 def _check_alive(t: Tensor, op: str, no_repacked: bool = False) -> None:
     """A weight or cache tensor must belong to an open backend; a weight the CPU backend repacked
-    can only be the left operand of mulmat (ggml has no other kernel for it and would abort)."""
+    can only be the left operand of mulmat (a matrix) or mulmat_id (a stack of experts): ggml has no
+    other kernel for it and would abort."""
     keep = t._keep
     if keep is not None:
         if getattr(keep, "_closed", False):
             raise ValueError(f"{op}: the tensor belongs to a closed backend")
         if no_repacked and t._p in getattr(keep, "_repacked_ptrs", ()):
+            only = "mulmat_id(x, ids)" if t._p.ne[2] != 1 else "mulmat(x)"
             raise ValueError(f"{op}: weight {t.name!r} was repacked for the CPU matrix kernels; only "
-                             f"{t.name}.mulmat(x) can use it (load with BackendParams(repack=False) otherwise)")
+                             f"{t.name}.{only} can use it (load with BackendParams(repack=False) otherwise)")
 
 
 def _shape_arg(shape: tuple) -> tuple[int, ...]:

@@ -116,6 +116,9 @@ class BackendParams:
 ProgressFn = Callable[[int, int], None]
 
 _READ_BY_ROWS = re.compile(r"(?:^|\.)(?:\w*_embd|token_types)\.weight$")
+# stacked experts (GGUF ffn_*_exps), read only by mulmat_id; other 3-d weights (MLA's attn_k_b) go
+# through batched mulmat, which the repacked layout has no kernel for
+_EXPERTS = re.compile(r"_exps\.weight$")
 _LAYER_RE = re.compile(r"^(?:blk|layers|enc\.blk|dec\.blk|v\.blk)\.(\d+)\.")
 _MAX_GPUS = 16
 # a graph's tensors: a large model's decode graph has ~10**4; ggml's scheduler mallocs ~20 KB per graph slot
@@ -449,8 +452,8 @@ class Backend:
         # embedding tables (token_embd, position_embd, token_types, ...) are read with get_rows (no kernel for
         # repacked data); a tied output gets a copy through matmul_weight instead
         name = ffi.string(t.name).decode()
-        if not self.params.repack or (_READ_BY_ROWS.search(name) and not any_name) or t.ne[2] != 1 \
-                or t.ne[3] != 1 or not lib.ggml_is_quantized(t.type):
+        if not self.params.repack or (_READ_BY_ROWS.search(name) and not any_name) \
+                or (t.ne[2] != 1 and not _EXPERTS.search(name)) or t.ne[3] != 1 or not lib.ggml_is_quantized(t.type):
             return NULL
         for buft in self._repack_bufts:
             if self._probe_mulmat(t, buft):
@@ -458,14 +461,21 @@ class Backend:
         return NULL
 
     def _probe_mulmat(self, weight: Any, buft: Any) -> bool:
-        probe_ctx = lib.ggml_init({"mem_size": 4 * lib.ggml_tensor_overhead(), "mem_buffer": NULL,
+        """Whether the CPU computes ``weight``'s product (mulmat, or mulmat_id for a 3-D stack of
+        experts) with the weight in ``buft``."""
+        probe_ctx = lib.ggml_init({"mem_size": 5 * lib.ggml_tensor_overhead(), "mem_buffer": NULL,
                                    "no_alloc": True})
         buf = lib.ggml_backend_buft_alloc_buffer(buft, 0)
         try:
             w = lib.ggml_dup_tensor(probe_ctx, weight)
             w.buffer = buf
-            x = lib.ggml_new_tensor_2d(probe_ctx, lib.GGML_TYPE_F32, weight.ne[0], 8)
-            op = lib.ggml_mul_mat(probe_ctx, w, x)
+            if weight.ne[2] == 1:
+                x = lib.ggml_new_tensor_2d(probe_ctx, lib.GGML_TYPE_F32, weight.ne[0], 8)
+                op = lib.ggml_mul_mat(probe_ctx, w, x)
+            else:
+                x = lib.ggml_new_tensor_3d(probe_ctx, lib.GGML_TYPE_F32, weight.ne[0], 1, 8)
+                ids = lib.ggml_new_tensor_2d(probe_ctx, lib.GGML_TYPE_I32, 1, 8)
+                op = lib.ggml_mul_mat_id(probe_ctx, w, x, ids)
             return bool(lib.ggml_backend_dev_supports_op(self._cpu_dev, op))
         finally:
             if buf != NULL:
