@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import platform
 
 import gguf
 import numpy as np
@@ -11,7 +12,7 @@ import pytest
 
 import pyggml
 from pyggml import Backend, BackendParams, DType
-from pyggml.tensor import dtype_of_numpy
+from pyggml.tensor import dtype_of_numpy, quantize
 
 
 def rss_bytes() -> int:
@@ -289,41 +290,48 @@ def test_reserve_flags_the_outputs_later_computes_read(cpu):
         assert np.array_equal(sums.numpy().reshape(-1), np.arange(4 * 64).reshape(4, 64).sum(axis=1))
 
 
-def test_expert_stacks_are_repacked_and_equal_the_plain_layout(tmp_path):
-    """Quantized ``ffn_*_exps`` stacks go to the CPU's repacked layout as llama.cpp puts them (its
-    mulmat_id kernels for them are the faster ones); the products equal the plain layout's, other ops on
-    them are refused before ggml, and a 3-d weight that is not an expert stack (MLA's ``attn_k_b``, read
-    by batched mulmat, which has no repacked kernel) stays plain and computes."""
+
+@pytest.mark.parametrize("dtype", ["q4_0", "mxfp4", "iq4_nl", "q4_k", "q6_k", "q8_0"])
+def test_expert_stacks_are_repacked_and_equal_the_plain_layout(tmp_path, dtype):
+    """Quantized ``ffn_*_exps`` stacks go to the CPU's repacked layout where it has kernels for their type,
+    as llama.cpp puts them (its mulmat_id kernels for them are the faster ones); the products equal the
+    plain layout's, other ops on them are refused before ggml, and a 3-d weight that is not an expert stack
+    (MLA's ``attn_k_b``, read by batched mulmat, which has no repacked kernel) stays plain and computes."""
     rng = np.random.default_rng(5)
     path = tmp_path / "experts.gguf"
     writer = gguf.GGUFWriter(path, arch="llama")
-    stack = rng.standard_normal((4, 16, 64)).astype(np.float32)  # 4 experts of 16 x 64
-    for name in ("blk.0.ffn_up_exps.weight", "blk.0.attn_k_b.weight"):
-        writer.add_tensor(name, gguf.quants.quantize(stack, gguf.GGMLQuantizationType.Q4_0),
-                          raw_dtype=gguf.GGMLQuantizationType.Q4_0)
+    qtype = DType[dtype.upper()]
+    stack = quantize(rng.standard_normal((4 * 16, 256)).astype(np.float32), qtype).reshape(4, 16, -1)
+    for name in ("blk.0.ffn_up_exps.weight", "blk.0.attn_k_b.weight"):  # 4 experts of 16 x 256
+        writer.add_tensor(name, stack, raw_dtype=gguf.GGMLQuantizationType[dtype.upper()])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    x = rng.standard_normal((6, 1, 64)).astype(np.float32)  # 6 tokens, each through 2 experts
+    x = rng.standard_normal((6, 1, 256)).astype(np.float32)  # 6 tokens, each through 2 experts
     ids = np.array([[0, 3], [1, 2], [3, 3], [2, 0], [1, 1], [0, 2]], np.int32)
+    queries = rng.standard_normal((4, 3, 256)).astype(np.float32)
 
     def run(repack: bool):
         with Backend.load(path, BackendParams(n_threads=2, repack=repack)) as backend:
             experts, k_b = backend.get("blk.0.ffn_up_exps.weight"), backend.get("blk.0.attn_k_b.weight")
-            assert ("blk.0.ffn_up_exps.weight" in backend._repacked) == repack
+            repacked = "blk.0.ffn_up_exps.weight" in backend._repacked
+            assert repack or not repacked
             assert "blk.0.attn_k_b.weight" not in backend._repacked
             with backend.new_context() as ctx:
                 y = experts.mulmat_id(ctx.from_numpy(x), ctx.from_numpy(ids, DType.I32))
-                z = k_b.mulmat(ctx.from_numpy(rng.standard_normal((4, 3, 64)).astype(np.float32)))
+                z = k_b.mulmat(ctx.from_numpy(queries))
                 ctx.compute(y, z)
-                if repack:
+                if repacked:
                     with pytest.raises(ValueError, match=r"repacked.*mulmat_id"):
                         experts.view(0, experts.shape, ctx=ctx)
                     with pytest.raises(ValueError, match="repacked"):
-                        experts.mulmat(ctx.from_numpy(x.reshape(6, 64)))
-                return y.numpy()
+                        experts.mulmat(ctx.from_numpy(x.reshape(6, 256)))
+                return y.numpy(), z.numpy(), repacked
 
-    plain, repacked = run(False), run(True)
+    (plain, plain_z, _), (fast, fast_z, repacked) = run(False), run(True)
+    if dtype in ("q4_0", "mxfp4", "iq4_nl", "q4_k") and platform.machine() in ("x86_64", "AMD64"):
+        assert repacked, "ggml repacks these types for AVX2 and later"
     assert plain.shape == (6, 2, 16)
-    np.testing.assert_allclose(repacked, plain, rtol=2e-2, atol=2e-2 * np.abs(plain).max())
+    np.testing.assert_allclose(fast, plain, rtol=0, atol=1e-5 * np.abs(plain).max())  # same Q8_0 activations
+    np.testing.assert_array_equal(fast_z, plain_z)
