@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import platform
 import subprocess
 import sys
 import textwrap
@@ -453,7 +454,9 @@ def test_llama_cpp_runs_the_same_file(arch, tiny_file):
                                          ("granite-4.0-h-tiny-10l", "f16"), ("nemotron-nano-9b-v2-14l", "f16"),
                                          ("qwen3.5-35b-a3b", "q8_0"),
                                          ("gemma4-e2b", "q4_0"), ("llama4-small", "f16"),
-                                         ("deepseek-v2-lite-small", "f16")])
+                                         ("deepseek-v2-lite-small", "f16"),
+                                         # Q4_0 experts run repacked (mulmat_id), attn_k_b stays plain (mulmat)
+                                         ("deepseek-v2-lite-small", "q4_0"), ("qwen3moe-small", "q4_0")])
 def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
     """Each shape's keys and types (MXFP4 experts and Q8_0 elsewhere for gpt-oss, as llama.cpp's MXFP4_MOE
     files) with fewer layers, experts and tokens: both engines load the file and compute the same logits."""
@@ -490,6 +493,9 @@ def test_bench_shapes_run_in_pyggml_and_llama_cpp(name, dtype, tmp_path):
             assert {n for n, t in types.items() if t == DType.MXFP4} == {
                 f"blk.0.ffn_{k}_exps.weight" for k in ("gate", "up", "down")}
             assert types["blk.0.attn_q.weight"] == DType.Q8_0
+        if dtype in ("q4_0", "mxfp4") and platform.machine() in ("x86_64", "AMD64"):  # as llama.cpp places them
+            experts = {n for n in model.backend.tensors() if n.endswith("_exps.weight")}
+            assert experts <= model.backend._repacked, "ggml repacks Q4_0 and MXFP4 experts for AVX2 and later"
         tokens = model.tokenizer.encode(text)
         assert tokens == theirs["tokens"]
         # quantized weights: both engines quantize activations too, and at these widths a rounding flip on
