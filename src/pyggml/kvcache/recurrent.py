@@ -159,9 +159,8 @@ class Recurrent(Cache):
         """Graph reuse: place ``batch`` and rewrite the index inputs this cache made in ``ctx``.
         False (nothing placed) when the graph read per-sequence states of another number of sequences."""
         names = [f"{self._prefix}.{kind}" for kind in ("state", "slots", "seqrows", "seqzero", "batchrows")]
-        for store in self.conv_states.values():
-            width = store.shape[1] // self.units + 1
-            names += [f"{self._prefix}.{kind}{width}" for kind in ("past", "taps", "keep", "dst")]
+        for width in sorted({store.shape[1] // self.units + 1 for store in self.conv_states.values()}):
+            names += [f"{self._prefix}.{kind}{width}" for kind in ("past", "taps", "keep", "dst")]  # shared by layers
         names = [name for name in names if ctx.input_shape(name) is not None]
         previous = self.snapshot()
         self.start_forward(ctx, batch)
