@@ -53,6 +53,30 @@ def test_top_k_keeps_exactly_the_k_largest_on_a_large_vocab():
     assert support(s, logits, 500) == set(np.argsort(logits)[-5:].tolist())
 
 
+@pytest.mark.parametrize("vocab", [4096, 32000, 32003, 151_936, 262_145])
+def test_top_k_by_groups_equals_the_sorted_reference(vocab):
+    """Large vocabularies take their top-k by groups (``_top_k_groups``); the result must be exactly the
+    reference's: the k largest of each row, largest first, ties by lower id, whatever the ties, the -inf
+    (banned) logits and a vocabulary that does not divide into groups."""
+    from pyggml.sample import _GROUP_DEPTH, _top_k_groups
+
+    rng = np.random.default_rng(vocab)
+    m = (3 * rng.standard_normal((6, vocab))).astype(np.float32)
+    m[0, 100:180] = 9.0  # 80 equal logits at the top
+    m[1] = np.round(m[1])  # few distinct values: ties everywhere
+    m[2, : vocab - 50] = -np.inf  # only 50 finite logits (fewer than some k)
+    m[3, -3:] = 20.0  # the largest in the last, partial group
+    m[4] = -m[4]
+    m[5, ::7] = 0.0
+    for k in (1, 40, 64):
+        if vocab // _GROUP_DEPTH < k:
+            continue
+        ids, vals = _top_k_groups(m, k)
+        order = np.lexsort((np.tile(np.arange(vocab), (6, 1)), -m), axis=1)[:, :k]  # value desc, then id
+        np.testing.assert_array_equal(ids, order)
+        np.testing.assert_array_equal(vals, np.take_along_axis(m, order, axis=1))
+
+
 def test_top_p_keeps_smallest_prefix_reaching_p():
     logits = logits_of([0.5, 0.3, 0.1, 0.06, 0.04])
     s = lambda p: Sampler(temperature=1.0, top_k=0, top_p=p, seed=0)  # noqa: E731

@@ -382,7 +382,10 @@ def _pools(samplers: Sequence[Sampler], logits: np.ndarray, rows: list[int]) -> 
 
 def _top_k_rows(logits: np.ndarray, rows: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids, logits), each (len(rows), k): the k largest logits of each row, largest first, ties by
-    lower id. Rows go in slices that stay in the CPU's cache (each pass over the slice is then cheap)."""
+    lower id. Large vocabularies by groups (``_top_k_groups``); else rows go in slices that stay in the
+    CPU's cache (each pass over the slice is then cheap)."""
+    if logits.shape[1] // _GROUP_DEPTH >= 4 * k:
+        return _top_k_groups(_take(logits, rows), k)
     chunk = max(1, _CACHED_LOGITS // logits.shape[1])
     parts = [_top_k_slice(_take(logits, rows[i:i + chunk]), k) for i in range(0, len(rows), chunk)]
     if len(parts) == 1:
@@ -419,6 +422,44 @@ def _top_k_slice(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     rank = np.arange(r.size) - np.searchsorted(r, np.arange(n))[r]
     top = rank < k
     return c[top].reshape(n, k), v[top].reshape(n, k)
+
+
+_GROUP_DEPTH = 64  # logits per group in ``_top_k_groups``
+
+
+def _top_k_groups(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``_top_k_rows`` of the rows of ``m`` (at least k groups of ``_GROUP_DEPTH`` logits each). Each row's
+    logits j, j + g, j + 2 g, ... form group j: their maxima take one vectorised pass, and the k-th largest
+    maximum bounds the k-th largest logit from below (k distinct logits reach it), so only the groups whose
+    maximum reaches it are searched, and only their logits above it are sorted: a few k per row."""
+    n, vocab = m.shape
+    groups, depth = vocab // _GROUP_DEPTH, _GROUP_DEPTH
+    body = m[:, :groups * depth].reshape(n, depth, groups)  # a view: row r's logit d * groups + j at [r, d, j]
+    maxima = body.max(axis=1)
+    tail = vocab - groups * depth  # the last logits, a group of their own
+    if tail:
+        maxima = np.concatenate([maxima, m[:, groups * depth:].max(axis=1, keepdims=True)], axis=1)
+    width = maxima.shape[1]
+    bound = np.partition(maxima, width - k, axis=1)[:, width - k]
+    r, g = np.divmod(np.flatnonzero(maxima >= bound[:, None]), width)  # flatnonzero: far faster than 2-d nonzero
+    grouped = g < groups
+    rg, gg = r[grouped], g[grouped]
+    vals = body[rg, :, gg]  # (groups found, depth)
+    found, d = np.divmod(np.flatnonzero(vals >= bound[rg, None]), depth)
+    rows, ids, v = rg[found], d * groups + gg[found], vals[found, d]
+    if tail:
+        rt = r[~grouped]
+        last = m[rt, groups * depth:]
+        found, d = np.divmod(np.flatnonzero(last >= bound[rt, None]), tail)
+        rows, ids = np.concatenate([rows, rt[found]]), np.concatenate([ids, groups * depth + d])
+        v = np.concatenate([v, last[found, d]])
+    by_id = np.lexsort((ids, rows))  # by row, then id: the order ``_by_row_value_id`` takes
+    rows, ids, v = rows[by_id], ids[by_id], v[by_id]
+    order = _by_row_value_id(rows, v, ids, vocab)
+    rows, ids, v = rows[order], ids[order], v[order]
+    rank = np.arange(rows.size) - np.searchsorted(rows, np.arange(n))[rows]
+    top = rank < k
+    return ids[top].reshape(n, k), v[top].reshape(n, k)
 
 
 def _by_row_value_id(r: np.ndarray | None, v: np.ndarray, c: np.ndarray, vocab: int) -> np.ndarray:
