@@ -116,11 +116,14 @@ def integer_keys(path: Path) -> list[str]:
     return out
 
 
-def write_variant(base: Path, out: Path, key: str, value: int) -> None:
-    """``base`` with ``key`` set to ``value`` (uint64 when it needs to be; an array key becomes [value])."""
+def write_variant(base: Path, out: Path, key: str, value: int | float) -> None:
+    """``base`` with ``key`` set to ``value`` (an integer as uint32, uint64 when it needs to be; a float as
+    float32; an array key becomes [value]); a key the file lacks is added."""
     reader = gguf.GGUFReader(base)
     writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
     V = gguf.GGUFValueType
+    if key not in reader.fields:
+        writer.add_key_value(key, value, V.FLOAT32 if isinstance(value, float) else V.UINT32)
     for field in reader.fields.values():
         name = field.name
         if name.startswith("GGUF.") or name == "general.architecture":
@@ -132,7 +135,7 @@ def write_variant(base: Path, out: Path, key: str, value: int) -> None:
             else:
                 writer.add_key_value(name, field.contents(), value_type)
             continue
-        kind = V.UINT64 if value >= 2**32 else V.UINT32
+        kind = V.FLOAT32 if isinstance(value, float) else V.UINT64 if value >= 2**32 else V.UINT32
         if field.types[0] == V.ARRAY:
             writer.add_key_value(name, [value], V.ARRAY, sub_type=kind)
         else:
@@ -158,14 +161,16 @@ def run_case(path: Path, vision: bool) -> str:
         return "refused"
     try:
         if not llm.model.generates:
-            llm.embed(["a b c"], pooling="mean")
+            out = llm.embed(["a b c"], pooling="mean")
         elif vision and llm.model.takes_images:
             from tests.hf_fixtures import png
 
             llm.generate("a", images=[png(0, (20, 18))], max_tokens=1, temperature=0)
+            return "ran"
         else:
-            llm.logits([1, 5, 9])
-        return "ran"
+            out = llm.logits([1, 5, 9])
+        # a file that loads must not answer with NaN or infinities (a silent wrong number)
+        return "ran" if np.isfinite(np.asarray(out)).all() else "wrong: non-finite output"
     except (ValueError, MemoryError, pyggml.backend.hardware.GGMLError):
         return "refused"
     finally:
@@ -246,6 +251,39 @@ def test_count_keys_of_every_part(tmp_path, family):
     assert not bad, "\n".join(bad[:30])
     # the base file itself runs (a fuzz where everything is refused would prove nothing)
     assert run_case(base, vision) == "ran"
+
+
+# float hyper-parameters models read (each with the architecture's prefix): present in the synthetic file or
+# added to it; NaN, infinity, a negative and zero must each be refused or give finite outputs
+FLOAT_KEYS = ["rope.freq_base", "rope.freq_base_swa", "rope.scaling.factor", "rope.scaling.attn_factor",
+              "rope.scaling.yarn_log_multiplier", "rope.scale_linear", "attention.layer_norm_rms_epsilon",
+              "attention.layer_norm_epsilon", "attn_logit_softcapping", "final_logit_softcapping",
+              "expert_weights_scale", "attention.temperature_scale", "logit_scale", "embedding_scale",
+              "residual_scale", "attention_scale"]
+FLOAT_VALUES = [float("nan"), float("inf"), -1.0, 0.0]
+TEXT_FAMILIES = ["bert", "deepseek2", "gemma-embedding", "gemma2", "gemma3", "gemma4", "glm4moe", "gpt-oss",
+                 "granitehybrid", "lfm2", "lfm2moe", "llama", "llama4", "mistral3", "nemotron_h", "nomic-bert", "olmo2",
+                 "phi3", "qwen2", "qwen3", "qwen35", "qwen35moe", "qwen3moe", "qwen3next", "smollm3"]
+
+
+def test_float_families_cover_the_registry():
+    from pyggml.models import registry
+
+    vision = {"mllama", "qwen25vl", "qwen2vl", "qwen3vl", "qwen3vlmoe"}  # their text keys are their families'
+    assert set(TEXT_FAMILIES) == set(registry()) - vision
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_float_keys_never_crash_nor_give_nan(tmp_path, family):
+    """A float key set to NaN, infinity, -1 or 0 (softcapping of inf made Gemma's logits NaN, a NaN local
+    rope base Gemma 2/3's, a NaN LongRoPE attention factor Phi-3's): refused, or finite outputs."""
+    path = write_model(tmp_path / f"{family}.gguf", family, defaults(family))
+    cases = [(family, f"{family}.{key}", value, False) for key in FLOAT_KEYS for value in FLOAT_VALUES]
+    outcomes = run_cases(tmp_path, cases)
+    bad = [f"{key}={value}: {o}" for (_, key, value, _), o in zip(cases, outcomes, strict=True)
+           if o not in ("ran", "refused")]
+    assert not bad, "\n".join(bad[:30])
+    assert run_case(path, False) == "ran"
 
 
 def test_a_huge_vision_layer_count_is_refused_at_once(tmp_path):

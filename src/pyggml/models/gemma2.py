@@ -50,7 +50,7 @@ class Options:
         if window < 1:
             raise ModelError(f"{arch}: attention.sliding_window must be >= 1")
         rope = nn.Rope.from_config(config, head_dim, RopeType.NEOX)
-        local_base = config.float("rope.freq_base_swa", 0.0) or local_rope_base or rope.base
+        local_base = config.float("rope.freq_base_swa", 0.0, min=0.0, max=1e12) or local_rope_base or rope.base
         if local_rope_base is not None:
             rope_local = nn.Rope(head_dim, local_base, mode=RopeType.NEOX, n_ctx_orig=rope.n_ctx_orig)
         else:
@@ -66,8 +66,8 @@ class Options:
             sliding_window=window,
             layer_kinds=nn.layer_kinds(config, n_layers, default_pattern),
             rope=rope, rope_local=rope_local, query_scale=1.0 / math.sqrt(scale_dim),
-            attn_softcap=config.float("attn_logit_softcapping", 0.0) or 0.0,
-            final_softcap=config.float("final_logit_softcapping", 0.0) or 0.0,
+            attn_softcap=config.float("attn_logit_softcapping", 0.0, min=0.0, max=1e6) or 0.0,
+            final_softcap=config.float("final_logit_softcapping", 0.0, min=0.0, max=1e6) or 0.0,
         )
 
 

@@ -114,7 +114,7 @@ class Options:
             context_length=config.uint("context_length", 131072),
             eps=config.float("attention.layer_norm_rms_epsilon", 1e-6),
             sliding_window=window, layer_kinds=kinds, kv_layers=kv_layers, rope=rope, rope_local=rope_local,
-            final_softcap=config.float("final_logit_softcapping", 0.0) or 0.0,
+            final_softcap=config.float("final_logit_softcapping", 0.0, min=0.0, max=1e6) or 0.0,
             ple_size=config.uint("embedding_length_per_layer_input", 0, max=MAX_WIDTH),
             n_experts=n_experts, n_experts_used=n_used, expert_ffn_size=expert_ffn,
         )

@@ -67,7 +67,8 @@ class Options:
             context_length=config.uint("context_length", 131072),
             eps=config.float("attention.layer_norm_rms_epsilon", 1e-5),
             sliding_window=window, layer_kinds=nn.layer_kinds(config, n_layers, 2), rope=rope,
-            rope_local=dataclasses.replace(rope, base=config.float("rope.freq_base_swa", 0.0) or rope.base),
+            rope_local=dataclasses.replace(
+                rope, base=config.float("rope.freq_base_swa", 0.0, min=0.0, max=1e12) or rope.base),
         )
 
 

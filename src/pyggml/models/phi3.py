@@ -47,7 +47,8 @@ class Options:
         context = config.uint("context_length", 4096)
         original = config.uint("rope.scaling.original_context_length", 0) or context
         if (config.string("rope.scaling.type", "") or "") in ("longrope", "su"):  # llama.cpp's files name it
-            rope = nn.Rope(n_rot, config.float("rope.freq_base", 10000.0), mode=RopeType.NEOX, n_ctx_orig=original)
+            base = config.float("rope.freq_base", 10000.0, min=1.0, max=1e12)
+            rope = nn.Rope(n_rot, base, mode=RopeType.NEOX, n_ctx_orig=original)
         else:
             try:
                 rope = nn.Rope.from_config(config, n_rot, RopeType.NEOX)
@@ -56,7 +57,8 @@ class Options:
             except ValueError as exc:
                 raise ModelError(f"phi3: phi3.rope.scaling.type: {exc}") from None
         # LongRoPE's attention factor multiplies llama.cpp's yarn one (both scale cos and sin)
-        rope = dataclasses.replace(rope, attn_factor=rope.attn_factor * config.float("rope.scaling.attn_factor", 1.0))
+        attn_factor = config.float("rope.scaling.attn_factor", 1.0, min=1e-6, max=1e6)
+        rope = dataclasses.replace(rope, attn_factor=rope.attn_factor * attn_factor)
         window = config.uint("attention.sliding_window", 0) or None
         return cls(
             hidden_size=hidden, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
