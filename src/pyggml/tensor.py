@@ -708,7 +708,8 @@ class Tensor:
         """ggml's matrix product: ``(K, M, ...) x (K, N, ...) -> (M, N, ...)``, broadcasting dims 2, 3."""
         c = ctx or self.ctx or other.ctx
         nd = self._nd if self._nd > other._nd else other._nd
-        if c is not None:
+        # the C side takes a repacked left operand as a matrix; a repacked stack of experts is mulmat_id's only
+        if c is not None and (self._nd < 3 or self._p not in getattr(self._keep, "_repacked_ptrs", ())):
             out = lib.pyg_mul_mat(c._g, self._p, other._p)
             if out:
                 return _node(out, c, nd if nd > 2 else 2)
