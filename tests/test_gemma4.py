@@ -166,6 +166,38 @@ def test_a_spaced_bpe_tokenizer_json_becomes_llama_cpps_gemma4_vocabulary(tmp_pa
             assert llama_cpp_logits(path, text)[0] == reference.encode(text).ids, text
 
 
+def test_channel_and_tool_tokens_are_written_to_be_rendered(tmp_path):
+    """Gemma 4 writes its reasoning channel and tool calls with special tokens (``<|channel>``, ``<tool_call|>``,
+    ...): the file marks them USER_DEFINED, as llama.cpp's converter does, so detokenizing shows them to the chat
+    parser, while the other special tokens stay CONTROL (not rendered)."""
+    import json
+
+    import gguf
+
+    import pyggml
+    from pyggml.convert import convert_hf
+
+    hf_dir, _ = make_tiny_gemma4(tmp_path, tokenizer=make_spaced_bpe_tokenizer, **CASES["e2b-like-ple-shared-kv"])
+    spec = json.loads((hf_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = spec["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    renamed = {"<|channel>": max(by_id) - 1, "<tool_call|>": max(by_id)}  # two byte tokens take the names
+    for name, i in renamed.items():
+        del vocab[by_id[i]]
+        vocab[name] = i
+        spec["added_tokens"].append({"id": i, "content": name, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    (hf_dir / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    path = convert_hf(hf_dir, tmp_path / "model.gguf", "f32")
+    types = gguf.GGUFReader(path).fields["tokenizer.ggml.token_type"].contents()
+    bos = vocab["<bos>"]
+    assert [types[i] for i in renamed.values()] == [gguf.TokenType.USER_DEFINED] * 2
+    assert types[bos] == gguf.TokenType.CONTROL
+    with pyggml.load(path, n_threads=1, num_ctx=64) as llm:
+        assert llm.detokenize([renamed["<|channel>"], renamed["<tool_call|>"]]) == "<|channel><tool_call|>"
+        assert llm.detokenize([bos]) == ""
+
+
 @needs_llama_cpp
 def test_llama_cpp_computes_the_same_logits_from_our_file(converted):
     import pyggml

@@ -16,10 +16,14 @@ import numpy as np
 
 from .base import Architecture, register
 from .tensors import Source
-from .vocab import Vocab, read_vocab
+from .vocab import USER_DEFINED, Vocab, read_vocab
 
 # scales stored beside a weight in GGUF: the checkpoint name's ending -> the weight it belongs to
 _SCALES = {".router.scale": ".router.proj", ".router.per_expert_scale": ".experts.down_proj"}
+
+# special tokens Gemma 4 writes into its answers' text (channels, tool calls, quoted strings)
+VISIBLE_TOKENS = frozenset({"<|channel>", "<channel|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                            "<tool_response|>", '<|"|>'})
 
 
 @register("Gemma4ForCausalLM", model_types=("gemma4_text",))
@@ -120,6 +124,9 @@ class Gemma4(Architecture):
 
     def vocab(self) -> Vocab:
         self._vocab.add_space_prefix = False
+        for i, token in enumerate(self._vocab.tokens):  # rendered in the text (as llama.cpp writes them): the
+            if token in VISIBLE_TOKENS:  # reasoning channel and tool calls must reach the chat parser
+                self._vocab.types[i] = USER_DEFINED
         return self._vocab
 
     def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
