@@ -546,7 +546,7 @@ def expert_counts(config: Any, required: bool = True) -> tuple[int, int]:
     return n_experts, n_used
 
 
-def moe(x: Tensor, router_logits: Tensor, k: int, gate: Experts, up: Experts, down: Experts,
+def moe(x: Tensor, router_logits: Tensor, k: int, gate: Experts, up: Experts | None, down: Experts,
         glu: typing.Callable[[Tensor, Tensor], Tensor]) -> Tensor:
     """A mixture of experts: each token of ``x`` (hidden, n_tokens) through the ``k`` experts with the
     highest ``router_logits`` (n_experts, n_tokens), weighted by softmax(the k chosen logits) (that is
@@ -584,17 +584,35 @@ def route(logits: Tensor, k: int, *, sigmoid: bool = False, bias: Tensor | None 
     return chosen, weights if scale == 1.0 else weights.scale(scale)
 
 
-def mix_experts(x: Tensor, chosen: Tensor, weights: Tensor, gate: Experts, up: Experts, down: Experts,
+def mix_experts(x: Tensor, chosen: Tensor, weights: Tensor, gate: Experts, up: Experts | None, down: Experts,
                 glu: typing.Callable[[Tensor, Tensor], Tensor], weigh_inputs: bool = False) -> Tensor:
     """Each token of ``x`` (hidden, n_tokens) through its ``chosen`` experts (I32 ids, (k, n_tokens)),
     ``down(glu(gate(x), up(x)))`` per expert, the k outputs summed with ``weights`` (k, n_tokens). Only
-    the chosen experts' matrices are read. ``weigh_inputs``: scale each expert's input by its weight
-    instead, and sum the outputs as they are (Llama 4). Returns (hidden, n_tokens)."""
+    the chosen experts' matrices are read. ``up`` None: ``gate`` holds both (``ffn_gate_up_exps``, see
+    ``fused_gate_up``). ``weigh_inputs``: scale each expert's input by its weight instead, and sum the
+    outputs as they are (Llama 4). Returns (hidden, n_tokens)."""
     if not weigh_inputs:
-        return sum_experts(down(glu(gate(x, chosen), up(x, chosen)), chosen), weights)
+        return sum_experts(down(_gated(x, chosen, gate, up, glu), chosen), weights)
     k, n_tokens = chosen.shape[0], chosen.shape[1]
     x = x.reshape(x.shape[0], 1, n_tokens).repeat(x.shape[0], k, n_tokens) * weights.reshape(1, k, n_tokens)
-    return sum_experts(down(glu(gate(x, chosen), up(x, chosen)), chosen), None)
+    return sum_experts(down(_gated(x, chosen, gate, up, glu), chosen), None)
+
+
+def _gated(x: Tensor, chosen: Tensor, gate: Experts, up: Experts | None,
+           glu: typing.Callable[[Tensor, Tensor], Tensor]) -> Tensor:
+    """``glu(gate(x), up(x))`` of the chosen experts: (ffn, k, n_tokens); with ``up`` None, from the fused
+    experts ``gate`` (each expert's gate rows, then its up rows)."""
+    if up is not None:
+        return glu(gate(x, chosen), up(x, chosen))
+    both = gate(x, chosen)  # (2 ffn, k, n_tokens)
+    rows, strides = (both.shape[0] // 2, both.shape[1], both.shape[2]), (both.strides[1], both.strides[2])
+    return glu(both.view(0, rows, strides), both.view(rows[0] * both.strides[0], rows, strides))
+
+
+def fused_gate_up(backend: Backend) -> bool:
+    """Whether a file stores its experts' gate and up matrices as one ``ffn_gate_up_exps`` per layer (the gate's
+    rows, then the up's: llama.cpp's converter with ``--fuse-gate-up-exps``) instead of two."""
+    return any(name.endswith(".ffn_gate_up_exps.weight") for name in backend.tensors())
 
 
 def sum_experts(out: Tensor, weights: Tensor | None) -> Tensor:

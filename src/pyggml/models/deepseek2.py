@@ -31,6 +31,7 @@ from pyggml.tensor import RopeType, Tensor
 
 SOFTMAX, SIGMOID = 1, 2  # llama.cpp's expert_gating_func values
 _DENSE, _MOE, _SHARED = "layer < n_dense", "layer >= n_dense", "layer >= n_dense and n_shared"
+_SEPARATE, _FUSED = f"{_MOE} and not fused_experts", f"{_MOE} and fused_experts"
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class Options:
     expert_scale: float
     rope: nn.Rope
     scale: float  # of the attention scores (YaRN's magnitude folded in)
+    fused_experts: bool = False  # gate and up experts in one ffn_gate_up_exps (nn.fused_gate_up)
 
     @property
     def head_dim(self) -> int:
@@ -185,8 +187,9 @@ class FeedForward(nn.Module):
     ffn_down: nn.Linear | None = nn.shape("ffn_size", "hidden_size", when=_DENSE)
     ffn_gate_inp: nn.Linear | None = nn.shape("hidden_size", "n_experts", when=_MOE)  # the router
     exp_probs_b: Bias | None = nn.shape("n_experts", when=f"{_MOE} and sigmoid")
-    ffn_gate_exps: nn.Experts | None = nn.shape("hidden_size", "expert_ffn_size", "n_experts", when=_MOE)
-    ffn_up_exps: nn.Experts | None = nn.shape("hidden_size", "expert_ffn_size", "n_experts", when=_MOE)
+    ffn_gate_exps: nn.Experts | None = nn.shape("hidden_size", "expert_ffn_size", "n_experts", when=_SEPARATE)
+    ffn_up_exps: nn.Experts | None = nn.shape("hidden_size", "expert_ffn_size", "n_experts", when=_SEPARATE)
+    ffn_gate_up_exps: nn.Experts | None = nn.shape("hidden_size", "2 * expert_ffn_size", "n_experts", when=_FUSED)
     ffn_down_exps: nn.Experts | None = nn.shape("expert_ffn_size", "hidden_size", "n_experts", when=_MOE)
     ffn_gate_shexp: nn.Linear | None = nn.shape("hidden_size", "expert_ffn_size * n_shared", when=_SHARED)
     ffn_up_shexp: nn.Linear | None = nn.shape("hidden_size", "expert_ffn_size * n_shared", when=_SHARED)
@@ -199,7 +202,8 @@ class FeedForward(nn.Module):
                                    bias=None if self.exp_probs_b is None else self.exp_probs_b.weight,
                                    groups=o.groups, groups_used=o.groups_used, normalize=o.normalize,
                                    scale=o.expert_scale)
-        routed = nn.mix_experts(x, chosen, weights, self.ffn_gate_exps, self.ffn_up_exps, self.ffn_down_exps,
+        gate = self.ffn_gate_exps if self.ffn_gate_up_exps is None else self.ffn_gate_up_exps
+        routed = nn.mix_experts(x, chosen, weights, gate, self.ffn_up_exps, self.ffn_down_exps,
                                 lambda gate, up: gate.silu(up))
         if self.ffn_gate_shexp is None:
             return routed
@@ -235,7 +239,7 @@ class DeepSeek2(Model):
 
     def __init__(self, backend: Backend):
         self.backend = backend
-        self.options = Options.from_config(backend.config)
+        self.options = dataclasses.replace(Options.from_config(backend.config), fused_experts=nn.fused_gate_up(backend))
         self.weights: Weights = nn.load(Weights, backend, self.options)
         self.cache = Causal(self.shift, value_from_key=self.options.kv_lora_rank)
 

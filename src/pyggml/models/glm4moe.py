@@ -10,6 +10,7 @@ prediction layers: llama.cpp loads but never runs them, and neither does pyggml.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ class Options:
     groups_used: int
     normalize: bool
     expert_scale: float
+    fused_experts: bool = False  # gate and up experts in one ffn_gate_up_exps (nn.fused_gate_up)
 
     @classmethod
     def from_config(cls, config) -> Options:
@@ -114,7 +116,7 @@ class Glm4Moe(Model):
 
     def __init__(self, backend: Backend):
         self.backend = backend
-        self.options = Options.from_config(backend.config)
+        self.options = dataclasses.replace(Options.from_config(backend.config), fused_experts=nn.fused_gate_up(backend))
         self.weights: Weights = nn.load(Weights, backend, self.options)
         self.cache = Causal(self.shift)
 

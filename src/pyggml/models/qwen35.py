@@ -226,10 +226,15 @@ class Qwen35(Model):
 
     def __init__(self, backend: Backend):
         self.backend = backend
-        self.options = o = self.Options.from_config(backend.config)
+        self.options = o = self.Options.from_config(backend.config, **self.layout(backend))
         self.weights: Weights = nn.load(self.Weights, backend, o)
         self.states = Recurrent()
         self.cache = Wrapper(Causal(self.shift), self.states, layer_types=o.layer_kinds[:o.n_main])
+
+    @staticmethod
+    def layout(backend: Backend) -> dict:
+        """Options that the file's tensors decide rather than its keys."""
+        return {}
 
     def forward(self, ctx: Context, batch: Batch) -> Tensor:
         w, o = self.weights, self.options

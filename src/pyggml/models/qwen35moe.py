@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyggml import nn
+from pyggml.backend import Backend
 from pyggml.models import ModelError, qwen35, register
 from pyggml.tensor import Tensor
 
@@ -23,6 +24,7 @@ class Options(qwen35.Options):
     n_experts_used: int = 0
     expert_ffn_size: int = 0
     shared_ffn_size: int = 0
+    fused_experts: bool = False  # gate and up experts in one ffn_gate_up_exps (nn.fused_gate_up)
 
     @classmethod
     def from_config(cls, config, **extra) -> Options:
@@ -45,8 +47,10 @@ class Options(qwen35.Options):
 
 class Experts(nn.Module):
     ffn_gate_inp: nn.Linear = nn.shape("hidden_size", "n_experts")  # the router
-    ffn_gate_exps: nn.Experts = nn.shape("hidden_size", "expert_ffn_size", "n_experts")
-    ffn_up_exps: nn.Experts = nn.shape("hidden_size", "expert_ffn_size", "n_experts")
+    ffn_gate_exps: nn.Experts | None = nn.shape("hidden_size", "expert_ffn_size", "n_experts", when="not fused_experts")
+    ffn_up_exps: nn.Experts | None = nn.shape("hidden_size", "expert_ffn_size", "n_experts", when="not fused_experts")
+    ffn_gate_up_exps: nn.Experts | None = nn.shape("hidden_size", "2 * expert_ffn_size", "n_experts",
+                                                   when="fused_experts")
     ffn_down_exps: nn.Experts = nn.shape("expert_ffn_size", "hidden_size", "n_experts")
     ffn_gate_inp_shexp: nn.Linear = nn.shape("hidden_size", 1)  # the shared expert's gate
     ffn_gate_shexp: nn.Linear = nn.shape("hidden_size", "shared_ffn_size")
@@ -54,7 +58,8 @@ class Experts(nn.Module):
     ffn_down_shexp: nn.Linear = nn.shape("shared_ffn_size", "hidden_size")
 
     def __call__(self, x: Tensor, opts: Options, layer: int) -> Tensor:
-        routed = nn.moe(x, self.ffn_gate_inp(x), opts.n_experts_used, self.ffn_gate_exps, self.ffn_up_exps,
+        gate = self.ffn_gate_exps if self.ffn_gate_up_exps is None else self.ffn_gate_up_exps
+        routed = nn.moe(x, self.ffn_gate_inp(x), opts.n_experts_used, gate, self.ffn_up_exps,
                         self.ffn_down_exps, lambda gate, up: gate.silu(up))
         shared = self.ffn_down_shexp(self.ffn_gate_shexp(x).silu(self.ffn_up_shexp(x)))
         return routed + shared * self.ffn_gate_inp_shexp(x).sigmoid()
@@ -71,3 +76,7 @@ class Weights(qwen35.Weights):
 @register("qwen35moe")
 class Qwen35Moe(qwen35.Qwen35):
     Options, Weights = Options, Weights
+
+    @staticmethod
+    def layout(backend: Backend) -> dict:
+        return {"fused_experts": nn.fused_gate_up(backend)}
