@@ -321,3 +321,25 @@ def test_server_thinking_and_tool_calls(server, stream):
     message = httpx.post(f"{base}/v1/chat/completions", json=openai, timeout=60).json()["choices"][0]["message"]
     assert message["reasoning_content"] == thinking.strip() and message["content"] == content
     assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [arguments]
+
+
+def test_cli_run_shows_the_thought_apart(tmp_path):
+    """``pyggml run MODEL PROMPT`` (the REPL's one-shot path): the thought shown apart, no channel markers."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("llguidance")
+    from pyggml.tiny import write_tiny_model
+
+    path = write_tiny_model(tmp_path / "gemma4ish.gguf", TEMPLATE)
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "<|channel>thought\\n" /[a-z]{2,6}/ " " /[a-z]{2,6}/ "<channel|>" /[a-z]{2,6}/\n')
+    env = {**os.environ, "PYGGML_CACHE_DIR": str(tmp_path)}
+    for think, shows in (("--think", True), ("--think=false", False)):
+        run = subprocess.run([sys.executable, "-m", "pyggml.cli", "run", str(path), "think first", think,
+                              "--grammar", str(grammar), "--max-tokens", "80", "--temperature", "0", "--threads", "1"],
+                             capture_output=True, text=True, env=env, timeout=120)
+        assert run.returncode == 0, run.stderr
+        assert ("Thinking...\n" in run.stdout and "\n...done thinking.\n\n" in run.stdout) == shows, run.stdout
+        assert "channel" not in run.stdout and run.stdout.split()[-1].isalpha(), run.stdout
