@@ -40,6 +40,10 @@ OUTPUTS = [
     ("gemma", 'Sure.\n```tool_code\nget_weather(city="Bern", days=4)\n```', "Sure.",
      [("get_weather", {"city": "Bern", "days": 4})]),
     ("gemma", "```tool_code\nprint(open('x'))\n```", "```tool_code\nprint(open('x'))\n```", []),
+    ("gemma4", 'Sure.<|tool_call>call:get_weather{city:<|"|>Bern<|"|>,days:4}<tool_call|>', "Sure.",
+     [("get_weather", {"city": "Bern", "days": 4})]),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Bern}<tool_call|>',
+     '<|tool_call>call:get_weather{city:<|"|>Bern}<tool_call|>', []),
     ("harmony", '<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary '
                 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Cairo", "days": 2}<|call|>', "",
      [("get_weather", {"city": "Cairo", "days": 2})]),
@@ -73,6 +77,8 @@ def test_parsers(fmt, output, content, calls):
     ("<|start|>{{ m }}<|channel|>final<|message|>", "harmony"),
     ("<|start_header_id|>ipython<|end_header_id|>{% if tools %}{{ tools }}{% endif %}<|python_tag|>", "llama3"),
     ("<start_of_turn>user\n{{ content }}<end_of_turn>", "gemma"),
+    ("<|turn>model\n{% for c in m.tool_calls %}<|tool_call>call:{{ c.function.name }}{}<tool_call|>{% endfor %}",
+     "gemma4"),
     (None, "json"),
 ])
 def test_format_detected_from_the_template(source, name):

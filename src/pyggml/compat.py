@@ -108,7 +108,7 @@ class LlamaCppMethods:
         Images (vision models): ``image_url`` content parts with ``data:`` URLs, as in ``chat``."""
         from pyggml.chat import encode_prompt, strip_bos_text
         from pyggml.image import split_chat_images
-        from pyggml.thinking import ThinkingSplitter, prompt_opens_thinking, template_thinks
+        from pyggml.thinking import splitter_for
         from pyggml.tools import ToolOutput, check_tools, detect_format, forced_grammar, tool_choice_name
 
         _check_unused("create_chat_completion", unused)
@@ -137,7 +137,7 @@ class LlamaCppMethods:
             grammar=grammar, **constraint)
         head = {"id": f"chatcmpl-{uuid.uuid4()}", "object": "chat.completion", "created": int(time.time()),
                 "model": model or self._model_name}
-        splitter = ThinkingSplitter(prompt_opens_thinking(text)) if template_thinks(template.source) else None
+        splitter = splitter_for(template.source, text)
         calls_out = ToolOutput(fmt, self.tokenizer) if tools else None
 
         def choice(chunk: CompletionChunk, text: str, lps: list[TokenLogprob], streaming: bool) -> dict[str, Any]:

@@ -3,8 +3,10 @@ between ``<think>`` and ``</think>`` before the answer; gpt-oss writes it in the
 OpenAI's harmony format and the answer in the ``final`` channel. ``ThinkingSplitter`` and
 ``HarmonySplitter`` separate the two as the output streams (``splitter_for`` picks one from the chat
 template), so a server can return the reasoning on its own (Ollama's ``thinking``, OpenAI's
-``reasoning_content``) and the REPL can show it apart. Ollama's ``think`` becomes the template's
-variables (``template_variables``): ``enable_thinking`` for Qwen3-style templates, ``reasoning_effort``
+``reasoning_content``) and the REPL can show it apart. Gemma 4 writes its reasoning in a channel,
+``<|channel>thought`` ... ``<channel|>``: ``ChannelSplitter``, a ``ThinkingSplitter`` with those tags.
+Ollama's ``think`` becomes the template's variables (``template_variables``): ``enable_thinking`` for
+Qwen3-style and Gemma 4 templates, ``reasoning_effort``
 ("low", "medium", "high": the harmony system message's ``Reasoning:`` line) for gpt-oss.
 """
 
@@ -14,6 +16,9 @@ from typing import Any, Protocol
 
 OPEN, CLOSE = "<think>", "</think>"
 CHANNEL, MESSAGE, START, END = "<|channel|>", "<|message|>", "<|start|>", "<|end|>"
+# Gemma 4's channels (not harmony's: no "|" before ">"); its reasoning is the channel named "thought"
+GEMMA_CHANNEL, GEMMA_CLOSE = "<|channel>", "<channel|>"
+GEMMA_OPEN = GEMMA_CHANNEL + "thought"
 LEVELS = ("low", "medium", "high")
 
 Think = bool | str | None  # Ollama's think: true, false, a level (gpt-oss), or absent
@@ -24,9 +29,15 @@ def template_harmony(template_source: str | None) -> bool:
     return CHANNEL in (template_source or "")
 
 
+def template_gemma_channels(template_source: str | None) -> bool:
+    """Whether a chat template writes Gemma 4's channels (``<|channel>thought`` ... ``<channel|>``)."""
+    return GEMMA_CHANNEL in (template_source or "")
+
+
 def template_thinks(template_source: str | None) -> bool:
-    """Whether a chat template speaks of ``<think>`` blocks or harmony channels."""
-    return CLOSE in (template_source or "") or template_harmony(template_source)
+    """Whether a chat template speaks of ``<think>`` blocks, harmony channels or Gemma 4's channels."""
+    src = template_source or ""
+    return CLOSE in src or template_harmony(src) or template_gemma_channels(src)
 
 
 def check_think(value: Any, where: str = "think") -> Think:
@@ -61,27 +72,30 @@ def splitter_for(template_source: str | None, prompt: str) -> Splitter | None:
     """The splitter of a model's output after ``prompt`` (None for a model that does not think)."""
     if template_harmony(template_source):
         return HarmonySplitter()
+    if template_gemma_channels(template_source):
+        return ChannelSplitter(prompt_opens_thinking(prompt, GEMMA_OPEN))
     if CLOSE in (template_source or ""):
         return ThinkingSplitter(prompt_opens_thinking(prompt))
     return None
 
 
-def prompt_opens_thinking(prompt: str) -> bool:
-    """Whether a rendered prompt ends inside a ``<think>`` block (DeepSeek-R1's template opens it for the
+def prompt_opens_thinking(prompt: str, open_tag: str = OPEN) -> bool:
+    """Whether a rendered prompt ends inside a thinking block (DeepSeek-R1's template opens it for the
     model): the output then begins with thinking."""
     tail = prompt.rstrip()
-    return tail.endswith(OPEN)
+    return tail.endswith(open_tag)
 
 
 class ThinkingSplitter:
-    """Splits output fed in pieces into (thinking, answer). A ``<think>`` block counts only at the start
-    of the output (after whitespace), or from the start when the prompt opened it (``inside``). Whitespace
-    around the thinking, and between ``</think>`` and the answer, is dropped; a piece that may be the
-    start of a tag is held until the next one decides."""
+    """Splits output fed in pieces into (thinking, answer). A block (``<think>`` ... ``</think>``, or
+    the ``tags`` given) counts only at the start of the output (after whitespace), or from the start when
+    the prompt opened it (``inside``). Whitespace around the thinking, and between the close and the
+    answer, is dropped; a piece that may be the start of a tag is held until the next one decides."""
 
-    def __init__(self, inside: bool = False):
+    def __init__(self, inside: bool = False, tags: tuple[str, str] = (OPEN, CLOSE)):
         self._state = "opened" if inside else "start"
         self._held = ""
+        self._open, self._close = tags
 
     def feed(self, text: str) -> tuple[str, str]:
         thinking, answer = "", ""
@@ -90,10 +104,10 @@ class ThinkingSplitter:
             held = self._held
             if self._state == "start":
                 stripped = held.lstrip()
-                if not stripped or (OPEN.startswith(stripped) and stripped != OPEN):
+                if not stripped or (self._open.startswith(stripped) and stripped != self._open):
                     break  # a block may still begin
-                if stripped.startswith(OPEN):
-                    self._state, self._held = "opened", stripped[len(OPEN):]
+                if stripped.startswith(self._open):
+                    self._state, self._held = "opened", stripped[len(self._open):]
                 else:
                     self._state = "answer"
             elif self._state in ("opened", "after"):  # whitespace before the thinking or the answer is dropped
@@ -103,21 +117,27 @@ class ThinkingSplitter:
                     break
                 self._state, self._held = ("thinking" if self._state == "opened" else "answer"), stripped
             elif self._state == "thinking":
-                end = held.find(CLOSE)
+                end = held.find(self._close)
                 if end >= 0:
                     thinking += held[:end].rstrip()
-                    self._state, self._held = "after", held[end + len(CLOSE):]
+                    self._state, self._held = "after", held[end + len(self._close):]
                     continue
-                keep = _tag_prefix(held, CLOSE)
+                keep = _tag_prefix(held, self._close)
                 body = held[:len(held) - keep]
                 cut = len(body.rstrip())  # trailing whitespace waits: it may precede the close
                 thinking += body[:cut]
                 self._held = held[cut:]
                 break
             else:  # answer
-                answer += held
-                self._held = ""
+                answer += self._answer(held)
+                if self._held == held:
+                    break  # waits for the next piece
         return thinking, answer
+
+    def _answer(self, held: str) -> str:
+        """The answer in ``held`` (what is left of it stays in ``_held``)."""
+        self._held = ""
+        return held
 
     def flush(self) -> tuple[str, str]:
         """What is held at the end: a started block's thinking, or text that only looked like a tag."""
@@ -127,6 +147,40 @@ class ThinkingSplitter:
         if self._state == "start":
             return "", held
         return "", held if self._state == "answer" else ""
+
+
+class ChannelSplitter(ThinkingSplitter):
+    """Gemma 4's output: reasoning in ``<|channel>thought`` ... ``<channel|>`` blocks, read as llama.cpp
+    reads them: a block anywhere is thinking (Gemma 4 may write an empty one after the answer), and the
+    answer ends at a ``<channel|>`` that closes no block or a ``<|channel>`` that opens no thought
+    (what follows is dropped)."""
+
+    def __init__(self, inside: bool = False):
+        super().__init__(inside, (GEMMA_OPEN, GEMMA_CLOSE))
+
+    def _answer(self, held: str) -> str:
+        if self._state == "ended":
+            self._held = ""
+            return ""
+        marks = [i for i in (held.find(GEMMA_CHANNEL), held.find(GEMMA_CLOSE)) if i >= 0]
+        if not marks:
+            keep = max(_tag_prefix(held, GEMMA_CHANNEL), _tag_prefix(held, GEMMA_CLOSE))
+            self._held = held[len(held) - keep:]
+            return held[:len(held) - keep]
+        at = min(marks)
+        rest = held[at:]
+        if rest.startswith(GEMMA_OPEN):
+            self._state, self._held = "opened", rest[len(GEMMA_OPEN):]
+        elif GEMMA_OPEN.startswith(rest):
+            self._held = rest  # may still open a thought
+        else:
+            self._state, self._held = "ended", ""
+        return held[:at]
+
+    def flush(self) -> tuple[str, str]:
+        if self._state in ("start", "answer") and self._held.lstrip().startswith(GEMMA_CHANNEL):
+            self._held = ""  # a channel cut off opens no thought
+        return super().flush()
 
 
 def _tag_prefix(text: str, tag: str) -> int:

@@ -10,6 +10,8 @@ family's convention, recognised from the template's source, not the model's name
 - harmony (``<|channel|>``: gpt-oss):
   ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``
 - llama3 (``<|python_tag|>`` or Llama 3 headers with tools): ``{"name": ..., "parameters": {...}}``, ``;`` between
+- gemma4 (``<|tool_call>``: Gemma 4): ``<|tool_call>call:NAME{key:value,...}<tool_call|>``, its values
+  JSON-like with unquoted keys and strings between ``<|"|>`` marks (``city:<|"|>Paris<|"|>``)
 - gemma (``tool_code`` or ``<start_of_turn>``): ```` ```tool_code\nname(a=1, b="x")\n``` ````
 - json (anything else): ``{"name": ..., "arguments": {...}}`` or a list of them
 
@@ -46,6 +48,7 @@ FORMATS = {
     "harmony": ToolFormat("harmony", ("<|channel|>commentary to=", "<|start|>assistant<|channel|>commentary"),
                           raw=True),
     "llama3": ToolFormat("llama3", ("<|python_tag|>",), ("{",), raw=True),
+    "gemma4": ToolFormat("gemma4", ("<|tool_call>",)),
     "gemma": ToolFormat("gemma", ("```tool_code",), ("{",)),
     "json": ToolFormat("json", ("<tool_call>",), ("{", "[")),
 }
@@ -54,6 +57,8 @@ FORMATS = {
 def detect_format(template_source: str | None) -> ToolFormat:
     """The tool-call format a chat template's source speaks."""
     src = template_source or ""
+    if "<|tool_call>" in src:
+        return FORMATS["gemma4"]
     if "<tool_call>" in src:
         return FORMATS["hermes"]
     if "[TOOL_CALLS]" in src:
@@ -175,6 +180,82 @@ def _parse_gemma(text: str) -> tuple[str, list[ToolCall]]:
     return text[:at].strip(), calls
 
 
+GEMMA4_CALL, GEMMA4_END, GEMMA4_QUOTE = "<|tool_call>", "<tool_call|>", '<|"|>'
+_GEMMA4_NAME = re.compile(r"\s*call:([^{}<>\s]+)\s*(?=\{)")
+_GEMMA4_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_GEMMA4_WORDS = {"true": True, "false": False, "null": None}
+
+
+def _parse_gemma4(text: str) -> tuple[str, list[ToolCall]]:
+    first = text.find(GEMMA4_CALL)
+    if first < 0:
+        return text, []
+    calls, at = [], first
+    while at >= 0:  # text between and after the calls is dropped (as for hermes)
+        name = _GEMMA4_NAME.match(text, at + len(GEMMA4_CALL))
+        if name is None:
+            raise ValueError("not call:NAME{...}")
+        args, i = _gemma4_value(text, name.end())
+        i = _skip_space(text, i)
+        if text.startswith(GEMMA4_END, i):
+            i += len(GEMMA4_END)
+        elif text[i:].strip():  # only a call cut off at the end may lack its close
+            raise ValueError(f"{GEMMA4_END} expected after the arguments")
+        calls.append(ToolCall(name.group(1), args))
+        at = text.find(GEMMA4_CALL, i)
+    return text[:first].strip(), calls
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _gemma4_value(text: str, i: int, depth: int = 0) -> tuple[Any, int]:
+    """The value in Gemma 4's argument syntax at ``text[i:]`` (after whitespace), and where it ends:
+    strings between ``<|"|>`` marks (as written, no escapes), objects with unquoted keys, arrays,
+    JSON numbers, true, false, null. ``ValueError`` for anything else, or nesting deeper than JSON
+    arguments may (``MAX_NESTING``)."""
+    if depth >= MAX_NESTING:
+        raise ValueError(f"arguments nest more than {MAX_NESTING} levels deep")
+    i = _skip_space(text, i)
+    if text.startswith(GEMMA4_QUOTE, i):
+        end = text.find(GEMMA4_QUOTE, i + len(GEMMA4_QUOTE))
+        if end < 0:
+            raise ValueError("a string is not closed")
+        return text[i + len(GEMMA4_QUOTE):end], end + len(GEMMA4_QUOTE)
+    if text.startswith(("{", "["), i):
+        close = "}" if text[i] == "{" else "]"
+        items: list[Any] = []
+        i = _skip_space(text, i + 1)
+        while not text.startswith(close, i):
+            if close == "}":
+                colon = text.find(":", i)
+                key = text[i:colon].strip() if colon >= 0 else ""
+                if len(key) > 2 * len(GEMMA4_QUOTE) and key.startswith(GEMMA4_QUOTE) and key.endswith(GEMMA4_QUOTE):
+                    key = key[len(GEMMA4_QUOTE):-len(GEMMA4_QUOTE)]  # keys are unquoted, but may come quoted
+                if not key or "}" in key:
+                    raise ValueError("an object member is not KEY:VALUE")
+                value, i = _gemma4_value(text, colon + 1, depth + 1)
+                items.append((key, value))
+            else:
+                value, i = _gemma4_value(text, i, depth + 1)
+                items.append(value)
+            i = _skip_space(text, i)
+            if text.startswith(",", i):
+                i = _skip_space(text, i + 1)
+            elif not text.startswith(close, i):
+                raise ValueError(f"',' or {close!r} expected")
+        return (dict(items) if close == "}" else items), i + 1
+    if number := _GEMMA4_NUMBER.match(text, i):
+        return json.loads(number.group()), number.end()
+    for word, value in _GEMMA4_WORDS.items():
+        if text.startswith(word, i):
+            return value, i + len(word)
+    raise ValueError(f"no value at {text[i:i + 20]!r}")
+
+
 _HARMONY_CALL = re.compile(r"<\|channel\|>commentary to=functions\.([\w.\-]+)[^<]*(?:<\|constrain\|>[^<]*)?"
                            r"<\|message\|>(.*?)(?:<\|call\|>|<\|end\|>|$)", re.S)
 
@@ -198,7 +279,7 @@ def _parse_json(text: str) -> tuple[str, list[ToolCall]]:
 
 
 _PARSERS = {"hermes": _parse_hermes, "mistral": _parse_mistral, "llama3": _parse_llama3, "gemma": _parse_gemma,
-            "harmony": _parse_harmony, "json": _parse_json}
+            "gemma4": _parse_gemma4, "harmony": _parse_harmony, "json": _parse_json}
 
 
 class ToolCallParser:
@@ -285,6 +366,10 @@ def forced_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: st
         # any) and no made-up keys: a weak model could otherwise pad until max_tokens instead of calling
         return json.dumps({**closed_objects(schema), "x-guidance": {"whitespace_flexible": False}})
 
+    if fmt.name == "gemma4":
+        rules = _Gemma4Rules()
+        alts = " | ".join(f"{json.dumps(f['name'])} {rules.of(params(f))}" for f in fns)
+        return Grammar.lark(f'start: "{GEMMA4_CALL}call:" ({alts}) "{GEMMA4_END}"\n{rules.text()}')
     if fmt.name == "harmony":
         alts = " | ".join(f'"{f["name"]}" " <|constrain|>json<|message|>" args_{i}' for i, f in enumerate(fns))
         rules = "\n".join(f"args_{i}: %json {compact(params(f))}" for i, f in enumerate(fns))
@@ -297,6 +382,102 @@ def forced_grammar(fmt: ToolFormat, tools: Sequence[Mapping[str, Any]], name: st
     prefix, suffix = {"hermes": ('"<tool_call>\\n" ', ' "\\n</tool_call>"'), "mistral": ('"[TOOL_CALLS][" ', ' "]"'),
                       "gemma": ("", ""), "llama3": ("", ""), "json": ("", "")}[fmt.name]
     return Grammar.lark(f"start: {prefix}call{suffix}\n{body}")
+
+
+# Gemma 4's argument syntax, compact (no whitespace); a string is one lexeme, so its text cannot swallow the
+# closing mark
+_GEMMA4_GRAMMAR = r"""object: "{" (member ("," member)*)? "}"
+member: KEY ":" value
+array: "[" (value ("," value)*)? "]"
+value: STRING | object | array | NUMBER | "true" | "false" | "null"
+KEY: /[A-Za-z_][A-Za-z0-9_.\-]*/
+NUMBER: /-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?/
+STRING: "<|\"|>" TEXT "<|\"|>"
+TEXT: /(?s:.*)/ & ~/(?s:.*)<\|"\|>(?s:.*)/
+"""
+
+def _gemma4_text(value: Any) -> str:
+    """``value`` written in Gemma 4's argument syntax."""
+    if isinstance(value, str):
+        return GEMMA4_QUOTE + value + GEMMA4_QUOTE
+    if isinstance(value, Mapping):
+        return "{" + ",".join(f"{k}:{_gemma4_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(_gemma4_text(v) for v in value) + "]"
+    return json.dumps(value)
+
+
+class _Gemma4Rules:
+    """Lark rules of arguments in Gemma 4's syntax that follow a JSON schema: objects with their
+    ``properties`` (in sorted order, as Gemma 4's template writes them; ``required`` ones always, no
+    others), arrays of ``items``, strings (``minLength``/``maxLength``), ``enum``/``const``, ``anyOf``/
+    ``oneOf``, a list of types, and numbers, booleans and null by llguidance's JSON schema (they are
+    written as in JSON). Other schema keywords (``pattern``, ``$ref``, ...) are not enforced: that
+    part takes any value (llama.cpp enforces no schema on Gemma 4's calls)."""
+
+    _NUMERIC = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+
+    def __init__(self) -> None:
+        self._rules: list[str] = []
+
+    def text(self) -> str:
+        return "\n".join(self._rules) + "\n" + _GEMMA4_GRAMMAR
+
+    def _add(self, body: str, terminal: bool = False) -> str:
+        name = f"{'G' if terminal else 'g'}{len(self._rules)}"
+        self._rules.append(f"{name}: {body}")
+        return name
+
+    def of(self, schema: Any, depth: int = 0) -> str:
+        """A Lark expression of the values ``schema`` allows."""
+        if not isinstance(schema, Mapping) or depth > MAX_NESTING:
+            return "value"
+        if "enum" in schema or "const" in schema:
+            values = schema["enum"] if "enum" in schema else [schema["const"]]
+            if not isinstance(values, list) or not values:
+                return "value"
+            return "(" + " | ".join(json.dumps(_gemma4_text(v), ensure_ascii=False) for v in values) + ")"
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list) and schema[key]:
+                return "(" + " | ".join(self.of(s, depth + 1) for s in schema[key]) + ")"
+        kind = schema.get("type")
+        if isinstance(kind, list) and kind:
+            return "(" + " | ".join(self.of({**schema, "type": t}, depth + 1) for t in kind) + ")"
+        if kind in ("integer", "number", "boolean", "null"):
+            number = {k: schema[k] for k in self._NUMERIC if k in schema}
+            return self._add(f"%json {json.dumps({**number, 'x-guidance': {'whitespace_flexible': False}})}")
+        if kind == "string":
+            low, high = schema.get("minLength", 0), schema.get("maxLength", "")
+            if not isinstance(low, int) or not isinstance(high, (int, str)):
+                return "STRING"
+            text = self._add(f'/(?s:.{{{low},{high}}})/ & ~/(?s:.*)<\\|"\\|>(?s:.*)/', terminal=True)
+            return self._add(f'"<|\\"|>" {text} "<|\\"|>"', terminal=True)
+        if kind == "array":
+            item = self.of(schema.get("items"), depth + 1)
+            return f'"[" ({item} ("," {item})*)? "]"'
+        if kind == "object" and isinstance(schema.get("properties"), Mapping):
+            return self._object(schema, depth)
+        return "object" if kind == "object" else "value"
+
+    def _object(self, schema: Mapping[str, Any], depth: int) -> str:
+        """``{`` the properties in sorted order, each required one present, then ``}``: rule ``r[i][first]``
+        is the members from the i-th on (``first``: no member before it, so no comma)."""
+        props = sorted(schema["properties"].items())
+        required = set(schema.get("required") or ())
+        members = [f'{json.dumps(k + ":", ensure_ascii=False)} {self.of(v, depth + 1)}' for k, v in props]
+        optional_from = [all(k not in required for k, _ in props[i:]) for i in range(len(props) + 1)]
+        names: dict[tuple[int, bool], str] = {}
+
+        def ref(i: int, first: bool, skippable: bool = True) -> str:
+            if i == len(props):
+                return ""
+            if (i, first) not in names:
+                take = f'{"" if first else chr(34) + "," + chr(34)} {members[i]} {ref(i + 1, False)}'
+                skip = f" | {ref(i + 1, first, False)}" if props[i][0] not in required and i + 1 < len(props) else ""
+                names[i, first] = self._add(f"({take}){skip}")
+            return names[i, first] + ("?" if skippable and optional_from[i] else "")
+
+        return f'"{{" {ref(0, True)} "}}"'
 
 
 # how deeply a request's tool arguments and parameter schemas may nest (real ones nest a few levels;
