@@ -14,9 +14,10 @@ _CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 
 
-def _llama3_like(digits: str) -> str:
-    return (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|" + digits
-            + r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+def _llama3_like(digits: str, *, contractions: bool = True, symbols: str = r" ?[^\s\p{L}\p{N}]+[\r\n]*",
+                 newlines: str = r"\s*[\r\n]+", spaces: str = r"\s+(?!\S)|\s+") -> str:
+    return ((_CONTRACTIONS + "|" if contractions else "") + r"[^\r\n\p{L}\p{N}]?\p{L}+|" + digits
+            + "|" + symbols + "|" + newlines + "|" + spaces)
 
 
 _GPT4O = (  # o200k (GPT-4o, gpt-oss), as its tokenizer.json has it
@@ -34,6 +35,25 @@ _DEEPSEEK_LETTERS = (
     "ↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ\U00010400-\U0001044f𐒰-𐓓𐓘-𐓻"
     "𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃"
 )
+# DeepSeek-V3's words: an ASCII symbol may lead an ASCII word; letters keep their marks
+_DEEPSEEK3_WORDS = (r"[!-/:-@\[-`{-~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*"
+                    r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_KANA_HAN = "[一-龥぀-ゟ゠-ヿ]+"
+# A digit run cut into groups of three from its right end; the text before the run joins its
+# first group (llama.cpp's AFMoE and Tiny Aya splitter leaves it there).
+_DIGIT_GROUPS = r"(?:^|(?<=\p{N}))\P{N}*\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))"
+# llama.cpp reads case classes through its regex engine, which knows only ASCII case: "upper"
+# is any letter but a-z, "lower" any letter but A-Z (so "камеРА" stays one word).
+_UPPERISH, _LOWERISH = r"[^\P{L}a-z]", r"[^\P{L}A-Z]"
+# AFMoE's East and Southeast Asian scripts; U+8C48 (not U+F900) starts the third span in llama.cpp,
+# so it also takes in Hangul, Yi and more
+_AFMOE_ASIAN = ("[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f"
+                "\u2f00-\u2fdf\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f"
+                "\ua9e0-\ua9ff\uac00-\ud7af\u1100-\u11ff]+")
+# Jais 2's whitespace runs, cut in powers of two
+_POWERS_OF_TWO_SPACES = "".join(rf"\s{{{n}}}(?!\S)|" for n in (512, 256, 128, 64, 32, 16, 8, 4)) + r"\s{1,2}(?!\S)|\s"
+# Kimi K2's Han, as llama.cpp's splitter has it: the CJK ideograph blocks
+_KIMI_HAN = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002a6df\U0002a700-\U0002ebef\U0002f800-\U0002fa1f"
 
 _PATTERNS: dict[str, list[str]] = {
     "default": [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"],
@@ -54,6 +74,35 @@ _PATTERNS: dict[str, list[str]] = {
     "gpt-4o": [_GPT4O],
     "bloom": [r" ?[^(\s|.,!?…。，、।۔،)]+"],
     "viking": [r" ?[^(\s|.,!?…。，、।۔،)]+", r"\p{N}"],
+    "deepseek-v3": [r"\p{N}{1,3}", _KANA_HAN, _DEEPSEEK3_WORDS],
+    "spark2_5": [r"\p{N}{1,3}", _KANA_HAN, r"[!-/:-@\[-`{-~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+                 r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+", r"\p{N}"],
+    "afmoe": [_DIGIT_GROUPS, _AFMOE_ASIAN, _DEEPSEEK3_WORDS],
+    "youtu": ["[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|[一-龥぀-ゟ゠-ヿ]+",
+              # the tokenizer.json's case classes, as llama.cpp reads them: letters and marks
+              r"[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+" + _CONTRACTIONS + r"?|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "tiny_aya": [_DIGIT_GROUPS, r"[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+" + _CONTRACTIONS
+                 + r"?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "tekken": [rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}+{_LOWERISH}*"
+               r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "granite-embed-multi-97m": [  # tekken's case classes, with marks counted as letters of both cases
+        r"[^\r\n\p{L}\p{N}]?(?:(?![a-z])[\p{L}\p{M}])*(?:(?![A-Z])[\p{L}\p{M}])+" + _CONTRACTIONS + "?"
+        r"|[^\r\n\p{L}\p{N}]?(?:(?![a-z])[\p{L}\p{M}])+(?:(?![A-Z])[\p{L}\p{M}])*" + _CONTRACTIONS + "?"
+        r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "kimi-k2": [rf"[{_KIMI_HAN}]+|[^\r\n\p{{L}}\p{{N}}]?[^\P{{L}}{_KIMI_HAN}]+{_CONTRACTIONS}?"
+                r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+    "jais-2": [_llama3_like(r"\p{N}{1,3}", spaces=_POWERS_OF_TWO_SPACES)],
+    "minicpm5": [r"\p{N}{1,3}", _llama3_like(r"\p{N}+")],
+    "ufakzeka": [_llama3_like(r"\p{N}", contractions=False)],  # Turkish suffixes after an apostrophe stay on
+    "seed-coder": [_llama3_like(r"\p{N}", symbols=r" ?[^\s\p{L}\p{N}]+")],
+    "bailingmoe": [_llama3_like(r"\p{N}", newlines=r"\s*[\r\n]")],
+    "laguna": [r"\n+", _llama3_like(r"\p{N}")],
+    "exaone-moe": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+                   r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"],  # words joined by single spaces
+    "superbpe": [r"\p{N}+", "(?=(?:[0-9]{3})+(?![0-9]))"],  # numbers in threes from the right; words span spaces
+    "chameleon": ["<sentinel:[0-9]+>", "IMGIMG[A-I]{1,4}Z", "[\t\n]|    |  ", r"\p{N}",
+                  r"[\p{P}!-/:-@\[-`{-~]", _GPT2],
 }
 
 # tokenizer.ggml.pre value -> key of _PATTERNS
@@ -75,6 +124,15 @@ _ALIASES = {
     "poro-chat": "bloom", "bloom": "bloom", "gpt3-finnish": "bloom", "viking": "viking",
     "default": "default", "falcon": "falcon", "gpt-4o": "gpt-4o", "llama4": "gpt-4o",
     "deepseek-llm": "deepseek-llm", "deepseek-coder": "deepseek-coder",
+    "deepseek-v3": "deepseek-v3", "hunyuan-dense": "deepseek-v3", "joyai-llm": "deepseek-v3",
+    "hy_v4": "deepseek-v3", "spark2_5": "spark2_5", "afmoe": "afmoe", "youtu": "youtu",
+    "tiny_aya": "tiny_aya", "cohere2moe": "tiny_aya", "tekken": "tekken",
+    "granite-embed-multi-97m": "granite-embed-multi-97m", "kimi-k2": "kimi-k2", "jais-2": "jais-2",
+    "minicpm5": "minicpm5", "ufakzeka": "ufakzeka", "seed-coder": "seed-coder",
+    "bailingmoe": "bailingmoe", "bailingmoe2": "bailingmoe", "llada-moe": "bailingmoe",
+    "laguna": "laguna", "exaone-moe": "exaone-moe", "superbpe": "superbpe", "chameleon": "chameleon",
+    "grok-2": "qwen2", "hunyuan": "qwen2", "solar-open": "qwen2",
+    "minimax-m2": "gpt-4o", "kanana2": "gpt-4o", "talkie": "gpt-4o",
 }
 
 
