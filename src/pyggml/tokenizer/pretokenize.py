@@ -25,7 +25,8 @@ _GPT4O = (  # o200k (GPT-4o, gpt-oss), as its tokenizer.json has it
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
     r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
-_CJK = "[一-龥ࠀ-一가-퟿]+"
+# (llama.cpp's engine sees any non-ASCII space as \v here, so the ones in U+0800-U+4E00 stay out)
+_CJK = r"(?:(?!\s)[一-龥ࠀ-一가-퟿])+"
 # Cased letters (Lu, Ll, Lt), as ranges. Escapes mark code points that Unicode
 # normalisation would replace with a look-alike (e.g. KELVIN SIGN -> K).
 _DEEPSEEK_LETTERS = (
@@ -96,7 +97,6 @@ _PATTERNS: dict[str, list[str]] = {
     "minicpm5": [r"\p{N}{1,3}", _llama3_like(r"\p{N}+")],
     "ufakzeka": [_llama3_like(r"\p{N}", contractions=False)],  # Turkish suffixes after an apostrophe stay on
     "seed-coder": [_llama3_like(r"\p{N}", symbols=r" ?[^\s\p{L}\p{N}]+")],
-    "bailingmoe": [_llama3_like(r"\p{N}", newlines=r"\s*[\r\n]")],
     "laguna": [r"\n+", _llama3_like(r"\p{N}")],
     "exaone-moe": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
                    r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"],  # words joined by single spaces
@@ -129,7 +129,7 @@ _ALIASES = {
     "tiny_aya": "tiny_aya", "cohere2moe": "tiny_aya", "tekken": "tekken",
     "granite-embed-multi-97m": "granite-embed-multi-97m", "kimi-k2": "kimi-k2", "jais-2": "jais-2",
     "minicpm5": "minicpm5", "ufakzeka": "ufakzeka", "seed-coder": "seed-coder",
-    "bailingmoe": "bailingmoe", "bailingmoe2": "bailingmoe", "llada-moe": "bailingmoe",
+    "bailingmoe": "qwen2", "bailingmoe2": "qwen2", "llada-moe": "qwen2",
     "laguna": "laguna", "exaone-moe": "exaone-moe", "superbpe": "superbpe", "chameleon": "chameleon",
     "grok-2": "qwen2", "hunyuan": "qwen2", "solar-open": "qwen2",
     "minimax-m2": "gpt-4o", "kanana2": "gpt-4o", "talkie": "gpt-4o",
