@@ -171,9 +171,9 @@ def revealing_keys(src: Path, pre: str, texts: list[str]) -> dict[str, Any]:
             merge(left, right)
     n = len(tokens)
     changed = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges + _field(src, "tokenizer.ggml.merges")}
-    for key in ("tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+    for key, fill in (("tokenizer.ggml.token_type", 1), ("tokenizer.ggml.scores", 0.0)):  # NORMAL, no score
         if (old := _field(src, key)) is not None:
-            changed[key] = old + [old[0] * 0 + (1 if key.endswith("type") else 0)] * (n - len(old))
+            changed[key] = old + [fill] * (n - len(old))
     changed |= {key: n for key, _, _, _ in _typed_fields(src)[1] if key.endswith(".vocab_size")}
     return changed
 

@@ -3,7 +3,11 @@
 Each entry is a list of patterns applied in turn: every pattern cuts each piece
 left by the previous one into its matches and the text between them. The
 patterns are the ones in each model's published ``tokenizer.json`` (case-insensitive
-contractions spelled out), as llama.cpp uses them.
+contractions spelled out), as llama.cpp uses them. Where llama.cpp's regex engine reads a
+pattern otherwise (ASCII-only case, non-ASCII spaces seen as ``\v``, a splitter of its own), the
+pattern here says what llama.cpp does, since its GGUF files are the ones read here; gpt-4o
+alone keeps o200k's own case classes (transformers agrees with it; tests/test_gptoss.py).
+tests/test_pretokenize_llamacpp.py checks every type against llama.cpp.
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)
 
 
 def _llama3_like(digits: str, *, contractions: bool = True, symbols: str = r" ?[^\s\p{L}\p{N}]+[\r\n]*",
-                 newlines: str = r"\s*[\r\n]+", spaces: str = r"\s+(?!\S)|\s+") -> str:
+                 spaces: str = r"\s+(?!\S)|\s+") -> str:
     return ((_CONTRACTIONS + "|" if contractions else "") + r"[^\r\n\p{L}\p{N}]?\p{L}+|" + digits
-            + "|" + symbols + "|" + newlines + "|" + spaces)
+            + "|" + symbols + r"|\s*[\r\n]+|" + spaces)
 
 
 _GPT4O = (  # o200k (GPT-4o, gpt-oss), as its tokenizer.json has it
