@@ -45,8 +45,9 @@ _DEEPSEEK3_WORDS = (r"[!-/:-@\[-`{-~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M
                     r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _KANA_HAN = "[一-龥぀-ゟ゠-ヿ]+"
 # A digit run cut into groups of three from its right end; the text before the run joins its
-# first group (llama.cpp's AFMoE and Tiny Aya splitter leaves it there).
-_DIGIT_GROUPS = r"(?:^|(?<=\p{N}))\P{N}*\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))"
+# first group (llama.cpp's AFMoE and Tiny Aya splitter leaves it there). Only the first group
+# looks ahead to the run's end; the groups after it follow on in threes (linear time).
+_DIGIT_GROUPS = r"(?<=\p{N})\p{N}{3}|(?:^|(?<=\p{N}))\P{N}*\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))"
 # llama.cpp reads case classes through its regex engine, which knows only ASCII case: "upper"
 # is any letter but a-z, "lower" any letter but A-Z (so "камеРА" stays one word).
 _UPPERISH, _LOWERISH = r"[^\P{L}a-z]", r"[^\P{L}A-Z]"
@@ -104,7 +105,9 @@ _PATTERNS: dict[str, list[str]] = {
     "laguna": [r"\n+", _llama3_like(r"\p{N}")],
     "exaone-moe": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
                    r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"],  # words joined by single spaces
-    "superbpe": [r"\p{N}+", "(?=(?:[0-9]{3})+(?![0-9]))"],  # numbers in threes from the right; words span spaces
+    # numbers cut in threes from the right (as in llama.cpp, this lookahead takes time quadratic in
+    # a digit run's length); the words span spaces
+    "superbpe": [r"\p{N}+", "(?=(?:[0-9]{3})+(?![0-9]))"],
     "chameleon": ["<sentinel:[0-9]+>", "IMGIMG[A-I]{1,4}Z", "[\t\n]|    |  ", r"\p{N}",
                   r"[\p{P}!-/:-@\[-`{-~]", _GPT2],
 }
