@@ -56,6 +56,14 @@ _UPPERISH, _LOWERISH = r"[^\P{L}a-z]", r"[^\P{L}A-Z]"
 _AFMOE_ASIAN = ("[\u4e00-\u9fff\u3400-\u4dbf\u8c48-\ufaff\u3040-\u309f\u30a0-\u30ff\uff65-\uff9f"
                 "\u2f00-\u2fdf\u0e40-\u0e7f\u0e80-\u0eff\u1780-\u17ff\u1000-\u109f\uaa60-\uaa7f"
                 "\ua9e0-\ua9ff\uac00-\ud7af\u1100-\u11ff]+")
+# SuperBPE cuts a number before each group of three ASCII digits counted from the right: the
+# cuts of the tokenizer.json's "(?=(?:[0-9]{3})+(?![0-9]))", which looks ahead from every
+# digit (quadratic, as in llama.cpp). Here a match runs from one cut to the next: a run's first
+# cut is found by looking ahead once; the groups after it follow on (\G), and the last one takes
+# what follows up to the next run's first cut.
+_ALIGNED = "(?=(?:[0-9]{3})+(?![0-9]))"
+_SUPERBPE_THREES = (r"(?:\G(?<=[0-9])|(?<=(?:^|[^0-9])[0-9]{0,2})" + _ALIGNED + r")[0-9]{3}"
+                    r"(?:(?=[0-9])|[^0-9]*+(?:[0-9]{1,2}+(?![0-9])[^0-9]*+)*+(?:\Z|[0-9]{0,2}" + _ALIGNED + "))")
 # Jais 2's whitespace runs, cut in powers of two
 _POWERS_OF_TWO_SPACES = "".join(rf"\s{{{n}}}(?!\S)|" for n in (512, 256, 128, 64, 32, 16, 8, 4)) + r"\s{1,2}(?!\S)|\s"
 # Kimi K2's Han, as llama.cpp's splitter has it: the CJK ideograph blocks
@@ -105,9 +113,7 @@ _PATTERNS: dict[str, list[str]] = {
     "laguna": [r"\n+", _llama3_like(r"\p{N}")],
     "exaone-moe": [_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
                    r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+"],  # words joined by single spaces
-    # numbers cut in threes from the right (as in llama.cpp, this lookahead takes time quadratic in
-    # a digit run's length); the words span spaces
-    "superbpe": [r"\p{N}+", "(?=(?:[0-9]{3})+(?![0-9]))"],
+    "superbpe": [r"\p{N}+", _SUPERBPE_THREES],  # the words span spaces
     "chameleon": ["<sentinel:[0-9]+>", "IMGIMG[A-I]{1,4}Z", "[\t\n]|    |  ", r"\p{N}",
                   r"[\p{P}!-/:-@\[-`{-~]", _GPT2],
 }
