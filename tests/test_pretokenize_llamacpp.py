@@ -230,3 +230,24 @@ def test_unknown_pre_is_refused_by_name() -> None:
              "tokenizer.ggml.tokens": ["a", "b", "ab"], "tokenizer.ggml.merges": ["a b"]}
     with pytest.raises(ValueError, match=r"unsupported tokenizer.ggml.pre 'no-such-pre' \(supported: .*deepseek-v3"):
         from_metadata(vocab)
+
+
+@pytest.mark.parametrize(("pre", "reference"), [
+    # the tokenizer.json's own lookahead, which llama.cpp runs (time quadratic in a digit run)
+    ("superbpe", [r"\p{N}+", "(?=(?:[0-9]{3})+(?![0-9]))"]),
+    # llama.cpp's AFMoE digit splitter, as one lookahead per group
+    ("afmoe", [r"(?:^|(?<=\p{N}))\P{N}*\p{N}{1,3}(?=(?:\p{N}{3})*(?!\p{N}))"]),
+])
+def test_linear_digit_groups_cut_as_the_lookahead(pre: str, reference: list[str]) -> None:
+    """The linear-time digit patterns cut where their plainer quadratic forms do (no llama.cpp needed)."""
+    import random
+
+    import regex
+
+    rng = random.Random(0)
+    ours = patterns_for(pre)[:len(reference)]
+    plain = [regex.compile(p) for p in reference]
+    for _ in range(20_000):
+        text = "".join(rng.choice("0123456789٣²½a \n") if rng.random() < 0.4 else rng.choice("0123")
+                       for _ in range(rng.randint(0, 16)))
+        assert split_words(text, ours) == split_words(text, plain), text
