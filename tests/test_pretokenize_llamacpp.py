@@ -203,6 +203,8 @@ def check_pre(vocab: str, pre: str, tmp_path: Path, *, reveal: bool = False) -> 
             if got != expected:
                 mismatches.append((text, got, expected))
         assert not mismatches, f"{len(mismatches)} texts differ, first: {mismatches[0]}"
+        # BOS: where the file has no tokenizer.ggml.add_bos_token (gpt-2, llama-bpe), the type decides
+        assert tok.encode("Hi", add_special=True) == ref.tokenize(b"Hi", add_bos=True, special=False)
     finally:
         path.unlink()
 

@@ -142,6 +142,7 @@ _ALIASES = {
     "tiny_aya": "tiny_aya", "cohere2moe": "tiny_aya", "tekken": "tekken",
     "granite-embed-multi-97m": "granite-embed-multi-97m", "kimi-k2": "kimi-k2", "jais-2": "jais-2",
     "minicpm5": "minicpm5", "ufakzeka": "ufakzeka", "seed-coder": "seed-coder",
+    # Ling's regex has \s*[\r\n] for qwen2's \s*[\r\n]+: both end at the last newline of a run
     "bailingmoe": "qwen2", "bailingmoe2": "qwen2", "llada-moe": "qwen2",
     "laguna": "laguna", "exaone-moe": "exaone-moe", "superbpe": "superbpe", "chameleon": "chameleon",
     "grok-2": "qwen2", "hunyuan": "qwen2", "solar-open": "qwen2",
