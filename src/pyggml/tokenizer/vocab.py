@@ -36,12 +36,13 @@ _FIM_EOG = ("fim_pad", "fim_rep", "fim_sep")
 HARMONY_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
 _LOOKED_UP = EOG_TEXTS.union(*FIM_TEXTS.values(), HARMONY_SHOWN)
 
-# tokenizer.ggml.pre values whose defaults differ from plain BPE: llama3-style
-# vocabularies add BOS, and they and GLM take whole-token pre-tokens as they are;
-# RoBERTa-style embedding vocabularies add a separator.
+# tokenizer.ggml.pre values whose defaults differ from plain BPE: llama3-style, Tekken and
+# Chameleon vocabularies add BOS; llama3-style, GLM, Tekken and a few more take whole-token
+# pre-tokens as they are; RoBERTa-style embedding vocabularies add a separator.
 LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
                         "midm-2.0", "lfm2", "jina-v5-nano"})
-IGNORE_MERGES_PRE = LLAMA3_PRE | {"glm4", "glm5"}
+ADD_BOS_PRE = LLAMA3_PRE | {"tekken", "chameleon"}
+IGNORE_MERGES_PRE = LLAMA3_PRE | {"glm4", "glm5", "tekken", "youtu", "granite-embed-multi-97m", "minicpm5"}
 SEP_PRE = frozenset({"jina-v1-en", "jina-v2-code", "roberta-bpe"})
 
 
@@ -131,7 +132,7 @@ class Vocab:
         else:
             bos, eos, unk = token_id("bos_token_id"), token_id("eos_token_id"), token_id("unknown_token_id")
             sep = token_id("seperator_token_id")
-            add_bos, add_eos, add_sep = pre in LLAMA3_PRE, False, pre in SEP_PRE
+            add_bos, add_eos, add_sep = pre in ADD_BOS_PRE, False, pre in SEP_PRE
         fim: dict[str, int] = {}
         eog = _end_of_generation(tokens, types, token_id, fim)
         return cls(
