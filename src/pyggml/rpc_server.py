@@ -550,7 +550,10 @@ class Worker:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # it ended (and was reaped by another thread's wait) since the poll
+                pass
         self.proc.wait()
         self.proc.stdin.close()
         sock = getattr(self, "sock", None)
