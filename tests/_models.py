@@ -9,10 +9,18 @@
   construction rather than by luck).
 - ``with_chat_template(src, dst, template)``: a byte-for-byte copy of a GGUF with one more key,
   ``tokenizer.chat_template`` (e.g. stories260K, a trained model, with a multi-turn template).
+
+And the scaffolding of the per-architecture parity tests (tests/test_<arch>.py): ``converted_cases`` (a
+module fixture's converted tiny checkpoints), ``logits_match_in_batches`` (one batch, cut batches, token by
+token), ``sequences_match_transformers`` (several sequences at once), ``refuses_config`` (a config the
+converter must refuse) and ``shifted_keys`` (a context shift's keys per layer), all measured with ``error``
+against ``reference`` (transformers' logits).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import string
 import struct
 from pathlib import Path
@@ -262,7 +270,8 @@ def check_mmproj_split(path: Path, tmp_path: Path, prompt: str, image: bytes, nu
 
 def converted_cases(root: Path, make, cases: dict[str, dict]):
     """A module fixture's ``converted(case, out_type="f32")``: (path of the file our converter wrote, HF model,
-    HF tokenizer) for ``make(root, **cases[case])`` (an ``hf_fixtures.make_tiny_*``), each made once."""
+    HF tokenizer) for ``make(root, **cases[case])`` (an ``hf_fixtures.make_tiny_*``), each made once;
+    ``converted.hf_dirs[case]``: the checkpoint's folder."""
     import transformers
 
     from pyggml.convert import convert_hf
@@ -273,8 +282,86 @@ def converted_cases(root: Path, make, cases: dict[str, dict]):
         if case not in hf:
             hf_dir, model = make(root, **cases[case])
             hf[case] = hf_dir, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
+            get.hf_dirs[case] = hf_dir
         if (case, out_type) not in done:
             done[case, out_type] = convert_hf(hf[case][0], root / f"{case}-{out_type}.gguf", out_type)
         return done[case, out_type], hf[case][1], hf[case][2]
 
+    get.hf_dirs = {}
     return get
+
+
+# ---- our logits against transformers' -------------------------------------------------------------------
+
+def reference(model, tokens: list[int]) -> np.ndarray:
+    """Transformers' logits (len(tokens), vocab) of one sequence."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def error(ours: np.ndarray, theirs: np.ndarray) -> float:
+    """max |ours - theirs| / max |theirs|: the relative error every parity test bounds."""
+    assert ours.shape == theirs.shape
+    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+
+
+def logits_match_in_batches(path: Path, model, tokens: list[int], tolerance: float,
+                            batch_sizes: tuple[int, ...] = (512, 3, 1), num_ctx: int = 64,
+                            text: str | None = None) -> None:
+    """The file at ``path`` gives transformers' ``model``'s logits for ``tokens`` (error below ``tolerance``, F32
+    cache) with the prompt cut into batches of each of ``batch_sizes`` (the whole prompt, batches that cut windows
+    or chunks, token by token); ``text``: the prompt's text, which our tokenizer must encode as ``tokens``."""
+    import pyggml
+
+    expected = reference(model, tokens)
+    for batch_size in batch_sizes:
+        with pyggml.load(path, n_threads=2, num_ctx=num_ctx, batch_size=batch_size, cache_type="f32") as llm:
+            if text is not None:
+                assert llm.tokenize(text) == tokens
+            assert error(llm.logits(tokens), expected) < tolerance, batch_size
+
+
+def sequences_match_transformers(path: Path, model, prompts: list[list[int]], tolerance: float, **kwargs) -> None:
+    """Each prompt's logits, all scored at once by one runner (``logits_from_threads``, ``kwargs`` passed on), equal
+    transformers' for that prompt alone (error below ``tolerance``)."""
+    results = logits_from_threads(path, prompts, **kwargs)
+    for tokens, ours in zip(prompts, results, strict=True):
+        assert error(ours, reference(model, tokens)) < tolerance
+
+
+def refuses_config(hf_dir: Path, tmp_path: Path, change: dict, message: str) -> None:
+    """A copy of the checkpoint ``hf_dir`` with ``change`` merged into its config.json is refused by the converter
+    (a ValueError matching ``message``), which leaves no file behind."""
+    import pytest
+
+    from pyggml.convert import convert_hf
+
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    config = json.loads((bad / "config.json").read_text()) | change
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        convert_hf(bad, tmp_path / "m.gguf", "f32")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def shifted_keys(tmp_path: Path, arch: str, n_layers: int = 4) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Random keys (3 tokens, 2 KV heads, 16) and, per layer, what the synthetic ``arch`` model's context shift
+    makes of them when they move back 5 positions."""
+    from pyggml import BackendParams, models, nn
+    from pyggml.synthetic import write_model
+
+    from .test_architectures import TINY
+
+    model = models.load(write_model(tmp_path / "m.gguf", arch, TINY[arch], "f32", seed=3), BackendParams(n_threads=2))
+    try:
+        keys = np.random.default_rng(0).standard_normal((3, 2, 16)).astype(np.float32)  # (tokens, kv heads, dim)
+        with model.backend.new_context() as ctx:
+            key, delta = ctx.from_numpy(keys), nn.int32_input(ctx, [-5, -5, -5])
+            shifted = [model.shift(ctx, layer, key, delta) for layer in range(n_layers)]
+            ctx.compute(*shifted)
+            return keys, [s.numpy() for s in shifted]
+    finally:
+        model.close()

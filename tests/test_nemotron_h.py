@@ -15,9 +15,8 @@ from pyggml import models
 from pyggml.convert import convert_hf
 from pyggml.models import ModelError
 from pyggml.synthetic import write_model
-from tests._models import converted_cases
 
-from ._models import logits_from_threads
+from ._models import converted_cases, error, logits_match_in_batches, reference, sequences_match_transformers
 from .test_architectures import TINY
 from .test_convert import needs_llama_cpp
 
@@ -29,7 +28,7 @@ from .test_granitehybrid import (  # noqa: E402  (the Mamba-2 hybrids' shared ch
     extended_prompt_resumes_and_equals_a_fresh_run,
     interleaved_rows_equal_each_alone,
 )
-from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+from .test_qwen import TEXTS, llama_cpp_agrees  # noqa: E402
 
 CASES = {"mamba-mlp-attention": dict(),  # M - * - M -
          # attention first and last, two Mamba-2 blocks in a row; layers named by hybrid_override_pattern
@@ -50,19 +49,13 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
     path, model, tokenizer = converted(case)
     tokens = tokenizer.encode(LONG)
     assert len(tokens) > 3 * 8
-    expected = reference(model, tokens)
-    for batch_size in (512, 5, 1):  # the whole prompt; batches that cut windows and chunks; token by token
-        with pyggml.load(path, n_threads=2, num_ctx=96, batch_size=batch_size, cache_type="f32") as llm:
-            assert llm.tokenize(LONG) == tokens
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    # the whole prompt; batches that cut windows and chunks; token by token
+    logits_match_in_batches(path, model, tokens, TOLERANCE, batch_sizes=(512, 5, 1), num_ctx=96, text=LONG)
 
 
 def test_several_sequences_at_once_match_transformers(converted):
     path, model, tokenizer = converted("mamba-mlp-attention")
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    results = logits_from_threads(path, prompts)
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, [tokenizer.encode(t) for t in TEXTS], TOLERANCE)
 
 
 def test_two_sequences_of_unequal_lengths_in_one_batch_equal_each_alone(tmp_path):
