@@ -122,9 +122,14 @@ def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, converted):
 @needs_llama_cpp
 def test_a_q8_0_file_keeps_the_mamba_tensors_f32_and_agrees_with_llama_cpp(converted):
     path, model, tokenizer = converted("moe-shared", "q8_0")
+    q8_0_file_keeps_the_mamba_tensors_f32_and_agrees(path, model, tokenizer.encode(LONG))
+
+
+def q8_0_file_keeps_the_mamba_tensors_f32_and_agrees(path, model, tokens: list[int]) -> None:
+    """A converted Q8_0 file quantises layer 0's ssm_in but keeps the scan's small tensors F32, stays within Q8_0's
+    rounding of transformers' ``model`` on ``tokens``, and llama.cpp agrees with it. Shared with nemotron_h."""
     with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
         types = {n: t.dtype.name for n, t in llm.model.backend.tensors().items() if n.startswith("blk.0.")}
-        tokens = tokenizer.encode(LONG)
         # Q8_0 rounding of weights and activations: measured 5%..7% from transformers on these tiny models
         assert error(llm.logits(tokens), reference(model, tokens)) < 0.15
     assert types["blk.0.ssm_in.weight"] == "Q8_0" and all(
