@@ -247,6 +247,40 @@ def image_prompt_logits(llm, prompt: str, image: bytes) -> np.ndarray:
     return last.prompt_logits
 
 
+def images_alone_and_together(model, cases: list[tuple[str, bytes]], num_ctx: int, batch_size: int,
+                               logit_bias: dict[int, float] | None = None):
+    """Each (prompt with an ``[img-0]``, image) of ``cases`` through one runner with a slot per case (3 greedy
+    tokens, prompt logits), first alone, then all at once: ``(alone, together, batches, vision_built)``, where
+    alone and together hold each case's (tokens, prompt logits), batches the runner's batches of the second run
+    (``test_multimodal_runner.record_batches``) and vision_built how many vision graphs the runner built.
+    ``model``: a loaded model, or the path of one to load (and close)."""
+    from pyggml import BackendParams, models
+    from pyggml.runner import CompletionRequest, Runner
+
+    from .test_multimodal_runner import record_batches
+
+    def request(prompt, data):
+        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True,
+                                 **({} if logit_bias is None else {"logit_bias": logit_bias}))
+
+    def read(stream):
+        chunks = list(stream)
+        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
+
+    loaded = models.load(model, BackendParams(n_threads=2)) if isinstance(model, str | Path) else model
+    try:
+        with Runner(loaded, parallel=len(cases), num_ctx=num_ctx, batch_size=batch_size, cache_type="f32",
+                    background=False) as runner:
+            alone = [read(runner.completion(request(*case))) for case in cases]
+            batches = record_batches(runner)
+            streams = [runner.completion(request(*case)) for case in cases]
+            together = [read(stream) for stream in streams]
+            return alone, together, batches, runner.engine.vision_built
+    finally:
+        if loaded is not model:
+            loaded.close()
+
+
 def check_mmproj_split(path: Path, tmp_path: Path, prompt: str, image: bytes, num_ctx: int = 128) -> None:
     """A vision model's file split into text + mmproj (``split_mmproj``, llama.cpp's layout): the text file
     alone takes no images, with the mmproj it gives the single file's image+text logits exactly, and a

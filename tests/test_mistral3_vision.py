@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split
+from tests._models import check_mmproj_split, images_alone_and_together
 
 from .hf_fixtures import make_bpe_tokenizer, png
 from .test_convert import needs_llama_cpp
@@ -236,32 +236,11 @@ def test_converter_writes_llama_cpps_pixtral_names_and_keys(tiny):
 
 
 def test_two_sequences_with_different_images_in_one_batch_equal_each_alone(tiny):
-    from pyggml import BackendParams, models
-    from pyggml.runner import CompletionRequest, Runner
-
-    from .test_multimodal_runner import record_batches
-
     _, _, path, _ = tiny
     cases = [(SHORT, png(30, SIZES["landscape"])), ("the [img-0] dog", png(31, SIZES["portrait"]))]
-
-    def request(prompt, data):
-        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True,
-                                 logit_bias={1: float("-inf")})
-
-    def read(stream):
-        chunks = list(stream)
-        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
-
-    model = models.load(path, BackendParams(n_threads=2))
-    try:
-        with Runner(model, parallel=2, num_ctx=128, batch_size=64, cache_type="f32", background=False) as runner:
-            alone = [read(runner.completion(request(*case))) for case in cases]
-            batches = record_batches(runner)
-            streams = [runner.completion(request(*case)) for case in cases]
-            together = [read(stream) for stream in streams]
-            assert runner.engine.vision_built >= 2  # a graph per grid shape
-    finally:
-        model.close()
+    alone, together, batches, vision_built = images_alone_and_together(path, cases, num_ctx=128, batch_size=64,
+                                                                       logit_bias={1: float("-inf")})
+    assert vision_built >= 2  # a graph per grid shape
     assert [len(index) for _, index in batches if index] == [2]  # both images in the first batch
     for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
         assert tokens_alone == tokens_both
