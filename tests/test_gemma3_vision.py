@@ -249,23 +249,16 @@ def test_server_takes_images_through_both_apis_and_refuses_bad_ones(tiny):
 
     import httpx
 
-    from ._server import post, running_server
+    from ._server import image_through_chat_completions, image_through_generate_and_chat, post, running_server
 
     _, _, path, _ = tiny
     b64 = base64.b64encode(png(9)).decode()
     options = {"temperature": 0, "num_predict": 3}
     with running_server(path, parallel=1, num_ctx=128) as server:
         base, served = server
-        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
-        assert "vision" in show["capabilities"]
-        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
-        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
-                                          "options": options})
+        gen, chat = image_through_generate_and_chat(server, b64)
         assert gen["response"] == chat["message"]["content"]  # the same rendered prompt
-        openai = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
-            {"type": "text", "text": "what is this?"},
-            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}]}],
-            "max_tokens": 3, "temperature": 0})
+        openai = image_through_chat_completions(server, b64)
         assert openai["choices"][0]["message"]["content"] is not None
         bad = [("/api/generate", {"prompt": "x", "images": ["not base64!"]}, "base64"),
                ("/api/generate", {"prompt": "x", "images": [base64.b64encode(b"GIF89a junk").decode()]},

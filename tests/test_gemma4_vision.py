@@ -190,19 +190,11 @@ def test_vision_tower_at_gemma4_dimensions(tmp_path):
 def test_the_server_takes_gemma4_images(tiny):
     import base64
 
-    import httpx
-
-    from ._server import post, running_server
+    from ._server import image_through_generate_and_chat, running_server
 
     b64 = base64.b64encode(png(9)).decode()
     with running_server(tiny[2], parallel=1, num_ctx=256) as server:
-        base, served = server
-        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
-        assert "vision" in show["capabilities"]
-        options = {"temperature": 0, "num_predict": 3}
-        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
-        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
-                                          "options": options})
+        gen, chat = image_through_generate_and_chat(server, b64)
         assert gen["prompt_eval_count"] > SOFT_TOKENS // 2 and chat["prompt_eval_count"] > SOFT_TOKENS // 2
 
 

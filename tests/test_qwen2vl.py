@@ -245,7 +245,7 @@ def test_api_cli_and_server_take_images(tiny, tmp_path, capsys):
     import pyggml
     from pyggml.cli import main
 
-    from ._server import post, running_server
+    from ._server import image_through_generate_and_chat, running_server
 
     data = image_of(SIZES[1], 12)
     b64 = base64.b64encode(data).decode()
@@ -266,12 +266,7 @@ def test_api_cli_and_server_take_images(tiny, tmp_path, capsys):
     capsys.readouterr()
     with running_server(tiny[2], parallel=1, num_ctx=256) as server:
         base, served = server
-        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
-        assert "vision" in show["capabilities"]
-        options = {"temperature": 0, "num_predict": 3}
-        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
-        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
-                                          "options": options})
+        gen, chat = image_through_generate_and_chat(server, b64)
         assert gen["response"] == chat["message"]["content"]  # the same rendered prompt
         bad = httpx.post(base + "/api/generate", json={"model": served.name, "stream": False, "prompt": "x",
                                                        "images": [base64.b64encode(b"GIF89a junk").decode()]},
