@@ -16,7 +16,8 @@ registers it under the Hugging Face ``architectures`` names it converts. The hoo
   place for renames the map lacks (``gpt_oss.py``), transforms with ``source.map`` (``llama.py``'s
   rope permutation, ``gemma2.py``'s ``1 + weight``), splits of fused tensors with ``source.split``
   and merges with ``self.gather`` then ``Source.stack`` (:class:`StackedExperts`, which Qwen 3 MoE, Qwen 3.5
-  MoE and DeepSeek put before their base class);
+  MoE and DeepSeek put before their base class; :class:`TextOfMultimodal`, the text decoder of a checkpoint
+  saved with its vision part);
 - ``extra_tensors()``: tensors computed from the config (``rope_freqs``, ``rope_factors_*``);
 - ``expected()``: every tensor of the file, GGUF name (``{bid}`` per block) -> numpy shape; the file
   must have exactly these, so a missing, unknown or misshapen tensor fails before anything is written,
@@ -281,3 +282,24 @@ class StackedExperts(Architecture):
             yield from super().tensors(name + ".weight", source)
         else:
             yield from super().tensors(name, source)
+
+
+class TextOfMultimodal(Architecture):
+    """The text decoder of a checkpoint saved with its vision part (a ``...ForConditionalGeneration``): config.json's
+    ``text_config`` (with the model's own ``tie_word_embeddings``: transformers writes a default into text_config
+    too), and ``language_model.model.*`` (or ``model.language_model.*``) and ``(language_model.)lm_head.*`` named as
+    the text model's tensors. Listed before the text architecture it extends (``class Llama4Text(TextOfMultimodal,
+    Llama4)``), whose ``skip`` leaves the vision part out (or whose subclass converts it)."""
+
+    def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
+        text = dict(config.get("text_config") or {})
+        if "tie_word_embeddings" in config:
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        super().__init__(hf_dir, text, pooling)
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        if name.endswith("lm_head.weight"):
+            name = "lm_head.weight"
+        else:
+            name = re.sub(r"^(model\.)?language_model\.(model\.)?", "model.", name)
+        return super().tensors(name, source)
