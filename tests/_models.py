@@ -13,8 +13,9 @@
 And the scaffolding of the per-architecture parity tests (tests/test_<arch>.py): ``converted_cases`` (a
 module fixture's converted tiny checkpoints), ``logits_match_in_batches`` (one batch, cut batches, token by
 token), ``sequences_match_transformers`` (several sequences at once), ``refuses_config`` (a config the
-converter must refuse) and ``shifted_keys`` (a context shift's keys per layer), all measured with ``error``
-against ``reference`` (transformers' logits).
+converter must refuse), ``shifted_keys`` (a context shift's keys per layer) and, for vision models,
+``images_alone_and_together`` (two images in one batch vs each alone), all measured with ``scaled_error`` /
+``error`` (the same, for arrays of one shape) against ``reference`` (transformers' logits).
 """
 
 from __future__ import annotations
@@ -335,10 +336,15 @@ def reference(model, tokens: list[int]) -> np.ndarray:
         return model(torch.tensor([tokens])).logits[0].numpy()
 
 
+def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    """max |ours - ref| / max |ref|: the relative error every parity test bounds."""
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
 def error(ours: np.ndarray, theirs: np.ndarray) -> float:
-    """max |ours - theirs| / max |theirs|: the relative error every parity test bounds."""
-    assert ours.shape == theirs.shape
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+    """``scaled_error`` of two arrays of one shape."""
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    return scaled_error(ours, theirs)
 
 
 def logits_match_in_batches(path: Path, model, tokens: list[int], tolerance: float,

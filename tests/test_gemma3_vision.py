@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split, images_alone_and_together
+from tests._models import check_mmproj_split, images_alone_and_together, scaled_error
 
 from .hf_fixtures import make_spm_tokenizer, png
 from .test_convert import needs_llama_cpp
@@ -58,10 +58,6 @@ def tiny(tmp_path_factory):
     processor.save_pretrained(hf_dir)
     path = convert_hf(hf_dir, tmp / "model.gguf", "f32")
     return model, processor, path, (boi, eoi, soft)
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def hf_pixels(processor, data: bytes) -> np.ndarray:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split, images_alone_and_together
+from tests._models import check_mmproj_split, images_alone_and_together, scaled_error
 
 from .hf_fixtures import make_spm_tokenizer, png
 from .test_convert import needs_llama_cpp
@@ -95,10 +95,6 @@ def f16_table_gelu(model):
     finally:
         for m, act in zip(mlps, saved, strict=True):
             m.act_fn = act
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def hf_inputs(processor, data: bytes) -> tuple[np.ndarray, np.ndarray, int]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split, images_alone_and_together
+from tests._models import check_mmproj_split, images_alone_and_together, scaled_error
 
 from .hf_fixtures import make_bpe_tokenizer, png
 from .test_convert import needs_llama_cpp
@@ -92,10 +92,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     return build(tmp_path_factory.mktemp("mistral-small-v"), "mistral")
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def hf_inputs(processor, data: bytes) -> tuple[np.ndarray, list]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split, image_prompt_logits, images_alone_and_together
+from tests._models import check_mmproj_split, image_prompt_logits, images_alone_and_together, scaled_error
 
 from .hf_fixtures import make_qwen_tokenizer, png
 from .test_convert import needs_llama_cpp
@@ -71,10 +71,6 @@ def tiny(tmp_path_factory):
     processor.save_pretrained(hf_dir)
     path = convert_hf(hf_dir, tmp / "model.gguf", "f32")
     return model, processor, path, (start, end, pad)
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def hf_image(processor, data: bytes) -> tuple[np.ndarray, np.ndarray]:

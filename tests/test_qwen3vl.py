@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split, image_prompt_logits
+from tests._models import check_mmproj_split, image_prompt_logits, scaled_error
 
 from .test_convert import needs_llama_cpp
 from .test_qwen2vl import (
@@ -16,7 +16,6 @@ from .test_qwen2vl import (
     hf_image,
     hf_logits,
     image_of,
-    scaled_error,
     two_images_in_one_batch_equal_each_alone,
     vision_tokenizer,
 )
