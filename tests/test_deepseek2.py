@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from pyggml import BackendParams, DType, models
-from pyggml.models import Batch
 
 from ._models import (
     converted_cases,
@@ -22,6 +21,7 @@ from ._models import (
     refuses_config,
     sequences_match_transformers,
 )
+from .test_architectures import forward
 from .test_convert import needs_llama_cpp, read_gguf
 
 torch = pytest.importorskip("torch", reason="the DeepSeek parity tests build HF models with torch")
@@ -56,13 +56,7 @@ def prompt(tokenizer) -> list[int]:
 
 def run(model, tokens: list[int], start: int = 0) -> np.ndarray:
     """Logits of every row of one batch of sequence 0 at positions start.."""
-    batch = Batch(inputs=list(tokens), positions=list(range(start, start + len(tokens))), sequences=[0] * len(tokens),
-                  outputs=list(range(len(tokens))))
-    with model.backend.new_context() as ctx:
-        model.cache.start_forward(ctx, batch)
-        logits = model.forward(ctx, batch)
-        ctx.compute(logits)
-        return logits.numpy()
+    return forward(model, tokens, positions=range(start, start + len(tokens)))
 
 
 def load(path, dtype=DType.F32, capacity=64):
