@@ -9,10 +9,19 @@
   construction rather than by luck).
 - ``with_chat_template(src, dst, template)``: a byte-for-byte copy of a GGUF with one more key,
   ``tokenizer.chat_template`` (e.g. stories260K, a trained model, with a multi-turn template).
+
+And the scaffolding of the per-architecture parity tests (tests/test_<arch>.py): ``converted_cases`` (a
+module fixture's converted tiny checkpoints), ``logits_match_in_batches`` (one batch, cut batches, token by
+token), ``sequences_match_transformers`` (several sequences at once), ``refuses_config`` (a config the
+converter must refuse), ``shifted_keys`` (a context shift's keys per layer) and, for vision models,
+``images_alone_and_together`` (two images in one batch vs each alone), all measured with ``scaled_error`` /
+``error`` (the same, for arrays of one shape) against ``reference`` (transformers' logits).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import string
 import struct
 from pathlib import Path
@@ -239,6 +248,40 @@ def image_prompt_logits(llm, prompt: str, image: bytes) -> np.ndarray:
     return last.prompt_logits
 
 
+def images_alone_and_together(model, cases: list[tuple[str, bytes]], num_ctx: int, batch_size: int,
+                               logit_bias: dict[int, float] | None = None):
+    """Each (prompt with an ``[img-0]``, image) of ``cases`` through one runner with a slot per case (3 greedy
+    tokens, prompt logits), first alone, then all at once: ``(alone, together, batches, vision_built)``, where
+    alone and together hold each case's (tokens, prompt logits), batches the runner's batches of the second run
+    (``test_multimodal_runner.record_batches``) and vision_built how many vision graphs the runner built.
+    ``model``: a loaded model, or the path of one to load (and close)."""
+    from pyggml import BackendParams, models
+    from pyggml.runner import CompletionRequest, Runner
+
+    from .test_multimodal_runner import record_batches
+
+    def request(prompt, data):
+        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True,
+                                 **({} if logit_bias is None else {"logit_bias": logit_bias}))
+
+    def read(stream):
+        chunks = list(stream)
+        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
+
+    loaded = models.load(model, BackendParams(n_threads=2)) if isinstance(model, str | Path) else model
+    try:
+        with Runner(loaded, parallel=len(cases), num_ctx=num_ctx, batch_size=batch_size, cache_type="f32",
+                    background=False) as runner:
+            alone = [read(runner.completion(request(*case))) for case in cases]
+            batches = record_batches(runner)
+            streams = [runner.completion(request(*case)) for case in cases]
+            together = [read(stream) for stream in streams]
+            return alone, together, batches, runner.engine.vision_built
+    finally:
+        if loaded is not model:
+            loaded.close()
+
+
 def check_mmproj_split(path: Path, tmp_path: Path, prompt: str, image: bytes, num_ctx: int = 128) -> None:
     """A vision model's file split into text + mmproj (``split_mmproj``, llama.cpp's layout): the text file
     alone takes no images, with the mmproj it gives the single file's image+text logits exactly, and a
@@ -262,7 +305,8 @@ def check_mmproj_split(path: Path, tmp_path: Path, prompt: str, image: bytes, nu
 
 def converted_cases(root: Path, make, cases: dict[str, dict]):
     """A module fixture's ``converted(case, out_type="f32")``: (path of the file our converter wrote, HF model,
-    HF tokenizer) for ``make(root, **cases[case])`` (an ``hf_fixtures.make_tiny_*``), each made once."""
+    HF tokenizer) for ``make(root, **cases[case])`` (an ``hf_fixtures.make_tiny_*``), each made once;
+    ``converted.hf_dirs[case]``: the checkpoint's folder."""
     import transformers
 
     from pyggml.convert import convert_hf
@@ -273,8 +317,91 @@ def converted_cases(root: Path, make, cases: dict[str, dict]):
         if case not in hf:
             hf_dir, model = make(root, **cases[case])
             hf[case] = hf_dir, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
+            get.hf_dirs[case] = hf_dir
         if (case, out_type) not in done:
             done[case, out_type] = convert_hf(hf[case][0], root / f"{case}-{out_type}.gguf", out_type)
         return done[case, out_type], hf[case][1], hf[case][2]
 
+    get.hf_dirs = {}
     return get
+
+
+# ---- our logits against transformers' -------------------------------------------------------------------
+
+def reference(model, tokens: list[int]) -> np.ndarray:
+    """Transformers' logits (len(tokens), vocab) of one sequence."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].numpy()
+
+
+def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    """max |ours - ref| / max |ref|: the relative error every parity test bounds."""
+    return float(np.abs(ours - ref).max() / np.abs(ref).max())
+
+
+def error(ours: np.ndarray, theirs: np.ndarray) -> float:
+    """``scaled_error`` of two arrays of one shape."""
+    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
+    return scaled_error(ours, theirs)
+
+
+def logits_match_in_batches(path: Path, model, tokens: list[int], tolerance: float,
+                            batch_sizes: tuple[int, ...] = (512, 3, 1), num_ctx: int = 64,
+                            text: str | None = None) -> None:
+    """The file at ``path`` gives transformers' ``model``'s logits for ``tokens`` (error below ``tolerance``, F32
+    cache) with the prompt cut into batches of each of ``batch_sizes`` (the whole prompt, batches that cut windows
+    or chunks, token by token); ``text``: the prompt's text, which our tokenizer must encode as ``tokens``."""
+    import pyggml
+
+    expected = reference(model, tokens)
+    for batch_size in batch_sizes:
+        with pyggml.load(path, n_threads=2, num_ctx=num_ctx, batch_size=batch_size, cache_type="f32") as llm:
+            if text is not None:
+                assert llm.tokenize(text) == tokens
+            assert error(llm.logits(tokens), expected) < tolerance, batch_size
+
+
+def sequences_match_transformers(path: Path, model, prompts: list[list[int]], tolerance: float, **kwargs) -> None:
+    """Each prompt's logits, all scored at once by one runner (``logits_from_threads``, ``kwargs`` passed on), equal
+    transformers' for that prompt alone (error below ``tolerance``)."""
+    results = logits_from_threads(path, prompts, **kwargs)
+    for tokens, ours in zip(prompts, results, strict=True):
+        assert error(ours, reference(model, tokens)) < tolerance
+
+
+def refuses_config(hf_dir: Path, tmp_path: Path, change: dict, message: str) -> None:
+    """A copy of the checkpoint ``hf_dir`` with ``change`` merged into its config.json is refused by the converter
+    (a ValueError matching ``message``), which leaves no file behind."""
+    import pytest
+
+    from pyggml.convert import convert_hf
+
+    bad = tmp_path / "bad"
+    shutil.copytree(hf_dir, bad)
+    config = json.loads((bad / "config.json").read_text()) | change
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message):
+        convert_hf(bad, tmp_path / "m.gguf", "f32")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def shifted_keys(tmp_path: Path, arch: str, n_layers: int = 4) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Random keys (3 tokens, 2 KV heads, 16) and, per layer, what the synthetic ``arch`` model's context shift
+    makes of them when they move back 5 positions."""
+    from pyggml import BackendParams, models, nn
+    from pyggml.synthetic import write_model
+
+    from .test_architectures import TINY
+
+    model = models.load(write_model(tmp_path / "m.gguf", arch, TINY[arch], "f32", seed=3), BackendParams(n_threads=2))
+    try:
+        keys = np.random.default_rng(0).standard_normal((3, 2, 16)).astype(np.float32)  # (tokens, kv heads, dim)
+        with model.backend.new_context() as ctx:
+            key, delta = ctx.from_numpy(keys), nn.int32_input(ctx, [-5, -5, -5])
+            shifted = [model.shift(ctx, layer, key, delta) for layer in range(n_layers)]
+            ctx.compute(*shifted)
+            return keys, [s.numpy() for s in shifted]
+    finally:
+        model.close()

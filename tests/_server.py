@@ -68,6 +68,30 @@ def post(server: tuple, route: str, body: dict) -> dict:
     return response.json()
 
 
+def image_through_generate_and_chat(server: tuple, b64: str) -> tuple[dict, dict]:
+    """The served model lists "vision" (``/api/show``) and answers "what is this?" about the image ``b64`` (base64)
+    through ``/api/generate`` and ``/api/chat`` (greedy, 3 tokens): both answers."""
+    import httpx
+
+    base, served = server
+    show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
+    assert "vision" in show["capabilities"]
+    options = {"temperature": 0, "num_predict": 3}
+    gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
+    chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
+                                      "options": options})
+    return gen, chat
+
+
+def image_through_chat_completions(server: tuple, b64: str) -> dict:
+    """The answer of ``/v1/chat/completions`` to "what is this?" and the image ``b64`` (a data URL; greedy, 3
+    tokens)."""
+    return post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}]}],
+        "max_tokens": 3, "temperature": 0})
+
+
 def text_of(route: str, answer: dict) -> str:
     """The generated text of a non-streamed answer from any of the four generation routes."""
     if route == "/v1/completions":

@@ -149,6 +149,44 @@ def make_spm_tokenizer(out_dir: Path, seed: int = 0, vocab_size: int = 400, symb
     return vocab_size
 
 
+# what ``save_random`` redraws: name suffix(es) -> (offset, scale)
+NORMS_AROUND_1 = {"norm.weight": (1.0, 0.1)}
+SHARP_ROUTER = {"gate.weight": (0.0, 0.5)}  # a router sharp enough that the choice matters
+CORRECTION_BIAS = {"e_score_correction_bias": (0.0, 0.05)}  # DeepSeek V3-style routing's bias (a buffer)
+# norms, kernels, A, D and the time-step bias: decays from fast to slow, time steps around 1
+MAMBA2_REDRAW = NORMS_AROUND_1 | {("conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias"): (0.0, 0.5)}
+BERT_REDRAW = {"LayerNorm.weight": (1.0, 0.1), "bias": (0.0, 0.1)}  # LayerNorm weights, every bias
+
+
+def new_checkpoint(tmp_path: Path, name: str, seed: int, make_tokenizer=make_bpe_tokenizer) -> tuple[Path, int]:
+    """The folder ``tmp_path/name`` (made) with a tokenizer ``make_tokenizer(folder, seed)`` in it, and the
+    embedding's rows: the vocabulary padded to a multiple of 32, as many real checkpoints are."""
+    hf_dir = Path(tmp_path) / name
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    n_tokens = make_tokenizer(hf_dir, seed)
+    return hf_dir, -(-n_tokens // 32) * 32
+
+
+def save_random(hf_dir: Path, model_cls, config, seed: int, redraw: dict, buffers: dict | None = None,
+                model_kwargs: dict | None = None, **save_kwargs: Any) -> tuple[Path, Any]:
+    """Build ``model_cls(config)`` from ``seed`` (float32, eval mode), redraw as ``offset + scale * randn`` the
+    parameters (and ``buffers``) whose names end with a key of ``redraw`` (a suffix or a tuple of them, mapped to
+    ``(offset, scale)``; the first key that matches counts), so that a swapped or misplaced one shows in the parity
+    tests, and save it to ``hf_dir``. Returns ``(hf_dir, model)``."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config, **(model_kwargs or {})).float().eval()
+    with torch.no_grad():
+        for tensors, keys in ((model.named_parameters(), redraw), (model.named_buffers(), buffers or {})):
+            for name, t in tensors:
+                offset, scale = next((v for k, v in keys.items() if name.endswith(k)), (None, None))
+                if scale is not None:
+                    t.copy_(offset + scale * torch.randn_like(t))
+    model.save_pretrained(hf_dir, **save_kwargs)
+    return hf_dir, model
+
+
 def make_tiny_llama(
     tmp_path: Path,
     *,
@@ -174,7 +212,6 @@ def make_tiny_llama(
     are randomised around 1 and biases around 0 so that a
     swapped or missing one shows up in parity tests.
     """
-    import torch
     import transformers
 
     hf_dir = Path(tmp_path) / f"tiny-{arch}-{vocab}-kv{n_kv_heads}-{'tied' if tie else 'untied'}-s{seed}"
@@ -225,23 +262,13 @@ def make_tiny_llama(
         num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=n_kv_heads,
         max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0, initializer_range=0.05,
         tie_word_embeddings=tie, bos_token_id=bos, eos_token_id=eos, **extra)
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):  # Qwen 2's q/k/v biases (initialised to zero)
-                p.copy_(0.1 * torch.randn_like(p))
-
     kwargs: dict[str, Any] = {}
-    params = inspect.signature(model.save_pretrained).parameters
-    if "safe_serialization" in params:  # transformers 4.x; 5.x always writes safetensors
-        kwargs["safe_serialization"] = True
+    if "safe_serialization" in inspect.signature(model_cls.save_pretrained).parameters:  # transformers 4.x; 5.x
+        kwargs["safe_serialization"] = True  # always writes safetensors
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size
-    model.save_pretrained(hf_dir, **kwargs)
-    return hf_dir, model
+    # Qwen 2's q/k/v biases are initialised to zero
+    return save_random(hf_dir, model_cls, config, seed, NORMS_AROUND_1 | {"bias": (0.0, 0.1)}, **kwargs)
 
 
 def make_tiny_lfm2(tmp_path: Path, *, layer_types: tuple[str, ...] = ("conv", "full_attention", "conv", "conv"),
@@ -252,15 +279,12 @@ def make_tiny_lfm2(tmp_path: Path, *, layer_types: tuple[str, ...] = ("conv", "f
     weights are randomised around 1. ``auto_adjust_ff``: the MLP width is derived from ``block_ff_dim``
     (2/3 of it, rounded up to ``block_multiple_of``) as in the released checkpoints. ``moe``: an LFM2-MoE
     model (the first layer dense, then 8 experts of 32, 2 chosen per token, a random expert bias)."""
-    import torch
     import transformers
 
     kinds = "".join(t[0] for t in layer_types)
-    hf_dir = Path(tmp_path) / f"tiny-lfm2{'moe' if moe else ''}-{kinds}-k{conv_taps}-s{seed}"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    hf_dir, vocab_rows = new_checkpoint(tmp_path, f"tiny-lfm2{'moe' if moe else ''}-{kinds}-k{conv_taps}-s{seed}", seed)
     common = dict(
-        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, num_hidden_layers=len(layer_types), num_attention_heads=4,
+        vocab_size=vocab_rows, hidden_size=64, num_hidden_layers=len(layer_types), num_attention_heads=4,
         num_key_value_heads=n_kv_heads, max_position_embeddings=256, norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, layer_types=list(layer_types),
         conv_L_cache=conv_taps, initializer_range=0.05, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1,
@@ -268,25 +292,16 @@ def make_tiny_lfm2(tmp_path: Path, *, layer_types: tuple[str, ...] = ("conv", "f
     if moe:
         config = transformers.Lfm2MoeConfig(intermediate_size=96, moe_intermediate_size=32, num_experts=8,
                                             num_experts_per_tok=2, num_dense_layers=1, **common)
-        model = transformers.Lfm2MoeForCausalLM
+        model_cls = transformers.Lfm2MoeForCausalLM
     else:
         config = transformers.Lfm2Config(intermediate_size=144 if auto_adjust_ff else 96,
                                          block_auto_adjust_ff_dim=auto_adjust_ff, block_multiple_of=32,
                                          block_ffn_dim_multiplier=1.0, **common)
-        model = transformers.Lfm2ForCausalLM
-    torch.manual_seed(seed)
-    model = model(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("conv.conv.weight"):  # taps of either sign and size, so that a misplaced one shows
-                p.copy_(0.5 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):  # large enough to change which experts are chosen
-                b.copy_(0.5 * torch.randn_like(b))
-    model.save_pretrained(hf_dir)
-    return hf_dir, model
+        model_cls = transformers.Lfm2ForCausalLM
+    # taps of either sign and size, so that a misplaced one shows; an expert bias large enough to change which
+    # experts are chosen
+    return save_random(hf_dir, model_cls, config, seed, NORMS_AROUND_1 | {"conv.conv.weight": (0.0, 0.5)},
+                       buffers={"expert_bias": (0.0, 0.5)})
 
 
 def make_tiny_granitehybrid(tmp_path: Path, *, layer_types: tuple[str, ...] = ("mamba", "attention", "mamba", "mamba"),
@@ -297,15 +312,13 @@ def make_tiny_granitehybrid(tmp_path: Path, *, layer_types: tuple[str, ...] = ("
     48; else the shared MLP alone. ``rope``: rotary positions (Granite 4's hybrids have none). Returns
     ``(hf_dir, hf_model)`` (float32, eval mode); norms, A, D, the time-step bias and the kernels are
     randomised so that a misplaced one shows."""
-    import torch
     import transformers
 
     kinds = "".join(t[0] for t in layer_types)
-    hf_dir = Path(tmp_path) / f"tiny-granitehybrid-{kinds}{'-moe' if moe else ''}{'-rope' if rope else ''}-s{seed}"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    hf_dir, vocab_rows = new_checkpoint(
+        tmp_path, f"tiny-granitehybrid-{kinds}{'-moe' if moe else ''}{'-rope' if rope else ''}-s{seed}", seed)
     config = transformers.GraniteMoeHybridConfig(
-        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
+        vocab_size=vocab_rows, hidden_size=64, intermediate_size=32, shared_intermediate_size=48,
         num_hidden_layers=len(layer_types), num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         rms_norm_eps=1e-5, num_local_experts=4 if moe else 0, num_experts_per_tok=2, layer_types=list(layer_types),
         mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8,
@@ -313,18 +326,7 @@ def make_tiny_granitehybrid(tmp_path: Path, *, layer_types: tuple[str, ...] = ("
         position_embedding_type="rope" if rope else None,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         initializer_range=0.05, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    torch.manual_seed(seed)
-    model = transformers.GraniteMoeHybridForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(("conv1d.weight", "conv1d.bias")):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith(("A_log", "D", "dt_bias")):  # decays from fast to slow, time steps around 1
-                p.copy_(0.5 * torch.randn_like(p))
-    model.save_pretrained(hf_dir)
-    return hf_dir, model
+    return save_random(hf_dir, transformers.GraniteMoeHybridForCausalLM, config, seed, MAMBA2_REDRAW)
 
 
 def make_tiny_nemotron_h(tmp_path: Path, *, pattern: str = "M-*-M-", pattern_key: bool = False,
@@ -335,30 +337,17 @@ def make_tiny_nemotron_h(tmp_path: Path, *, pattern: str = "M-*-M-", pattern_key
     the released checkpoints' ``hybrid_override_pattern`` string, not ``layers_block_type``. Returns
     ``(hf_dir, hf_model)`` (float32, eval mode); norms, A, D, the time-step bias and the kernels are
     randomised so that a misplaced one shows."""
-    import torch
     import transformers
 
     kinds = {"M": "linear_attention", "*": "full_attention", "-": "mlp"}
-    hf_dir = Path(tmp_path) / f"tiny-nemotron-h-{pattern.replace('*', 'A')}-s{seed}"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    hf_dir, vocab_rows = new_checkpoint(tmp_path, f"tiny-nemotron-h-{pattern.replace('*', 'A')}-s{seed}", seed)
     config = transformers.NemotronHConfig(
-        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, layers_block_type=[kinds[c] for c in pattern],
+        vocab_size=vocab_rows, hidden_size=64, layers_block_type=[kinds[c] for c in pattern],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=256,
         mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8,
         layer_norm_epsilon=1e-5, initializer_range=0.05, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
         pad_token_id=2)
-    torch.manual_seed(seed)
-    model = transformers.NemotronHForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith(("conv1d.weight", "conv1d.bias")):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith(("A_log", "D", "dt_bias")):
-                p.copy_(0.5 * torch.randn_like(p))
-    model.save_pretrained(hf_dir)
+    hf_dir, model = save_random(hf_dir, transformers.NemotronHForCausalLM, config, seed, MAMBA2_REDRAW)
     if pattern_key:
         cfg = json.loads((hf_dir / "config.json").read_text())
         cfg.pop("layers_block_type", None)
@@ -372,29 +361,20 @@ def make_tiny_gemma(tmp_path: Path, *, arch: str = "gemma3", n_layers: int = 6, 
     tokenizer. Returns ``(hf_dir, hf_model)`` (float32, eval mode, eager attention). ``sliding_window`` is
     small so that prompts run past it; Gemma 3's default pattern makes layer 5 its first global layer.
     Norm weights (Gemma scales by 1 + w) are randomised around 0."""
-    import torch
     import transformers
 
-    hf_dir = Path(tmp_path) / f"tiny-{arch}-kv{n_kv_heads}-w{sliding_window}-s{seed}"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_spm_tokenizer(hf_dir, seed)
+    hf_dir, vocab_rows = new_checkpoint(tmp_path, f"tiny-{arch}-kv{n_kv_heads}-w{sliding_window}-s{seed}", seed,
+                                        make_spm_tokenizer)
     config_cls, model_cls = {
         "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     config = config_cls(
-        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
+        vocab_size=vocab_rows, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
         num_attention_heads=4, num_key_value_heads=n_kv_heads, head_dim=16, query_pre_attn_scalar=16,
         max_position_embeddings=256, rms_norm_eps=1e-6, sliding_window=sliding_window, initializer_range=0.05,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="eager")
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(0.1 * torch.randn_like(p))
-    model.save_pretrained(hf_dir)
-    return hf_dir, model
+    return save_random(hf_dir, model_cls, config, seed, {"norm.weight": (0.0, 0.1)})
 
 
 def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_kv_heads: int = 2,
@@ -405,14 +385,11 @@ def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_
     that prompts run past it, the default layer pattern (every 4th layer global) unless ``layer_types``;
     ``yarn``: YaRN parameters of the global layers (the sliding ones rotate unscaled). Norm weights (the
     q/k norms included) are randomised around 1."""
-    import torch
     import transformers
 
     name = f"tiny-{arch}-l{n_layers}-kv{n_kv_heads}-w{sliding_window}-{'yarn-' if yarn else ''}s{seed}"
-    hf_dir = Path(tmp_path) / name
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_bpe_tokenizer(hf_dir, seed)
-    common = dict(vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
+    hf_dir, vocab_rows = new_checkpoint(tmp_path, name, seed)
+    common = dict(vocab_size=vocab_rows, hidden_size=64, intermediate_size=96, num_hidden_layers=n_layers,
                   num_attention_heads=4, num_key_value_heads=n_kv_heads, max_position_embeddings=256, rms_norm_eps=1e-6,
                   initializer_range=0.05, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=2,
                   attn_implementation="eager")
@@ -427,14 +404,7 @@ def make_tiny_olmo(tmp_path: Path, *, arch: str = "olmo3", n_layers: int = 4, n_
         config = transformers.Olmo3Config(sliding_window=sliding_window, layer_types=layer_types,
                                           rope_parameters=rope, **common)
         model_cls = transformers.Olmo3ForCausalLM
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    model.save_pretrained(hf_dir)
-    return hf_dir, model
+    return save_random(hf_dir, model_cls, config, seed, NORMS_AROUND_1)
 
 
 def make_tiny_deepseek(tmp_path: Path, *, version: int | str = 3, q_lora: int | None = 24, n_layers: int = 3,
@@ -444,16 +414,13 @@ def make_tiny_deepseek(tmp_path: Path, *, version: int | str = 3, q_lora: int | 
     chosen) and a shared expert; V3: 4 expert groups of which 2 are kept) with a BPE tokenizer. ``yarn``: YaRN
     parameters; ``overrides``: any other config key. Returns ``(hf_dir, hf_model)`` (float32, eval mode,
     eager attention). Norm weights and V3's correction bias are randomised (around 1, resp. 0)."""
-    import torch
     import transformers
 
     name = f"tiny-deepseek-v{version}-q{q_lora}-l{n_layers}-{'yarn-' if yarn else ''}s{seed}"
-    hf_dir = Path(tmp_path) / name
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    hf_dir, vocab_rows = new_checkpoint(tmp_path, name, seed)
     rope = {"rope_type": "default", "rope_theta": 10000.0} if yarn is None else {
         "rope_type": "yarn", "rope_theta": 10000.0, **yarn}
-    config = dict(vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    config = dict(vocab_size=vocab_rows, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                   num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
                   n_routed_experts=16, num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=32,
                   q_lora_rank=q_lora, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
@@ -470,19 +437,8 @@ def make_tiny_deepseek(tmp_path: Path, *, version: int | str = 3, q_lora: int | 
     else:
         config |= dict(topk_method="greedy", routed_scaling_factor=1.5)
         cls, model_cls = transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM
-    torch.manual_seed(seed)
-    model = model_cls(cls(**(config | overrides))).float().eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif pname.endswith("gate.weight"):  # a router sharp enough that the choice matters
-                p.copy_(torch.randn_like(p) * 0.5)
-        for bname, b in model.named_buffers():
-            if bname.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    model.save_pretrained(hf_dir)
-    return hf_dir, model
+    return save_random(hf_dir, model_cls, cls(**(config | overrides)), seed, NORMS_AROUND_1 | SHARP_ROUTER,
+                       buffers=CORRECTION_BIAS)
 
 
 def make_tiny_glm4moe(tmp_path: Path, *, qk_norm: bool = False, tie: bool = False, seed: int = 0,
@@ -492,36 +448,20 @@ def make_tiny_glm4moe(tmp_path: Path, *, qk_norm: bool = False, tie: bool = Fals
     kept) and a shared expert) with a BPE tokenizer; ``qk_norm``: per-head q/k norms (GLM-4.5 355B). Returns
     ``(hf_dir, hf_model)`` (float32, eval mode, eager attention). Norms, biases and the correction bias are
     randomised."""
-    import torch
     import transformers
 
     name = f"tiny-glm4moe-{'qknorm-' if qk_norm else ''}{'tied-' if tie else ''}s{seed}"
-    hf_dir = Path(tmp_path) / name
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    hf_dir, vocab_rows = new_checkpoint(tmp_path, name, seed)
     config = transformers.Glm4MoeConfig(**(dict(
-        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+        vocab_size=vocab_rows, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16, n_shared_experts=1,
         n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
         norm_topk_prob=True, routed_scaling_factor=1.5, use_qk_norm=qk_norm, attention_bias=True,
         max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.05, tie_word_embeddings=tie,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         bos_token_id=0, eos_token_id=1, pad_token_id=2, attn_implementation="eager") | overrides))
-    torch.manual_seed(seed)
-    model = transformers.Glm4MoeForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif pname.endswith(".bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif pname.endswith("gate.weight"):
-                p.copy_(torch.randn_like(p) * 0.5)
-        for bname, b in model.named_buffers():
-            if bname.endswith("e_score_correction_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    model.save_pretrained(hf_dir)
-    return hf_dir, model
+    return save_random(hf_dir, transformers.Glm4MoeForCausalLM, config, seed,
+                       NORMS_AROUND_1 | {".bias": (0.0, 0.1)} | SHARP_ROUTER, buffers=CORRECTION_BIAS)
 
 
 def make_tiny_mistral3_with_vision(tmp_path: Path, rope: dict[str, Any], *, text_type: str = "ministral3",
@@ -530,30 +470,20 @@ def make_tiny_mistral3_with_vision(tmp_path: Path, rope: dict[str, Any], *, text
     ``rope`` parameters, tied embeddings, and a 1-layer Pixtral vision tower), as Ministral 3 (``text_type``
     "ministral3") and Mistral Small 3.x ("mistral") are published. Returns ``(hf_dir, hf_model)`` (float32,
     eval mode)."""
-    import torch
     import transformers
 
-    hf_dir = Path(tmp_path) / f"tiny-mistral3-vision-{text_type}-s{seed}"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    hf_dir, vocab_rows = new_checkpoint(tmp_path, f"tiny-mistral3-vision-{text_type}-s{seed}", seed)
     text_config = transformers.Ministral3Config if text_type == "ministral3" else transformers.MistralConfig
     extra = {} if text_type == "ministral3" else {"sliding_window": None}
     text = text_config(
-        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=vocab_rows, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5,
         rope_parameters=dict(rope), initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=1, **extra)
     vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                               num_attention_heads=2, image_size=32, patch_size=16, head_dim=16)
     config = transformers.Mistral3Config(text_config=text, vision_config=vision, image_token_index=5,
                                          spatial_merge_size=2, tie_word_embeddings=True)
-    torch.manual_seed(seed)
-    model = transformers.Mistral3ForConditionalGeneration(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-    model.save_pretrained(hf_dir)
-    return hf_dir, model
+    return save_random(hf_dir, transformers.Mistral3ForConditionalGeneration, config, seed, NORMS_AROUND_1)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -597,28 +527,18 @@ def make_tiny_bert(tmp_path: Path, *, seed: int = 0, pooling: str | None = None)
     Pooling module. LayerNorm weights and biases and every linear bias are randomised so that a
     swapped or missing one shows up in parity tests.
     """
-    import torch
     import transformers
 
-    hf_dir = Path(tmp_path) / f"tiny-bert-s{seed}{f'-{pooling}' if pooling else ''}"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_wordpiece_vocab(hf_dir, seed)
+    hf_dir, vocab_rows = new_checkpoint(tmp_path, f"tiny-bert-s{seed}{f'-{pooling}' if pooling else ''}", seed,
+                                        make_wordpiece_vocab)
     config = transformers.BertConfig(
-        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab_rows, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=128, type_vocab_size=2, layer_norm_eps=1e-12,
         hidden_act="gelu", initializer_range=0.1, pad_token_id=0)
-    torch.manual_seed(seed)
-    model = transformers.BertModel(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm.weight" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
     kwargs: dict[str, Any] = {}
-    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+    if "safe_serialization" in inspect.signature(transformers.BertModel.save_pretrained).parameters:
         kwargs["safe_serialization"] = True
-    model.save_pretrained(hf_dir, **kwargs)
+    hf_dir, model = save_random(hf_dir, transformers.BertModel, config, seed, BERT_REDRAW, **kwargs)
     if pooling is not None:
         _write_json(hf_dir / "modules.json", [
             {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -642,13 +562,10 @@ def make_tiny_qwen35(tmp_path: Path, *, layer_types: tuple[str, ...] = ("linear_
     weights around 0, the DeltaNet's output norm around 1, the convolution taps of either sign. ``arch``:
     ``qwen35``, ``qwen35moe`` (8 experts of 32, 2 chosen per token, a shared expert of 48 with its gate) or
     ``qwen3next`` (those experts; fused DeltaNet projections, no mRoPE sections)."""
-    import torch
     import transformers
 
     kinds = "".join(t[0] for t in layer_types)
-    hf_dir = Path(tmp_path) / f"tiny-{arch}-{kinds}-k{n_k_heads}v{n_v_heads}-s{seed}"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_bpe_tokenizer(hf_dir, seed)
+    hf_dir, vocab_rows = new_checkpoint(tmp_path, f"tiny-{arch}-{kinds}-k{n_k_heads}v{n_v_heads}-s{seed}", seed)
     config_cls, model_cls = {
         "qwen35": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
         "qwen35moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
@@ -659,57 +576,34 @@ def make_tiny_qwen35(tmp_path: Path, *, layer_types: tuple[str, ...] = ("linear_
     if arch != "qwen3next":
         rope |= {"mrope_section": [2, 1, 1], "mrope_interleaved": True}
     config = config_cls(
-        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, num_hidden_layers=len(layer_types), **mlp,
+        vocab_size=vocab_rows, hidden_size=64, num_hidden_layers=len(layer_types), **mlp,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6,
         rope_parameters=rope,
         linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=n_k_heads,
         linear_num_value_heads=n_v_heads, layer_types=list(layer_types), initializer_range=0.05,
         tie_word_embeddings=tie, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    torch.manual_seed(seed)
-    model = model_cls(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):  # initialised to zero
-                p.copy_(0.3 * torch.randn_like(p))
-            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("norm.weight"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.5 * torch.randn_like(p))
-            elif name.endswith("dt_bias"):
-                p.copy_(0.5 * torch.randn_like(p))
-    model.save_pretrained(hf_dir)
-    return hf_dir, model
+    return save_random(hf_dir, model_cls, config, seed, {
+        ("mlp.gate.weight", "shared_expert_gate.weight"): (0.0, 0.3),  # initialised to zero
+        ("experts.gate_up_proj", "experts.down_proj"): (0.0, 0.1),
+        "linear_attn.norm.weight": (1.0, 0.1),  # before the other norms: the first key that matches counts
+        "norm.weight": (0.0, 0.1),
+        ("conv1d.weight", "dt_bias"): (0.0, 0.5)})
 
 
 def make_tiny_bert_reranker(tmp_path: Path, *, seed: int = 0, type_vocab_size: int = 2) -> tuple[Path, Any]:
     """A 2-layer, 64-wide random ``BertForSequenceClassification`` with one label (a cross-encoder
     reranker such as ms-marco-MiniLM) and the WordPiece vocabulary of ``make_tiny_bert``; biases and
     LayerNorm weights randomised. Returns ``(hf_dir, hf_model)`` (float32, eval mode)."""
-    import torch
     import transformers
 
-    hf_dir = Path(tmp_path) / f"tiny-bert-reranker-s{seed}-t{type_vocab_size}"
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    n_tokens = make_wordpiece_vocab(hf_dir, seed)
+    hf_dir, vocab_rows = new_checkpoint(tmp_path, f"tiny-bert-reranker-s{seed}-t{type_vocab_size}", seed,
+                                        make_wordpiece_vocab)
     config = transformers.BertConfig(
-        vocab_size=-(-n_tokens // 32) * 32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab_rows, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=128, type_vocab_size=type_vocab_size, layer_norm_eps=1e-12,
         hidden_act="gelu", initializer_range=0.1, pad_token_id=0, num_labels=1,
         architectures=["BertForSequenceClassification"])
-    torch.manual_seed(seed)
-    model = transformers.BertForSequenceClassification(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm.weight" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-    model.save_pretrained(hf_dir)
-    return hf_dir, model
+    return save_random(hf_dir, transformers.BertForSequenceClassification, config, seed, BERT_REDRAW)
 
 
 def make_tiny_xlm_roberta(tmp_path: Path, *, seed: int = 0, reranker: bool = True) -> tuple[Path, Any]:
@@ -717,7 +611,6 @@ def make_tiny_xlm_roberta(tmp_path: Path, *, seed: int = 0, reranker: bool = Tru
     bge-reranker in small, or the bare ``XLMRobertaModel``) with a unigram tokenizer trained on
     ``corpus(seed)`` (XLM-R's specials <s> <pad> </s> <unk> first, <mask> last; spaces merged, no
     charsmap). Returns ``(hf_dir, hf_model)`` (float32, eval mode)."""
-    import torch
     import transformers
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -743,14 +636,7 @@ def make_tiny_xlm_roberta(tmp_path: Path, *, seed: int = 0, reranker: bool = Tru
         max_position_embeddings=130, type_vocab_size=1, layer_norm_eps=1e-5, hidden_act="gelu",
         initializer_range=0.1, pad_token_id=1, bos_token_id=0, eos_token_id=2, num_labels=1,
         architectures=["XLMRobertaForSequenceClassification" if reranker else "XLMRobertaModel"])
-    torch.manual_seed(seed)
-    cls = transformers.XLMRobertaForSequenceClassification if reranker else transformers.XLMRobertaModel
-    model = (cls(config) if reranker else cls(config, add_pooling_layer=False)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm.weight" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-    model.save_pretrained(hf_dir)
-    return hf_dir, model
+    if reranker:
+        return save_random(hf_dir, transformers.XLMRobertaForSequenceClassification, config, seed, BERT_REDRAW)
+    return save_random(hf_dir, transformers.XLMRobertaModel, config, seed, BERT_REDRAW,
+                       model_kwargs={"add_pooling_layer": False})

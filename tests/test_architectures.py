@@ -34,6 +34,8 @@ from pyggml.runner.engine import Engine
 from pyggml.synthetic import write_model
 from tests.conftest import TEST_DEVICE, gpu_present
 
+from ._models import error
+
 ON_GPU = TEST_DEVICE == "gpu"
 if ON_GPU:
     pytestmark = pytest.mark.ci_may_skip
@@ -240,11 +242,6 @@ def load(path, max_sequences=1, device: str = TEST_DEVICE) -> Model:
     if model.cache is not None:
         model.cache.init(model.backend, DType.F32, max_sequences=max_sequences, capacity=64, max_batch=32)
     return model
-
-
-def error(a: np.ndarray, b: np.ndarray) -> float:
-    assert a.shape == b.shape
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def forward(model: Model, tokens, positions=None, sequences=None, outputs=None) -> np.ndarray:

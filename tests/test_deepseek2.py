@@ -7,26 +7,28 @@ refusals."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
-import threading
 
 import numpy as np
 import pytest
 
-import pyggml
 from pyggml import BackendParams, DType, models
-from pyggml.convert import convert_hf
-from pyggml.models import Batch
-from pyggml.runner import CompletionRequest, Runner
 
+from ._models import (
+    converted_cases,
+    error,
+    logits_match_in_batches,
+    reference,
+    refuses_config,
+    sequences_match_transformers,
+)
+from .test_architectures import forward
 from .test_convert import needs_llama_cpp, read_gguf
 
 torch = pytest.importorskip("torch", reason="the DeepSeek parity tests build HF models with torch")
 transformers = pytest.importorskip("transformers", reason="the DeepSeek parity tests build HF models")
 
 from .hf_fixtures import make_tiny_deepseek  # noqa: E402  (needs torch/transformers)
-from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+from .test_qwen import TEXTS, llama_cpp_agrees  # noqa: E402
 
 YARN = {"factor": 4.0, "original_max_position_embeddings": 16, "mscale": 0.707, "mscale_all_dim": 0.707}
 CASES = {"v3-q-lora": dict(version=3),  # sigmoid routing in 4 groups (2 kept), correction bias, renorm, scale 2.5
@@ -43,18 +45,7 @@ SAME = 2e-5  # one model along two paths (summation order only)
 def converted(tmp_path_factory):
     """``converted(case, out_type="f32")``: (path of the converted file, HF model, HF tokenizer), made once;
     ``converted.hf_dirs[case]``: the checkpoint's folder."""
-    root, done = tmp_path_factory.mktemp("deepseek"), {}
-
-    def get(case: str, out_type: str = "f32"):
-        if case not in get.hf_dirs:
-            hf_dir, model = make_tiny_deepseek(root, **CASES[case])
-            get.hf_dirs[case], get.models[case] = hf_dir, (model, transformers.AutoTokenizer.from_pretrained(hf_dir))
-        if (case, out_type) not in done:
-            done[case, out_type] = convert_hf(get.hf_dirs[case], root / f"{case}-{out_type}.gguf", out_type)
-        return done[case, out_type], *get.models[case]
-
-    get.hf_dirs, get.models = {}, {}
-    return get
+    return converted_cases(tmp_path_factory.mktemp("deepseek"), make_tiny_deepseek, CASES)
 
 
 def prompt(tokenizer) -> list[int]:
@@ -65,13 +56,7 @@ def prompt(tokenizer) -> list[int]:
 
 def run(model, tokens: list[int], start: int = 0) -> np.ndarray:
     """Logits of every row of one batch of sequence 0 at positions start.."""
-    batch = Batch(inputs=list(tokens), positions=list(range(start, start + len(tokens))), sequences=[0] * len(tokens),
-                  outputs=list(range(len(tokens))))
-    with model.backend.new_context() as ctx:
-        model.cache.start_forward(ctx, batch)
-        logits = model.forward(ctx, batch)
-        ctx.compute(logits)
-        return logits.numpy()
+    return forward(model, tokens, positions=range(start, start + len(tokens)))
 
 
 def load(path, dtype=DType.F32, capacity=64):
@@ -83,12 +68,8 @@ def load(path, dtype=DType.F32, capacity=64):
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers_in_one_batch_and_token_by_token(case, converted):
     path, model, tokenizer = converted(case)
-    tokens = prompt(tokenizer)
-    expected = reference(model, tokens)
-    for batch_size in (512, 3, 1):
-        with pyggml.load(path, n_threads=2, num_ctx=64, batch_size=batch_size, cache_type="f32") as llm:
-            assert llm.tokenize(TEXTS[0] + " " + TEXTS[1]) == tokens
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    logits_match_in_batches(path, model, prompt(tokenizer), TOLERANCE, batch_sizes=(512, 3, 1),
+                            text=TEXTS[0] + " " + TEXTS[1])
 
 
 def test_the_routing_is_what_the_logits_depend_on(converted):
@@ -115,22 +96,7 @@ def test_the_routing_is_what_the_logits_depend_on(converted):
 @pytest.mark.parametrize("case", ["v3-q-lora", "v2-lite"])
 def test_several_sequences_at_once_match_transformers(case, converted):
     path, model, tokenizer = converted(case)
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    results: list = [None] * len(prompts)
-    llm = models.load(path, BackendParams(n_threads=2))
-    with Runner(llm, parallel=3, num_ctx=64, batch_size=8, cache_type="f32") as runner:
-        def score(i: int) -> None:
-            *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
-            results[i] = last.prompt_logits
-
-        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    llm.close()
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, [tokenizer.encode(t) for t in TEXTS], TOLERANCE)
 
 
 @needs_llama_cpp
@@ -275,10 +241,4 @@ def test_files_have_llama_cpps_names_and_keys(case, converted):
 ])
 def test_configs_llama_cpp_runs_otherwise_are_refused(case, change, message, converted, tmp_path):
     converted(case)
-    bad = tmp_path / "bad"
-    shutil.copytree(converted.hf_dirs[case], bad)
-    config = json.loads((bad / "config.json").read_text()) | change
-    (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=message):
-        convert_hf(bad, tmp_path / "m.gguf", "f32")
-    assert not (tmp_path / "m.gguf").exists()
+    refuses_config(converted.hf_dirs[case], tmp_path, change, message)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ._models import scaled_error
 from .hf_fixtures import make_spm_tokenizer
 from .test_convert import llama_cpp_logits, needs_llama_cpp
 
@@ -46,10 +47,6 @@ def make_tiny_gemma(tmp_path: Path, arch: str, seed: int = 0, **overrides) -> tu
                 p.copy_(0.2 * torch.randn_like(p))
     model.save_pretrained(hf_dir)
     return hf_dir, model
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 @pytest.fixture(scope="module", params=list(CASES))

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split
+from tests._models import check_mmproj_split, images_alone_and_together, scaled_error
 
 from .hf_fixtures import make_spm_tokenizer, png
 from .test_convert import needs_llama_cpp
@@ -58,10 +58,6 @@ def tiny(tmp_path_factory):
     processor.save_pretrained(hf_dir)
     path = convert_hf(hf_dir, tmp / "model.gguf", "f32")
     return model, processor, path, (boi, eoi, soft)
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def hf_pixels(processor, data: bytes) -> np.ndarray:
@@ -249,23 +245,16 @@ def test_server_takes_images_through_both_apis_and_refuses_bad_ones(tiny):
 
     import httpx
 
-    from ._server import post, running_server
+    from ._server import image_through_chat_completions, image_through_generate_and_chat, post, running_server
 
     _, _, path, _ = tiny
     b64 = base64.b64encode(png(9)).decode()
     options = {"temperature": 0, "num_predict": 3}
     with running_server(path, parallel=1, num_ctx=128) as server:
         base, served = server
-        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
-        assert "vision" in show["capabilities"]
-        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
-        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
-                                          "options": options})
+        gen, chat = image_through_generate_and_chat(server, b64)
         assert gen["response"] == chat["message"]["content"]  # the same rendered prompt
-        openai = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
-            {"type": "text", "text": "what is this?"},
-            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}]}],
-            "max_tokens": 3, "temperature": 0})
+        openai = image_through_chat_completions(server, b64)
         assert openai["choices"][0]["message"]["content"] is not None
         bad = [("/api/generate", {"prompt": "x", "images": ["not base64!"]}, "base64"),
                ("/api/generate", {"prompt": "x", "images": [base64.b64encode(b"GIF89a junk").decode()]},
@@ -591,31 +580,10 @@ def test_an_image_longer_than_batch_size_gives_the_logits_of_one_batch(tiny):
 
 
 def test_two_sequences_with_different_images_in_one_batch_equal_each_alone(tiny):
-    from pyggml import BackendParams, models
-    from pyggml.runner import CompletionRequest, Runner
-
-    from .test_multimodal_runner import record_batches
-
     _, _, path, _ = tiny
     cases = [(SHORT, png(30)), ("the [img-0] dog", png(31, (20, 60)))]
-
-    def request(prompt, data):
-        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True,
-                                 logit_bias={2: float("-inf")})
-
-    def read(stream):
-        chunks = list(stream)
-        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
-
-    model = models.load(path, BackendParams(n_threads=2))
-    try:
-        with Runner(model, parallel=2, num_ctx=64, batch_size=64, cache_type="f32", background=False) as runner:
-            alone = [read(runner.completion(request(*case))) for case in cases]
-            batches = record_batches(runner)
-            streams = [runner.completion(request(*case)) for case in cases]
-            together = [read(stream) for stream in streams]
-    finally:
-        model.close()
+    alone, together, batches, _ = images_alone_and_together(path, cases, num_ctx=64, batch_size=64,
+                                                            logit_bias={2: float("-inf")})
     assert [len(index) for _, index in batches if index] == [2]  # both images in the first batch
     for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
         assert tokens_alone == tokens_both

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ._models import scaled_error
 from .hf_fixtures import make_spaced_bpe_tokenizer, make_spm_tokenizer
 from .test_convert import llama_cpp_logits, needs_llama_cpp
 
@@ -55,10 +56,6 @@ def make_tiny_gemma4(tmp_path: Path, seed: int = 0, tokenizer=make_spm_tokenizer
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
     model.save_pretrained(hf_dir)
     return hf_dir, model
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 @pytest.fixture(scope="module", params=list(CASES))

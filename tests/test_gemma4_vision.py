@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split
+from tests._models import check_mmproj_split, images_alone_and_together, scaled_error
 
 from .hf_fixtures import make_spm_tokenizer, png
 from .test_convert import needs_llama_cpp
@@ -95,10 +95,6 @@ def f16_table_gelu(model):
     finally:
         for m, act in zip(mlps, saved, strict=True):
             m.act_fn = act
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def hf_inputs(processor, data: bytes) -> tuple[np.ndarray, np.ndarray, int]:
@@ -190,19 +186,11 @@ def test_vision_tower_at_gemma4_dimensions(tmp_path):
 def test_the_server_takes_gemma4_images(tiny):
     import base64
 
-    import httpx
-
-    from ._server import post, running_server
+    from ._server import image_through_generate_and_chat, running_server
 
     b64 = base64.b64encode(png(9)).decode()
     with running_server(tiny[2], parallel=1, num_ctx=256) as server:
-        base, served = server
-        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
-        assert "vision" in show["capabilities"]
-        options = {"temperature": 0, "num_predict": 3}
-        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
-        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
-                                          "options": options})
+        gen, chat = image_through_generate_and_chat(server, b64)
         assert gen["prompt_eval_count"] > SOFT_TOKENS // 2 and chat["prompt_eval_count"] > SOFT_TOKENS // 2
 
 
@@ -268,29 +256,8 @@ def _check_logits(tiny, size, both_ways: bool = True):
 
 
 def test_two_sequences_with_different_grids_in_one_batch_equal_each_alone(tiny):
-    from pyggml import BackendParams, models
-    from pyggml.runner import CompletionRequest, Runner
-
-    from .test_multimodal_runner import record_batches
-
     cases = [("a [img-0] cat", png(11, (40, 28))), ("the dog [img-0] ran off", png(12, (28, 60)))]
-
-    def request(prompt, data):
-        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True)
-
-    def read(stream):
-        chunks = list(stream)
-        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
-
-    ours = models.load(tiny[2], BackendParams(n_threads=2))
-    try:
-        with Runner(ours, parallel=2, num_ctx=256, batch_size=256, cache_type="f32", background=False) as runner:
-            alone = [read(runner.completion(request(*case))) for case in cases]
-            batches = record_batches(runner)
-            streams = [runner.completion(request(*case)) for case in cases]
-            together = [read(stream) for stream in streams]
-    finally:
-        ours.close()
+    alone, together, batches, _ = images_alone_and_together(tiny[2], cases, num_ctx=256, batch_size=256)
     assert [len(index) for _, index in batches if index] == [2]  # both images (9x5 and 6x13 tokens) in one batch
     for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
         assert tokens_alone == tokens_both

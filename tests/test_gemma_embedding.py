@@ -22,8 +22,9 @@ from .test_convert import needs_llama_cpp, read_gguf
 torch = pytest.importorskip("torch", reason="the EmbeddingGemma parity tests build HF models with torch")
 transformers = pytest.importorskip("transformers", reason="the EmbeddingGemma parity tests build HF models")
 
+from ._models import error  # noqa: E402
 from .hf_fixtures import make_spm_tokenizer  # noqa: E402  (needs torch/transformers)
-from .test_qwen import TEXTS, error  # noqa: E402
+from .test_qwen import TEXTS  # noqa: E402
 
 WINDOW = 4  # sliding-window layers see 2 positions either way
 CASES = {"gqa-dense": dict(), "mha-no-dense": dict(n_kv_heads=4, dense=False, seed=1)}

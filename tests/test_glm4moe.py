@@ -6,17 +6,19 @@ refusals."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
-import threading
 
 import pytest
 
-import pyggml
 from pyggml import BackendParams, DType, models
-from pyggml.convert import convert_hf
-from pyggml.runner import CompletionRequest, Runner
 
+from ._models import (
+    converted_cases,
+    error,
+    logits_match_in_batches,
+    reference,
+    refuses_config,
+    sequences_match_transformers,
+)
 from .test_convert import needs_llama_cpp, read_gguf
 
 torch = pytest.importorskip("torch", reason="the GLM parity tests build HF models with torch")
@@ -24,7 +26,7 @@ transformers = pytest.importorskip("transformers", reason="the GLM parity tests 
 
 from .hf_fixtures import make_tiny_glm4moe  # noqa: E402  (needs torch/transformers)
 from .test_deepseek2 import run  # noqa: E402
-from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+from .test_qwen import TEXTS, llama_cpp_agrees  # noqa: E402
 
 CASES = {"glm4.5-air": dict(),  # q/k/v biases, sigmoid routing in 4 groups (2 kept), a shared expert
          "glm4.5-qk-norm-tied": dict(qk_norm=True, tie=True, seed=1)}
@@ -36,28 +38,14 @@ TOLERANCE = 1e-3
 def converted(tmp_path_factory):
     """``converted(case)``: (path of the converted F32 file, HF model, HF tokenizer), made once;
     ``converted.hf_dirs[case]``: the checkpoint's folder."""
-    root, done = tmp_path_factory.mktemp("glm4moe"), {}
-
-    def get(case: str):
-        if case not in done:
-            hf_dir, model = make_tiny_glm4moe(root, **CASES[case])
-            path = convert_hf(hf_dir, root / f"{case}.gguf", "f32")
-            done[case] = path, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
-            get.hf_dirs[case] = hf_dir
-        return done[case]
-
-    get.hf_dirs = {}
-    return get
+    return converted_cases(tmp_path_factory.mktemp("glm4moe"), make_tiny_glm4moe, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers_in_one_batch_and_token_by_token(case, converted):
     path, model, tokenizer = converted(case)
     tokens = tokenizer.encode(TEXTS[0] + " " + TEXTS[1])
-    expected = reference(model, tokens)
-    for batch_size in (512, 3, 1):
-        with pyggml.load(path, n_threads=2, num_ctx=64, batch_size=batch_size, cache_type="f32") as llm:
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    logits_match_in_batches(path, model, tokens, TOLERANCE, batch_sizes=(512, 3, 1))
 
 
 def test_the_routing_is_what_the_logits_depend_on(converted):
@@ -78,22 +66,7 @@ def test_the_routing_is_what_the_logits_depend_on(converted):
 
 def test_several_sequences_at_once_match_transformers(converted):
     path, model, tokenizer = converted("glm4.5-air")
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    results: list = [None] * len(prompts)
-    llm = models.load(path, BackendParams(n_threads=2))
-    with Runner(llm, parallel=3, num_ctx=64, batch_size=8, cache_type="f32") as runner:
-        def score(i: int) -> None:
-            *_, last = runner.completion(CompletionRequest(prompts[i], max_tokens=0, prompt_logits=True))
-            results[i] = last.prompt_logits
-
-        threads = [threading.Thread(target=score, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-    llm.close()
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, [tokenizer.encode(t) for t in TEXTS], TOLERANCE)
 
 
 @needs_llama_cpp
@@ -137,10 +110,4 @@ def test_files_have_llama_cpps_names_and_keys(case, converted):
 ])
 def test_configs_gguf_glm4moe_cannot_express_are_refused(change, message, converted, tmp_path):
     converted("glm4.5-air")
-    bad = tmp_path / "bad"
-    shutil.copytree(converted.hf_dirs["glm4.5-air"], bad)
-    config = json.loads((bad / "config.json").read_text()) | change
-    (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=message):
-        convert_hf(bad, tmp_path / "m.gguf", "f32")
-    assert not (tmp_path / "m.gguf").exists()
+    refuses_config(converted.hf_dirs["glm4.5-air"], tmp_path, change, message)

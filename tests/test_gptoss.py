@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ._models import scaled_error
 from .hf_fixtures import corpus, make_bpe_tokenizer
 from .test_convert import llama_cpp_logits, needs_llama_cpp, read_gguf
 from .test_gemma import _llama_cpp_greedy
@@ -53,10 +54,6 @@ def make_tiny_gptoss(tmp_path: Path, seed: int = 0) -> tuple[Path, object]:
                 p.copy_(0.5 * torch.randn_like(p))
     model.save_pretrained(hf_dir)
     return hf_dir, model
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,8 @@ from pyggml.convert import convert_hf
 from pyggml.models import ModelError
 from pyggml.runner import CompletionRequest
 from pyggml.synthetic import write_model
-from tests._models import converted_cases
 
-from ._models import logits_from_threads
+from ._models import converted_cases, error, logits_match_in_batches, reference, sequences_match_transformers
 from .test_architectures import TINY, forward
 from .test_convert import needs_llama_cpp
 
@@ -29,7 +28,7 @@ torch = pytest.importorskip("torch", reason="the Granite parity tests build HF m
 transformers = pytest.importorskip("transformers", reason="the Granite parity tests build HF models")
 
 from .hf_fixtures import make_tiny_granitehybrid  # noqa: E402  (needs torch/transformers)
-from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+from .test_qwen import TEXTS, llama_cpp_agrees  # noqa: E402
 
 CASES = {"dense-tied": dict(),  # mamba, attention, mamba, mamba; no rope; the shared MLP is the MLP
          "moe-shared": dict(moe=True, seed=2),  # 4 experts (2 chosen) beside the shared expert
@@ -52,20 +51,14 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
     path, model, tokenizer = converted(case)
     tokens = tokenizer.encode(LONG)
     assert len(tokens) > 3 * 8  # several scan chunks, many convolution windows
-    expected = reference(model, tokens)
-    for batch_size in (512, 5, 1):  # the whole prompt; batches that cut windows and chunks; token by token
-        with pyggml.load(path, n_threads=2, num_ctx=96, batch_size=batch_size, cache_type="f32") as llm:
-            assert llm.tokenize(LONG) == tokens
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    # the whole prompt; batches that cut windows and chunks; token by token
+    logits_match_in_batches(path, model, tokens, TOLERANCE, batch_sizes=(512, 5, 1), num_ctx=96, text=LONG)
 
 
 @pytest.mark.parametrize("case", ["dense-tied", "moe-shared"])
 def test_several_sequences_at_once_match_transformers(case, converted):
     path, model, tokenizer = converted(case)
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    results = logits_from_threads(path, prompts)
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, [tokenizer.encode(t) for t in TEXTS], TOLERANCE)
 
 
 def test_two_sequences_of_unequal_lengths_in_one_batch_equal_each_alone(tmp_path):
@@ -129,9 +122,14 @@ def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, converted):
 @needs_llama_cpp
 def test_a_q8_0_file_keeps_the_mamba_tensors_f32_and_agrees_with_llama_cpp(converted):
     path, model, tokenizer = converted("moe-shared", "q8_0")
+    q8_0_file_keeps_the_mamba_tensors_f32_and_agrees(path, model, tokenizer.encode(LONG))
+
+
+def q8_0_file_keeps_the_mamba_tensors_f32_and_agrees(path, model, tokens: list[int]) -> None:
+    """A converted Q8_0 file quantises layer 0's ssm_in but keeps the scan's small tensors F32, stays within Q8_0's
+    rounding of transformers' ``model`` on ``tokens``, and llama.cpp agrees with it. Shared with nemotron_h."""
     with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
         types = {n: t.dtype.name for n, t in llm.model.backend.tensors().items() if n.startswith("blk.0.")}
-        tokens = tokenizer.encode(LONG)
         # Q8_0 rounding of weights and activations: measured 5%..7% from transformers on these tiny models
         assert error(llm.logits(tokens), reference(model, tokens)) < 0.15
     assert types["blk.0.ssm_in.weight"] == "Q8_0" and all(

@@ -22,6 +22,8 @@ from pyggml.kvcache import CacheConfig, CacheFullError, Causal, Cells, Encoder, 
 from pyggml.models import Batch, Multimodal, MultimodalIndex
 from pyggml.synthetic import write_model
 
+from ._models import scaled_error
+
 DK, HEADS, DV = 4, 2, 2
 ROPE = 10000.0
 QK_SCALE = 0.5
@@ -934,10 +936,6 @@ def fresh_logits(model, tokens) -> np.ndarray:
     out = forward(model, tokens, range(len(tokens)), [0] * len(tokens), [len(tokens) - 1])[0]
     model.cache.remove(0, 0)
     return out
-
-
-def scaled_error(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max() / np.abs(b).max())
 
 
 def test_generation_of_several_sequences_matches_recomputing(tiny_model):

@@ -16,9 +16,16 @@ from pyggml.convert import convert_hf
 from pyggml.models import ModelError
 from pyggml.runner import CompletionRequest, Runner
 from pyggml.synthetic import write_model
-from tests._models import converted_cases
 
-from ._models import cache_states, log_softmax, logits_from_threads
+from ._models import (
+    cache_states,
+    converted_cases,
+    error,
+    log_softmax,
+    logits_match_in_batches,
+    reference,
+    sequences_match_transformers,
+)
 from .test_architectures import TINY
 from .test_convert import needs_llama_cpp
 
@@ -26,7 +33,7 @@ torch = pytest.importorskip("torch", reason="the LFM2 parity tests build HF mode
 transformers = pytest.importorskip("transformers", reason="the LFM2 parity tests build HF models")
 
 from .hf_fixtures import make_tiny_lfm2  # noqa: E402  (needs torch/transformers)
-from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+from .test_qwen import TEXTS, llama_cpp_agrees  # noqa: E402
 
 CASES = {"conv-attn-tied": dict(),  # conv, attention, conv, conv; 3 taps
          "attn-first-untied-4-taps": dict(layer_types=("full_attention", "conv", "conv", "full_attention"),
@@ -48,20 +55,14 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
     path, model, tokenizer = converted(case)
     tokens = tokenizer.encode(TEXTS[0])
     assert len(tokens) > 8  # several times the convolution's taps
-    expected = reference(model, tokens)
-    for batch_size in (512, 3, 1):  # the whole prompt; batches that cut the convolution's window; token by token
-        with pyggml.load(path, n_threads=2, num_ctx=64, batch_size=batch_size, cache_type="f32") as llm:
-            assert llm.tokenize(TEXTS[0]) == tokens
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    # the whole prompt; batches that cut the convolution's window; token by token
+    logits_match_in_batches(path, model, tokens, TOLERANCE, batch_sizes=(512, 3, 1), text=TEXTS[0])
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_several_sequences_at_once_match_transformers(case, converted):
     path, model, tokenizer = converted(case)
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    results = logits_from_threads(path, prompts)
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, [tokenizer.encode(t) for t in TEXTS], TOLERANCE)
 
 
 def test_a_q8_0_file_keeps_its_kernels_f32_and_stays_close_to_transformers(converted):

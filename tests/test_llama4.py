@@ -16,17 +16,23 @@ import numpy as np
 import pytest
 
 import pyggml
-from pyggml import BackendParams, models
 from pyggml.convert import convert_hf
 
-from ._models import logits_from_threads
+from ._models import (
+    converted_cases,
+    error,
+    logits_match_in_batches,
+    refuses_config,
+    sequences_match_transformers,
+    shifted_keys,
+)
 from .test_convert import needs_llama_cpp, read_gguf
 
 torch = pytest.importorskip("torch", reason="the Llama 4 parity tests build HF models with torch")
 transformers = pytest.importorskip("transformers", reason="the Llama 4 parity tests build HF models")
 
 from .hf_fixtures import make_bpe_tokenizer  # noqa: E402  (needs torch/transformers)
-from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+from .test_qwen import TEXTS, llama_cpp_agrees  # noqa: E402
 
 CHUNK = 4
 # chunk: attention_chunk_size; floor: the temperature's step (floor_scale); llama.cpp's fixed values: 8192 both
@@ -74,39 +80,24 @@ def make_tiny_llama4(root, *, chunk: int, floor: int, n_kv_heads: int = 2, n_exp
 def converted(tmp_path_factory):
     """``converted(case)``: (path of the converted F32 file, HF model, HF tokenizer), made once;
     ``converted.hf_dirs[case]``: the checkpoint's folder."""
-    root, done = tmp_path_factory.mktemp("llama4"), {}
-
-    def get(case: str):
-        if case not in done:
-            hf_dir, model = make_tiny_llama4(root, **CASES[case])
-            path = convert_hf(hf_dir, root / f"{case}.gguf", "f32")
-            done[case] = path, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
-            get.hf_dirs[case] = hf_dir
-        return done[case]
-
-    get.hf_dirs = {}
-    return get
+    return converted_cases(tmp_path_factory.mktemp("llama4"), make_tiny_llama4, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers_in_one_batch_and_token_by_token(case, converted):
     path, model, tokenizer = converted(case)
-    tokens = tokenizer.encode(TEXTS[0] + " " + TEXTS[1])
+    text = TEXTS[0] + " " + TEXTS[1]
+    tokens = tokenizer.encode(text)
     assert len(tokens) > 5 * CHUNK  # past several chunks and temperature steps
-    expected = reference(model, tokens)
-    for batch_size in (512, 3, 1):  # the whole prompt; batches that cut the chunks; token by token
-        with pyggml.load(path, n_threads=2, num_ctx=64, batch_size=batch_size, cache_type="f32") as llm:
-            assert llm.tokenize(TEXTS[0] + " " + TEXTS[1]) == tokens
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    # the whole prompt; batches that cut the chunks; token by token
+    logits_match_in_batches(path, model, tokens, TOLERANCE, batch_sizes=(512, 3, 1), text=text)
 
 
 @pytest.mark.parametrize("case", ["gqa-chunk4", "mha-all-experts-llama3-rope"])
 def test_several_sequences_at_once_match_transformers(case, converted):
     path, model, tokenizer = converted(case)
     prompts = [tokenizer.encode(t) for t in (TEXTS[0] + " " + TEXTS[2], TEXTS[1], TEXTS[2])]
-    results = logits_from_threads(path, prompts)
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, prompts, TOLERANCE)
 
 
 @needs_llama_cpp
@@ -182,33 +173,12 @@ def test_files_have_llama_cpps_names_and_keys(case, converted):
 ])
 def test_configs_gguf_llama4_cannot_express_are_refused(change, message, converted, tmp_path):
     converted("gqa-chunk4")
-    bad = tmp_path / "bad"
-    shutil.copytree(converted.hf_dirs["gqa-chunk4"], bad)
-    config = json.loads((bad / "config.json").read_text()) | change
-    (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=message):
-        convert_hf(bad, tmp_path / "m.gguf", "f32")
-    assert not (tmp_path / "m.gguf").exists()
+    refuses_config(converted.hf_dirs["gqa-chunk4"], tmp_path, change, message)
 
 
 def test_a_context_shift_rotates_the_rope_layers_keys_only(tmp_path):
     """Cached keys of the NoPE layer carry no position: a shift must leave them as they are."""
-    from pyggml import nn
-    from pyggml.synthetic import write_model
-
-    from .test_architectures import TINY
-
-    model = models.load(write_model(tmp_path / "m.gguf", "llama4", TINY["llama4"], "f32", seed=3),
-                        BackendParams(n_threads=2))
-    try:
-        keys = np.random.default_rng(0).standard_normal((3, 2, 16)).astype(np.float32)  # (tokens, kv heads, dim)
-        with model.backend.new_context() as ctx:
-            key, delta = ctx.from_numpy(keys), nn.int32_input(ctx, [-5, -5, -5])
-            shifted = [model.shift(ctx, layer, key, delta) for layer in range(4)]
-            ctx.compute(*shifted)
-            out = [s.numpy() for s in shifted]
-    finally:
-        model.close()
+    keys, out = shifted_keys(tmp_path, "llama4")
     assert np.array_equal(out[3], keys)  # layer 3: no rope
     for layer in range(3):
         assert np.abs(out[layer] - keys).max() > 0.1, layer

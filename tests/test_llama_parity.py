@@ -16,6 +16,7 @@ pytest.importorskip("transformers", reason="needs transformers (the `reference` 
 import pyggml  # noqa: E402
 from pyggml.convert import convert_hf  # noqa: E402
 
+from ._models import scaled_error  # noqa: E402
 from .hf_fixtures import make_tiny_llama  # noqa: E402
 
 PROMPT = [1, 17, 42, 99, 5, 250, 31, 7, 64, 128, 3, 77]
@@ -55,10 +56,6 @@ def hf_models(tmp_path_factory):
 F32_BOUND = 1.5e-6  # F32 weights and KV cache: 5.0e-7 (yarn-rope, token by token)
 F16_BOUND = 2.5e-3  # F16 weights and KV cache: 7.8e-4 (mha-tied)
 Q8_BOUND = 5e-2  # Q8_0 weights, F16 KV cache: 1.8e-2 (mha-tied)
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -5,22 +5,26 @@ token, several sequences at once) and against llama.cpp on the same files; names
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
 import pyggml
 from pyggml.convert import convert_hf
 
-from ._models import logits_from_threads
+from ._models import (
+    converted_cases,
+    error,
+    logits_match_in_batches,
+    reference,
+    refuses_config,
+    sequences_match_transformers,
+)
 from .test_convert import needs_llama_cpp, read_gguf
 
 torch = pytest.importorskip("torch", reason="the Mistral 3 parity tests build HF models with torch")
 transformers = pytest.importorskip("transformers", reason="the Mistral 3 parity tests build HF models")
 
 from .hf_fixtures import make_tiny_llama, make_tiny_mistral3_with_vision  # noqa: E402  (needs torch, transformers)
-from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+from .test_qwen import TEXTS, llama_cpp_agrees  # noqa: E402
 
 STEP = 8  # original_max_position_embeddings: the temperature's step
 ROPE = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 32.0, "original_max_position_embeddings": STEP,
@@ -36,20 +40,11 @@ TOLERANCE = 1e-3
 def converted(tmp_path_factory):
     """``converted(case)``: (path of the converted F32 file, HF model, HF tokenizer), made once;
     ``converted.hf_dirs[case]``: the checkpoint's folder."""
-    root, done = tmp_path_factory.mktemp("mistral3"), {}
+    def make(root, **case):
+        return make_tiny_llama(root, arch="ministral3", **case,
+                               config_extra={"rope_parameters": dict(ROPE), "attn_implementation": "eager"})
 
-    def get(case: str):
-        if case not in done:
-            hf_dir, model = make_tiny_llama(root / case, arch="ministral3", **CASES[case],
-                                            config_extra={"rope_parameters": dict(ROPE),
-                                                          "attn_implementation": "eager"})
-            path = convert_hf(hf_dir, root / f"{case}.gguf", "f32")
-            done[case] = path, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
-            get.hf_dirs[case] = hf_dir
-        return done[case]
-
-    get.hf_dirs = {}
-    return get
+    return converted_cases(tmp_path_factory.mktemp("mistral3"), make, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -57,18 +52,12 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
     path, model, tokenizer = converted(case)
     tokens = tokenizer.encode(TEXTS[0] + " " + TEXTS[1])
     assert len(tokens) > 3 * STEP  # past several temperature steps
-    expected = reference(model, tokens)
-    for batch_size in (512, 3, 1):
-        with pyggml.load(path, n_threads=2, num_ctx=64, batch_size=batch_size, cache_type="f32") as llm:
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    logits_match_in_batches(path, model, tokens, TOLERANCE, batch_sizes=(512, 3, 1))
 
 
 def test_several_sequences_at_once_match_transformers(converted):
     path, model, tokenizer = converted("gqa-untied-wide-heads")
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    results = logits_from_threads(path, prompts)
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, [tokenizer.encode(t) for t in TEXTS], TOLERANCE)
 
 
 @needs_llama_cpp
@@ -119,10 +108,4 @@ def test_files_have_llama_cpps_names_and_keys(converted):
 ])
 def test_configs_gguf_mistral3_cannot_express_are_refused(change, message, converted, tmp_path):
     converted("mha-tied")
-    bad = tmp_path / "bad"
-    shutil.copytree(converted.hf_dirs["mha-tied"], bad)
-    config = json.loads((bad / "config.json").read_text()) | change
-    (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=message):
-        convert_hf(bad, tmp_path / "m.gguf", "f32")
-    assert not (tmp_path / "m.gguf").exists()
+    refuses_config(converted.hf_dirs["mha-tied"], tmp_path, change, message)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split
+from tests._models import check_mmproj_split, images_alone_and_together, scaled_error
 
 from .hf_fixtures import make_bpe_tokenizer, png
 from .test_convert import needs_llama_cpp
@@ -92,10 +92,6 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     return build(tmp_path_factory.mktemp("mistral-small-v"), "mistral")
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def hf_inputs(processor, data: bytes) -> tuple[np.ndarray, list]:
@@ -236,32 +232,11 @@ def test_converter_writes_llama_cpps_pixtral_names_and_keys(tiny):
 
 
 def test_two_sequences_with_different_images_in_one_batch_equal_each_alone(tiny):
-    from pyggml import BackendParams, models
-    from pyggml.runner import CompletionRequest, Runner
-
-    from .test_multimodal_runner import record_batches
-
     _, _, path, _ = tiny
     cases = [(SHORT, png(30, SIZES["landscape"])), ("the [img-0] dog", png(31, SIZES["portrait"]))]
-
-    def request(prompt, data):
-        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True,
-                                 logit_bias={1: float("-inf")})
-
-    def read(stream):
-        chunks = list(stream)
-        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
-
-    model = models.load(path, BackendParams(n_threads=2))
-    try:
-        with Runner(model, parallel=2, num_ctx=128, batch_size=64, cache_type="f32", background=False) as runner:
-            alone = [read(runner.completion(request(*case))) for case in cases]
-            batches = record_batches(runner)
-            streams = [runner.completion(request(*case)) for case in cases]
-            together = [read(stream) for stream in streams]
-            assert runner.engine.vision_built >= 2  # a graph per grid shape
-    finally:
-        model.close()
+    alone, together, batches, vision_built = images_alone_and_together(path, cases, num_ctx=128, batch_size=64,
+                                                                       logit_bias={1: float("-inf")})
+    assert vision_built >= 2  # a graph per grid shape
     assert [len(index) for _, index in batches if index] == [2]  # both images in the first batch
     for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
         assert tokens_alone == tokens_both
@@ -385,23 +360,15 @@ def test_server_takes_images_through_both_apis(tiny):
 
     import httpx
 
-    from ._server import post, running_server
+    from ._server import image_through_chat_completions, image_through_generate_and_chat, running_server
 
     _, _, path, _ = tiny
     b64 = base64.b64encode(png(9, SIZES["portrait"])).decode()
-    options = {"temperature": 0, "num_predict": 3}
     with running_server(path, parallel=1, num_ctx=128) as server:
         base, served = server
-        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
-        assert "vision" in show["capabilities"]
-        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
-        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
-                                          "options": options})
+        gen, chat = image_through_generate_and_chat(server, b64)
         assert gen["response"] == chat["message"]["content"]  # the same rendered prompt
-        openai = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": [
-            {"type": "text", "text": "what is this?"},
-            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64}"}}]}],
-            "max_tokens": 3, "temperature": 0})
+        openai = image_through_chat_completions(server, b64)
         assert openai["choices"][0]["message"]["content"] is not None
         assert openai["usage"]["prompt_tokens"] > 2 * 5 - 1  # the portrait's 2x4 tokens and 3 breaks
         response = httpx.post(base + "/api/generate", json={"model": served.name, "stream": False, "prompt": "x",

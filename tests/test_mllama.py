@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from ._models import error
 from .hf_fixtures import make_bpe_tokenizer, png
 
 torch = pytest.importorskip("torch", reason="the parity tests need torch (the `reference` extra)")
@@ -82,11 +83,6 @@ def _meta_intermediate_states(model) -> None:
         encoder.forward = forward.__get__(encoder)
 
 
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    assert ours.shape == ref.shape, (ours.shape, ref.shape)
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
-
-
 def hf_inputs(processor, images: list[bytes]) -> dict:
     return processor([[Image.open(io.BytesIO(d)) for d in images]], return_tensors="pt")
 
@@ -127,10 +123,10 @@ def test_vision_encoder_and_image_embeddings_match_transformers(tiny, size):
             encoded, embeds, mask = encoded.numpy(), embeds.tensor.numpy(), mask.tensor.numpy()
     finally:
         ours.close()
-    print(f"{n_tiles} tiles: encoder {scaled_error(encoded, ref_states):.1e}, "
-          f"embeddings {scaled_error(embeds, ref_embeds):.1e}")
-    assert scaled_error(encoded, ref_states) <= TOLERANCE
-    assert scaled_error(embeds, ref_embeds) <= TOLERANCE
+    print(f"{n_tiles} tiles: encoder {error(encoded, ref_states):.1e}, "
+          f"embeddings {error(embeds, ref_embeds):.1e}")
+    assert error(encoded, ref_states) <= TOLERANCE
+    assert error(embeds, ref_embeds) <= TOLERANCE
     assert mask.tolist() == [0.0] * 5 * n_tiles + [float("-inf")] * 5 * (TILES - n_tiles)  # padding tiles hidden
 
 
@@ -169,10 +165,10 @@ def test_image_and_text_logits_match_transformers(tiny, prompt):
         text_only, text_ids = last.prompt_logits, llm.tokenizer.encode(after)
     ref = _hf_logits(model, processor, ids, [data], image_token)
     text_ref = _hf_logits(model, processor, text_ids, [], image_token)
-    print(f"image+text logits {scaled_error(ours, ref):.1e}, text only {scaled_error(text_only, text_ref):.1e}")
-    assert scaled_error(ours, ref) <= TOLERANCE
-    assert scaled_error(text_only, text_ref) <= TOLERANCE
-    assert scaled_error(ours[-len(text_ids) + 1:], text_ref[1:]) > 1e-2  # the image changes what follows it
+    print(f"image+text logits {error(ours, ref):.1e}, text only {error(text_only, text_ref):.1e}")
+    assert error(ours, ref) <= TOLERANCE
+    assert error(text_only, text_ref) <= TOLERANCE
+    assert error(ours[-len(text_ids) + 1:], text_ref[1:]) > 1e-2  # the image changes what follows it
 
 
 # ---- the encoder cache ---------------------------------------------------------------------------------
@@ -222,7 +218,7 @@ def test_rewinding_before_the_image_drops_it_and_a_later_image_replaces_it(tiny,
     logits = [_run(eng, prompt, 0, _encode(ours, first), at=1), _run(eng, more[:1], len(prompt))]
     assert encoder.position(0) == 1
     ref = _hf_logits(model, processor, prompt + more[:1], [first], image_token)
-    assert scaled_error(np.concatenate(logits), ref) <= TOLERANCE
+    assert error(np.concatenate(logits), ref) <= TOLERANCE
     # rewinding after the image keeps it: the step again gives the same logits
     ours.cache.remove(0, len(prompt))
     np.testing.assert_allclose(_run(eng, more[:1], len(prompt)), logits[1], rtol=0, atol=1e-5)
@@ -234,7 +230,7 @@ def test_rewinding_before_the_image_drops_it_and_a_later_image_replaces_it(tiny,
     # ... and a whole text-only sequence is transformers' text-only model
     ours.cache.remove(0, 0)
     plain = _run(eng, [tok.bos, *text], 0)
-    assert scaled_error(plain, _hf_logits(model, processor, [tok.bos, *text], [], image_token)) <= TOLERANCE
+    assert error(plain, _hf_logits(model, processor, [tok.bos, *text], [], image_token)) <= TOLERANCE
     # a later image replaces the first: text after it sees only it, as transformers' mask has it (no text before
     # the first image: transformers lets such text attend to every image of the prompt, later ones too)
     ours.cache.remove(0, 0)
@@ -243,7 +239,7 @@ def test_rewinding_before_the_image_drops_it_and_a_later_image_replaces_it(tiny,
             _run(eng, ids[len(text) + 1:], len(text) + 1, _encode(ours, second), at=0)]
     assert encoder.position(0) == len(text) + 1
     ref = _hf_logits(model, processor, ids, [first, second], image_token)
-    assert scaled_error(np.concatenate(both), ref) <= TOLERANCE
+    assert error(np.concatenate(both), ref) <= TOLERANCE
 
 
 # ---- the runner and bad input ----------------------------------------------------------------------------

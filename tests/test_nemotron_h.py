@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 
-import pyggml
 from pyggml import models
 from pyggml.convert import convert_hf
 from pyggml.models import ModelError
 from pyggml.synthetic import write_model
-from tests._models import converted_cases
 
-from ._models import logits_from_threads
+from ._models import converted_cases, logits_match_in_batches, sequences_match_transformers
 from .test_architectures import TINY
 from .test_convert import needs_llama_cpp
 
@@ -28,8 +26,9 @@ from .hf_fixtures import make_tiny_nemotron_h  # noqa: E402  (needs torch/transf
 from .test_granitehybrid import (  # noqa: E402  (the Mamba-2 hybrids' shared checks)
     extended_prompt_resumes_and_equals_a_fresh_run,
     interleaved_rows_equal_each_alone,
+    q8_0_file_keeps_the_mamba_tensors_f32_and_agrees,
 )
-from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+from .test_qwen import TEXTS, llama_cpp_agrees  # noqa: E402
 
 CASES = {"mamba-mlp-attention": dict(),  # M - * - M -
          # attention first and last, two Mamba-2 blocks in a row; layers named by hybrid_override_pattern
@@ -50,19 +49,13 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
     path, model, tokenizer = converted(case)
     tokens = tokenizer.encode(LONG)
     assert len(tokens) > 3 * 8
-    expected = reference(model, tokens)
-    for batch_size in (512, 5, 1):  # the whole prompt; batches that cut windows and chunks; token by token
-        with pyggml.load(path, n_threads=2, num_ctx=96, batch_size=batch_size, cache_type="f32") as llm:
-            assert llm.tokenize(LONG) == tokens
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    # the whole prompt; batches that cut windows and chunks; token by token
+    logits_match_in_batches(path, model, tokens, TOLERANCE, batch_sizes=(512, 5, 1), num_ctx=96, text=LONG)
 
 
 def test_several_sequences_at_once_match_transformers(converted):
     path, model, tokenizer = converted("mamba-mlp-attention")
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    results = logits_from_threads(path, prompts)
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, [tokenizer.encode(t) for t in TEXTS], TOLERANCE)
 
 
 def test_two_sequences_of_unequal_lengths_in_one_batch_equal_each_alone(tmp_path):
@@ -84,14 +77,7 @@ def test_llama_cpp_gives_the_same_logits_and_greedy_tokens(case, converted):
 @needs_llama_cpp
 def test_a_q8_0_file_keeps_the_mamba_tensors_f32_and_agrees_with_llama_cpp(converted):
     path, model, tokenizer = converted("mamba-mlp-attention", "q8_0")
-    with pyggml.load(path, n_threads=2, num_ctx=64) as llm:
-        types = {n: t.dtype.name for n, t in llm.model.backend.tensors().items() if n.startswith("blk.0.")}
-        tokens = tokenizer.encode(LONG)
-        # Q8_0 rounding of weights and activations: measured 5%..7% from transformers on these tiny models
-        assert error(llm.logits(tokens), reference(model, tokens)) < 0.15
-    assert types["blk.0.ssm_in.weight"] == "Q8_0" and all(
-        types[f"blk.0.{n}"] == "F32" for n in ("ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_norm.weight", "ssm_dt.bias"))
-    llama_cpp_agrees(path)  # the same kernels: as close as the F32 files
+    q8_0_file_keeps_the_mamba_tensors_f32_and_agrees(path, model, tokenizer.encode(LONG))
 
 
 def test_compare_taps_every_layer_kind(converted):

@@ -9,17 +9,19 @@ import math
 
 import pytest
 
-import pyggml
-from pyggml.convert import convert_hf
-
-from ._models import logits_from_threads
+from ._models import (
+    converted_cases,
+    logits_match_in_batches,
+    refuses_config,
+    sequences_match_transformers,
+)
 from .test_convert import needs_llama_cpp, read_gguf
 
 torch = pytest.importorskip("torch", reason="the OLMo parity tests build HF models with torch")
 transformers = pytest.importorskip("transformers", reason="the OLMo parity tests build HF models")
 
 from .hf_fixtures import make_tiny_olmo  # noqa: E402  (needs torch/transformers)
-from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+from .test_qwen import TEXTS, llama_cpp_agrees  # noqa: E402
 
 WINDOW = 4
 CASES = {"olmo2-gqa": dict(arch="olmo2", n_layers=2),
@@ -39,18 +41,7 @@ TOLERANCE = 1e-3
 def converted(tmp_path_factory):
     """``converted(case)``: (path of the converted F32 file, HF model, HF tokenizer), made once;
     ``converted.hf_dirs[case]``: the checkpoint's folder."""
-    root, done = tmp_path_factory.mktemp("olmo"), {}
-
-    def get(case: str):
-        if case not in done:
-            hf_dir, model = make_tiny_olmo(root, **CASES[case])
-            path = convert_hf(hf_dir, root / f"{case}.gguf", "f32")
-            done[case] = path, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
-            get.hf_dirs[case] = hf_dir
-        return done[case]
-
-    get.hf_dirs = {}
-    return get
+    return converted_cases(tmp_path_factory.mktemp("olmo"), make_tiny_olmo, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -58,19 +49,14 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
     path, model, tokenizer = converted(case)
     tokens = tokenizer.encode(TEXTS[0] + " " + TEXTS[1])
     assert len(tokens) > 4 * WINDOW  # well past the window
-    expected = reference(model, tokens)
-    for batch_size in (512, 3, 1):  # the whole prompt; batches that cut the window; token by token
-        with pyggml.load(path, n_threads=2, num_ctx=64, batch_size=batch_size, cache_type="f32") as llm:
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    # the whole prompt; batches that cut the window; token by token
+    logits_match_in_batches(path, model, tokens, TOLERANCE, batch_sizes=(512, 3, 1))
 
 
 @pytest.mark.parametrize("case", ["olmo3-window-gqa", "olmo3-own-pattern-mha-tied"])
 def test_several_sequences_at_once_match_transformers(case, converted):
     path, model, tokenizer = converted(case)
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    results = logits_from_threads(path, prompts)
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, [tokenizer.encode(t) for t in TEXTS], TOLERANCE)
 
 
 @needs_llama_cpp
@@ -121,15 +107,5 @@ def test_files_have_llama_cpps_names_and_keys(case, converted):
     (dict(layer_types=["sliding_attention"] * 3), "layer_types"),
 ])
 def test_configs_gguf_olmo2_cannot_express_are_refused(change, message, converted, tmp_path):
-    import json
-    import shutil
-
     converted("olmo3-window-gqa")
-    hf_dir = converted.hf_dirs["olmo3-window-gqa"]
-    bad = tmp_path / "bad"
-    shutil.copytree(hf_dir, bad)
-    config = json.loads((bad / "config.json").read_text()) | change
-    (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=message):
-        convert_hf(bad, tmp_path / "m.gguf", "f32")
-    assert not (tmp_path / "m.gguf").exists()
+    refuses_config(converted.hf_dirs["olmo3-window-gqa"], tmp_path, change, message)

@@ -10,6 +10,7 @@ import copy
 import numpy as np
 import pytest
 
+from ._models import scaled_error
 from .hf_fixtures import make_tiny_llama
 from .test_convert import llama_cpp_logits, needs_llama_cpp
 from .test_gemma import _llama_cpp_greedy
@@ -30,10 +31,6 @@ CASES = {
     "longrope-long": (dict(n_kv_heads=2, rope_scaling=LONGROPE, config_extra=LONG_ORIGINAL), 128),
     "sliding-window": (dict(n_kv_heads=2, config_extra={"sliding_window": 4}), 64),
 }
-
-
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
 
 
 def long_factors_everywhere(model):

@@ -7,6 +7,7 @@ test_architectures.py; the converter's names and keys in test_convert.py.)"""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from pyggml.models import ModelError
 from pyggml.runner import CompletionRequest
 from pyggml.synthetic import write_model
 
-from ._models import logits_from_threads
+from ._models import converted_cases, error, logits_match_in_batches, sequences_match_transformers
 from .test_architectures import TINY
 from .test_convert import needs_llama_cpp
 
@@ -46,27 +47,7 @@ TOLERANCE = 1e-3
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """``converted(case, out_type)``: (path of the converted file, HF model, HF tokenizer), made once."""
-    root, done, hf = tmp_path_factory.mktemp("qwen"), {}, {}
-
-    def get(case: str, out_type: str = "f32"):
-        if case not in hf:
-            hf_dir, model = make_tiny_llama(root, vocab="qwen", **CASES[case])
-            hf[case] = hf_dir, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
-        if (case, out_type) not in done:
-            done[case, out_type] = convert_hf(hf[case][0], root / f"{case}-{out_type}.gguf", out_type)
-        return done[case, out_type], hf[case][1], hf[case][2]
-
-    return get
-
-
-def reference(model, tokens: list[int]) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor([tokens])).logits[0].numpy()
-
-
-def error(ours: np.ndarray, theirs: np.ndarray) -> float:
-    assert ours.shape == theirs.shape
-    return float(np.abs(ours - theirs).max() / np.abs(theirs).max())
+    return converted_cases(tmp_path_factory.mktemp("qwen"), functools.partial(make_tiny_llama, vocab="qwen"), CASES)
 
 
 # ---- against transformers ------------------------------------------------------------------------------
@@ -75,20 +56,14 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
     path, model, tokenizer = converted(case)
     tokens = tokenizer.encode(TEXTS[0])
     assert len(tokens) > 8
-    expected = reference(model, tokens)
-    for batch_size in (512, 1):  # the whole prompt in one batch; one token per batch through the cache
-        with pyggml.load(path, n_threads=2, num_ctx=64, batch_size=batch_size, cache_type="f32") as llm:
-            assert llm.tokenize(TEXTS[0]) == tokens
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    # the whole prompt in one batch; one token per batch through the cache
+    logits_match_in_batches(path, model, tokens, TOLERANCE, batch_sizes=(512, 1), text=TEXTS[0])
 
 
 @pytest.mark.parametrize("case", ["qwen2-gqa-untied", "qwen3-mha-untied-wide-heads", "qwen3moe-gqa-untied"])
 def test_several_sequences_at_once_match_transformers(case, converted):
     path, model, tokenizer = converted(case)
-    prompts = [tokenizer.encode(t) for t in TEXTS]
-    results = logits_from_threads(path, prompts)
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, [tokenizer.encode(t) for t in TEXTS], TOLERANCE)
 
 
 # ---- against llama.cpp, on the same files ----------------------------------------------------------------

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split
+from tests._models import check_mmproj_split, image_prompt_logits, images_alone_and_together, scaled_error
 
 from .hf_fixtures import make_qwen_tokenizer, png
 from .test_convert import needs_llama_cpp
@@ -73,10 +73,6 @@ def tiny(tmp_path_factory):
     return model, processor, path, (start, end, pad)
 
 
-def scaled_error(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(ours - ref).max() / np.abs(ref).max())
-
-
 def hf_image(processor, data: bytes) -> tuple[np.ndarray, np.ndarray]:
     out = processor(Image.open(io.BytesIO(data)), return_tensors="np")
     return out["pixel_values"], out["image_grid_thw"]
@@ -128,7 +124,9 @@ def test_vision_tower_and_merger_match_transformers(tiny, ours, size):
     assert scaled_error(embeds, ref) <= 1e-4, scaled_error(embeds, ref)
 
 
-def _hf_logits(tiny, llm, prompt: str, data: bytes) -> np.ndarray:
+def hf_logits(tiny, llm, prompt: str, data: bytes) -> np.ndarray:
+    """Transformers' logits of ``prompt`` with image ``data`` at its ``[img-0]`` (tokens of ``llm``'s tokenizer),
+    for ``tiny`` = (HF model, processor, path, (vision start, end, pad ids)) (qwen3vl too)."""
     model, processor, _, (start, end, pad) = tiny
     pixels, grid = hf_image(processor, data)
     n = int(grid[0].prod()) // 4
@@ -144,14 +142,11 @@ def _hf_logits(tiny, llm, prompt: str, data: bytes) -> np.ndarray:
 @pytest.mark.parametrize("size", [SIZES[0], SIZES[1], SIZES[3]])
 def test_image_and_text_logits_match_transformers(tiny, size):
     import pyggml
-    from pyggml.runner import CompletionRequest
 
     data = image_of(size)
     with pyggml.load(tiny[2], n_threads=2, num_ctx=256, cache_type="f32") as llm:
-        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
-                                                           prompt_logits=True))
-        ref = _hf_logits(tiny, llm, PROMPT, data)
-    ours = last.prompt_logits
+        ours = image_prompt_logits(llm, PROMPT, data)
+        ref = hf_logits(tiny, llm, PROMPT, data)
     assert ours.shape == ref.shape
     print(f"{size}: logits {scaled_error(ours, ref):.2e}")
     assert scaled_error(ours, ref) <= 1e-4, scaled_error(ours, ref)
@@ -164,24 +159,8 @@ def test_two_images_of_different_grids_in_one_batch_equal_each_alone(tiny, ours)
 def two_images_in_one_batch_equal_each_alone(ours, size_a: tuple[int, int], size_b: tuple[int, int]) -> None:
     """Two prompts with one image each, of different grids, computed alone and then together: both images
     go in one batch and every prompt logit and generated token is the one computed alone (qwen3vl too)."""
-    from pyggml.runner import CompletionRequest, Runner
-
-    from .test_multimodal_runner import record_batches
-
     cases = [("a [img-0] cat", image_of(size_a, 5)), ("the dog [img-0] ran off", image_of(size_b, 6))]
-
-    def request(prompt, data):
-        return CompletionRequest(prompt=prompt, images=[data], max_tokens=3, temperature=0, prompt_logits=True)
-
-    def read(stream):
-        chunks = list(stream)
-        return [t for c in chunks for t in c.tokens], chunks[-1].prompt_logits
-
-    with Runner(ours, parallel=2, num_ctx=128, batch_size=128, cache_type="f32", background=False) as runner:
-        alone = [read(runner.completion(request(*case))) for case in cases]
-        batches = record_batches(runner)
-        streams = [runner.completion(request(*case)) for case in cases]
-        together = [read(stream) for stream in streams]
+    alone, together, batches, _ = images_alone_and_together(ours, cases, num_ctx=128, batch_size=128)
     assert [len(index) for _, index in batches if index] == [2]  # both images in one batch
     for (tokens_alone, logits_alone), (tokens_both, logits_both) in zip(alone, together, strict=True):
         assert tokens_alone == tokens_both
@@ -262,7 +241,7 @@ def test_api_cli_and_server_take_images(tiny, tmp_path, capsys):
     import pyggml
     from pyggml.cli import main
 
-    from ._server import post, running_server
+    from ._server import image_through_generate_and_chat, running_server
 
     data = image_of(SIZES[1], 12)
     b64 = base64.b64encode(data).decode()
@@ -283,12 +262,7 @@ def test_api_cli_and_server_take_images(tiny, tmp_path, capsys):
     capsys.readouterr()
     with running_server(tiny[2], parallel=1, num_ctx=256) as server:
         base, served = server
-        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
-        assert "vision" in show["capabilities"]
-        options = {"temperature": 0, "num_predict": 3}
-        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
-        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
-                                          "options": options})
+        gen, chat = image_through_generate_and_chat(server, b64)
         assert gen["response"] == chat["message"]["content"]  # the same rendered prompt
         bad = httpx.post(base + "/api/generate", json={"model": served.name, "stream": False, "prompt": "x",
                                                        "images": [base64.b64encode(b"GIF89a junk").decode()]},

@@ -18,7 +18,7 @@ from pyggml.convert import convert_hf
 from pyggml.models import ModelError
 from pyggml.synthetic import write_model
 
-from ._models import logits_from_threads
+from ._models import converted_cases, error, logits_match_in_batches, sequences_match_transformers
 from .test_architectures import TINY
 from .test_convert import needs_llama_cpp
 
@@ -66,7 +66,7 @@ torch = pytest.importorskip("torch", reason="the Qwen 3.5 parity tests build HF 
 transformers = pytest.importorskip("transformers", reason="the Qwen 3.5 parity tests build HF models")
 
 from .hf_fixtures import make_tiny_qwen35  # noqa: E402  (needs torch/transformers)
-from .test_qwen import TEXTS, error, llama_cpp_agrees, reference  # noqa: E402
+from .test_qwen import TEXTS, llama_cpp_agrees  # noqa: E402
 
 CASES = {"tiled-value-heads": dict(),  # delta net, attention, delta net, delta net; 2 key heads, 4 value heads
          "attention-first-untied": dict(layer_types=("full_attention", "linear_attention", "linear_attention",
@@ -83,16 +83,7 @@ TOLERANCE = 1e-3
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     """``converted(case)``: (path of the converted F32 file, HF model, HF tokenizer), made once."""
-    root, done = tmp_path_factory.mktemp("qwen35"), {}
-
-    def get(case: str):
-        if case not in done:
-            hf_dir, model = make_tiny_qwen35(root, **CASES[case])
-            path = convert_hf(hf_dir, root / f"{case}.gguf", "f32")
-            done[case] = path, model, transformers.AutoTokenizer.from_pretrained(hf_dir)
-        return done[case]
-
-    return get
+    return converted_cases(tmp_path_factory.mktemp("qwen35"), make_tiny_qwen35, CASES)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -100,10 +91,8 @@ def test_logits_match_transformers_in_one_batch_and_token_by_token(case, convert
     path, model, tokenizer = converted(case)
     tokens = tokenizer.encode(LONG)
     assert len(tokens) > 64
-    expected = reference(model, tokens)
-    for batch_size in (512, 5, 1):  # the whole prompt; batches that cut the convolution's window; token by token
-        with pyggml.load(path, n_threads=2, num_ctx=128, batch_size=batch_size, cache_type="f32") as llm:
-            assert error(llm.logits(tokens), expected) < TOLERANCE, batch_size
+    # the whole prompt; batches that cut the convolution's window; token by token
+    logits_match_in_batches(path, model, tokens, TOLERANCE, batch_sizes=(512, 5, 1), num_ctx=128)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -112,9 +101,7 @@ def test_several_sequences_in_one_batch_match_each_alone(case, converted):
     shorter than others: the scan's padding steps must not touch their states) equal transformers."""
     path, model, tokenizer = converted(case)
     prompts = [tokenizer.encode(t) for t in (LONG, TEXTS[1], TEXTS[2])]
-    results = logits_from_threads(path, prompts, num_ctx=128, batch_size=16, timeout=300)
-    for tokens, ours in zip(prompts, results, strict=True):
-        assert error(ours, reference(model, tokens)) < TOLERANCE
+    sequences_match_transformers(path, model, prompts, TOLERANCE, num_ctx=128, batch_size=16, timeout=300)
 
 
 @needs_llama_cpp

@@ -8,14 +8,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests._models import check_mmproj_split
+from tests._models import check_mmproj_split, image_prompt_logits, scaled_error
 
 from .test_convert import needs_llama_cpp
 from .test_qwen2vl import (
     PROMPT,
     hf_image,
+    hf_logits,
     image_of,
-    scaled_error,
     two_images_in_one_batch_equal_each_alone,
     vision_tokenizer,
 )
@@ -107,22 +107,11 @@ def test_vision_output_and_deepstack_features_match_transformers(tiny, ours, siz
 @pytest.mark.parametrize("size", [SIZES[0], SIZES[1], SIZES[3]])
 def test_image_and_text_logits_match_transformers(tiny, size):
     import pyggml
-    from pyggml.runner import CompletionRequest
 
-    model, processor, path, (start, end, pad) = tiny
     data = image_of(size)
-    with pyggml.load(path, n_threads=2, num_ctx=256, cache_type="f32") as llm:
-        *_, last = llm.runner.completion(CompletionRequest(prompt=PROMPT, images=[data], max_tokens=0,
-                                                           prompt_logits=True))
-        pixels, grid = hf_image(processor, data)
-        before, after = PROMPT.split("[img-0]")
-        ids = llm.tokenizer.encode(before) + [start] + [pad] * (int(grid[0].prod()) // 4) + [end] + \
-            llm.tokenizer.encode(after, add_special=False)
-    types = [1 if t == pad else 0 for t in ids]
-    with torch.no_grad():
-        ref = model(input_ids=torch.tensor([ids]), pixel_values=torch.tensor(pixels), image_grid_thw=torch.tensor(grid),
-                    mm_token_type_ids=torch.tensor([types])).logits[0].numpy()
-    ours = last.prompt_logits
+    with pyggml.load(tiny[2], n_threads=2, num_ctx=256, cache_type="f32") as llm:
+        ours = image_prompt_logits(llm, PROMPT, data)
+        ref = hf_logits(tiny, llm, PROMPT, data)
     assert ours.shape == ref.shape
     print(f"{size}: logits {scaled_error(ours, ref):.2e}")
     assert scaled_error(ours, ref) <= 1e-4, scaled_error(ours, ref)  # measured <= 2.5e-6

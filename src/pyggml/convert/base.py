@@ -15,7 +15,9 @@ registers it under the Hugging Face ``architectures`` names it converts. The hoo
 - ``tensors(name, source)``: one checkpoint tensor -> zero or more ``(gguf_name, source)`` pairs; the
   place for renames the map lacks (``gpt_oss.py``), transforms with ``source.map`` (``llama.py``'s
   rope permutation, ``gemma2.py``'s ``1 + weight``), splits of fused tensors with ``source.split``
-  and merges with ``self.gather`` then ``Source.stack`` (``qwen3moe.py``'s experts);
+  and merges with ``self.gather`` then ``Source.stack`` (:class:`StackedExperts`, which Qwen 3 MoE, Qwen 3.5
+  MoE and DeepSeek put before their base class; :class:`TextOfMultimodal`, the text decoder of a checkpoint
+  saved with its vision part);
 - ``extra_tensors()``: tensors computed from the config (``rope_freqs``, ``rope_factors_*``);
 - ``expected()``: every tensor of the file, GGUF name (``{bid}`` per block) -> numpy shape; the file
   must have exactly these, so a missing, unknown or misshapen tensor fails before anything is written,
@@ -43,6 +45,8 @@ _POOLING = {"none": gguf.PoolingType.NONE, "mean": gguf.PoolingType.MEAN, "cls":
 _REGISTRY: dict[str, type[Architecture]] = {}
 _BY_MODEL_TYPE: dict[str, type[Architecture]] = {}
 _ARCHS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+# one expert's matrix, as checkpoints saved before transformers 5 store them
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def register(*hf_names: str, model_types: Iterable[str] = ()) -> Callable[[type[Architecture]], type[Architecture]]:
@@ -253,3 +257,49 @@ class Architecture:
             for key, add in optional.items():
                 if rope.get(key) is not None:
                     add(float(rope[key]))
+
+
+class StackedExperts(Architecture):
+    """An architecture whose ``mlp.experts`` (``n_experts`` of width ``n_ff_exp``, both set by its ``__init__``)
+    GGUF stores stacked: one matrix per expert (stacked once the layer's last expert arrives), or transformers 5's
+    ``gate_up_proj`` / ``down_proj`` of all experts, go on to the next class's ``tensors`` as the
+    ``mlp.experts.{gate,up,down}_proj.weight`` stacks gguf's map names ``ffn_*_exps``. Listed before the
+    architecture it extends: ``class Qwen3Moe(StackedExperts, Qwen3)``."""
+
+    n_experts: int
+    n_ff_exp: int
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        if m := _EXPERT.match(name):
+            experts = self.gather(f"{m[1]}.{m[3]}_proj", int(m[2]), self.n_experts, source)
+            if experts:
+                yield from super().tensors(f"{m[1]}.{m[3]}_proj.weight", Source.stack(experts))
+        elif name.endswith(".mlp.experts.gate_up_proj"):  # all experts' gate and up in one
+            gate, up = source.split([self.n_ff_exp, self.n_ff_exp], axis=1)
+            yield from super().tensors(name.replace("gate_up_proj", "gate_proj.weight"), gate)
+            yield from super().tensors(name.replace("gate_up_proj", "up_proj.weight"), up)
+        elif name.endswith(".mlp.experts.down_proj"):
+            yield from super().tensors(name + ".weight", source)
+        else:
+            yield from super().tensors(name, source)
+
+
+class TextOfMultimodal(Architecture):
+    """The text decoder of a checkpoint saved with its vision part (a ``...ForConditionalGeneration``): config.json's
+    ``text_config`` (with the model's own ``tie_word_embeddings``: transformers writes a default into text_config
+    too), and ``language_model.model.*`` (or ``model.language_model.*``) and ``(language_model.)lm_head.*`` named as
+    the text model's tensors. Listed before the text architecture it extends (``class Llama4Text(TextOfMultimodal,
+    Llama4)``), whose ``skip`` leaves the vision part out (or whose subclass converts it)."""
+
+    def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
+        text = dict(config.get("text_config") or {})
+        if "tie_word_embeddings" in config:
+            text["tie_word_embeddings"] = config["tie_word_embeddings"]
+        super().__init__(hf_dir, text, pooling)
+
+    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
+        if name.endswith("lm_head.weight"):
+            name = "lm_head.weight"
+        else:
+            name = re.sub(r"^(model\.)?language_model\.(model\.)?", "model.", name)
+        return super().tensors(name, source)

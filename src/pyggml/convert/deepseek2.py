@@ -15,15 +15,13 @@ from typing import ClassVar
 
 import gguf
 
-from .base import Architecture, register
+from .base import StackedExperts, register
 from .tensors import Source
 
-# one expert's matrix, as checkpoints store them
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-class DeepSeekMoE(Architecture):
+class DeepSeekMoE(StackedExperts):
     """DeepSeek's feed-forward as GGUF stores it (also GLM-4.5's, ``glm4moe.py``): ``first_k_dense_replace`` dense
     layers, then a router (with ``exp_probs_b``, V3's correction bias, where ``router_bias``), stacked experts and
     shared experts; multi-token prediction layers past ``num_hidden_layers`` are left out."""
@@ -69,20 +67,10 @@ class DeepSeekMoE(Architecture):
     def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
         if (m := _LAYER.match(name)) and int(m[1]) >= self.n_layers:  # multi-token prediction layers
             return
-        if m := _EXPERT.match(name):  # stacked once the layer's last expert arrives
-            experts = self.gather(f"{m[1]}.{m[3]}_proj", int(m[2]), self.n_experts, source)
-            if experts:
-                yield from super().tensors(f"{m[1]}.{m[3]}_proj.weight", Source.stack(experts))
-        elif name.endswith(".mlp.experts.gate_up_proj"):  # transformers 5: all experts' gate and up in one
-            gate, up = source.split([self.n_ff_exp, self.n_ff_exp], axis=1)
-            yield from super().tensors(name.replace("gate_up_proj", "gate_proj.weight"), gate)
-            yield from super().tensors(name.replace("gate_up_proj", "up_proj.weight"), up)
-        elif name.endswith(".mlp.experts.down_proj"):
-            yield from super().tensors(name + ".weight", source)
-        elif name.endswith(".mlp.gate.e_score_correction_bias"):
+        if name.endswith(".mlp.gate.e_score_correction_bias"):
             yield re.sub(r"^model\.layers\.(\d+)\..*", r"blk.\1.exp_probs_b.bias", name), source
         else:
-            yield from super().tensors(name, source)
+            yield from super().tensors(name, source)  # experts stacked (StackedExperts), the rest by name
 
     def feed_forward_shapes(self, i: int) -> dict[str, tuple[int, ...]]:
         """Layer i's feed-forward tensors."""

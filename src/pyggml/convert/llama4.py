@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
 
 import gguf
 
-from .base import register
+from .base import TextOfMultimodal, register
 from .llama import Llama
 from .tensors import Source
 
@@ -101,21 +99,8 @@ def _transposed(source: Source) -> Source:
 
 
 @register("Llama4ForConditionalGeneration")
-class Llama4Text(Llama4):
+class Llama4Text(TextOfMultimodal, Llama4):
     """The text decoder of a checkpoint saved with its vision part (as Meta publishes Llama 4)."""
 
     skip = (*Llama4.skip, r"^(model\.)?(vision_model|multi_modal_projector)\.")
 
-    def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
-        text = dict(config.get("text_config") or {})
-        if "tie_word_embeddings" in config:  # the model's own; transformers writes a default into text_config too
-            text["tie_word_embeddings"] = config["tie_word_embeddings"]
-        super().__init__(hf_dir, text, pooling)
-
-    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
-        # language_model.model.* and language_model.lm_head.* (or model.language_model.* and lm_head.*)
-        if name.endswith("lm_head.weight"):
-            name = "lm_head.weight"
-        else:
-            name = re.sub(r"^(model\.)?language_model\.(model\.)?", "model.", name)
-        return super().tensors(name, source)

@@ -5,16 +5,13 @@ attention temperature (``llama_4_scaling_beta``) as ``attention.temperature_scal
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import gguf
 
-from .base import register
+from .base import TextOfMultimodal, register
 from .llama import Llama
-from .tensors import Source
 
 
 @register("Ministral3ForCausalLM", model_types=("ministral3",))
@@ -42,7 +39,7 @@ class Mistral3(Llama):
                 w.add_rope_scaling_orig_ctx_len(int(self.rope["original_max_position_embeddings"]))
 
 
-class Mistral3Text(Mistral3):
+class Mistral3Text(TextOfMultimodal, Mistral3):
     """The text decoder of a checkpoint saved with its vision part (as published): Ministral 3 as GGUF
     ``mistral3``, Mistral Small 3.1 / 3.2 (a ``mistral`` text decoder) as GGUF ``llama``, as llama.cpp converts
     them; the vision tower and projector are left out here (``mistral3_vision.py`` adds them, and registers
@@ -51,20 +48,10 @@ class Mistral3Text(Mistral3):
     skip = (*Mistral3.skip, r"^(model\.)?(vision_tower|multi_modal_projector)\.")
 
     def __init__(self, hf_dir: Path, config: dict[str, Any], pooling: str | None = None) -> None:
-        text = dict(config.get("text_config") or {})
-        if text.get("model_type") not in ("ministral3", "mistral"):
-            raise ValueError(f"config.json's text_config is {text.get('model_type')!r}; supported: ministral3 "
-                             "(GGUF mistral3), mistral (GGUF llama)")
-        if text["model_type"] == "mistral":
+        text_type = (config.get("text_config") or {}).get("model_type")
+        if text_type not in ("ministral3", "mistral"):
+            raise ValueError(f"config.json's text_config is {text_type!r}; supported: ministral3 (GGUF mistral3), "
+                             "mistral (GGUF llama)")
+        if text_type == "mistral":
             self.gguf_arch = "llama"  # Mistral Small 3.x: Llama's graph (no temperature tuning)
-        if "tie_word_embeddings" in config:  # the model's own; transformers writes a default into text_config too
-            text["tie_word_embeddings"] = config["tie_word_embeddings"]
-        super().__init__(hf_dir, text, pooling)
-
-    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
-        # transformers saves language_model.model.* (or model.language_model.*) and language_model.lm_head.*
-        if name.endswith("lm_head.weight"):
-            name = "lm_head.weight"
-        else:
-            name = re.sub(r"^(model\.)?language_model\.(model\.)?", "model.", name)
-        return super().tensors(name, source)
+        super().__init__(hf_dir, config, pooling)

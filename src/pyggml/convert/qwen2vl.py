@@ -14,8 +14,8 @@ from typing import Any
 import gguf
 
 from .base import UnknownTensorError, register
-from .checkpoint import read_json
 from .qwen2 import Qwen2
+from .qwen_vl import QwenVision, mrope_sections, read_processor, write_clip
 from .tensors import Source
 
 # transformers' Qwen2_5_VLVisionConfig and Qwen2VLImageProcessor defaults, for what config files leave out
@@ -30,7 +30,7 @@ MERGER = {"merger.ln_q": "v.post_ln", "merger.mlp.0": "mm.0", "merger.mlp.2": "m
 
 
 @register("Qwen2_5_VLForConditionalGeneration", model_types=("qwen2_5_vl",))
-class Qwen25VL(Qwen2):
+class Qwen25VL(QwenVision, Qwen2):
     gguf_arch = "qwen2vl"
     rope_types = (*Qwen2.rope_types, "mrope")  # older configs name the sections' rope "mrope"
     keep_f32 = (*Qwen2.keep_f32, "patch_embd", "weight")  # "weight": v.patch_embd.weight.1 (14-wide rows)
@@ -47,7 +47,7 @@ class Qwen25VL(Qwen2):
             raise ValueError(f"vision_config.fullatt_block_indexes {full} is not every n-th layer (llama.cpp's "
                              "n_wa_pattern)")
         self.wa_pattern = full[0] + 1
-        self.processor = read_processor(hf_dir, v)
+        self.processor = read_processor(hf_dir, v, MEAN, STD, MIN_PIXELS, MAX_PIXELS)
         super().__init__(hf_dir, text, pooling)
         self.sections = mrope_sections(self.rope, self.head_dim)
 
@@ -58,21 +58,9 @@ class Qwen25VL(Qwen2):
         w.add_uint32("clip.vision.n_wa_pattern", self.wa_pattern)
         w.add_uint32("clip.vision.window_size", self.vision["window_size"])
 
-    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
-        # transformers >= 5: model.language_model.* / model.visual.*; before: model.* / visual.*
-        name = re.sub(r"^model\.language_model\.", "model.", name)
-        name = re.sub(r"^(model\.)?visual\.", "visual.", name)
-        if not name.startswith("visual."):
-            yield from super().tensors(name, source)
-            return
-        name = name.removeprefix("visual.")
+    def vision_tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
         base, _, kind = name.rpartition(".")
-        if name == "patch_embed.proj.weight":  # (hidden, 3, 2, p, p): the two frames of a still image
-            hidden, channels, _, p, _ = source.shape
-            for frame, suffix in ((0, ""), (1, ".1")):
-                yield f"v.patch_embd.weight{suffix}", source.map(lambda x, f=frame: x[:, :, f],
-                                                                  (hidden, channels, p, p))
-        elif base in MERGER:
+        if base in MERGER:
             yield f"{MERGER[base]}.{kind}", source
         elif m := re.fullmatch(r"blocks\.(\d+)\.(.+)", base):
             block, part = m.groups()
@@ -129,44 +117,3 @@ class Qwen2VL(Qwen25VL):
             del shapes[key]
         norms = [f"v.blk.{i}.{n}.bias" for i in range(self.vision["depth"]) for n in ("ln1", "ln2")]
         return shapes | {name: (hidden,) for name in (*norms, "v.post_ln.bias")}
-
-
-def read_processor(hf_dir: Path, vision: dict[str, Any], mean: list[float] = MEAN, std: list[float] = STD,
-                   min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS) -> dict[str, Any]:
-    """The image processor's min/max pixels and normalisation (preprocessor_config.json, with
-    transformers' defaults), refused when its patch or merge size is not the vision tower's."""
-    pre = read_json(hf_dir / "preprocessor_config.json") or {}
-    size = pre.get("size") or {}
-    if pre.get("patch_size", vision["patch_size"]) != vision["patch_size"] or \
-            pre.get("merge_size", vision["spatial_merge_size"]) != vision["spatial_merge_size"]:
-        raise ValueError("preprocessor_config.json's patch_size/merge_size differ from config.json's vision_config")
-    return dict(min_pixels=int(pre.get("min_pixels") or size.get("shortest_edge") or min_pixels),
-                max_pixels=int(pre.get("max_pixels") or size.get("longest_edge") or max_pixels),
-                mean=pre.get("image_mean", mean), std=pre.get("image_std", std))
-
-
-def mrope_sections(rope: dict[str, Any], head_dim: int) -> list[int]:
-    """The rope's mrope_section (pairs of each head on the temporal, height, width axes), padded to four."""
-    sections = list(rope.get("mrope_section") or [])
-    if len(sections) != 3 or 2 * sum(sections) != head_dim:
-        raise ValueError(f"rope mrope_section {sections} must be 3 numbers summing to head_dim / 2 ({head_dim // 2})")
-    return [*sections, 0]
-
-
-def write_clip(w: gguf.GGUFWriter, projector: str, v: dict[str, Any], processor: dict[str, Any],
-               **flags: bool) -> None:
-    """The ``clip.*`` keys a Qwen-VL vision part shares, named as llama.cpp's mmproj files name them."""
-    w.add_string("clip.projector_type", projector)
-    w.add_bool("clip.has_vision_encoder", True)
-    for flag, on in flags.items():
-        w.add_bool(f"clip.{flag}", on)
-    for key, value in (("embedding_length", v["hidden_size"]), ("feed_forward_length", v["intermediate_size"]),
-                       ("block_count", v["depth"]), ("attention.head_count", v["num_heads"]),
-                       ("patch_size", v["patch_size"]), ("spatial_merge_size", v["spatial_merge_size"]),
-                       ("projection_dim", v["out_hidden_size"]), ("image_size", v.get("image_size", 560)),
-                       ("image_min_pixels", processor["min_pixels"]), ("image_max_pixels", processor["max_pixels"])):
-        w.add_uint32(f"clip.vision.{key}", int(value))
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)  # HF's vision norms
-    w.add_float32("clip.vision.rope.freq_base", float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
-    w.add_array("clip.vision.image_mean", [float(x) for x in processor["mean"]])
-    w.add_array("clip.vision.image_std", [float(x) for x in processor["std"]])

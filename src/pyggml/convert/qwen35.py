@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import gguf
 import numpy as np
 
-from .base import _ARCHS, Architecture, register
+from .base import _ARCHS, Architecture, StackedExperts, register
 from .tensors import Source
 
 KINDS = ("linear_attention", "full_attention")
@@ -162,13 +162,9 @@ class Qwen35(Architecture):
                 f"blk.{layer}.ffn_down.weight": (embd, ff)}
 
 
-# one expert's matrix, as checkpoints saved before transformers 5 store them
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
 @register("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
           model_types=("qwen3_5_moe_text", "qwen3_5_moe"))
-class Qwen35Moe(Qwen35):
+class Qwen35Moe(StackedExperts, Qwen35):
     """Qwen 3.5 / 3.6 MoE (GGUF ``qwen35moe``): every MLP a softmax router over stacked experts
     (``ffn_*_exps``) plus a shared expert (``ffn_*_shexp``) scaled by a sigmoid gate."""
 
@@ -191,20 +187,6 @@ class Qwen35Moe(Qwen35):
         w.add_expert_used_count(self.n_experts_used)
         w.add_expert_feed_forward_length(self.n_ff_exp)
         w.add_expert_shared_feed_forward_length(self.n_ff_shexp)
-
-    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
-        if m := _EXPERT.match(name):  # stacked once the layer's last expert arrives
-            experts = self.gather(f"{m[1]}.{m[3]}_proj", int(m[2]), self.n_experts, source)
-            if experts:
-                yield from super().tensors(f"{m[1]}.{m[3]}_proj.weight", Source.stack(experts))
-        elif name.endswith(".mlp.experts.gate_up_proj"):  # transformers 5: all experts' gate and up in one
-            gate, up = source.split([self.n_ff_exp, self.n_ff_exp], axis=1)
-            yield from super().tensors(name.replace("gate_up_proj", "gate_proj.weight"), gate)
-            yield from super().tensors(name.replace("gate_up_proj", "up_proj.weight"), up)
-        elif name.endswith(".mlp.experts.down_proj"):
-            yield from super().tensors(name + ".weight", source)
-        else:
-            yield from super().tensors(name, source)
 
     def feed_forward_shapes(self, layer: int) -> dict[str, tuple[int, ...]]:
         n, ff, sh, embd = self.n_experts, self.n_ff_exp, self.n_ff_shexp, self.n_embd

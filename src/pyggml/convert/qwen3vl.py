@@ -14,9 +14,9 @@ from typing import Any
 import gguf
 
 from .base import UnknownTensorError, register
-from .qwen2vl import mrope_sections, read_processor, write_clip
 from .qwen3 import Qwen3
 from .qwen3moe import Qwen3Moe
+from .qwen_vl import QwenVision, mrope_sections, read_processor, write_clip
 from .tensors import Source
 
 # transformers' Qwen3VLVisionConfig defaults, for what config.json leaves out
@@ -31,7 +31,7 @@ DEEPSTACK = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
 
 
 @register("Qwen3VLForConditionalGeneration", model_types=("qwen3_vl",))
-class Qwen3VL(Qwen3):
+class Qwen3VL(QwenVision, Qwen3):
     gguf_arch = "qwen3vl"
     keep_f32 = (*Qwen3.keep_f32, "patch_embd", "weight")  # "weight": v.patch_embd.weight.1
 
@@ -57,20 +57,9 @@ class Qwen3VL(Qwen3):
         write_clip(w, "qwen3vl_merger", self.vision, self.processor, use_gelu=True)
         w.add_array("clip.vision.is_deepstack_layers", [i in self.deepstack for i in range(self.vision["depth"])])
 
-    def tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
-        name = re.sub(r"^model\.language_model\.", "model.", name)
-        name = re.sub(r"^(model\.)?visual\.", "visual.", name)
-        if not name.startswith("visual."):
-            yield from super().tensors(name, source)
-            return
-        name = name.removeprefix("visual.")
+    def vision_tensors(self, name: str, source: Source) -> Iterable[tuple[str, Source]]:
         base, _, kind = name.rpartition(".")
-        if name == "patch_embed.proj.weight":  # (hidden, 3, 2, p, p): the two frames of a still image
-            hidden, channels, _, p, _ = source.shape
-            for frame, suffix in ((0, ""), (1, ".1")):
-                yield f"v.patch_embd.weight{suffix}", source.map(lambda x, f=frame: x[:, :, f],
-                                                                  (hidden, channels, p, p))
-        elif base in MERGER:
+        if base in MERGER:
             yield f"{MERGER[base]}.{kind}", source
         elif (m := re.fullmatch(r"blocks\.(\d+)\.(.+)", base)) and m.group(2) in LAYER:
             yield f"v.blk.{m.group(1)}.{LAYER[m.group(2)]}.{kind}", source
