@@ -204,18 +204,16 @@ class Layer(nn.Module):
 
     def experts(self, h: Tensor, opts: Options) -> Tensor:
         """The routed experts on the stream ``h`` after attention (hidden, n_tokens)."""
-        k, n_tokens, ff = opts.n_experts_used, h.shape[1], opts.expert_ffn_size
+        k, n_tokens = opts.n_experts_used, h.shape[1]
         routed = h.rms_norm(opts.eps).scale(1.0 / math.sqrt(opts.hidden_size)) * self.ffn_gate_inp.scale.weight
         logits = self.ffn_gate_inp.weight.weight.mulmat(routed)  # (n_experts, n_tokens)
         chosen = logits.top_k(k)
         weights = logits.reshape(1, opts.n_experts, n_tokens).rows(chosen).reshape(k, n_tokens).softmax()
         per_expert = self.ffn_down_exps.scale.weight.reshape(1, opts.n_experts, ctx=h.ctx)
         weights = weights * per_expert.rows(chosen.reshape(k * n_tokens)).reshape(k, n_tokens)
-        gate_up = self.ffn_gate_up_exps(self.pre_ffw_norm_2(h, opts.eps), chosen)  # (2 * ff, k, n_tokens)
-        rows, strides = (ff, k, n_tokens), (gate_up.strides[1], gate_up.strides[2])
-        act = gate_up.view(0, rows, strides).gelu(gate_up.view(gate_up.strides[0] * ff, rows, strides))
         down = nn.Experts(self.ffn_down_exps.weight.weight)
-        return nn.sum_experts(down(act, chosen), weights)
+        return nn.mix_experts(self.pre_ffw_norm_2(h, opts.eps), chosen, weights, self.ffn_gate_up_exps, None, down,
+                              lambda gate, up: gate.gelu(up))  # the experts' gate and up stored as one
 
 
 class Weights(nn.Module):
