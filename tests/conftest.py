@@ -94,6 +94,21 @@ def cpu():
 
 
 @pytest.fixture(scope="session")
+def stories_tokenizer():
+    """stories260K's tokenizer (no weights), for the grammar tests (which need llguidance)."""
+    pytest.importorskip("llguidance", reason="constrained output needs llguidance")
+    import gguf
+
+    from pyggml.tokenizer import from_metadata
+
+    path = SHARED_MODELS / "stories260K.gguf"
+    if not path.exists():
+        pytest.skip(f"{path} is not there")
+    reader = gguf.GGUFReader(path)
+    return from_metadata({f.name: f.contents() for f in reader.fields.values()})
+
+
+@pytest.fixture(scope="session")
 def shared_models() -> Path:
     """``/work/shared/models`` (real GGUF files); skips the test when it is absent (fails under CI)."""
     if not SHARED_MODELS.is_dir():

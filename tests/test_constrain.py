@@ -210,19 +210,6 @@ def test_draft_masks_match_stepwise_masks():
         model.close()
 
 
-@pytest.fixture(scope="module")
-def stories_tokenizer():
-    import gguf
-
-    from pyggml.tokenizer import from_metadata
-
-    path = SHARED_MODELS / "stories260K.gguf"
-    if not path.exists():
-        pytest.skip(f"{path} is not there")
-    reader = gguf.GGUFReader(path)
-    return from_metadata({f.name: f.contents() for f in reader.fields.values()})
-
-
 def accepts(grammar: Grammar, tokenizer, text: str) -> bool:
     """Whether ``text`` (tokenized as the matcher's tokenize callback does) is a complete match."""
     ids: list[int] = []

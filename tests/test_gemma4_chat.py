@@ -21,6 +21,7 @@ from pyggml.thinking import (
 )
 from pyggml.tools import FORMATS, ToolCallParser, detect_format, forced_grammar, parse
 
+from .test_thinking import split as split_with
 from .test_tools import TIME, WEATHER
 
 # A Gemma-4-like template: its markers and enable_thinking as the real one uses them (the real one writes an
@@ -56,12 +57,7 @@ SPLITS = [
 
 
 def split(pieces: list[str], inside: bool) -> tuple[str, str]:
-    s, thinking, answer = ChannelSplitter(inside), "", ""
-    for piece in pieces:
-        t, a = s.feed(piece)
-        thinking, answer = thinking + t, answer + a
-    t, a = s.flush()
-    return thinking + t, answer + a
+    return split_with(pieces, inside, ChannelSplitter)
 
 
 @pytest.mark.parametrize("output, inside, thinking, answer", SPLITS)
@@ -164,21 +160,6 @@ def test_a_call_nested_deep_in_json_terms_is_refused_not_a_crash():
 ])
 def test_format_detected_from_the_template(source, name):
     assert detect_format(source).name == name
-
-
-@pytest.fixture(scope="module")
-def stories_tokenizer():
-    pytest.importorskip("llguidance")
-    import gguf
-
-    from pyggml.tokenizer import from_metadata
-
-    from .conftest import SHARED_MODELS
-    path = SHARED_MODELS / "stories260K.gguf"
-    if not path.exists():
-        pytest.skip("no stories260K")
-    reader = gguf.GGUFReader(path)
-    return from_metadata({f.name: f.contents() for f in reader.fields.values()})
 
 
 def accepts(tokenizer, grammar, text: str) -> bool:

@@ -26,8 +26,8 @@ CASES = [
 ]
 
 
-def split(pieces: list[str], inside: bool) -> tuple[str, str]:
-    s, thinking, answer = ThinkingSplitter(inside), "", ""
+def split(pieces: list[str], inside: bool, splitter: type = ThinkingSplitter) -> tuple[str, str]:
+    s, thinking, answer = splitter(inside), "", ""
     for piece in pieces:
         t, a = s.feed(piece)
         thinking, answer = thinking + t, answer + a

@@ -108,21 +108,6 @@ def test_check_tools():
             check_tools(bad)
 
 
-@pytest.fixture(scope="module")
-def stories_tokenizer():
-    pytest.importorskip("llguidance")
-    import gguf
-
-    from pyggml.tokenizer import from_metadata
-
-    from .conftest import SHARED_MODELS
-    path = SHARED_MODELS / "stories260K.gguf"
-    if not path.exists():
-        pytest.skip("no stories260K")
-    reader = gguf.GGUFReader(path)
-    return from_metadata({f.name: f.contents() for f in reader.fields.values()})
-
-
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_forced_grammars_compile(fmt):
     pytest.importorskip("llguidance")
