@@ -8,6 +8,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from pyggml import BackendParams, models
 from pyggml.runner import Runner
 
@@ -66,6 +68,26 @@ def post(server: tuple, route: str, body: dict) -> dict:
     response = httpx.post(base + route, json=body, timeout=120)
     assert response.status_code == 200, f"{route}: {response.status_code} {response.text}"
     return response.json()
+
+
+@contextlib.contextmanager
+def with_template(tmp_path_factory, template: str, num_ctx: int = 256):
+    """(base_url, served, its own template) of a server of a tiny random model whose chat template is replaced by
+    ``template`` (a format's markers: thinking, tool calls), for the formats' end-to-end tests."""
+    pytest.importorskip("llguidance")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("httpx")
+    from pyggml.chat import ChatTemplate
+    from pyggml.synthetic import write_synthetic
+
+    path = write_synthetic(tmp_path_factory.mktemp("templated") / "tiny.gguf", "tiny", "f32")
+    with running_server(path, parallel=1, num_ctx=num_ctx) as (base, served):
+        plain = served.template
+        served.template = ChatTemplate(template)
+        try:
+            yield base, served, plain
+        finally:
+            served.template = plain
 
 
 def image_through_generate_and_chat(server: tuple, b64: str) -> tuple[dict, dict]:

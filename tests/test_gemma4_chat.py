@@ -22,7 +22,7 @@ from pyggml.thinking import (
 from pyggml.tools import FORMATS, ToolCallParser, detect_format, forced_grammar, parse
 
 from .test_thinking import split as split_with
-from .test_tools import TIME, WEATHER
+from .test_tools import TIME, WEATHER, accepts
 
 # A Gemma-4-like template: its markers and enable_thinking as the real one uses them (the real one writes an
 # empty thought when thinking is off, so the model's output then starts with the answer)
@@ -162,20 +162,6 @@ def test_format_detected_from_the_template(source, name):
     assert detect_format(source).name == name
 
 
-def accepts(tokenizer, grammar, text: str) -> bool:
-    from pyggml.constrain import Constraint
-
-    constraint = Constraint(grammar, tokenizer)
-    tokens = tokenizer.encode(text, add_special=False)
-    if tokenizer.decode(tokens[:1]) == "":
-        tokens = tokens[1:]  # SentencePiece's space prefix
-    if constraint.validate(tokens) != len(tokens):
-        return False
-    for token in tokens:
-        constraint.consume(token)
-    return constraint.accepting
-
-
 def test_forced_call_grammar_takes_gemma4_calls_of_the_tools_as_their_schemas_say(stories_tokenizer):
     def accepted(text: str, name: str | None = None) -> bool:
         return accepts(stories_tokenizer, forced_grammar(FORMATS["gemma4"], [WEATHER, TIME], name), text)
@@ -262,20 +248,10 @@ def test_llm_chat_completion_reads_reasoning_and_calls(tiny):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    pytest.importorskip("llguidance")
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("httpx")
-    from pyggml.chat import ChatTemplate
-    from pyggml.synthetic import write_synthetic
+    from ._server import with_template
 
-    from ._server import running_server
-
-    path = write_synthetic(tmp_path_factory.mktemp("gemma4server") / "tiny.gguf", "tiny", "f32")
-    with running_server(path, parallel=1, num_ctx=512) as (base, served):
-        plain = served.template
-        served.template = ChatTemplate(TEMPLATE)
+    with with_template(tmp_path_factory, TEMPLATE, num_ctx=512) as (base, served, _):
         yield base, served
-        served.template = plain
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -365,18 +365,13 @@ def test_server_reports_vision_and_takes_an_image(tiny):
 
     import httpx
 
-    from ._server import post, running_server
+    from ._server import image_through_generate_and_chat, running_server
 
     _, _, path, _ = tiny
     b64 = base64.b64encode(png(11)).decode()
     with running_server(path, parallel=2, num_ctx=128) as server:
         base, served = server
-        show = httpx.post(base + "/api/show", json={"model": served.name}, timeout=30).json()
-        assert "vision" in show["capabilities"]
-        options = {"temperature": 0, "num_predict": 3}
-        gen = post(server, "/api/generate", {"prompt": "what is this?", "images": [b64], "options": options})
-        chat = post(server, "/api/chat", {"messages": [{"role": "user", "content": "what is this?", "images": [b64]}],
-                                          "options": options})
+        gen, chat = image_through_generate_and_chat(server, b64)
         assert gen["done"] and chat["done"]
         two = httpx.post(base + "/api/generate", json={"model": served.name, "prompt": "[img-0] [img-1]",
                                                         "images": [b64, b64], "stream": False}, timeout=60)

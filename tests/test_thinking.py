@@ -60,20 +60,10 @@ MESSAGES = [{"role": "user", "content": "Think first."}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    pytest.importorskip("llguidance")
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("httpx")
-    from pyggml.chat import ChatTemplate
-    from pyggml.synthetic import write_synthetic
+    from ._server import with_template
 
-    from ._server import running_server
-
-    path = write_synthetic(tmp_path_factory.mktemp("thinking") / "tiny.gguf", "tiny", "f32")
-    with running_server(path, parallel=1, num_ctx=256) as (base, served):
-        plain = served.template
-        served.template = ChatTemplate(THINKING_TEMPLATE)
-        yield base, served, plain
-        served.template = plain
+    with with_template(tmp_path_factory, THINKING_TEMPLATE) as served:
+        yield served
 
 
 def expected(server) -> tuple[str, str, dict]:

@@ -128,31 +128,26 @@ def test_forced_grammars_compile(fmt):
         forced_grammar(FORMATS[fmt], [WEATHER], "nope")
 
 
-def test_forced_llama3_call_takes_parameters():
+def accepts(tokenizer, grammar, text: str) -> bool:
+    """Whether the constraint of ``grammar`` takes ``text`` (as tokens) whole and is then complete."""
+    from pyggml.constrain import Constraint
+
+    constraint = Constraint(grammar, tokenizer)
+    tokens = tokenizer.encode(text, add_special=False)
+    if tokenizer.decode(tokens[:1]) == "":
+        tokens = tokens[1:]  # SentencePiece's space prefix
+    if constraint.validate(tokens) != len(tokens):
+        return False
+    for token in tokens:
+        constraint.consume(token)
+    return constraint.accepting
+
+
+def test_forced_llama3_call_takes_parameters(stories_tokenizer):
     """Llama 3's tool calls name their arguments "parameters" (its template and parser say so): the
     forced grammar accepts that call, and not one with "arguments"."""
-    pytest.importorskip("llguidance")
-    from pyggml.constrain import Constraint
-    from pyggml.tokenizer import from_metadata
-
-    from .conftest import SHARED_MODELS
-    path = SHARED_MODELS / "stories260K.gguf"
-    if not path.exists():
-        pytest.skip("no stories260K")
-    import gguf
-    reader = gguf.GGUFReader(path)
-    tokenizer = from_metadata({f.name: f.contents() for f in reader.fields.values()})
-
     def accepted(text: str) -> bool:
-        constraint = Constraint(forced_grammar(FORMATS["llama3"], [WEATHER]), tokenizer)
-        tokens = tokenizer.encode(text, add_special=False)
-        if tokenizer.decode(tokens[:1]) == "":
-            tokens = tokens[1:]  # SentencePiece's space prefix
-        if constraint.validate(tokens) != len(tokens):
-            return False
-        for token in tokens:
-            constraint.consume(token)
-        return constraint.accepting
+        return accepts(stories_tokenizer, forced_grammar(FORMATS["llama3"], [WEATHER]), text)
 
     assert accepted('{"name":"get_weather","parameters":{"city":"Lima","days":5}}')
     assert not accepted('{"name":"get_weather","arguments":{"city":"Lima","days":5}}')
