@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from pyggml.runner import CompletionChunk, CompletionRequest, TokenLogprob
@@ -20,6 +20,20 @@ from pyggml.runner import CompletionChunk, CompletionRequest, TokenLogprob
 # llama-cpp-python arguments without a pyggml counterpart, and the defaults that mean "not used"
 _UNUSED = {"tfs_z": 1.0, "mirostat_mode": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "stopping_criteria": None,
            "logits_processor": None, "functions": None, "function_call": None}
+
+
+def completion_logprobs(lps: Sequence[TokenLogprob], top: int, piece: Callable[[int], str],
+                        offset: list[int]) -> dict[str, Any]:
+    """OpenAI's legacy completion logprobs (as llama-cpp-python returns them) of tokens ``lps``: each token's text
+    (``piece``), its offset in the text so far (``offset[0]``, advanced past them), its logprob, and its ``top``
+    alternatives by text."""
+    tokens = [piece(lp.token) for lp in lps]
+    offsets = []
+    for t in tokens:
+        offsets.append(offset[0])
+        offset[0] += len(t)
+    return {"tokens": tokens, "text_offset": offsets, "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{piece(t): p for t, p in lp.top[:top]} for lp in lps]}
 
 
 def _check_unused(op: str, extra: Mapping[str, Any]) -> None:
@@ -72,15 +86,7 @@ class LlamaCppMethods:
         offset = [len(prompt_text)]  # llama-cpp-python counts offsets from the start of the prompt
 
         def choice(chunk: CompletionChunk, text: str, lps: list[TokenLogprob]) -> dict[str, Any]:
-            shaped = None
-            if logprobs is not None:
-                tokens = [self._piece(lp.token) for lp in lps]
-                offsets = []
-                for t in tokens:
-                    offsets.append(offset[0])
-                    offset[0] += len(t)
-                shaped = {"tokens": tokens, "text_offset": offsets, "token_logprobs": [lp.logprob for lp in lps],
-                          "top_logprobs": [{self._piece(t): p for t, p in lp.top[:logprobs]} for lp in lps]}
+            shaped = None if logprobs is None else completion_logprobs(lps, logprobs, self._piece, offset)
             return {"text": text, "index": 0, "logprobs": shaped, "finish_reason": _finish(chunk)}
 
         chunks = self._chunks(self.runner.completion(request))  # validates the request now

@@ -20,6 +20,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import pyggml
+from pyggml.compat import completion_logprobs
 from pyggml.runner import CompletionChunk, CompletionRequest, TokenLogprob
 from pyggml.server.chat import chat_prompt, effort_think
 from pyggml.server.models import served_for
@@ -132,16 +133,7 @@ async def completions(request: Request) -> Response:
     def choice(chunk: CompletionChunk, text: str, lps: list[TokenLogprob], streaming: bool) -> dict[str, Any]:
         if prefix:
             text = prefix.pop() + text
-        logprobs = None
-        if top is not None:
-            tokens = [served.token_text(lp.token) for lp in lps]
-            offsets = []
-            for t in tokens:
-                offsets.append(offset[0])
-                offset[0] += len(t)
-            logprobs = {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                        "top_logprobs": [{served.token_text(t): p for t, p in lp.top[:top]} for lp in lps],
-                        "text_offset": offsets}
+        logprobs = None if top is None else completion_logprobs(lps, top, served.token_text, offset)
         return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": _finish(chunk)}
 
     return await _complete(request, served, prepare, stream, usage, "text_completion", choice)
