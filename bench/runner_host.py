@@ -22,6 +22,11 @@ measured steps):
 - ``stream``: handing chunks to their consumers (queue, notify) and the consumer reading them;
 - ``host``: everything but ``compute`` (the figure the issue's target is about), and ``step``.
 
+A timing wrapper costs about a microsecond per call, and several wrap each sequence's calls (at 128
+sequences some 0.5 ms of a step), so every row is run twice: once with every phase timed (the phase
+columns, ``host`` and ``step``), and once with only the compute timed (``lean host``: the step's time
+less its compute, ``lean step``, and ``tok/s``): the host work without the measurement's own.
+
 The phases are found by wrapping the runner's functions (whichever of the listed names exist), so the
 script measures older and newer runners alike.
 """
@@ -37,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 PHASES = ("compute", "cache", "sched", "sample", "detok", "stream")
-COLUMNS = ("P", *PHASES, "host", "step", "tok/s")
+COLUMNS = ("P", *PHASES, "host", "step", "lean host", "lean step", "tok/s")
 # phase -> (module, class or None, attribute) of the functions whose own time (not their timed callees') goes there
 TIMED: dict[str, list[tuple[str, str | None, str]]] = {
     "compute": [("pyggml.runner.engine", "Engine", "compute")],
@@ -62,10 +67,11 @@ class Profiler:
         self._stack: list[float] = []  # time spent in timed callees, per open call
         self._undo: list[Callable[[], None]] = []
 
-    def wrap_all(self) -> None:
+    def wrap_all(self, phases: tuple[str, ...] = PHASES) -> None:
         import importlib
 
-        for phase, places in TIMED.items():
+        for phase in phases:
+            places = TIMED[phase]
             for module_name, owner_name, attr in places:
                 module = importlib.import_module(module_name)
                 owner = getattr(module, owner_name, None) if owner_name else module
@@ -111,9 +117,11 @@ def synthetic_path(vocab: int) -> Path:
     return path
 
 
-def run(model, parallel: int, steps: int, warmup: int, sampling: str,
-        device_sampling: bool = False, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Median ms per step of each phase over ``steps`` decode steps with ``parallel`` sequences."""
+def run(model, parallel: int, steps: int, warmup: int, sampling: str, device_sampling: bool = False,
+        clock: Callable[[], float] = time.perf_counter, lean: bool = False) -> dict[str, float]:
+    """Median ms per step of each phase over ``steps`` decode steps with ``parallel`` sequences.
+    ``lean``: only the compute is timed (the other phases read 0 and ``host`` is the step's time
+    less its compute): no timing wrapper around each sequence's calls adds to the host figure."""
     from pyggml.runner import CompletionRequest, Runner
 
     tok = model.tokenizer
@@ -123,17 +131,20 @@ def run(model, parallel: int, steps: int, warmup: int, sampling: str,
     options = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.8, top_k=40, top_p=0.9)
     profiler = Profiler(clock)
     per_step: list[dict[str, float]] = []
+    spans: list[float] = []  # each step's time
     # every prompt fits one batch (the runner's batches are at most num_ctx)
     extra = dict(device_sampling=True) if device_sampling else {}  # (runners before issue 26 lack it)
     with Runner(model, parallel=parallel, num_ctx=max(4 * parallel, warmup + steps + 16), batch_size=4 * parallel,
                 build_ahead=False, background=False, **extra) as runner:
-        profiler.wrap_all()
-        original = runner._iterate  # the timed one
+        profiler.wrap_all(("compute",) if lean else PHASES)
+        original = runner._iterate  # the timed one (in "sched")
 
-        def iterate(block):  # one step: note each phase's time so far
+        def iterate(block):  # one step: note each phase's time so far, and the step's own
+            t0 = clock()
             try:
                 return original(block)
             finally:
+                spans.append(clock() - t0)
                 per_step.append(profiler.snapshot())
 
         runner._iterate = iterate
@@ -156,9 +167,10 @@ def run(model, parallel: int, steps: int, warmup: int, sampling: str,
     marks = [dict.fromkeys(PHASES, 0.0), *per_step]
     steps_ms = [{p: 1e3 * (b[p] - a[p]) for p in PHASES} for a, b in zip(marks, marks[1:], strict=False)]
     measured = steps_ms[warmup + 1:warmup + 1 + steps]  # +1: the prompt step
+    span = [1e3 * t for t in spans[warmup + 1:warmup + 1 + steps]]
     row = {p: float(np.median([s[p] for s in measured])) for p in PHASES}
-    row["host"] = float(np.median([sum(s[p] for p in PHASES if p != "compute") for s in measured]))
-    row["step"] = float(np.median([sum(s.values()) for s in measured]))
+    row["host"] = float(np.median([t - s["compute"] for s, t in zip(measured, span, strict=True)]))
+    row["step"] = float(np.median(span))
     row["tok/s"] = tokens / wall
     return row
 
@@ -193,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             print("| " + " | ".join(COLUMNS) + " |")
             print("|" + "---|" * len(COLUMNS))
             for parallel in parallels:
-                row = run(model, parallel, args.steps, args.warmup, sampling, args.device_sampling,
-                          time.thread_time if args.clock == "cpu" else time.perf_counter)
+                clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+                row = run(model, parallel, args.steps, args.warmup, sampling, args.device_sampling, clock)
+                lean = run(model, parallel, args.steps, args.warmup, sampling, args.device_sampling, clock, lean=True)
+                row.update({"lean host": lean["host"], "lean step": lean["step"], "tok/s": lean["tok/s"]})
                 cells = [str(parallel)] + [f"{row[c]:.3f}" for c in COLUMNS[1:-1]] + [f"{row['tok/s']:.0f}"]
                 print("| " + " | ".join(cells) + " |", flush=True)
     finally:

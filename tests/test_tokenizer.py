@@ -192,6 +192,24 @@ def test_stream_holds_back_split_emoji() -> None:
     assert tok.decode(ids, continuation=True) == " Hello world"
 
 
+def test_stream_of_cached_texts_equals_an_incremental_utf8_decoder() -> None:
+    """The stream returns a decoded token's text from a cache when no UTF-8 is held back: run
+    twice (cold, then every text cached) over whole tokens mixed with split and invalid bytes, it
+    gives what Python's incremental UTF-8 decoder gives for the same bytes, feed by feed."""
+    import codecs
+
+    tok = tokenizer("llama-spm")
+    byte = {b: tok.vocab.tokens.index(f"<0x{b:02X}>") for b in (0xE2, 0x82, 0xAC, 0xFF, 0x41)}
+    words = tok.encode("Hello world, a llama", add_special=False)
+    ids = [words[0], byte[0xE2], byte[0x82], words[1], byte[0xE2], byte[0x82], byte[0xAC], words[2],
+           byte[0xFF], byte[0x41], words[3], byte[0xE2], *words[4:], byte[0xE2]]
+    for _ in range(2):
+        stream = tok.stream(continuation=True)
+        reference = codecs.getincrementaldecoder("utf-8")("replace")
+        assert [stream.feed(i) for i in ids] == [reference.decode(tok.token_to_piece(i)) for i in ids]
+        assert stream.flush() == reference.decode(b"", final=True) == "\ufffd"
+
+
 def test_token_to_piece() -> None:
     spm, bpe = tokenizer("llama-spm"), tokenizer("gpt-2")
     assert spm.token_to_piece(spm.encode("Hello", add_special=False)[0]) == b" Hello"

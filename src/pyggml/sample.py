@@ -77,6 +77,9 @@ class Sampler(SamplingOptions):
         self._plain_greedy = self.temperature <= 0 and not self._penalises and not np.any(self._bias_values > 0)
         self._bias_top = int(self._bias_ids.max()) if self._bias_ids.size else -1
         self._bias_set = frozenset(self._bias_ids.tolist())
+        # the fewest of a row's largest logits this sampler decides from (``fits_top``); 0: it needs them all
+        plain = not self._penalises and not self._bias_ids.size and self.typical_p >= 1.0
+        self._top_need = 0 if not plain else 1 if self.temperature <= 0 else self.top_k + 1 if self.top_k > 0 else 0
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Pick one token id from ``logits`` (shape ``(vocab,)``); ``history`` feeds the penalties."""
@@ -124,8 +127,7 @@ class Sampler(SamplingOptions):
         """Whether a row's K largest logits (``k``) are all this sampler needs (``sample_top``): no
         penalties, bias or typical sampling, and greedy or a top-k below ``k`` (the k-th value must be
         seen to be above the K-th, so that no equal logit hides outside the K)."""
-        return not self._penalises and not self._bias_ids.size and self.typical_p >= 1.0 and \
-            (self.temperature <= 0 or 0 < self.top_k < k)
+        return 0 < self._top_need <= k
 
     def _candidates(self, logits: np.ndarray, history: Sequence[int]) -> tuple[Any, np.ndarray | None]:
         """The surviving (ids, logits) in drawing order after penalties, bias and truncation;

@@ -113,6 +113,9 @@ class Cells:
         self._member = np.zeros((max_sequences, capacity), bool)
         self._count = np.zeros(capacity, np.int32)
         self._extent: int | None = 0  # highest used cell + 1, or None: recount (numpy calls cost ~5 us here)
+        # per stream (``per_sequence``) its highest used cell + 1, counted from the stream's start, or None:
+        # recount (a pass over every cell); kept up to date while cells are only added, as decode steps do
+        self._stream_top: np.ndarray | None = np.zeros(max_sequences, np.int64) if per_sequence else None
         # upper bound of each sequence's highest stored position (-1: none), to skip lookups
         self._top = np.full(max_sequences, -1, np.int64)
 
@@ -159,9 +162,14 @@ class Cells:
         stream's size. Without streams, ``[used_extent(padding)]``."""
         if not self.per_sequence:
             return np.array([self.used_extent(padding)])
-        used = self._count.reshape(self.max_sequences, self.stream_size) != 0
-        top = np.where(used.any(axis=1), self.stream_size - np.argmax(used[:, ::-1], axis=1), 0)
-        return np.minimum(-(-top // padding) * padding, self.stream_size)
+        return np.minimum(-(-self._stream_tops() // padding) * padding, self.stream_size)
+
+    def _stream_tops(self) -> np.ndarray:
+        """Per stream its highest used cell + 1, counted from the stream's start (``per_sequence``)."""
+        if self._stream_top is None:
+            used = self._count.reshape(self.max_sequences, self.stream_size) != 0
+            self._stream_top = np.where(used.any(axis=1), self.stream_size - np.argmax(used[:, ::-1], axis=1), 0)
+        return self._stream_top
 
     def can_resume(self, seq: int, pos: int) -> bool:
         """Whether generation of ``seq`` can restart at ``pos`` from what is stored.
@@ -193,13 +201,14 @@ class Cells:
         if n > 1 and (keys[1:] == keys[:-1]).any():
             raise ValueError("place: a (sequence, position) pair appears twice in the batch")
 
-        # Plan on a copy of the counts; commit only once the batch is known to fit.
-        count = self._count.copy()
+        # Plan on a copy of the counts (when the plan changes them: an appending batch only reads them);
+        # commit only once the batch is known to fit.
         gone_seq, gone_cell = self._window_drops(pos, seq)
+        tok, old = self._lookup(pos, seq)
+        count = self._count.copy() if gone_cell.size or tok.size else self._count
         if gone_cell.size:
             np.subtract.at(count, gone_cell, 1)
         cells = np.full(n, -1, np.int32)  # -1: needs a free cell
-        tok, old = self._lookup(pos, seq)
         if tok.size:
             reuse = count[old] == 1  # only this sequence sees the cell: overwrite in place
             cells[tok[reuse]] = old[reuse]
@@ -213,8 +222,10 @@ class Cells:
         if gone_cell.size:
             self._member[gone_seq, gone_cell] = False
             self._pos[gone_cell[count[gone_cell] == 0]] = -1
+            self._changed()
+        elif new.size:  # cells only added: the extents grow to hold them
+            self._grown(new)
         self._count = count
-        self._extent = None
         self._pos[new] = pos[fresh]
         self._member[seq[fresh], new] = True
         count[new] = 1
@@ -237,19 +248,23 @@ class Cells:
             return np.empty(0, np.int64)
         size = self.stream_size
         streams, inverse, wanted = np.unique(seqs, return_inverse=True, return_counts=True)
-        free = (count.reshape(self.max_sequences, size) == 0)[streams]
-        if wanted.max() == 1:  # a decode step: the lowest free cell of each stream
+        if wanted.max() == 1:  # a decode step: the lowest free cell of each stream, at or below its top
+            # (``count`` may have freed cells below a top, never taken any above one)
+            width = min(int(self._stream_tops()[streams].max()) + 1, size)
+            block = count.reshape(self.max_sequences, size)[streams, :width]
             rows = np.arange(streams.size)
-            taken = np.argmax(free, axis=1)
-            short = ~free[rows, taken]
+            taken = np.argmin(block, axis=1)  # the first 0, where there is one
+            short = block[rows, taken] != 0
         else:
+            free = (count.reshape(self.max_sequences, size) == 0)[streams]
             rank = np.cumsum(free, axis=1)
             short = rank[:, -1] < wanted
             rows, taken = np.nonzero(free & (rank <= wanted[:, None]))
         if short.any():
             s = int(np.flatnonzero(short)[0])
+            n_free = int(np.count_nonzero(count[streams[s] * size:(streams[s] + 1) * size] == 0))
             raise CacheFullError(f"place: {wanted[s]} tokens of sequence {streams[s]} need a free cell, only "
-                                 f"{int(free[s].sum())} of its {size} are free")
+                                 f"{n_free} of its {size} are free")
         new = np.empty(seqs.size, np.int64)
         new[np.argsort(inverse, kind="stable")] = taken + streams[rows].astype(np.int64) * size
         return new
@@ -273,7 +288,21 @@ class Cells:
         self._top[seq] = pos
         if self._extent is not None and cell >= self._extent:
             self._extent = cell + 1
+        if self._stream_top is not None:
+            self._stream_top[seq] = max(int(self._stream_top[seq]), cell - seq * self.stream_size + 1)
         return np.array([cell], np.int32)
+
+    def _grown(self, new: np.ndarray) -> None:
+        """Cells ``new`` were taken (none freed): the extents cover them."""
+        if self._extent is not None:
+            self._extent = max(self._extent, int(new.max()) + 1)
+        if self._stream_top is not None:
+            np.maximum.at(self._stream_top, new // self.stream_size, new % self.stream_size + 1)
+
+    def _changed(self) -> None:
+        """Cells were freed or moved: the extents are counted again when next asked."""
+        self._extent = None
+        self._stream_top = None
 
     def mask(
         self,
@@ -330,7 +359,7 @@ class Cells:
             raise ValueError("stream_mask: the cells are not split per sequence (per_sequence=False)")
         if not 0 < n_kv <= self.stream_size:
             raise ValueError(f"stream_mask: n_kv {n_kv} must lie in [1, {self.stream_size}] (the stream size)")
-        visible = self._visible(pos, seq, n_kv, noncausal, base=seq.astype(np.int64) * self.stream_size)
+        visible = self._visible(pos, seq, n_kv, noncausal, streams=True)
         out = np.full((pos.size, n_kv), -np.inf, dtype)
         np.copyto(out, 0, where=visible)
         return out
@@ -344,29 +373,48 @@ class Cells:
         says which keys to re-rotate (``None`` when nothing moves). With
         ``can_shift=False`` such a removal raises `NotSupportedError`; when splitting
         shared cells needs more free cells than there are, `CacheFullError`. Either
-        way nothing is changed.
+        way nothing is changed (``check_remove`` raises the same without removing).
         """
+        gone, moves = self.check_remove(seq, begin, end, can_shift=can_shift)
+        if moves is None:
+            self._unlink(seq, gone)
+            self._refresh_top(seq)
+            return None
+        own, shared, split = moves
+        delta = begin - end
+        self._unlink(seq, gone)
+        self._unlink(seq, shared)
+        self._pos[split] = self._pos[shared]
+        self._member[seq, split] = True
+        self._count[split] = 1
+        self._changed()
+        moved = np.concatenate([own, split]).astype(np.int32)
+        self._pos[moved] += delta
+        self._refresh_top(seq)
+        copies = np.stack([shared, split], axis=1).astype(np.int32)
+        return Shift(copies=copies, cells=moved, delta=delta)
+
+    def check_remove(self, seq: int, begin: int, end: int | None = None, *,
+                     can_shift: bool = True) -> tuple[np.ndarray, tuple[np.ndarray, ...] | None]:
+        """Raise what ``remove`` would, changing nothing; else (the cells that go, and None when no
+        later position moves, else the cells that move in place, the shared ones that are split and
+        the free cells they move to)."""
         self._check_seq(seq)
         if begin < 0 or (end is not None and end < begin):
             raise ValueError(f"remove: need 0 <= begin <= end, got begin={begin} end={end}")
         cells = np.flatnonzero(self._member[seq])
         stored = self._pos[cells]
-        if end is None:
-            self._unlink(seq, cells[stored >= begin])
-            self._refresh_top(seq)
-            return None
-        later = cells[stored >= end]
+        later = cells[stored >= end] if end is not None else cells[:0]
         if later.size and end > begin and not can_shift:
             raise NotSupportedError(
                 f"remove: positions [{begin}, {end}) of sequence {seq} are followed by others, "
                 "and the model cannot shift keys; remove to the end instead"
             )
+        if end is None:
+            return cells[stored >= begin], None
         gone = cells[(stored >= begin) & (stored < end)]
         if not later.size or end == begin:
-            self._unlink(seq, gone)
-            self._refresh_top(seq)
-            return None
-
+            return gone, None
         count = self._count.copy()
         count[gone] -= 1
         shared = later[count[later] > 1]
@@ -377,19 +425,7 @@ class Cells:
                 f"remove: shifting sequence {seq} must split {shared.size} shared cells, "
                 f"only {split.size} cells are free"
             )
-
-        delta = begin - end
-        self._unlink(seq, gone)
-        self._unlink(seq, shared)
-        self._pos[split] = self._pos[shared]
-        self._member[seq, split] = True
-        self._count[split] = 1
-        self._extent = None
-        moved = np.concatenate([own, split]).astype(np.int32)
-        self._pos[moved] += delta
-        self._refresh_top(seq)
-        copies = np.stack([shared, split], axis=1).astype(np.int32)
-        return Shift(copies=copies, cells=moved, delta=delta)
+        return gone, (own, shared, split)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> np.ndarray:
         """Make ``dst`` exactly ``src``'s positions ``< length``. Whatever ``dst`` held before is
@@ -415,7 +451,7 @@ class Cells:
         added = np.flatnonzero(prefix & ~self._member[dst])
         self._member[dst, added] = True
         self._count[added] += 1
-        self._extent = None
+        self._changed()
         self._refresh_top(dst)
         return np.zeros((0, 2), np.int32)
 
@@ -425,6 +461,7 @@ class Cells:
         self._member.fill(False)
         self._count.fill(0)
         self._extent = 0
+        self._stream_top = np.zeros(self.max_sequences, np.int64) if self.per_sequence else None
         self._top.fill(-1)
 
     # ---- internals -----------------------------------------------------------------
@@ -481,32 +518,32 @@ class Cells:
         self._member[seqs, cells] = False
         np.subtract.at(self._count, cells, 1)
         self._pos[cells[self._count[cells] == 0]] = -1
-        self._extent = None
+        self._changed()
 
     def _refresh_top(self, seq: int) -> None:
         self._top[seq] = int(self._pos[self._member[seq]].max(initial=-1))
 
     def _visible(self, pos: np.ndarray, seq: np.ndarray, n_kv: int, noncausal: Sequence[tuple[int, int]],
-                 base: np.ndarray | None = None) -> np.ndarray:
+                 streams: bool = False) -> np.ndarray:
         """Bool (n_tokens, n_kv): which cells each batch token attends to. Column j is cell j, or
-        with ``base`` (one per token) cell ``base[i] + j`` for row i (a token's own stream)."""
+        with ``streams`` cell j of the stream of row i's sequence (``per_sequence``)."""
         tok_pos = pos[:, None]
-        if base is None:
-            cols = slice(0, n_kv)
+        if not streams:
             cell_pos = self._pos[:n_kv]
             visible = self._member[seq, :n_kv] & (cell_pos <= tok_pos)
-        else:
-            cols = base[:, None] + np.arange(n_kv)
-            cell_pos = self._pos[cols]
-            visible = self._member[seq[:, None], cols] & (cell_pos <= tok_pos)
+            members = self._member[:, :n_kv]  # (sequence, cell)
+        else:  # rows of (stream, cell) views: one slice per token rather than a gather per cell
+            size = self.stream_size
+            cell_pos = self._pos.reshape(-1, size)[seq, :n_kv]
+            members = self._member.reshape(self.max_sequences, -1, size)[:, :, :n_kv]  # (sequence, stream, cell)
+            visible = members[seq, seq] & (cell_pos <= tok_pos)
         for start, end in noncausal:
             if not 0 <= start <= end <= pos.size:
                 raise ValueError(f"mask: noncausal range ({start}, {end}) outside the batch of {pos.size}")
             for s in np.unique(seq[start:end]):
                 rows = start + np.flatnonzero(seq[start:end] == s)
                 lo, hi = pos[rows].min(), pos[rows].max()
-                member, at = (self._member[s, :n_kv], cell_pos) if base is None else \
-                    (self._member[s, cols[rows]], cell_pos[rows])
+                member, at = (members[s], cell_pos) if not streams else (members[s, s], cell_pos[rows])
                 visible[rows] |= member & (at >= lo) & (at <= hi)
         if self.swa_window is not None:
             visible &= tok_pos - cell_pos < self.swa_window

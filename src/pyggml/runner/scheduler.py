@@ -74,6 +74,7 @@ class Step:
     graph: Any = None
     future: Any = None  # the computation, with build-ahead
     masks: Any = None  # the grammar masks of its constrained rows, computed beside the graph
+    moved: bool = False  # some input's rope position is not its position (``rope_positions`` needed)
 
     @property
     def reads_logits(self) -> bool:
@@ -87,14 +88,19 @@ class Step:
         self.tokens.append(inp.token)
         self.positions.append(position)
         self.sequences.append(sequence)
-        self.ropes.append((position if rope is None else rope, inp))
+        if rope is None:
+            rope = position
+        elif rope != position:
+            self.moved = True
+        if inp.rope_offset:
+            self.moved = True
+        self.ropes.append((rope, inp))
 
     def seal(self) -> None:
         """Make the batch of what was packed (none when nothing was)."""
         if self.tokens:
             self.ids = np.array(self.tokens, np.int32)
-            moved = any(r != p or inp.rope_offset for (r, inp), p in zip(self.ropes, self.positions, strict=True))
-            ropes = [rope_positions(r, inp, ROPE_AXES) for r, inp in self.ropes] if moved else ()
+            ropes = [rope_positions(r, inp, ROPE_AXES) for r, inp in self.ropes] if self.moved else ()
             self.batch = StepBatch(self.ids, outputs=self.outputs, positions=self.positions,
                                    sequences=self.sequences, multimodal=self.multimodal, rope_positions=ropes)
 
@@ -155,30 +161,32 @@ class Scheduler:
     def _take(self, step: Step, seq: RunningSequence, room: int) -> None:
         """Move up to ``room`` of ``seq``'s pending inputs into the step and its slot. A full slot
         takes nothing more (the context shift makes room before the next step)."""
-        slot, taken, first = seq.slot, 0, len(step.tokens)
+        slot, pending, taken, first = seq.slot, seq.pending, 0, len(step.tokens)
+        inputs, stop = slot.inputs, self.stops.get(slot.id)
         rope = self._rope_start(slot)
-        while seq.pending and taken < room:
-            inp = seq.pending[0]
-            if len(slot.inputs) >= self.num_ctx or not encoded(inp):
+        while pending and taken < room:
+            inp = pending[0]
+            if len(inputs) >= self.num_ctx or (inp.multimodal and not encoded(inp)):
                 break
-            if self.stops.get(slot.id) == len(slot.inputs):
+            if stop == len(inputs):
                 del self.stops[slot.id]
+                stop = None
                 if taken:  # the batch ends at the stop; the next one goes on from it
                     break
             if inp.same_batch:  # an image's inputs go in one batch: this one, the next one, or after a shift
-                if len(slot.inputs) + inp.same_batch >= self.num_ctx:
+                if len(inputs) + inp.same_batch >= self.num_ctx:
                     break
                 if inp.same_batch >= self.batch_size:  # longer than any batch: this one grows to hold it
                     room = taken + inp.same_batch + 1
                 elif inp.same_batch >= room - taken:
                     break
-            seq.pending.popleft()
-            step.add(inp, len(slot.inputs), slot.id, seq, rope)
-            slot.inputs.append(inp)
+            pending.popleft()
+            step.add(inp, len(inputs), slot.id, seq, rope)
+            inputs.append(inp)
             rope += inp.rope_step
             taken += 1
         if taken:
-            self._ropes[slot.id] = (slot.inputs, len(slot.inputs), rope)
+            self._ropes[slot.id] = (inputs, len(inputs), rope)
             step.seqs.append(seq)
             self._ask_logits(step, seq, first, taken)
 
@@ -189,6 +197,8 @@ class Scheduler:
         inputs, n = slot.inputs, len(slot.inputs)
         memo = self._ropes.get(slot.id)
         if memo is not None and memo[0] is inputs and memo[1] <= n:
+            if memo[1] == n:  # nothing added since (a decode step)
+                return memo[2]
             return memo[2] + sum(inp.rope_step for inp in inputs[memo[1]:])
         return rope_start(inputs, n)
 

@@ -233,21 +233,21 @@ class StopMatcher:
                 self._fail[child] = back if back != child else 0
                 self._ends[child] += self._ends[self._fail[child]]
                 todo.append(child)
-        self._state = 0
-        self._starts = frozenset(self._goto[0])  # first characters of the stops
+        self.state = 0  # 0: no stop string begun (``accept`` reads it, and ``starts``, before calling ``feed``)
+        self.starts = frozenset(self._goto[0])  # first characters of the stops
 
     @property
     def partial(self) -> int:
         """Length of the longest suffix of the text fed so far that begins a stop string."""
-        return self._depth[self._state]
+        return self._depth[self.state]
 
     def feed(self, piece: str, offset: int = 0) -> int | None:
         """Feed the next ``piece`` of text, which starts at index ``offset`` of the caller's
         buffer; returns the buffer index where the earliest-starting stop ending in it starts."""
-        if not self._state and self._starts.isdisjoint(piece):  # no stop can begin in it (the usual token)
+        if not self.state and self.starts.isdisjoint(piece):  # no stop can begin in it (the usual token)
             return None
         goto, fail, ends = self._goto, self._fail, self._ends
-        state, cut = self._state, None
+        state, cut = self.state, None
         for j, ch in enumerate(piece, offset):
             while state and ch not in goto[state]:
                 state = fail[state]
@@ -255,7 +255,7 @@ class StopMatcher:
             for n in ends[state]:
                 if cut is None or j - n + 1 < cut:
                     cut = j - n + 1
-        self._state = state
+        self.state = state
         return cut
 
 
@@ -271,6 +271,9 @@ class RunningSequence:
         self.history = [inp.token for inp in prompt]  # prompt + generated tokens, for the penalties
         self.sampler = request.sampler()
         self.tokenizer = tokenizer
+        self._eog = tokenizer.vocab.eog  # (request fields read once per token, kept as attributes)
+        self._n_logprobs, self._max_tokens = request.logprobs, request.max_tokens
+        self._plain = constraint is None and not request.logprobs  # its sampler alone picks its tokens
         self.decoder = tokenizer.stream(skip_special=True, continuation=True)
         self.stops = stops
         self.matcher = StopMatcher(stops)
@@ -323,47 +326,59 @@ class RunningSequence:
     @property
     def wants_logits(self) -> bool:
         """Whether another token will be sampled after the outputs already in flight."""
-        limit = self.request.max_tokens
+        limit = self._max_tokens
         return limit < 0 or self.generated + self.outputs_in_flight < limit
 
     def samples_from_top(self, k: int) -> bool:
         """Whether the K largest logits of its row are all its next token needs (``sample_top``): no
         grammar, no logprobs, and a sampler that ``fits_top(k)``."""
-        return self.constraint is None and not self.request.logprobs and self.sampler.fits_top(k)
+        return self._plain and self.sampler.fits_top(k)
 
     def accept(self, token: int, logits: np.ndarray | None) -> str | None:
         """Take a sampled token: stream the text it completes; returns a finish reason or None.
-        ``logits``: its row's logits (needed only for ``logprobs``)."""
+        ``logits``: its row's logits (needed only for ``logprobs``). Every generating sequence
+        comes here once per step: what most tokens need (no stop string begun, nothing held back)
+        takes the fewest calls."""
         if not self.generated:
             self.t_first = time.perf_counter()
         self.generated += 1
         if self.constraint is not None:
             self.constraint.consume(token)
-        if self.tokenizer.is_eog(token):
+        if token in self._eog:
             return "stop"
         self.history.append(token)
         self._tokens.append(token)
-        if self.request.logprobs:
-            lp, top = logprobs(logits, token, self.request.logprobs)
+        if self._n_logprobs:
+            lp, top = logprobs(logits, token, self._n_logprobs)
             self._logprobs.append(TokenLogprob(token, lp, top))
         piece = self.decoder.feed(token)
-        cut = self.matcher.feed(piece, len(self._text))
-        self._text += piece
-        if cut is not None:
-            self._cut_at_stop(cut)
-            return "stop"
+        matcher = self.matcher
+        if matcher.state or not matcher.starts.isdisjoint(piece):  # a stop string may begin or go on
+            cut = matcher.feed(piece, len(self._text))
+            self._text += piece
+            if cut is not None:
+                self._cut_at_stop(cut)
+                return "stop"
+        else:
+            self._text += piece
         if self.constraint is not None and self.constraint.stopped:  # the grammar is complete
             piece = self.decoder.flush()
-            cut = self.matcher.feed(piece, len(self._text))
+            cut = matcher.feed(piece, len(self._text))
             self._text += piece
             if cut is not None:
                 self._cut_at_stop(cut)
             return "stop"
-        emit = len(self._text) - self.matcher.partial
-        if emit:
-            self._put(self._chunk(self._text[:emit]))
-            self._text = self._text[emit:]
-        if 0 <= self.request.max_tokens <= self.generated:
+        text = self._text
+        if text:
+            if matcher.state:  # hold back what may begin a stop string
+                emit = len(text) - matcher.partial
+                if emit:
+                    self._put(self._chunk(text[:emit]))
+                    self._text = text[emit:]
+            else:
+                self._put(self._chunk(text))
+                self._text = ""
+        if 0 <= self._max_tokens <= self.generated:
             return "length"
         return None
 
@@ -404,7 +419,8 @@ class RunningSequence:
 
     def _put(self, item: CompletionChunk) -> None:
         self.out.put(item)
-        self._due()
+        if self.notify is not None:
+            self._due()
 
     def _due(self) -> None:
         """Queue a ``notify`` for the runner to send (a consumer set one and none is queued yet)."""
@@ -419,8 +435,7 @@ class RunningSequence:
         self._text = self._text[:cut]
 
     def _chunk(self, text: str) -> CompletionChunk:
-        chunk = CompletionChunk(text=text, tokens=self._tokens,
-                                logprobs=self._logprobs if self.request.logprobs else None)
+        chunk = CompletionChunk(text, self._tokens, self._logprobs if self._n_logprobs else None)
         self._tokens, self._logprobs = [], []
         return chunk
 
@@ -440,19 +455,20 @@ def sample_sequences(rows: Sequence[tuple[int, RunningSequence]],
             return [seq.sampler.sample(scores, seq.history)]
         except Exception as exc:
             return [exc]
+    index = [row for row, _ in rows]
+    first = index[0]
+    consecutive = index == list(range(first, first + len(index)))  # the usual case: rows as views
     if isinstance(logits, TopLogits):
-        index = [row for row, _ in rows]
-        tokens, redo = sample_top([seq.sampler for _, seq in rows], logits.ids[index], logits.vals[index],
-                                  logits.finite[index], logits.vocab)
+        pick = slice(first, first + len(index)) if consecutive else index
+        tokens, redo = sample_top([seq.sampler for _, seq in rows], logits.ids[pick], logits.vals[pick],
+                                  logits.finite[pick], logits.vocab)
         out: list[int | Exception] = tokens.tolist()
         if redo:
             for j, token in zip(redo, sample_sequences([rows[j] for j in redo], logits.full()), strict=True):
                 out[j] = token
         return out
-    index = [row for row, _ in rows]
-    first = index[0]
     constrained = [j for j, (_, seq) in enumerate(rows) if seq.constraint is not None]
-    if index == list(range(first, first + len(index))) and not constrained:
+    if consecutive and not constrained:
         scores = logits[first:first + len(index)]  # a view: the sampler undoes what it writes
     else:
         scores = logits[index]

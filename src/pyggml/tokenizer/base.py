@@ -38,6 +38,7 @@ class Tokenizer:
         self._ids = {text: i for i, text in enumerate(vocab.tokens)}
         self._types = vocab.types
         self._pieces: dict[int, bytes] = {}
+        self._texts: dict[int, str] = {}  # ordinary tokens whose bytes are whole UTF-8, as text (StreamDecoder)
         specials = [i for i, t in enumerate(vocab.types) if t in SPECIAL_TYPES and vocab.tokens[i]]
         self._specials = sorted(specials, key=lambda i: -len(vocab.tokens[i].encode()))
         self._lstrip, self._rstrip = self._strip_attributes()
@@ -170,12 +171,18 @@ class StreamDecoder:
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False,
                  continuation: bool = False) -> None:
         self._tok = tokenizer
+        self._texts = tokenizer._texts
         self._skip_special = skip_special
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self._strip = tokenizer.strips_prefix_space and not continuation
+        self._held = False  # whether the UTF-8 decoder holds the first bytes of a character
 
     def feed(self, id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
+        if not self._held and not self._strip:  # the usual token: its text, cached once decoded
+            text = self._texts.get(id)
+            if text is not None:
+                return text
         tok = self._tok
         piece = tok.token_to_piece(id)
         ttype = tok._types[id]
@@ -187,11 +194,19 @@ class StreamDecoder:
             elif piece:
                 self._strip = False
         else:
+            if id not in self._texts:
+                try:  # whole UTF-8 on its own: with nothing held back, its text is what decoding gives
+                    self._texts[id] = piece.decode()
+                except UnicodeDecodeError:
+                    pass
             if self._strip and piece.startswith(b" "):
                 piece = piece[1:]
             self._strip = False
-        return self._utf8.decode(piece)
+        text = self._utf8.decode(piece)
+        self._held = bool(self._utf8.getstate()[0])
+        return text
 
     def flush(self) -> str:
         """Return what is still held back (incomplete bytes become U+FFFD)."""
+        self._held = False
         return self._utf8.decode(b"", final=True)
