@@ -95,6 +95,10 @@ def _plan_groups(sequences: np.ndarray) -> list[_Group] | None:
     n = sequences.size
     if n == 1:
         return [_Group(0, int(sequences[0]), 1, 1)]
+    if (sequences[1:] > sequences[:-1]).all():  # one token of each sequence (a decode step)
+        first = np.flatnonzero(_edges(sequences[1:] != sequences[:-1] + 1)).tolist()
+        ends = [*first[1:], n]
+        return [_Group(start, int(sequences[start]), end - start, 1) for start, end in zip(first, ends, strict=True)]
     starts = np.flatnonzero(_edges(sequences[1:] != sequences[:-1]))
     seqs = sequences[starts]
     # each sequence once: increasing (a decode step, by slot), or else no value repeated

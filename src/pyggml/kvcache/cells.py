@@ -197,9 +197,13 @@ class Cells:
         n = pos.size
         if n == 1 and self.swa_window is None and pos[0] > self._top[seq[0]]:
             return self._append_one(int(pos[0]), int(seq[0]))
-        keys = np.sort((seq.astype(np.int64) << 32) | pos)
-        if n > 1 and (keys[1:] == keys[:-1]).any():
-            raise ValueError("place: a (sequence, position) pair appears twice in the batch")
+        # one token of each sequence, in slot order (a decode step): no pair can repeat, and the
+        # per-sequence updates below need no unbuffered (``ufunc.at``) or sorting passes
+        distinct = bool((seq[1:] > seq[:-1]).all())
+        if not distinct:
+            keys = np.sort((seq.astype(np.int64) << 32) | pos)
+            if (keys[1:] == keys[:-1]).any():
+                raise ValueError("place: a (sequence, position) pair appears twice in the batch")
 
         # Plan on a copy of the counts (when the plan changes them: an appending batch only reads them);
         # commit only once the batch is known to fit.
@@ -217,25 +221,29 @@ class Cells:
             gone_seq = np.concatenate([gone_seq, seq[tok[detach]]])
             gone_cell = np.concatenate([gone_cell, old[detach]])
         fresh = np.flatnonzero(cells < 0)
-        new = self._free_cells(count, seq[fresh])
+        new = self._free_cells(count, seq[fresh], distinct)
 
         if gone_cell.size:
             self._member[gone_seq, gone_cell] = False
             self._pos[gone_cell[count[gone_cell] == 0]] = -1
             self._changed()
         elif new.size:  # cells only added: the extents grow to hold them
-            self._grown(new)
+            self._grown(new, distinct)
         self._count = count
         self._pos[new] = pos[fresh]
         self._member[seq[fresh], new] = True
         count[new] = 1
         cells[fresh] = new
-        np.maximum.at(self._top, seq, pos)
+        if distinct:
+            self._top[seq] = np.maximum(self._top[seq], pos)
+        else:
+            np.maximum.at(self._top, seq, pos)
         return cells
 
-    def _free_cells(self, count: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+    def _free_cells(self, count: np.ndarray, seqs: np.ndarray, distinct: bool = False) -> np.ndarray:
         """One free cell (by ``count``) for each token of sequences ``seqs``, lowest first (in each
-        sequence's own stream with ``per_sequence``); CacheFullError when too few are free."""
+        sequence's own stream with ``per_sequence``); CacheFullError when too few are free.
+        ``distinct``: ``seqs`` is increasing (each sequence once)."""
         if not self.per_sequence:
             new = np.flatnonzero(count == 0)[: seqs.size]
             if new.size < seqs.size:
@@ -247,7 +255,10 @@ class Cells:
         if not seqs.size:
             return np.empty(0, np.int64)
         size = self.stream_size
-        streams, inverse, wanted = np.unique(seqs, return_inverse=True, return_counts=True)
+        if distinct:
+            streams, inverse, wanted = seqs, np.arange(seqs.size), np.ones(seqs.size, np.int64)
+        else:
+            streams, inverse, wanted = np.unique(seqs, return_inverse=True, return_counts=True)
         if wanted.max() == 1:  # a decode step: the lowest free cell of each stream, at or below its top
             # (``count`` may have freed cells below a top, never taken any above one)
             width = min(int(self._stream_tops()[streams].max()) + 1, size)
@@ -265,6 +276,8 @@ class Cells:
             n_free = int(np.count_nonzero(count[streams[s] * size:(streams[s] + 1) * size] == 0))
             raise CacheFullError(f"place: {wanted[s]} tokens of sequence {streams[s]} need a free cell, only "
                                  f"{n_free} of its {size} are free")
+        if distinct:  # one cell per stream, in the order of seqs
+            return taken + streams.astype(np.int64) * size
         new = np.empty(seqs.size, np.int64)
         new[np.argsort(inverse, kind="stable")] = taken + streams[rows].astype(np.int64) * size
         return new
@@ -292,12 +305,17 @@ class Cells:
             self._stream_top[seq] = max(int(self._stream_top[seq]), cell - seq * self.stream_size + 1)
         return np.array([cell], np.int32)
 
-    def _grown(self, new: np.ndarray) -> None:
-        """Cells ``new`` were taken (none freed): the extents cover them."""
+    def _grown(self, new: np.ndarray, distinct: bool = False) -> None:
+        """Cells ``new`` were taken (none freed): the extents cover them. ``distinct``: in increasing
+        streams, one cell each."""
         if self._extent is not None:
             self._extent = max(self._extent, int(new.max()) + 1)
         if self._stream_top is not None:
-            np.maximum.at(self._stream_top, new // self.stream_size, new % self.stream_size + 1)
+            streams, top = np.divmod(new, self.stream_size)
+            if distinct:
+                self._stream_top[streams] = np.maximum(self._stream_top[streams], top + 1)
+            else:
+                np.maximum.at(self._stream_top, streams, top + 1)
 
     def _changed(self) -> None:
         """Cells were freed or moved: the extents are counted again when next asked."""
