@@ -285,6 +285,19 @@ def test_batched_sampling_equals_each_sequence_alone(vocab):
             history.append(token)
 
 
+def test_one_top_k_row_refuses_what_the_batch_refuses():
+    """A single row sampled with top-k (its shortcut past ``sample_rows``) raises for NaN and +inf
+    anywhere in the row, as the batch does, and for a row of -inf."""
+    row = np.random.default_rng(1).standard_normal(20_000).astype(np.float32)
+    for bad, match in ((np.nan, "NaN"), (np.inf, r"\+inf")):
+        broken = row.copy()
+        broken[12_345] = bad
+        with pytest.raises(ValueError, match=match):
+            Sampler(temperature=0.8, top_k=40, top_p=0.9, seed=2).sample(broken)
+    with pytest.raises(ValueError, match="-inf"):
+        Sampler(temperature=0.8, top_k=40, seed=2).sample(np.full(20_000, -np.inf, np.float32))
+
+
 def test_batched_sampling_fails_rows_alone():
     """A row that cannot be sampled (NaN, everything banned, +inf, a bias past the vocabulary) gets its
     error; the other rows are sampled as usual."""

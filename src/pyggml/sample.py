@@ -91,6 +91,8 @@ class Sampler(SamplingOptions):
                 raise errors[0]
             if token is not None:
                 return token
+        elif self._top_need > 1 and self.top_k < row.size and math.isfinite(row.max()):
+            return self._draw_top_k(row)  # the usual sampled row, without the batch's bookkeeping
         tokens, errors = sample_rows([self], row[None], [history])
         if errors:
             raise errors[0]
@@ -122,6 +124,13 @@ class Sampler(SamplingOptions):
         if not math.isfinite(top):
             _check_tops(row[None], [0], errors, np.array([top]))
         return best
+
+    def _draw_top_k(self, row: np.ndarray) -> int:
+        """``sample_rows`` of one finite row for a top-k sampler with nothing else to apply (no penalties,
+        bias or typical sampling): the same candidates, truncation and draw, in fewer calls."""
+        ids, vals = _top_k_slice(row[None], self.top_k)
+        n = _prefix_kept(self, vals[0])
+        return int(ids[0, _draw_one(vals[0, :n], self.temperature, self._rng.random())])
 
     def fits_top(self, k: int) -> bool:
         """Whether a row's K largest logits (``k``) are all this sampler needs (``sample_top``): no
