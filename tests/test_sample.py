@@ -287,7 +287,8 @@ def test_batched_sampling_equals_each_sequence_alone(vocab):
 
 def test_one_top_k_row_refuses_what_the_batch_refuses():
     """A single row sampled with top-k (its shortcut past ``sample_rows``) raises for NaN and +inf
-    anywhere in the row, as the batch does, and for a row of -inf."""
+    anywhere in the row, as the batch does, for a row of -inf, and for a bias that bans everything or
+    names a token past the vocabulary."""
     row = np.random.default_rng(1).standard_normal(20_000).astype(np.float32)
     for bad, match in ((np.nan, "NaN"), (np.inf, r"\+inf")):
         broken = row.copy()
@@ -296,6 +297,13 @@ def test_one_top_k_row_refuses_what_the_batch_refuses():
             Sampler(temperature=0.8, top_k=40, top_p=0.9, seed=2).sample(broken)
     with pytest.raises(ValueError, match="-inf"):
         Sampler(temperature=0.8, top_k=40, seed=2).sample(np.full(20_000, -np.inf, np.float32))
+    with pytest.raises(ValueError, match="-inf"):  # every token banned by the bias
+        Sampler(top_k=3, logit_bias=dict.fromkeys(range(20), -math.inf), seed=2).sample(row[:20])
+    with pytest.raises(ValueError, match="out of range"):
+        Sampler(top_k=3, logit_bias={25: 1.0}, seed=2).sample(row[:20])
+    given = row.copy()  # a biased draw leaves the caller's row as it was
+    assert Sampler(top_k=3, logit_bias={7: 50.0}, temperature=0.1, seed=2).sample(row) == 7
+    assert np.array_equal(row, given)
 
 
 def test_batched_sampling_fails_rows_alone():

@@ -80,6 +80,8 @@ class Sampler(SamplingOptions):
         # the fewest of a row's largest logits this sampler decides from (``fits_top``); 0: it needs them all
         plain = not self._penalises and not self._bias_ids.size and self.typical_p >= 1.0
         self._top_need = 0 if not plain else 1 if self.temperature <= 0 else self.top_k + 1 if self.top_k > 0 else 0
+        # a drawn top-k row with nothing but a bias to apply (``_draw_top_k``)
+        self._top_k_alone = self.temperature > 0 and self.top_k > 0 and not self._penalises and self.typical_p >= 1.0
 
     def sample(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """Pick one token id from ``logits`` (shape ``(vocab,)``); ``history`` feeds the penalties."""
@@ -91,8 +93,10 @@ class Sampler(SamplingOptions):
                 raise errors[0]
             if token is not None:
                 return token
-        elif self._top_need > 1 and self.top_k < row.size and math.isfinite(row.max()):
-            return self._draw_top_k(row)  # the usual sampled row, without the batch's bookkeeping
+        elif self._top_k_alone and self.top_k < row.size and self._bias_top < row.size and row.flags.writeable:
+            token = self._draw_top_k(row)  # the usual sampled row, without the batch's bookkeeping
+            if token is not None:
+                return token
         tokens, errors = sample_rows([self], row[None], [history])
         if errors:
             raise errors[0]
@@ -125,10 +129,21 @@ class Sampler(SamplingOptions):
             _check_tops(row[None], [0], errors, np.array([top]))
         return best
 
-    def _draw_top_k(self, row: np.ndarray) -> int:
-        """``sample_rows`` of one finite row for a top-k sampler with nothing else to apply (no penalties,
-        bias or typical sampling): the same candidates, truncation and draw, in fewer calls."""
-        ids, vals = _top_k_slice(row[None], self.top_k)
+    def _draw_top_k(self, row: np.ndarray) -> int | None:
+        """``sample_rows`` of one row for a top-k sampler without penalties or typical sampling: its
+        bias written in (and undone), the same candidates, truncation and draw, in fewer calls. None
+        when the row's largest logit is not finite (``sample_rows`` says why)."""
+        biased = self._bias_ids
+        if biased.size:
+            old = row[biased]
+            row[biased] = old + self._bias_values
+        try:
+            if not math.isfinite(row.max()):
+                return None
+            ids, vals = _top_k_slice(row[None], self.top_k)
+        finally:
+            if biased.size:
+                row[biased] = old
         n = _prefix_kept(self, vals[0])
         return int(ids[0, _draw_one(vals[0, :n], self.temperature, self._rng.random())])
 

@@ -149,7 +149,7 @@ class Scheduler:
                 step.cancelled.append(seq)
             if not self.feeds(seq):
                 continue
-            if self.awaits_placeholder(seq, build_ahead):
+            if build_ahead and self.awaits_placeholder(seq, build_ahead):
                 seq.placeholder = Input(token=UNSET)
                 seq.pending.append(seq.placeholder)
             room = self.batch_size - len(step.tokens)  # < 0 after an image that made the batch grow
