@@ -218,10 +218,18 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray,
             tokens[greedy] = best
             _check_tops(logits, greedy, errors, logits[greedy, best])
         drawn = [i for i in ok if samplers[i].temperature > 0]
+        maxima = None  # the drawn rows' group maxima, when their candidates come by groups (_top_k_groups)
         if drawn:
-            _check_tops(logits, drawn, errors)
-            drawn = [i for i in drawn if i not in errors]
-        for pool in _pools(samplers, logits, drawn):
+            if _by_groups(samplers, drawn, logits.shape[1]):  # one pass gives the groups' and the rows' maxima
+                maxima = _group_maxima(_take(logits, drawn))
+                _check_tops(logits, drawn, errors, maxima.max(axis=1))
+            else:
+                _check_tops(logits, drawn, errors)
+            if errors:
+                kept = [j for j, i in enumerate(drawn) if i not in errors]
+                drawn = [drawn[j] for j in kept]
+                maxima = maxima[kept] if maxima is not None else None
+        for pool in _pools(samplers, logits, drawn, maxima):
             _draw_pool(samplers, pool, tokens)
     finally:
         undo()
@@ -377,10 +385,11 @@ def _adjust(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequence
     return undo
 
 
-def _pools(samplers: Sequence[Sampler], logits: np.ndarray, rows: list[int]) -> list[_Pool]:
+def _pools(samplers: Sequence[Sampler], logits: np.ndarray, rows: list[int],
+           maxima: np.ndarray | None = None) -> list[_Pool]:
     """The candidates of the sampled ``rows``: top-k rows of one k together (most likely first),
     untruncated rows together (id order), and rows with typical sampling, or top-p over the whole
-    vocabulary, one by one."""
+    vocabulary, one by one. ``maxima``: the rows' group maxima (``_by_groups`` said they are one pool)."""
     vocab = logits.shape[1]
     by_k: dict[int, list[int]] = {}
     for i in rows:
@@ -390,7 +399,8 @@ def _pools(samplers: Sequence[Sampler], logits: np.ndarray, rows: list[int]) -> 
     pools = []
     for k, group in by_k.items():
         if k > 0:
-            ids, vals = _top_k_rows(logits, group, k)
+            ids, vals = _top_k_rows(logits, group, k) if maxima is None else _top_k_groups(_take(logits, group), k,
+                                                                                           maxima)
             pools += _truncate(samplers, _Pool(group, ids, vals, None))
         elif k == 0:  # no truncation but min-p: the whole vocabulary in id order
             vals = _take(logits, group)
@@ -457,7 +467,27 @@ _GROUP_DEPTH = 64  # logits per group in ``_top_k_groups``
 _GROUPS_FOR_ONE_ROW = 1 << 16
 
 
-def _top_k_groups(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def _by_groups(samplers: Sequence[Sampler], rows: list[int], vocab: int) -> bool:
+    """Whether ``_pools`` makes ``rows`` one top-k pool whose candidates come by groups (``_top_k_rows``)."""
+    ks = {samplers[i].top_k for i in rows}
+    if len(ks) != 1:
+        return False
+    k = ks.pop()
+    return 0 < k < vocab and vocab // _GROUP_DEPTH >= 4 * k and (len(rows) > 1 or vocab > _GROUPS_FOR_ONE_ROW)
+
+
+def _group_maxima(m: np.ndarray) -> np.ndarray:
+    """Per row of ``m`` the maxima of its groups (``_top_k_groups``): (rows, groups), the last logits that
+    fill no whole group being one more group at the end."""
+    n, vocab = m.shape
+    groups = vocab // _GROUP_DEPTH
+    maxima = m[:, :groups * _GROUP_DEPTH].reshape(n, _GROUP_DEPTH, groups).max(axis=1)
+    if vocab > groups * _GROUP_DEPTH:
+        maxima = np.concatenate([maxima, m[:, groups * _GROUP_DEPTH:].max(axis=1, keepdims=True)], axis=1)
+    return maxima
+
+
+def _top_k_groups(m: np.ndarray, k: int, maxima: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``_top_k_rows`` of the rows of ``m`` (at least k groups of ``_GROUP_DEPTH`` logits each). Each row's
     logits j, j + g, j + 2 g, ... form group j: their maxima take one vectorised pass, and the k-th largest
     maximum bounds the k-th largest logit from below (k distinct logits reach it), so only the groups whose
@@ -465,10 +495,9 @@ def _top_k_groups(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     n, vocab = m.shape
     groups, depth = vocab // _GROUP_DEPTH, _GROUP_DEPTH
     body = m[:, :groups * depth].reshape(n, depth, groups)  # a view: row r's logit d * groups + j at [r, d, j]
-    maxima = body.max(axis=1)
+    if maxima is None:
+        maxima = _group_maxima(m)
     tail = vocab - groups * depth  # the last logits, a group of their own
-    if tail:
-        maxima = np.concatenate([maxima, m[:, groups * depth:].max(axis=1, keepdims=True)], axis=1)
     width = maxima.shape[1]
     bound = np.partition(maxima, width - k, axis=1)[:, width - k]
     r, g = np.divmod(np.flatnonzero(maxima >= bound[:, None]), width)  # flatnonzero: far faster than 2-d nonzero

@@ -271,8 +271,8 @@ class RunningSequence:
         self.history = [inp.token for inp in prompt]  # prompt + generated tokens, for the penalties
         self.sampler = request.sampler()
         self.tokenizer = tokenizer
-        self._eog = tokenizer.vocab.eog  # (request fields read once per token, kept as attributes)
-        self._n_logprobs, self._max_tokens = request.logprobs, request.max_tokens
+        # what ``accept`` reads for every token, kept as attributes
+        self._eog, self._n_logprobs, self._max_tokens = tokenizer.vocab.eog, request.logprobs, request.max_tokens
         self._plain = constraint is None and not request.logprobs  # its sampler alone picks its tokens
         self.decoder = tokenizer.stream(skip_special=True, continuation=True)
         self.stops = stops
