@@ -297,14 +297,15 @@ def test_attention_streams_script_compares_the_two_graphs(tmp_path):
 # ---- bench/runner_host.py --------------------------------------------------------------------------
 def test_runner_host_script_prints_every_phase(tmp_path):
     """The host-overhead table: a row per parallel count and sampling, every phase timed (each found
-    function was wrapped: its column is positive), the columns as documented in the script."""
+    function was wrapped: its column is positive), the columns as documented in the script, and the
+    lean run's host and step (only the compute timed) beside them."""
     env = {**os.environ, "PYGGML_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "runner_host.py"), "--vocab", "300",
                            "--parallel", "1,3", "--steps", "2", "--warmup", "1"],
                           capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr
     tables = [line for line in proc.stdout.splitlines() if line.startswith("|")]
-    header = "| P | compute | cache | sched | sample | detok | stream | host | step | tok/s |"
+    header = "| P | compute | cache | sched | sample | detok | stream | host | step | lean host | lean step | tok/s |"
     assert tables.count(header) == 2  # greedy and random
     rows = [line.strip("|").split("|") for line in tables if line.strip("|")[:3].strip().isdigit()]
     assert [int(r[0]) for r in rows] == [1, 3, 1, 3]
@@ -312,6 +313,7 @@ def test_runner_host_script_prints_every_phase(tmp_path):
         values = [float(v) for v in row[1:]]
         assert all(v > 0 for v in values), row
         assert abs(sum(values[1:6]) - values[6]) < 0.5 * values[6] + 1e-3  # host: the non-compute phases
+        assert values[9] > values[8]  # the lean step holds its host work and its compute
 
 
 @pytest.mark.parametrize("arch", sorted(models.registry()))
