@@ -104,3 +104,53 @@ def test_causal_start_forward(benchmark, flash):
     assert cache._pass.n_kv == -(-(PROMPT + 1) * N_SEQ // padding) * padding
     contexts.pop().close()
     backend.close()
+
+
+# ---- many sequences, each in its own stream of cells (the Runner's per-sequence cache) ----------------------
+STREAMS, STREAM_CELLS, STREAM_PROMPT = 128, 512, 40
+
+
+def test_streams_decode_step(benchmark):
+    """One decode step of 128 sequences in streams of 512 cells: `place` and the stream mask. The streams'
+    extents are kept as cells are added, not recounted from all 65,536 cells each step."""
+    cells = Cells(STREAMS * STREAM_CELLS, STREAMS, per_sequence=True)
+    seqs = np.arange(STREAMS, dtype=np.int32)
+    for p in range(STREAM_PROMPT):
+        cells.place(np.full(STREAMS, p, np.int32), seqs)
+    pos = np.full(STREAMS, STREAM_PROMPT, np.int32)
+
+    def step() -> np.ndarray:
+        cells.place(pos, seqs)
+        return cells.stream_mask(pos, seqs, int(cells.stream_extents(32).max()))
+
+    def forget() -> None:  # untimed: the next round places the same position again
+        for s in range(STREAMS):
+            cells.remove(s, STREAM_PROMPT)
+
+    benchmark.pedantic(step, setup=forget, rounds=500, warmup_rounds=20)
+
+
+def test_streams_admission_remove(benchmark):
+    """A request admitted into a used slot first forgets what the slot held (`Cache.plan_remove`, then its
+    commit) at 128 sequences x 4,096 cells: checked in place, not planned on a copy of the cells (whose
+    membership is 128 x 524,288 booleans)."""
+    from pyggml import Backend, BackendParams
+    from pyggml.kvcache import Causal
+
+    backend = Backend(BackendParams(n_threads=1))
+    cache = Causal()
+    cache.init(backend, max_sequences=STREAMS, capacity=4096, max_batch=512)
+    seqs = np.arange(STREAMS, dtype=np.int32)
+    slot = itertools.cycle(range(STREAMS))
+
+    def fill() -> tuple[tuple, dict]:  # untimed: the slot holds 8 positions again
+        s = next(slot)
+        cache.cells.place(np.arange(8, dtype=np.int32), np.full(8, s, np.int32))
+        return (s,), {}
+
+    for p in range(8):
+        cache.cells.place(np.full(STREAMS, p, np.int32), seqs)
+    for s in range(STREAMS):
+        cache.cells.remove(s, 0)
+    benchmark.pedantic(lambda s: cache.plan_remove(s, 0)(), setup=fill, rounds=200, warmup_rounds=5)
+    backend.close()
