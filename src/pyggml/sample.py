@@ -140,7 +140,7 @@ class Sampler(SamplingOptions):
         try:
             if not math.isfinite(row.max()):
                 return None
-            ids, vals = _top_k_slice(row[None], self.top_k)
+            ids, vals = _top_k_rows(row[None], [0], self.top_k)
         finally:
             if biased.size:
                 row[biased] = old
