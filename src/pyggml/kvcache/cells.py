@@ -110,7 +110,10 @@ class Cells:
         self.per_sequence = per_sequence
         self.stream_size = capacity // max_sequences if per_sequence else capacity
         self._pos = np.full(capacity, -1, np.int32)
-        self._member = np.zeros((max_sequences, capacity), bool)
+        # which sequences see which cells (``_sees``): without streams a cell may be shared (``copy_prefix``),
+        # so a (sequences, cells) matrix; with streams a cell is only its stream's sequence's, seen while used
+        # (count 1), so nothing is stored: the matrix would be P x P x num_ctx booleans, copied by every snapshot
+        self._member = None if per_sequence else np.zeros((max_sequences, capacity), bool)
         self._count = np.zeros(capacity, np.int32)
         self._extent: int | None = 0  # highest used cell + 1, or None: recount (numpy calls cost ~5 us here)
         # per stream (``per_sequence``) its highest used cell + 1, counted from the stream's start, or None:
@@ -136,7 +139,7 @@ class Cells:
     def seq_cells(self, seq: int) -> np.ndarray:
         """Cells ``seq`` sees, in position order."""
         self._check_seq(seq)
-        cells = np.flatnonzero(self._member[seq])
+        cells = self._cells_of(seq)
         return cells[np.argsort(self._pos[cells], kind="stable")]
 
     def seq_positions(self, seq: int) -> np.ndarray:
@@ -183,7 +186,7 @@ class Cells:
         if self.swa_window is None:
             return True
         start = max(0, pos - self.swa_window)
-        stored = self._pos[self._member[seq]]
+        stored = self._pos[self._cells_of(seq)]
         return int(np.count_nonzero((stored >= start) & (stored < pos))) == pos - start
 
     # ---- batch ---------------------------------------------------------------------
@@ -224,14 +227,14 @@ class Cells:
         new = self._free_cells(count, seq[fresh], distinct)
 
         if gone_cell.size:
-            self._member[gone_seq, gone_cell] = False
+            self._leave(gone_seq, gone_cell)
             self._pos[gone_cell[count[gone_cell] == 0]] = -1
             self._changed()
         elif new.size:  # cells only added: the extents grow to hold them
             self._grown(new, distinct)
         self._count = count
         self._pos[new] = pos[fresh]
-        self._member[seq[fresh], new] = True
+        self._join(seq[fresh], new)
         count[new] = 1
         cells[fresh] = new
         if distinct:
@@ -296,7 +299,7 @@ class Cells:
             if self._count[cell]:
                 raise CacheFullError(f"place: 1 tokens need a free cell, only 0 of {self.capacity} are free")
         self._pos[cell] = pos
-        self._member[seq, cell] = True
+        self._join(seq, cell)
         self._count[cell] = 1
         self._top[seq] = pos
         if self._extent is not None and cell >= self._extent:
@@ -360,7 +363,7 @@ class Cells:
             )
         if pos.size == 1 and row_padding == 1 and not noncausal and self.swa_window is None and \
                 self.chunk_size is None:  # a decode step: one row, in two numpy calls
-            visible = self._member[seq[0], :n_kv] & (self._pos[:n_kv] <= pos[0])
+            visible = self._row(int(seq[0]), n_kv) & (self._pos[:n_kv] <= pos[0])
             return np.where(visible, np.zeros(1, dtype), np.full(1, -np.inf, dtype)).reshape(1, n_kv)
         visible = self._visible(pos, seq, n_kv, noncausal)
         out = np.full((_round_up(pos.size, row_padding), n_kv), -np.inf, dtype)
@@ -403,7 +406,7 @@ class Cells:
         self._unlink(seq, gone)
         self._unlink(seq, shared)
         self._pos[split] = self._pos[shared]
-        self._member[seq, split] = True
+        self._join(seq, split)
         self._count[split] = 1
         self._changed()
         moved = np.concatenate([own, split]).astype(np.int32)
@@ -420,7 +423,7 @@ class Cells:
         self._check_seq(seq)
         if begin < 0 or (end is not None and end < begin):
             raise ValueError(f"remove: need 0 <= begin <= end, got begin={begin} end={end}")
-        cells = np.flatnonzero(self._member[seq])
+        cells = self._cells_of(seq)
         stored = self._pos[cells]
         later = cells[stored >= end] if end is not None else cells[:0]
         if later.size and end > begin and not can_shift:
@@ -455,16 +458,22 @@ class Cells:
         self._check_seq(dst)
         if length < 0:
             raise ValueError(f"copy_prefix: length must be >= 0, got {length}")
-        prefix = self._member[src] & (self._pos < length)
-        if self.per_sequence and src != dst:
-            self._unlink(dst, np.flatnonzero(self._member[dst]))
-            source = np.flatnonzero(prefix)
+        if self.per_sequence:
+            cells = self._cells_of(dst)
+            if src == dst:  # what lies past the prefix goes
+                self._unlink(dst, cells[self._pos[cells] >= length])
+                self._refresh_top(dst)
+                return np.zeros((0, 2), np.int32)
+            source = self._cells_of(src)
+            source = source[self._pos[source] < length]
+            self._unlink(dst, cells)
             target = source + (dst - src) * self.stream_size  # the same place in dst's (now empty) stream
             self._pos[target] = self._pos[source]
-            self._member[dst, target] = True
+            self._join(dst, target)
             self._count[target] = 1
             self._refresh_top(dst)
             return np.stack([source, target], axis=1).astype(np.int32)
+        prefix = self._member[src] & (self._pos < length)
         self._unlink(dst, np.flatnonzero(self._member[dst] & ~prefix))
         added = np.flatnonzero(prefix & ~self._member[dst])
         self._member[dst, added] = True
@@ -476,7 +485,8 @@ class Cells:
     def clear(self) -> None:
         """Forget everything."""
         self._pos.fill(-1)
-        self._member.fill(False)
+        if self._member is not None:
+            self._member.fill(False)
         self._count.fill(0)
         self._extent = 0
         self._stream_top = np.zeros(self.max_sequences, np.int64) if self.per_sequence else None
@@ -516,7 +526,7 @@ class Cells:
         if limit.max() <= 0:
             return _NO_CELLS, _NO_CELLS
         cand = np.flatnonzero(self._pos.view(np.uint32) < limit.max())  # free cells (-1) wrap high
-        stale = self._member[batch_seqs[:, None], cand] & (self._pos[cand] < limit[:, None])
+        stale = self._sees(batch_seqs[:, None], cand) & (self._pos[cand] < limit[:, None])
         row, j = np.divmod(np.flatnonzero(stale), cand.size)
         return batch_seqs[row], cand[j]
 
@@ -527,19 +537,58 @@ class Cells:
         cand = np.flatnonzero(np.isin(self._pos, pos))
         if not cand.size:
             return _NO_CELLS, _NO_CELLS
-        hit = self._member[seq[:, None], cand] & (self._pos[cand] == pos[:, None])
+        hit = self._sees(seq[:, None], cand) & (self._pos[cand] == pos[:, None])
         tok, j = np.divmod(np.flatnonzero(hit), cand.size)
         return tok, cand[j]
 
     def _unlink(self, seqs: np.ndarray | int, cells: np.ndarray) -> None:
         """Take sequences out of cells (pairwise); cells nobody sees any more become free."""
-        self._member[seqs, cells] = False
+        self._leave(seqs, cells)
         np.subtract.at(self._count, cells, 1)
         self._pos[cells[self._count[cells] == 0]] = -1
         self._changed()
 
     def _refresh_top(self, seq: int) -> None:
-        self._top[seq] = int(self._pos[self._member[seq]].max(initial=-1))
+        self._top[seq] = int(self._pos[self._cells_of(seq)].max(initial=-1))
+
+    # ---- membership (see ``_member``) -------------------------------------------------------
+
+    def _sees(self, seqs: np.ndarray | int, cells: np.ndarray) -> np.ndarray:
+        """Whether each sequence sees each cell (``seqs`` and ``cells`` broadcast as numpy indices)."""
+        if self._member is not None:
+            return self._member[seqs, cells]
+        return (self._count[cells] > 0) & (cells // self.stream_size == seqs)
+
+    def _row(self, seq: int, stop: int) -> np.ndarray:
+        """Whether ``seq`` sees each of the cells [0, stop)."""
+        if self._member is not None:
+            return self._member[seq, :stop]
+        row = np.zeros(stop, bool)
+        lo, hi = seq * self.stream_size, min((seq + 1) * self.stream_size, stop)
+        if lo < hi:
+            row[lo:hi] = self._count[lo:hi] > 0
+        return row
+
+    def _rows(self, seqs: np.ndarray, stop: int) -> np.ndarray:
+        """Whether each of ``seqs`` sees each of the cells [0, stop): (len(seqs), stop)."""
+        if self._member is not None:
+            return self._member[seqs, :stop]
+        return (self._count[:stop] > 0) & (np.arange(stop) // self.stream_size == seqs[:, None])
+
+    def _cells_of(self, seq: int) -> np.ndarray:
+        """The cells ``seq`` sees, in ascending order."""
+        if self._member is not None:
+            return np.flatnonzero(self._member[seq])
+        base = seq * self.stream_size
+        return base + np.flatnonzero(self._count[base:base + self.stream_size])
+
+    def _join(self, seqs: np.ndarray | int, cells: np.ndarray | int) -> None:
+        if self._member is not None:
+            self._member[seqs, cells] = True
+
+    def _leave(self, seqs: np.ndarray | int, cells: np.ndarray | int) -> None:
+        if self._member is not None:
+            self._member[seqs, cells] = False
 
     def _visible(self, pos: np.ndarray, seq: np.ndarray, n_kv: int, noncausal: Sequence[tuple[int, int]],
                  streams: bool = False) -> np.ndarray:
@@ -548,20 +597,20 @@ class Cells:
         tok_pos = pos[:, None]
         if not streams:
             cell_pos = self._pos[:n_kv]
-            visible = self._member[seq, :n_kv] & (cell_pos <= tok_pos)
-            members = self._member[:, :n_kv]  # (sequence, cell)
+            visible = self._rows(seq, n_kv) & (cell_pos <= tok_pos)
         else:  # rows of (stream, cell) views: one slice per token rather than a gather per cell
             size = self.stream_size
             cell_pos = self._pos.reshape(-1, size)[seq, :n_kv]
-            members = self._member.reshape(self.max_sequences, -1, size)[:, :, :n_kv]  # (sequence, stream, cell)
-            visible = members[seq, seq] & (cell_pos <= tok_pos)
+            counts = self._count.reshape(-1, size)  # a stream's used cells are its sequence's
+            visible = (counts[seq, :n_kv] > 0) & (cell_pos <= tok_pos)
         for start, end in noncausal:
             if not 0 <= start <= end <= pos.size:
                 raise ValueError(f"mask: noncausal range ({start}, {end}) outside the batch of {pos.size}")
             for s in np.unique(seq[start:end]):
                 rows = start + np.flatnonzero(seq[start:end] == s)
                 lo, hi = pos[rows].min(), pos[rows].max()
-                member, at = (members[s], cell_pos) if not streams else (members[s, s], cell_pos[rows])
+                member, at = (self._row(int(s), n_kv), cell_pos) if not streams else \
+                    (counts[s, :n_kv] > 0, cell_pos[rows])
                 visible[rows] |= member & (at >= lo) & (at <= hi)
         if self.swa_window is not None:
             visible &= tok_pos - cell_pos < self.swa_window
