@@ -205,6 +205,49 @@ def test_wrapper_with_causal_removes_in_both_or_neither(cpu):
     assert states.positions.tolist() == [0] and (causal.cells.cell_positions < 0).all()
 
 
+def test_wrapper_refill_undoes_only_what_start_forward_cannot_redo(cpu, monkeypatch):
+    """``Wrapper.refill`` of a recurrent state listed before a causal cache whose attention width moves every two
+    positions: the causal cache (``places_again``) refills first and is never snapshot (a snapshot copies all its
+    cells); when its width moves the refill is refused before the recurrent state advanced, and the new graph's
+    ``start_forward`` goes on from that state: every step's convolution is the one a continuous state gives."""
+    causal = Causal(lambda ctx, layer, key, shift: key)
+    causal.set_config(CacheConfig(padding=2))
+    states = Recurrent()
+    cache = Wrapper(states, causal, layer_types=[0, 1])
+    cache.init(cpu, DType.F32, max_sequences=1, capacity=16, max_batch=8)
+
+    def build(pairs):
+        ctx = cpu.new_context()
+        cache.start_forward(ctx, batch_of(pairs))
+        cache.set_layer(0)
+        out = states.conv(ctx, ctx.from_numpy(coded(pairs), name="x"), ctx.from_numpy(KERNEL))
+        cache.set_layer(1)
+        kv = ctx.from_numpy(np.ones((len(pairs), 1, 4), np.float32))
+        cache.put(ctx, kv, kv)
+        cache.get(ctx)
+        return ctx, out
+
+    ctx, out = build([(0, 0), (0, 1)])
+    ctx.compute(out)
+    snapshot = Causal.snapshot
+    refused = 0
+    for p in range(2, 9):
+        monkeypatch.setattr(Causal, "snapshot", lambda self: pytest.fail("Wrapper.refill snapshot a causal cache"))
+        refilled = cache.refill(ctx, batch_of([(0, p)]))
+        monkeypatch.setattr(Causal, "snapshot", snapshot)
+        if refilled:
+            ctx.set_input("x", coded([(0, p)]))
+        else:
+            refused += 1
+            assert states.positions.tolist() == [p]  # not advanced by the refused refill
+            ctx.close()
+            ctx, out = build([(0, p)])
+        ctx.compute(out)
+        assert out.numpy()[:, 0].tolist() == [10000 * (p - 1) + 100 * p + p + 1], p
+    ctx.close()
+    assert refused >= 2 and states.positions.tolist() == [9]
+
+
 # ---- checkpoints: prefix reuse and speculative rollback ---------------------------------------------------
 def test_a_checkpoint_is_resumed_and_rolled_back_to(cpu):
     cache = make(cpu)

@@ -130,6 +130,10 @@ class Cache(abc.ABC):
         that does it and cannot fail (call it before anything else touches the cache). This is
         how a ``Wrapper`` changes all its caches or none."""
 
+    # True for a cache whose ``refill`` leaves its batch placed whether or not it fits, and whose
+    # ``start_forward`` of a placed batch places nothing more (a ``Wrapper`` need not undo its refill)
+    places_again: bool = False
+
     @abc.abstractmethod
     def refill(self, ctx: Context, batch: Batch) -> bool:
         """Graph reuse: place ``batch`` and write this cache's per-batch inputs into ``ctx``, a graph

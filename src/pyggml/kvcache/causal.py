@@ -145,6 +145,8 @@ class Causal(Cache):
     key after it, the key), at the memory of the key alone, as llama.cpp's V-as-a-view-of-K cache.
     """
 
+    places_again = True  # placing a stored (sequence, position) again is a no-op (see ``refill``)
+
     def __init__(self, shift_fn: ShiftFn | None = None, *, swa_window: int | None = None,
                  swa_memory: int | None = None, chunk_size: int | None = None, unified: bool = False,
                  value_from_key: int | None = None):

@@ -24,8 +24,9 @@ class Wrapper(Cache):
     (as Ollama's WrapperCache.SetLayerType), and each ``start_forward`` selects cache 0 again.
     ``put``/``get`` shapes are those of the selected cache.
 
-    Consistency: a ``start_forward``, ``refill`` or ``copy_prefix`` that fails in one cache (or a
-    ``refill`` that one cache cannot do) is undone in all (``snapshot``/``restore``), and ``remove``
+    Consistency: a ``start_forward`` or ``copy_prefix`` that fails in one cache is undone in all
+    (``snapshot``/``restore``), a ``refill`` that fails or that one cache cannot do in every cache that is
+    not ``places_again`` (the others keep the batch placed, which ``start_forward`` then finds), and ``remove``
     is checked in every cache before any changes (``plan_remove``: a NotSupportedError from one
     leaves all unchanged). A graph is refilled for reuse only when every cache can refill it.
     """
@@ -91,14 +92,20 @@ class Wrapper(Cache):
             self._current = 0
 
     def refill(self, ctx: Context, batch: Batch) -> bool:
-        states = self.snapshot()
+        # A cache that refilled placed the batch; when another cannot refill, start_forward places it in all, so
+        # the first must be undone, unless it ``places_again`` (a causal cache, whose snapshot would copy every
+        # cell, each step): those are not snapshot, and refill first (their refusal comes before the others work)
+        order = sorted(self.caches, key=lambda cache: not cache.places_again)
+        states = [(cache, cache.snapshot()) for cache in order if not cache.places_again]
         try:
-            refilled = all(cache.refill(ctx, batch) for cache in self.caches)
+            refilled = all(cache.refill(ctx, batch) for cache in order)
         except BaseException:
-            self.restore(states)
+            for cache, state in states:
+                cache.restore(state)
             raise
-        if not refilled:  # a cache that refilled placed the batch: undo it, start_forward places it in all
-            self.restore(states)
+        if not refilled:
+            for cache, state in states:
+                cache.restore(state)
         elif self.layer_types is None:
             self._current = 0
         return refilled
