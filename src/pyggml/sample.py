@@ -421,7 +421,7 @@ def _top_k_rows(logits: np.ndarray, rows: list[int], k: int) -> tuple[np.ndarray
     lower id. Large vocabularies by groups (``_top_k_groups``); else rows go in slices that stay in the
     CPU's cache (each pass over the slice is then cheap)."""
     vocab = logits.shape[1]
-    if vocab // _GROUP_DEPTH >= 4 * k and (len(rows) > 1 or vocab > _GROUPS_FOR_ONE_ROW):
+    if _by_groups_pays(vocab, k, len(rows)):
         return _top_k_groups(_take(logits, rows), k)
     chunk = max(1, _CACHED_LOGITS // vocab)
     parts = [_top_k_slice(_take(logits, rows[i:i + chunk]), k) for i in range(0, len(rows), chunk)]
@@ -467,13 +467,16 @@ _GROUP_DEPTH = 64  # logits per group in ``_top_k_groups``
 _GROUPS_FOR_ONE_ROW = 1 << 16
 
 
+def _by_groups_pays(vocab: int, k: int, n_rows: int) -> bool:
+    """Whether ``_top_k_rows`` takes the top-k of ``n_rows`` rows by groups (``_top_k_groups``)."""
+    return vocab // _GROUP_DEPTH >= 4 * k and (n_rows > 1 or vocab > _GROUPS_FOR_ONE_ROW)
+
+
 def _by_groups(samplers: Sequence[Sampler], rows: list[int], vocab: int) -> bool:
     """Whether ``_pools`` makes ``rows`` one top-k pool whose candidates come by groups (``_top_k_rows``)."""
     ks = {samplers[i].top_k for i in rows}
-    if len(ks) != 1:
-        return False
-    k = ks.pop()
-    return 0 < k < vocab and vocab // _GROUP_DEPTH >= 4 * k and (len(rows) > 1 or vocab > _GROUPS_FOR_ONE_ROW)
+    k = ks.pop() if len(ks) == 1 else 0
+    return 0 < k < vocab and _by_groups_pays(vocab, k, len(rows))
 
 
 def _group_maxima(m: np.ndarray) -> np.ndarray:

@@ -258,11 +258,11 @@ class Cells:
         if not seqs.size:
             return np.empty(0, np.int64)
         size = self.stream_size
-        if distinct:
-            streams, inverse, wanted = seqs, np.arange(seqs.size), np.ones(seqs.size, np.int64)
+        if distinct:  # each stream once, in order: one cell each
+            streams, inverse, wanted = seqs, None, np.ones(seqs.size, np.int64)
         else:
             streams, inverse, wanted = np.unique(seqs, return_inverse=True, return_counts=True)
-        if wanted.max() == 1:  # a decode step: the lowest free cell of each stream, at or below its top
+        if distinct or wanted.max() == 1:  # a decode step: the lowest free cell of each stream, at or below its top
             # (``count`` may have freed cells below a top, never taken any above one)
             width = min(int(self._stream_tops()[streams].max()) + 1, size)
             block = count.reshape(self.max_sequences, size)[streams, :width]
@@ -279,7 +279,7 @@ class Cells:
             n_free = int(np.count_nonzero(count[streams[s] * size:(streams[s] + 1) * size] == 0))
             raise CacheFullError(f"place: {wanted[s]} tokens of sequence {streams[s]} need a free cell, only "
                                  f"{n_free} of its {size} are free")
-        if distinct:  # one cell per stream, in the order of seqs
+        if inverse is None:  # one cell per stream, in the order of seqs
             return taken + streams.astype(np.int64) * size
         new = np.empty(seqs.size, np.int64)
         new[np.argsort(inverse, kind="stable")] = taken + streams[rows].astype(np.int64) * size
