@@ -154,3 +154,15 @@ def test_streams_admission_remove(benchmark):
         cache.cells.remove(s, 0)
     benchmark.pedantic(lambda s: cache.plan_remove(s, 0)(), setup=fill, rounds=200, warmup_rounds=5)
     backend.close()
+
+
+def test_streams_snapshot(benchmark):
+    """A snapshot of 128 per-sequence streams of 4,096 cells (what a cache wrapper takes around a graph build,
+    and, before, around every refill): the cells' arrays, with no (sequences, cells) membership matrix."""
+    import copy
+
+    cells = Cells(STREAMS * 4096, STREAMS, per_sequence=True)
+    seqs = np.arange(STREAMS, dtype=np.int32)
+    for p in range(8):
+        cells.place(np.full(STREAMS, p, np.int32), seqs)
+    benchmark.pedantic(copy.deepcopy, args=(cells,), rounds=30, warmup_rounds=2)
