@@ -240,3 +240,20 @@ def test_shift_the_cache_cannot_do_clears_the_slot_and_returns_inputs_to_reproce
     assert tokens(err.value.inputs) == [0, 1, 6, 7, 8, 9]
     assert slot.inputs == []
     assert fake.calls == [("remove refused", 0, 2, 6), ("remove", 0, 0, None)]
+
+
+def test_text_inputs_are_shared_and_cannot_change():
+    """text_input gives one object per token id (a decode step allocates no input), equal to and hashing
+    as Input(token=...); it refuses changes (every slot holding it would change); ids outside the shared
+    table get an input of their own."""
+    from pyggml.input import text_input
+
+    a = text_input(17)
+    assert text_input(17) is a and a == Input(token=17) and hash(a) == hash(Input(token=17))
+    assert (a.multimodal, a.multimodal_hash, a.same_batch, a.rope_offset, a.rope_step) == (None, 0, 0, (), 1)
+    assert count_common_prefix([text_input(t) for t in (1, 2, 3)], [Input(token=t) for t in (1, 2, 9)]) == 2
+    with pytest.raises(AttributeError, match="shared text input"):
+        a.token = 18
+    assert a.token == 17
+    for far in (-1, 1 << 40):
+        assert text_input(far) is not text_input(far) and text_input(far) == Input(token=far)

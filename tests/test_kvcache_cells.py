@@ -568,7 +568,14 @@ class CellsMachine(RuleBasedStateMachine):
         c = self.cells
         pos, seq = batch(*pairs)
         rng = (0, len(pairs) // 2)
-        m = c.mask(pos, seq, noncausal=[rng])
+        m = c.mask(pos, seq, n_kv=CAPACITY, noncausal=[rng])
+        if c.per_sequence:  # each row of the stream mask is the full mask's columns of its stream
+            size = c.stream_size
+            for dtype in (np.float32, np.float16):
+                sm = c.stream_mask(pos, seq, size, noncausal=[rng], dtype=dtype)
+                assert sm.dtype == dtype
+                for i, s in enumerate(seq.tolist()):
+                    np.testing.assert_array_equal(sm[i], m[i, s * size:(s + 1) * size])
         window, chunk = self.config.get("swa_window"), self.config.get("chunk_size")
         for i, (s, p) in enumerate(pairs):
             if rng[0] <= i < rng[1]:

@@ -371,3 +371,18 @@ def test_greedy_from_the_k_largest_is_the_argmax():
     for i in range(40):
         if i not in redo:
             assert tokens[i] == int(np.argmax(logits[i])), i
+    # distinct maxima (the one-pass path), then the same with one tied row and one non-finite row
+    logits = rng.standard_normal((40, 500)).astype(np.float32)
+    ids = rng.permuted(np.argpartition(logits, 500 - 16, axis=1)[:, -16:], axis=1)
+    vals = np.take_along_axis(logits, ids, axis=1)
+    tokens, redo = sample_top([Sampler(temperature=0) for _ in range(40)], ids, vals, np.ones(40, bool), 500)
+    assert redo == [] and tokens.tolist() == np.argmax(logits, axis=1).tolist()
+    logits[5, 300] = logits[5, 200] = logits[5].max() + 1  # a tie: the lower id
+    logits[9, 0] = np.inf
+    ids = rng.permuted(np.argpartition(logits, 500 - 16, axis=1)[:, -16:], axis=1)
+    vals = np.take_along_axis(logits, ids, axis=1)
+    finite = np.isfinite(logits.sum(axis=1))
+    tokens, redo = sample_top([Sampler(temperature=0) for _ in range(40)], ids, vals, finite, 500)
+    assert redo == [9] and tokens[5] == 200
+    others = [i for i in range(40) if i != 9]
+    assert tokens[others].tolist() == np.argmax(logits[others], axis=1).tolist()

@@ -45,6 +45,32 @@ class Input:
         return hash((self.token, self.multimodal_hash))
 
 
+class _SharedText(Input):
+    """A plain text token's input, one object per id shared by every sequence (``text_input``):
+    changing it would change every slot's history, so it refuses."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"Input.{name}: a shared text input (text_input) cannot change; make an Input")
+
+
+_TEXT_INPUTS: dict[int, Input] = {}
+_MAX_SHARED_ID = 1 << 20  # ids past any vocabulary get their own input (the table stays bounded)
+
+
+def text_input(token: int) -> Input:
+    """The input of text token ``token`` (as ``Input(token=token)``): one shared, unchangeable object
+    per id, so a decode step allocates none (each allocation is an object the garbage collector
+    traces while it lives, and slot histories keep theirs)."""
+    inp = _TEXT_INPUTS.get(token)
+    if inp is None:
+        if not 0 <= token < _MAX_SHARED_ID:
+            return Input(token=token)
+        inp = object.__new__(_SharedText)
+        object.__setattr__(inp, "token", token)  # the other fields read the class defaults
+        _TEXT_INPUTS[token] = inp
+    return inp
+
+
 @dataclass(frozen=True)
 class MultimodalIndex:
     """Where in a batch a multimodal input sits."""

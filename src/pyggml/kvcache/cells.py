@@ -119,6 +119,8 @@ class Cells:
         # per stream (``per_sequence``) its highest used cell + 1, counted from the stream's start, or None:
         # recount (a pass over every cell); kept up to date while cells are only added, as decode steps do
         self._stream_top: np.ndarray | None = np.zeros(max_sequences, np.int64) if per_sequence else None
+        # with it, per stream its used cells: as many as its top means no free cell below the top
+        self._stream_used: np.ndarray | None = np.zeros(max_sequences, np.int64) if per_sequence else None
         # upper bound of each sequence's highest stored position (-1: none), to skip lookups
         self._top = np.full(max_sequences, -1, np.int64)
 
@@ -172,6 +174,7 @@ class Cells:
         if self._stream_top is None:
             used = self._count.reshape(self.max_sequences, self.stream_size) != 0
             self._stream_top = np.where(used.any(axis=1), self.stream_size - np.argmax(used[:, ::-1], axis=1), 0)
+            self._stream_used = np.count_nonzero(used, axis=1).astype(np.int64)
         return self._stream_top
 
     def can_resume(self, seq: int, pos: int) -> bool:
@@ -264,11 +267,16 @@ class Cells:
             streams, inverse, wanted = np.unique(seqs, return_inverse=True, return_counts=True)
         if distinct or wanted.max() == 1:  # a decode step: the lowest free cell of each stream, at or below its top
             # (``count`` may have freed cells below a top, never taken any above one)
-            width = min(int(self._stream_tops()[streams].max()) + 1, size)
-            block = count.reshape(self.max_sequences, size)[streams, :width]
+            tops = self._stream_tops()[streams]
             rows = np.arange(streams.size)
-            taken = np.argmin(block, axis=1)  # the first 0, where there is one
-            short = block[rows, taken] != 0
+            if count is self._count and (tops < size).all() and (self._stream_used[streams] == tops).all():
+                # no stream has a free cell below its top (the usual decode step): each takes its top,
+                # without a pass over the streams' cells (P x context)
+                taken, short = tops, tops < 0
+            else:
+                block = count.reshape(self.max_sequences, size)[streams, :min(int(tops.max()) + 1, size)]
+                taken = np.argmin(block, axis=1)  # the first 0, where there is one
+                short = block[rows, taken] != 0
         else:
             free = (count.reshape(self.max_sequences, size) == 0)[streams]
             rank = np.cumsum(free, axis=1)
@@ -306,6 +314,7 @@ class Cells:
             self._extent = cell + 1
         if self._stream_top is not None:
             self._stream_top[seq] = max(int(self._stream_top[seq]), cell - seq * self.stream_size + 1)
+            self._stream_used[seq] += 1
         return np.array([cell], np.int32)
 
     def _grown(self, new: np.ndarray, distinct: bool = False) -> None:
@@ -317,13 +326,15 @@ class Cells:
             streams, top = np.divmod(new, self.stream_size)
             if distinct:
                 self._stream_top[streams] = np.maximum(self._stream_top[streams], top + 1)
+                self._stream_used[streams] += 1
             else:
                 np.maximum.at(self._stream_top, streams, top + 1)
+                np.add.at(self._stream_used, streams, 1)
 
     def _changed(self) -> None:
         """Cells were freed or moved: the extents are counted again when next asked."""
         self._extent = None
-        self._stream_top = None
+        self._stream_top = self._stream_used = None
 
     def mask(
         self,
@@ -381,9 +392,8 @@ class Cells:
         if not 0 < n_kv <= self.stream_size:
             raise ValueError(f"stream_mask: n_kv {n_kv} must lie in [1, {self.stream_size}] (the stream size)")
         visible = self._visible(pos, seq, n_kv, noncausal, streams=True)
-        out = np.full((pos.size, n_kv), -np.inf, dtype)
-        np.copyto(out, 0, where=visible)
-        return out
+        kind = np.dtype(dtype).type
+        return np.where(visible, kind(0), kind(-np.inf))
 
     # ---- sequence edits ------------------------------------------------------------
 
@@ -490,6 +500,7 @@ class Cells:
         self._count.fill(0)
         self._extent = 0
         self._stream_top = np.zeros(self.max_sequences, np.int64) if self.per_sequence else None
+        self._stream_used = np.zeros(self.max_sequences, np.int64) if self.per_sequence else None
         self._top.fill(-1)
 
     # ---- internals -----------------------------------------------------------------
@@ -602,7 +613,8 @@ class Cells:
             size = self.stream_size
             cell_pos = self._pos.reshape(-1, size)[seq, :n_kv]
             counts = self._count.reshape(-1, size)  # a stream's used cells are its sequence's
-            visible = (counts[seq, :n_kv] > 0) & (cell_pos <= tok_pos)
+            # and a free cell stores -1: as unsigned it lies past every position (one pass, no count read)
+            visible = cell_pos.view(np.uint32) <= pos.view(np.uint32)[:, None]
         for start, end in noncausal:
             if not 0 <= start <= end <= pos.size:
                 raise ValueError(f"mask: noncausal range ({start}, {end}) outside the batch of {pos.size}")

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pyggml.input import Input, Multimodal
+from pyggml.input import Input, Multimodal, text_input
 from pyggml.models import VisionPart
 from pyggml.runner.plugins import StepPlugin
 
@@ -78,7 +78,7 @@ class Images(StepPlugin):
         for k, part in enumerate(parts):
             if k % 2 == 0:
                 if part or k == 0:  # the first piece carries the BOS token, even when empty
-                    inputs += [Input(token=t) for t in r.tokenizer.encode(part, add_special=k == 0)]
+                    inputs += [text_input(t) for t in r.tokenizer.encode(part, add_special=k == 0)]
                 continue
             index = int(part)
             if index >= len(images):

@@ -42,7 +42,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from pyggml.input import Input
+from pyggml.input import Input, text_input
 from pyggml.models import Model, ModelError, Pooling
 from pyggml.runner.checkpoints import Checkpoints
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
@@ -426,6 +426,7 @@ class Runner:
                                                            seq.scores is None)
         seq.slot, seq.pending = slot, deque(remaining)
         seq.cached_tokens = len(seq.prompt) - len(remaining)
+        seq.admitted.set()
         self.active.append(seq)
 
     # ---- one step -------------------------------------------------------------------------------
@@ -516,17 +517,20 @@ class Runner:
             seq.scores.append(logits[row].copy())
         for plugin in self.plugins:
             plugin.after_logits(step, logits)
-        for _, seq in step.rows:
+        live = []
+        for item in step.rows:
+            seq = item[1]
             seq.outputs_in_flight -= 1
-        live = [(row, seq) for row, seq in step.rows if not seq.done]
+            if not seq.done:
+                live.append(item)
         taken = []
         for (row, seq), token in zip(live, sample_sequences(live, logits), strict=True):
             if isinstance(token, Exception):
                 self.release(seq, error=token)
                 continue
-            placeholder, seq.placeholder = seq.placeholder, None
+            placeholder = seq.placeholder
             if placeholder is not None:
-                placeholder.token = token
+                placeholder.token, seq.placeholder = token, None
             item = (seq, token, logits[row] if seq.request.logprobs else None, placeholder is not None)
             if seq.constraint is not None:
                 self._take(*item)
@@ -554,7 +558,7 @@ class Runner:
         if reason:
             self.release(seq, reason)
         elif not placed:
-            seq.pending.append(Input(token=token))
+            seq.pending.append(text_input(token))
 
     def _reset(self, exc: BaseException) -> None:
         """A batch failed: its keys and values are missing, and later prompts may share them: every

@@ -61,7 +61,8 @@ class Step:
     sequences: list[int] = field(default_factory=list)
     outputs: list[int] = field(default_factory=list)  # batch indices with a logits row
     multimodal: list[MultimodalIndex] = field(default_factory=list)
-    ropes: list[tuple[int, Input]] = field(default_factory=list)  # each input's rope position (Input.rope_step)
+    ropes: list[int] = field(default_factory=list)  # each input's rope position (Input.rope_step)
+    inputs: list[Input] = field(default_factory=list)  # each input (its rope_offset; kept apart: no tuple per input)
     rows: list[tuple[int, RunningSequence]] = field(default_factory=list)  # (logits row, sequence) to sample
     scored: list[tuple[int, RunningSequence]] = field(default_factory=list)  # prompt rows a sequence keeps
     spec: list[tuple[int, RunningSequence]] = field(default_factory=list)  # (first row, sequence) with drafts
@@ -94,13 +95,15 @@ class Step:
             self.moved = True
         if inp.rope_offset:
             self.moved = True
-        self.ropes.append((rope, inp))
+        self.ropes.append(rope)
+        self.inputs.append(inp)
 
     def seal(self) -> None:
         """Make the batch of what was packed (none when nothing was)."""
         if self.tokens:
             self.ids = np.array(self.tokens, np.int32)
-            ropes = [rope_positions(r, inp, ROPE_AXES) for r, inp in self.ropes] if self.moved else ()
+            ropes = [rope_positions(r, inp, ROPE_AXES) for r, inp in zip(self.ropes, self.inputs, strict=True)] \
+                if self.moved else ()
             self.batch = StepBatch(self.ids, outputs=self.outputs, positions=self.positions,
                                    sequences=self.sequences, multimodal=self.multimodal, rope_positions=ropes)
 
@@ -123,7 +126,8 @@ class Scheduler:
     def __init__(self, batch_size: int, num_ctx: int):
         self.batch_size, self.num_ctx = batch_size, num_ctx
         self.stops: dict[int, int] = {}  # slot id -> a position a batch must end at (once), e.g. a checkpoint
-        self._ropes: dict[int, tuple[list[Input], int, int]] = {}  # slot id -> (its inputs, n, rope_start(n))
+        # slot id -> [its inputs, n, rope_start(n)] (a list updated in place: no new object per step)
+        self._ropes: dict[int, list] = {}
 
     @staticmethod
     def feeds(seq: RunningSequence) -> bool:
@@ -186,7 +190,11 @@ class Scheduler:
             rope += inp.rope_step
             taken += 1
         if taken:
-            self._ropes[slot.id] = (inputs, len(inputs), rope)
+            memo = self._ropes.get(slot.id)
+            if memo is None:
+                self._ropes[slot.id] = [inputs, len(inputs), rope]
+            else:
+                memo[0], memo[1], memo[2] = inputs, len(inputs), rope
             step.seqs.append(seq)
             self._ask_logits(step, seq, first, taken)
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from pyggml.constrain import Constraint, grammar_for
-from pyggml.models import Input
+from pyggml.input import Input, text_input
 from pyggml.runner.engine import TopLogits
 from pyggml.runner.inputcache import InputCacheSlot
 from pyggml.sample import Sampler, SamplingOptions, logprobs, sample_rows, sample_top
@@ -123,7 +123,7 @@ def prepare(request: CompletionRequest, tokenizer, num_ctx: int, images: ImageIn
     if not isinstance(request, CompletionRequest):
         raise TypeError(f"completion: expected a CompletionRequest, got {type(request).__name__}")
     ids = _prompt_ids(request.prompt, tokenizer)
-    inputs = images(request.prompt, request.images) if request.images else [Input(token=t) for t in ids]
+    inputs = images(request.prompt, request.images) if request.images else [text_input(t) for t in ids]
     if len(inputs) > num_ctx:
         raise ValueError(f"prompt of {len(inputs)} tokens does not fit the context of {num_ctx} tokens "
                          "(raise num_ctx or shorten the prompt)")
@@ -279,7 +279,7 @@ class RunningSequence:
         self.matcher = StopMatcher(stops)
         self.num_keep = num_keep
         self.admitted = threading.Event()  # set once it has a slot (or is over)
-        self._slot: InputCacheSlot | None = None
+        self.slot: InputCacheSlot | None = None  # given by the runner when it admits the sequence (``admit``)
         self.pending: deque[Input] = deque()  # inputs still to put in a batch
         self.outputs_in_flight = 0  # outputs of this sequence in batches not yet sampled
         self.placeholder: Input | None = None  # an input in a built batch whose token the next sample gives
@@ -305,17 +305,6 @@ class RunningSequence:
         self._logprobs: list[TokenLogprob] = []
         self.t_queued = time.perf_counter()
         self.t_start = self.t_first = 0.0
-
-    @property
-    def slot(self) -> InputCacheSlot | None:
-        return self._slot
-
-    @slot.setter
-    def slot(self, slot: InputCacheSlot | None) -> None:
-        """The runner admits the sequence by giving it a slot."""
-        self._slot = slot
-        if slot is not None:
-            self.admitted.set()
 
     @property
     def paused(self) -> bool:
@@ -435,8 +424,12 @@ class RunningSequence:
         self._text = self._text[:cut]
 
     def _chunk(self, text: str) -> CompletionChunk:
-        chunk = CompletionChunk(text, self._tokens, self._logprobs if self._n_logprobs else None)
-        self._tokens, self._logprobs = [], []
+        if self._n_logprobs:
+            chunk = CompletionChunk(text, self._tokens, self._logprobs)
+            self._logprobs = []
+        else:
+            chunk = CompletionChunk(text, self._tokens)
+        self._tokens = []
         return chunk
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pyggml.input import Input
+from pyggml.input import text_input
 from pyggml.runner.plugins import StepPlugin
 from pyggml.runner.sequence import CompletionRequest, RunningSequence
 from pyggml.sample import Sampler
@@ -166,7 +166,7 @@ class Speculation(StepPlugin):
         if drafts and seq.constraint is not None:  # the matcher is past the decode input: check the draft
             drafts = drafts[:seq.constraint.validate(drafts)]
         seq.drafts = drafts
-        seq.pending.extend(Input(token=t) for t in drafts)
+        seq.pending.extend(text_input(t) for t in drafts)
 
     def _verify(self, logits: np.ndarray, first: int, seq: RunningSequence) -> None:
         """Check a sequence's drafts against the target's rows ``first..first+len(drafts)``: keep the
@@ -191,7 +191,7 @@ class Speculation(StepPlugin):
         elif reason:
             self.runner.release(seq, reason)
         else:  # the correction at the first rejected position, or the bonus token after a whole draft
-            seq.pending.append(Input(token=token))
+            seq.pending.append(text_input(token))
 
 
 def _accept_drafts(logits: np.ndarray, first: int, seq: RunningSequence,
