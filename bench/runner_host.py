@@ -43,6 +43,7 @@ import numpy as np
 
 PHASES = ("compute", "cache", "sched", "sample", "detok", "stream")
 COLUMNS = ("P", *PHASES, "host", "step", "lean host", "lean step", "tok/s")
+AHEAD_COLUMNS = ("P", "compute", "idle", "step", "idle share", "tok/s")  # --build-ahead
 # phase -> (module, class or None, attribute) of the functions whose own time (not their timed callees') goes there
 TIMED: dict[str, list[tuple[str, str | None, str]]] = {
     "compute": [("pyggml.runner.engine", "Engine", "compute")],
@@ -122,13 +123,8 @@ def run(model, parallel: int, steps: int, warmup: int, sampling: str, device_sam
     """Median ms per step of each phase over ``steps`` decode steps with ``parallel`` sequences.
     ``lean``: only the compute is timed (the other phases read 0 and ``host`` is the step's time
     less its compute): no timing wrapper around each sequence's calls adds to the host figure."""
-    from pyggml.runner import CompletionRequest, Runner
+    from pyggml.runner import Runner
 
-    tok = model.tokenizer
-    # EOG banned so that every sequence runs every step; not with --device-sampling, where a bias would
-    # send every row to the full logits (a random model then rarely ends a sequence early: a step of P-1)
-    banned = {} if device_sampling else {t: -float("inf") for t in range(tok.vocab_size) if tok.is_eog(t)}
-    options = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.8, top_k=40, top_p=0.9)
     profiler = Profiler(clock)
     per_step: list[dict[str, float]] = []
     spans: list[float] = []  # each step's time
@@ -149,19 +145,8 @@ def run(model, parallel: int, steps: int, warmup: int, sampling: str, device_sam
 
         runner._iterate = iterate
         try:
-            streams = [runner.completion(CompletionRequest(
-                prompt=[1, 3 + i % (tok.vocab_size - 3), 3 + (7 * i) % (tok.vocab_size - 3)],
-                max_tokens=warmup + steps + 2, stop=["\n\nUser:", "<|im_end|>"], logit_bias=banned, seed=i, **options))
-                for i in range(parallel)]
-            t0 = time.perf_counter()
-            live, tokens = list(streams), 0
-            while live:
-                for stream in list(live):
-                    chunk = next(stream)
-                    tokens += len(chunk.tokens)
-                    if chunk.done:
-                        live.remove(stream)
-            wall = time.perf_counter() - t0
+            tokens, wall = drain([runner.completion(r) for r in requests(model, parallel, warmup + steps + 2, sampling,
+                                                                         device_sampling)])
         finally:
             profiler.unwrap()
     marks = [dict.fromkeys(PHASES, 0.0), *per_step]
@@ -171,6 +156,73 @@ def run(model, parallel: int, steps: int, warmup: int, sampling: str, device_sam
     row = {p: float(np.median([s[p] for s in measured])) for p in PHASES}
     row["host"] = float(np.median([t - s["compute"] for s, t in zip(measured, span, strict=True)]))
     row["step"] = float(np.median(span))
+    row["tok/s"] = tokens / wall
+    return row
+
+
+def requests(model, parallel: int, max_tokens: int, sampling: str, device_sampling: bool) -> list:
+    """The benchmark's ``parallel`` requests: three-token prompts, stop strings, one seed each."""
+    from pyggml.runner import CompletionRequest
+
+    tok = model.tokenizer
+    # EOG banned so that every sequence runs every step; not with --device-sampling, where a bias would
+    # send every row to the full logits (a random model then rarely ends a sequence early: a step of P-1)
+    banned = {} if device_sampling else {t: -float("inf") for t in range(tok.vocab_size) if tok.is_eog(t)}
+    options = dict(temperature=0.0) if sampling == "greedy" else dict(temperature=0.8, top_k=40, top_p=0.9)
+    return [CompletionRequest(prompt=[1, 3 + i % (tok.vocab_size - 3), 3 + (7 * i) % (tok.vocab_size - 3)],
+                              max_tokens=max_tokens, stop=["\n\nUser:", "<|im_end|>"], logit_bias=banned, seed=i,
+                              **options)
+            for i in range(parallel)]
+
+
+def drain(streams: list) -> tuple[int, float]:
+    """Read every stream to its end, round robin (one consumer); returns (tokens, seconds)."""
+    t0 = time.perf_counter()
+    live, tokens = list(streams), 0
+    while live:
+        for stream in list(live):
+            chunk = next(stream)
+            tokens += len(chunk.tokens)
+            if chunk.done:
+                live.remove(stream)
+    return tokens, time.perf_counter() - t0
+
+
+def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
+              device_sampling: bool = False) -> dict[str, float]:
+    """The runner as it serves (``build_ahead``: the next batch is built, and the last one's tokens
+    streamed, while a batch computes in the runner's worker): median ms per step of ``compute`` (the
+    backend writing the inputs and computing: ``Backend._run``), of ``idle`` (from one compute's end to the
+    next one's start: the host work the device waits for, ggml's graph planning included), of ``step``
+    (start to start), and ``idle share`` (idle / step). Wall clock: the compute is another thread."""
+    from pyggml.backend import Backend
+    from pyggml.runner import Runner
+
+    spans: list[tuple[float, float]] = []  # (start, end) of each compute
+    original = Backend._run
+
+    def compute(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            spans.append((t0, time.perf_counter()))
+
+    extra = dict(device_sampling=True) if device_sampling else {}
+    Backend._run = compute
+    try:
+        with Runner(model, parallel=parallel, num_ctx=max(4 * parallel, warmup + steps + 16),
+                    batch_size=4 * parallel, build_ahead=True, background=False, **extra) as runner:
+            tokens, wall = drain([runner.completion(r) for r in requests(model, parallel, warmup + steps + 2,
+                                                                         sampling, device_sampling)])
+    finally:
+        Backend._run = original
+    measured = spans[warmup + 1:warmup + 2 + steps]  # +1: the prompt step; one more for the last gap
+    idle = [1e3 * (b[0] - a[1]) for a, b in zip(measured, measured[1:], strict=False)]
+    step = [1e3 * (b[0] - a[0]) for a, b in zip(measured, measured[1:], strict=False)]
+    row = {"compute": float(np.median([1e3 * (e - s) for s, e in measured[:-1]])), "idle": float(np.median(idle)),
+           "step": float(np.median(step))}
+    row["idle share"] = row["idle"] / row["step"]
     row["tok/s"] = tokens / wall
     return row
 
@@ -189,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
                              "costs ~1 us per timed call and leaves out waits (the compute of 2+ threads)")
     parser.add_argument("--device-sampling", action="store_true",
                         help="graphs end in a sampling head (Runner(device_sampling=True))")
+    parser.add_argument("--build-ahead", action="store_true",
+                        help="also the runner as it serves (build_ahead=True): how long the compute waits for the "
+                             "host each step (columns " + ", ".join(AHEAD_COLUMNS[1:]) + "; wall clock)")
     args = parser.parse_args(argv)
     from pyggml import models
     from pyggml.backend import BackendParams
@@ -211,6 +266,14 @@ def main(argv: list[str] | None = None) -> int:
                 row.update({"lean host": lean["host"], "lean step": lean["step"], "tok/s": lean["tok/s"]})
                 cells = [str(parallel)] + [f"{row[c]:.3f}" for c in COLUMNS[1:-1]] + [f"{row['tok/s']:.0f}"]
                 print("| " + " | ".join(cells) + " |", flush=True)
+            if args.build_ahead:
+                print(f"\n### build-ahead ({sampling}): the compute's wait for the host, wall clock\n")
+                print("| " + " | ".join(AHEAD_COLUMNS) + " |")
+                print("|" + "---|" * len(AHEAD_COLUMNS))
+                for parallel in parallels:
+                    row = run_ahead(model, parallel, args.steps, args.warmup, sampling, args.device_sampling)
+                    cells = [str(parallel)] + [f"{row[c]:.3f}" for c in AHEAD_COLUMNS[1:-1]] + [f"{row['tok/s']:.0f}"]
+                    print("| " + " | ".join(cells) + " |", flush=True)
     finally:
         model.close()
     return 0

@@ -316,6 +316,26 @@ def test_runner_host_script_prints_every_phase(tmp_path):
         assert values[9] > values[8]  # the lean step holds its host work and its compute
 
 
+def test_runner_host_build_ahead_table(tmp_path):
+    """--build-ahead adds, per sampling, a table of the runner as it serves: per P the compute, the device's
+    wait for the host between computes (idle), the step from start to start (compute plus idle) and the
+    idle share."""
+    env = {**os.environ, "PYGGML_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "runner_host.py"), "--vocab", "300",
+                           "--parallel", "1,3", "--steps", "3", "--warmup", "1", "--sampling", "greedy",
+                           "--build-ahead", "--device-sampling"],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    at = lines.index("| P | compute | idle | step | idle share | tok/s |")
+    rows = [line.strip("|").split("|") for line in lines[at + 2:at + 4]]
+    assert [int(r[0]) for r in rows] == [1, 3]
+    for row in rows:
+        compute, idle, step, share, tok_s = (float(v) for v in row[1:])
+        assert compute > 0 and idle > 0 and tok_s > 0
+        assert step >= max(compute, idle) and 0 < share <= 1  # each step is its compute and its idle time
+
+
 @pytest.mark.parametrize("arch", sorted(models.registry()))
 def test_every_architectures_default_make_model_loads_and_runs(tmp_path, arch):
     """``pyggml make-model ARCH`` with no options (q4_0): qwen3moe and gpt-oss failed (no experts), a

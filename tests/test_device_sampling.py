@@ -38,9 +38,9 @@ def run(model, requests: list[dict], device_sampling: bool) -> tuple[list[list[i
         reads: list[str] = []
         compute = runner.engine.compute
 
-        def recording(graph, read=True, times=None):
+        def recording(graph, read=True, times=None, **options):
             reads.append(str(read))
-            return compute(graph, read, times)
+            return compute(graph, read, times, **options)
 
         runner.engine.compute = recording
         streams = [runner.completion(CompletionRequest(prompt=[1, 20 + i, 30 + 2 * i], max_tokens=24, **r))

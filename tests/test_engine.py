@@ -200,3 +200,32 @@ def test_a_graph_computed_again_after_the_compute_buffer_moved(path):
     done = subprocess.run([sys.executable, "-c", _STALE, str(path), root], capture_output=True, text=True,
                           timeout=120, env=env)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_started_busy_graph_is_refilled_and_never_closed(path):
+    """Build-ahead: the graph computing now (``busy``) is refilled for the next batch once its compute
+    has started (``busy_started``: its inputs are written), so the same graph computes again; before, or
+    when it no longer fits (the attention width moved), another graph is built and the busy one is left
+    open for its compute (closing it would free memory the device is reading)."""
+    model = load(path, Llama, lambda m: Causal(m.shift))
+    try:
+        engine = Engine(model)
+        engine.forward(Batch(inputs=[5, 6, 7], outputs=[2], positions=range(3), sequences=[0] * 3))
+        decode = engine.build(Batch(inputs=[8], outputs=[0], positions=[3], sequences=[0]))
+        engine.compute(decode)
+        waiting = engine.build(Batch(inputs=[9], outputs=[0], positions=[4], sequences=[0]), busy=decode)
+        assert waiting is not decode  # not started: its inputs may not be written yet
+        engine.compute(waiting)
+        again = engine.build(Batch(inputs=[10], outputs=[0], positions=[5], sequences=[0]), busy=waiting,
+                             busy_started=True)
+        assert again is waiting and engine.built == 3
+        engine.compute(again)
+        for start in (6, 21):
+            engine.forward(Batch(inputs=list(range(1, 16)), outputs=[14], positions=range(start, start + 15),
+                                 sequences=[0] * 15))
+        wide = engine.build(Batch(inputs=[10], outputs=[0], positions=[36], sequences=[0]), busy=again,
+                            busy_started=True)  # 37 cells: the decode graph's 32 no longer do
+        assert wide is not again and not again.ctx._state.closed and again in engine._kept
+        engine.compute(wide)
+    finally:
+        model.close()

@@ -202,9 +202,10 @@ def test_a_prefix_copied_on_admission_waits_for_the_step_in_flight(stories, monk
 
     slow_compute = Engine.compute
 
-    def compute(self, graph, *args, **kwargs):  # widen the window in which a step is in flight
+    def compute(self, graph, *args, **kwargs):  # widen the window in which a step is in flight (and started)
+        out = slow_compute(self, graph, *args, **kwargs)
         time.sleep(0.02)
-        return slow_compute(self, graph, *args, **kwargs)
+        return out
 
     overlapping = []
     copy_cells = causal.Causal._copy_cells
@@ -228,28 +229,52 @@ def test_a_prefix_copied_on_admission_waits_for_the_step_in_flight(stories, monk
 def test_with_build_ahead_a_step_computes_while_the_previous_tokens_stream(stories, monkeypatch):
     """Issue 26 (overlap): once a step's tokens are sampled, the next step (built ahead) launches before
     they are detokenized, stop-matched and streamed, so that host work runs beside the device's; the
-    output is what a runner without build-ahead gives (a stop string ends one sequence mid-way)."""
+    output is what a runner without build-ahead gives (a stop string ends one sequence mid-way). The
+    launch returns once the compute runs natively (before, the worker waited for this thread's GIL until
+    it blocked), and the next step refills the graph in flight: computing one graph again keeps ggml's
+    plan of it, where two graphs in turn were planned anew each step."""
+    from pyggml.runner.engine import Engine
     from pyggml.runner.sequence import RunningSequence
 
-    beside = []
-    accept = RunningSequence.accept
+    beside, native, computed = [], [], []
+    accept, runner_compute, engine_compute = RunningSequence.accept, Runner._compute, Engine.compute
 
     def spying_accept(self, token, logits):
         step = runner.in_flight
         beside.append(step is not None and step.future is not None)
+        if beside[-1]:
+            native.append(getattr(step, "native", False))
         return accept(self, token, logits)
+
+    def spying_runner_compute(self, step, started=None):
+        class Started:  # the runner's event, noting when it is set
+            def set(self):
+                step.native = True
+                started.set()
+        return runner_compute(self, step, None if started is None else Started())
+
+    def spying_engine_compute(self, graph, *args, **kwargs):
+        computed.append(graph)
+        return engine_compute(self, graph, *args, **kwargs)
 
     requests = [dict(prompt="Once upon a time", max_tokens=24), dict(prompt="Lily went to the", max_tokens=30,
                                                                      stop=["park"])]
     with Runner(stories, parallel=2, num_ctx=128, batch_size=16, build_ahead=False) as runner:
         plain = run_concurrently(runner, requests)
+        built = runner.engine.built
     monkeypatch.setattr(RunningSequence, "accept", spying_accept)
+    monkeypatch.setattr(Runner, "_compute", spying_runner_compute)
+    monkeypatch.setattr(Engine, "compute", spying_engine_compute)
     with Runner(stories, parallel=2, num_ctx=128, batch_size=16, build_ahead=True) as runner:
         ahead = run_concurrently(runner, requests)
+        assert runner.engine.built <= built + 1
     assert [(text, tokens_of(chunks)) for text, chunks in ahead] == \
         [(text, tokens_of(chunks)) for text, chunks in plain]
     assert plain[1][1][-1].finish_reason == "stop"
     assert sum(beside) > len(beside) // 2  # most tokens were taken while the next step computed
+    assert all(native)  # ... which had begun its native compute
+    again = sum(a is b for a, b in zip(computed, computed[1:], strict=False))
+    assert again >= len(computed) - 1 - runner.engine.built  # a new graph only when built
 
 
 def test_context_shift_reprocesses_when_the_cache_cannot_shift(stories_path):
@@ -380,11 +405,11 @@ def test_a_failed_compute_fails_the_running_sequences_and_the_runner_goes_on(sto
     compute = Context.compute
     calls = []
 
-    def flaky(self, *tensors):
+    def flaky(self, *tensors, **options):
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("compute failed: simulated")
-        return compute(self, *tensors)
+        return compute(self, *tensors, **options)
 
     monkeypatch.setattr(Context, "compute", flaky)
     with Runner(stories, parallel=2, num_ctx=64, batch_size=16) as runner:

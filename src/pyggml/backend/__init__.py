@@ -785,13 +785,14 @@ class Backend:
             pass
 
     # ---- computing (used by Context) ----------------------------------------------------------
-    def _compute(self, state: _GraphState, reserve_only: bool = False) -> None:
+    def _compute(self, state: _GraphState, reserve_only: bool = False,
+                 on_start: Callable[[], None] | None = None) -> None:
         with self._lock:
             self._check_open()
             if self._relays:
                 self._check_remotes()
             if len(self._backends) > 1:
-                return self._compute_split(state, reserve_only)
+                return self._compute_split(state, reserve_only, on_start)
             if state.graph_size > self._sched_size:
                 self._new_sched(state.graph_size)
             sched = self._sched
@@ -819,10 +820,10 @@ class Backend:
                     raise MemoryError(with_ggml_log("could not reserve memory for the graph"))
                 if not lib.ggml_backend_sched_alloc_graph(sched, state.graph):
                     raise MemoryError(with_ggml_log("could not allocate the graph's compute buffers"))
-            self._run(state, sched)
+            self._run(state, sched, on_start)
             self._allocated = allocated
 
-    def _compute_split(self, state: _GraphState, reserve_only: bool) -> None:
+    def _compute_split(self, state: _GraphState, reserve_only: bool, on_start: Callable[[], None] | None) -> None:
         """Compute a graph over several devices (GPUs, RPC servers and the CPU) with a scheduler of its own.
 
         ggml's scheduler splits a graph by rewiring it (a source on another device is replaced by a copy
@@ -867,7 +868,7 @@ class Backend:
                     self._check_remotes()
                 raise MemoryError(with_ggml_log("could not allocate the graph's compute buffers"))
             state.split_nodes = n_nodes
-        self._run(state, state.sched)
+        self._run(state, state.sched, on_start)
 
     def _place_pinned(self, state: _GraphState) -> None:
         """The graph as built, placed on ``state.sched`` (requested places, layer outputs pinned)."""
@@ -927,14 +928,16 @@ class Backend:
                 raise ValueError(f"{op}: index {int(data.max()) if data.max() >= bound else int(data.min())} "
                                  f"out of range 0..{bound - 1}")
 
-    def _run(self, state: _GraphState, sched: Any) -> None:
-        """Write the inputs and compute the allocated graph."""
+    def _run(self, state: _GraphState, sched: Any, on_start: Callable[[], None] | None = None) -> None:
+        """Write the inputs and compute the allocated graph (``on_start``: see ``Context.compute``)."""
         for ptr, data in state.inputs.items():
             if ptr.buffer != NULL and data.nbytes:
                 lib.ggml_backend_tensor_set(ptr, ffi.from_buffer(data), 0, data.nbytes)
         if self._free_cores is not None and (threads := self._free_cores()) != self._threads_now:
             lib.ggml_backend_cpu_set_n_threads(self._cpu, threads)  # the threadpool's extra workers idle
             self._threads_now = threads
+        if on_start is not None:
+            on_start()
         status = lib.ggml_backend_sched_graph_compute(sched, state.graph)
         if self._relays:
             self._check_remotes()  # a lost server's relay answered with zeros: the results are garbage
@@ -1228,14 +1231,17 @@ class Context:
             lib.ggml_build_forward_expand(state.graph, t._p)
         return self
 
-    def compute(self, *tensors: Tensor) -> Context:
+    def compute(self, *tensors: Tensor, on_start: Callable[[], None] | None = None) -> Context:
         """Compute the graph (plus ``tensors``); their ``numpy()`` then holds the results until
-        the backend computes another graph."""
+        the backend computes another graph. ``on_start`` is called once the inputs are written, just
+        before the native compute (which runs without the GIL): a thread that handed this compute to
+        another one waits for it before running Python of its own, or the compute's thread waits for
+        the GIL to start (up to Python's switch interval, 5 ms)."""
         for t in tensors:
             if isinstance(t, Tensor):
                 lib.ggml_set_output(t._p)
         self.forward(*tensors)
-        self.backend._compute(self._state)
+        self.backend._compute(self._state, on_start=on_start)
         return self
 
     def reserve(self, *outputs: Tensor) -> Context:

@@ -28,7 +28,7 @@ runner that starts can also encode an image.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,14 +99,19 @@ class Engine:
         self.vision_built = 0  # vision graphs built (encode, reserve_multimodal)
         self.vision_reused = 0  # images encoded by refilling a kept vision graph
 
-    def build(self, batch: Batch, busy: Graph | None = None, times: dict[str, float] | None = None) -> Graph:
-        """The graph of ``batch``: a kept one refilled (never ``busy``, the one computing now) or a
-        new one. The batch is placed in the cache either way. ``times`` accumulates seconds of
-        "cache" (bookkeeping and refilling) and "graph" (building)."""
+    def build(self, batch: Batch, busy: Graph | None = None, times: dict[str, float] | None = None,
+              busy_started: bool = False) -> Graph:
+        """The graph of ``batch``: a kept one refilled or a new one. ``busy``, the graph computing now,
+        is never closed here, and refilled only with ``busy_started``: its compute has written its
+        inputs (``Context.compute``'s ``on_start``), so new ones wait for the next compute, and that
+        compute of the same graph keeps ggml's allocation (another graph would need a new plan). The
+        batch is placed in the cache either way. ``times`` accumulates seconds of "cache"
+        (bookkeeping and refilling) and "graph" (building)."""
         t0 = time.perf_counter()
         key = graph_key(batch)
-        for graph in self._kept if not batch.multimodal else ():  # images build their own graph
-            if graph.key != key or graph is busy:
+        # the most recently used first (the busy one, if it may be refilled: its plan stays); images build their own
+        for graph in reversed(self._kept) if not batch.multimodal else ():
+            if graph.key != key or (graph is busy and not busy_started):
                 continue
             try:
                 refilled = self.model.cache.refill(graph.ctx, batch)
@@ -122,8 +127,9 @@ class Engine:
                 _add(times, "cache", time.perf_counter() - t0)
                 _add(times, "graph", 0.0)
                 return graph
-            self._kept.remove(graph)  # it no longer fits this cache's state; nor will it later
-            graph.ctx.close()
+            if graph is not busy:  # (a busy one is evicted, and closed, once it is not)
+                self._kept.remove(graph)  # it no longer fits this cache's state; nor will it later
+                graph.ctx.close()
             break
         ctx = self.model.backend.new_context()
         try:
@@ -155,14 +161,15 @@ class Engine:
         ctx.forward(ids, vals, sums)
         return ids, vals, sums
 
-    def compute(self, graph: Graph, read: bool | str = True,
-                times: dict[str, float] | None = None) -> np.ndarray | TopLogits | None:
+    def compute(self, graph: Graph, read: bool | str = True, times: dict[str, float] | None = None,
+                on_start: Callable[[], None] | None = None) -> np.ndarray | TopLogits | None:
         """Compute ``graph``; returns its logits (rows, vocab) when ``read``, or with ``read="top"``
         (a graph with a sampling head) a ``TopLogits``. A graph the engine does not keep is closed
-        afterwards (its logits are read first). ``times``: seconds of "compute" and "output"."""
+        afterwards (its logits are read first). ``times``: seconds of "compute" and "output". ``on_start``:
+        see ``Context.compute``."""
         t0 = time.perf_counter()
         try:
-            graph.ctx.compute(graph.logits, *(graph.top or ()))
+            graph.ctx.compute(graph.logits, *(graph.top or ()), on_start=on_start)
             t1 = time.perf_counter()
             if read == "top":
                 ids, vals, sums = (t.numpy() for t in graph.top)

@@ -455,14 +455,18 @@ class Runner:
         if step.batch is None:
             return None
         busy = self._in_flight.graph if self._in_flight is not None else None
-        try:
-            step.graph = self.engine.build(step.batch, busy)
+        try:  # (a step in flight has started: _launch waits for that)
+            step.graph = self.engine.build(step.batch, busy, busy_started=True)
             if step.late and not reads_in_place(step.graph.ctx, step.ids):  # the start-up check did not hold
                 self.build_ahead = False
                 raise RuntimeError("the model copied the batch's token ids; build-ahead is now off")
+            step.read = step.reads_logits  # decided here, beside the compute in flight, not before its own
+            if step.read and step.graph.top is not None and not step.scored and not step.spec and \
+                    all(seq.samples_from_top(self.engine.sample_head) for _, seq in step.rows):
+                step.read = "top"  # the sampling head's K logits per row are all the step needs
         except Exception as exc:
             self.engine.drop(busy)
-            if step.graph is not None and not step.graph.kept:
+            if step.graph is not None and not step.graph.kept and step.graph is not busy:
                 step.graph.ctx.close()
             self._fail_step(step, exc)
             return None
@@ -474,8 +478,12 @@ class Runner:
         for plugin in self.plugins:
             plugin.launched(step)
         if self.build_ahead:
-            step.future = self._pool.submit(self._compute, step)
+            started = threading.Event()
+            step.future = self._pool.submit(self._compute, step, started)
             self._in_flight = step
+            # until the worker's compute runs native code (without the GIL), Python here would hold the GIL
+            # the worker needs to get there: the device would wait for this thread's next turn to block
+            started.wait()
             self._notify()
         else:
             self._notify()  # the consumers' threads run while this batch computes
@@ -491,12 +499,14 @@ class Runner:
                 raise RuntimeError("internal error: a batch input has no token id")
             step.ids[index] = max(inp.token, 0)
 
-    def _compute(self, step: Step) -> np.ndarray | None:
-        read: bool | str = step.reads_logits
-        if read and step.graph.top is not None and not step.scored and not step.spec and \
-                all(seq.samples_from_top(self.engine.sample_head) for _, seq in step.rows):
-            read = "top"  # the sampling head's K logits per row are all the step needs
-        return self.engine.compute(step.graph, read=read)
+    def _compute(self, step: Step, started: threading.Event | None = None) -> np.ndarray | None:
+        """Compute ``step`` and read what its sampling needs; ``started`` (build-ahead) is set once the
+        native compute begins, or when it fails before."""
+        try:
+            return self.engine.compute(step.graph, read=step.read, on_start=None if started is None else started.set)
+        finally:
+            if started is not None:
+                started.set()
 
     def _complete(self, step: Step) -> None:
         """Wait for a batch, sample it and take its tokens."""

@@ -76,6 +76,7 @@ class Step:
     future: Any = None  # the computation, with build-ahead
     masks: Any = None  # the grammar masks of its constrained rows, computed beside the graph
     moved: bool = False  # some input's rope position is not its position (``rope_positions`` needed)
+    read: bool | str = False  # what the runner reads once it computed (``Engine.compute``'s ``read``)
 
     @property
     def reads_logits(self) -> bool:
