@@ -386,3 +386,49 @@ def test_greedy_from_the_k_largest_is_the_argmax():
     assert redo == [9] and tokens[5] == 200
     others = [i for i in range(40) if i != 9]
     assert tokens[others].tolist() == np.argmax(logits[others], axis=1).tolist()
+
+
+def test_rows_sampled_by_a_plan_made_earlier_give_the_same_tokens():
+    """sample_sequences with a plan_rows made when the step was packed (the runner makes it beside the
+    step computing before) gives the tokens it gives without one: rows in logits order or not, full logits
+    or a sampling head's K, a grammar's mask applied to a copy (the logits stay as they were)."""
+    from types import SimpleNamespace
+
+    from pyggml.runner.engine import TopLogits
+    from pyggml.runner.sequence import plan_rows, sample_sequences
+
+    class Forbid:  # a grammar that forbids one token
+        def __init__(self, token):
+            self.token = token
+
+        def apply(self, row):
+            row = row.copy()
+            row[self.token] = -np.inf
+            return row
+
+    rng = np.random.default_rng(9)
+    vocab, k = 300, 16
+    logits = rng.standard_normal((6, vocab)).astype(np.float32)
+    kept = logits.copy()
+    ids = np.argpartition(logits, vocab - k, axis=1)[:, -k:]
+    top = TopLogits(ids, np.take_along_axis(logits, ids, axis=1), np.ones(6, bool),
+                    SimpleNamespace(logits=SimpleNamespace(shape=(vocab, 6), numpy=lambda: logits)))
+
+    def seq(temperature, constraint=None):
+        return SimpleNamespace(sampler=Sampler(temperature=temperature, top_k=8, seed=3), constraint=constraint,
+                               history=[])
+
+    greedy = [seq(0.0) for _ in range(6)]
+    for rows in ([(i, greedy[i]) for i in range(6)], [(4, greedy[0]), (1, greedy[1]), (5, greedy[2])]):
+        want = [int(np.argmax(logits[r])) for r, _ in rows]
+        for scores in (logits, top):
+            assert sample_sequences(rows, scores) == want
+            assert sample_sequences(rows, scores, plan_rows(rows)) == want
+    best = int(np.argmax(logits[1]))
+    masked = [(1, seq(0.0, Forbid(best))), (2, seq(0.0))]
+    assert sample_sequences(masked, logits, plan_rows(masked))[0] == int(np.argsort(logits[1])[-2])
+    np.testing.assert_array_equal(logits, kept)
+    mixed = [(0, seq(0.8)), (1, seq(0.0)), (2, seq(1.2))]
+    first = sample_sequences(mixed, logits)
+    mixed = [(0, seq(0.8)), (1, seq(0.0)), (2, seq(1.2))]  # the same seeds again
+    assert sample_sequences(mixed, logits, plan_rows(mixed)) == first

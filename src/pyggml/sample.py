@@ -239,14 +239,17 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray,
 
 
 def sample_top(samplers: Sequence[Sampler], ids: np.ndarray, vals: np.ndarray, finite: np.ndarray,
-               vocab: int) -> tuple[np.ndarray, list[int]]:
+               vocab: int, greedy: bool | None = None) -> tuple[np.ndarray, list[int]]:
     """``sample_rows`` from each row's K largest logits only (``ids``, ``vals``: (rows, K), any
     order; ``finite``: whether the whole row is), for samplers that ``fits_top(K)``: the same tokens,
     as the candidates are the same once put in the canonical order. Rows it cannot decide get -1 and
     are listed for ``sample_rows`` on their full logits: a NaN or infinity in the row, or a tie at the
-    K-th value that could hide an equal logit outside the K."""
+    K-th value that could hide an equal logit outside the K. ``greedy``: whether every sampler is
+    (None: found here)."""
     n, k_top = ids.shape
-    if all(s.temperature <= 0 for s in samplers):  # greedy: the largest value, the lowest id among equals
+    if greedy is None:
+        greedy = all(s.temperature <= 0 for s in samplers)
+    if greedy:  # greedy: the largest value, the lowest id among equals
         rows = np.arange(n)
         at = vals.argmax(axis=1)
         top = vals[rows, at]

@@ -17,7 +17,11 @@ all compute, a builder thread only competes with them and costs a thread hand-of
 in a worker thread (cffi releases the GIL around ggml's compute). Nothing in the KV bookkeeping of N+1 depends on N's
 results: a sequence whose next token is still being computed gets a placeholder input, and its
 id is written into N+1's token array after N is sampled, just before N+1 is launched (the same
-scheme as Ollama's runner). The computations outside batches (a context shift re-rotating keys, an
+scheme as Ollama's runner). A launch returns once the worker's compute runs natively: until then
+the worker needs the GIL, and the loop's Python would keep it (up to Python's 5 ms switch interval,
+or until the loop blocked: nothing overlapped). N+1 refills N's graph, whose inputs are written by
+then: one graph computed again keeps ggml's allocation plan (two graphs in turn were planned anew
+each step). The computations outside batches (a context shift re-rotating keys, an
 image's vision graph) first wait for the batch in flight, so the tensors always see the bookkeeping's
 order; a batch whose sampled sequences draft next (speculation) completes before the next is built.
 
@@ -57,6 +61,7 @@ from pyggml.runner.sequence import (
     CompletionStream,
     RunningSequence,
     check_int,
+    plan_rows,
     prepare,
     sample_sequences,
 )
@@ -464,6 +469,7 @@ class Runner:
             if step.read and step.graph.top is not None and not step.scored and not step.spec and \
                     all(seq.samples_from_top(self.engine.sample_head) for _, seq in step.rows):
                 step.read = "top"  # the sampling head's K logits per row are all the step needs
+            step.plan = plan_rows(step.rows)
         except Exception as exc:
             self.engine.drop(busy)
             if step.graph is not None and not step.graph.kept and step.graph is not busy:
@@ -494,10 +500,12 @@ class Runner:
     def _fill(self, step: Step) -> None:
         """Write the ids sampled since the batch was built. A sequence that failed meanwhile left
         its placeholder unset (-1 in its slot never matches a prompt): any valid id will do."""
-        for index, inp, seq in step.late:
-            if inp.token == UNSET and not seq.done:
-                raise RuntimeError("internal error: a batch input has no token id")
-            step.ids[index] = max(inp.token, 0)
+        if not step.late:
+            return
+        tokens = [inp.token for _, inp, _ in step.late]
+        if UNSET in tokens and any(inp.token == UNSET and not seq.done for _, inp, seq in step.late):
+            raise RuntimeError("internal error: a batch input has no token id")
+        step.ids[[index for index, _, _ in step.late]] = np.maximum(tokens, 0)
 
     def _compute(self, step: Step, started: threading.Event | None = None) -> np.ndarray | None:
         """Compute ``step`` and read what its sampling needs; ``started`` (build-ahead) is set once the
@@ -534,7 +542,8 @@ class Runner:
             if not seq.done:
                 live.append(item)
         taken = []
-        for (row, seq), token in zip(live, sample_sequences(live, logits), strict=True):
+        plan = step.plan if len(live) == len(step.rows) else None  # (made for all its rows)
+        for (row, seq), token in zip(live, sample_sequences(live, logits, plan), strict=True):
             if isinstance(token, Exception):
                 self.release(seq, error=token)
                 continue

@@ -77,6 +77,7 @@ class Step:
     masks: Any = None  # the grammar masks of its constrained rows, computed beside the graph
     moved: bool = False  # some input's rope position is not its position (``rope_positions`` needed)
     read: bool | str = False  # what the runner reads once it computed (``Engine.compute``'s ``read``)
+    plan: Any = None  # how its rows are sampled (``sequence.plan_rows``), made while the step before computes
 
     @property
     def reads_logits(self) -> bool:

@@ -433,12 +433,34 @@ class RunningSequence:
         return chunk
 
 
-def sample_sequences(rows: Sequence[tuple[int, RunningSequence]],
-                     logits: np.ndarray | TopLogits) -> list[int | Exception]:
+@dataclass(eq=False)
+class RowPlan:
+    """What sampling a step's rows needs that is known once the step is packed (``plan_rows``): where
+    they lie in the logits (a slice when consecutive, the usual case), their samplers, whether all are
+    greedy. The runner makes it beside the compute in flight; once that is done, the array passes are
+    what is left to wait for."""
+
+    pick: slice | list[int]
+    samplers: list[Sampler]
+    greedy: bool
+
+
+def plan_rows(rows: Sequence[tuple[int, RunningSequence]]) -> RowPlan:
+    index = [row for row, _ in rows]
+    first = index[0] if index else 0
+    consecutive = index == list(range(first, first + len(index)))
+    samplers = [seq.sampler for _, seq in rows]
+    return RowPlan(slice(first, first + len(index)) if consecutive else index, samplers,
+                   all(s.temperature <= 0 for s in samplers))
+
+
+def sample_sequences(rows: Sequence[tuple[int, RunningSequence]], logits: np.ndarray | TopLogits,
+                     plan: RowPlan | None = None) -> list[int | Exception]:
     """The next token of each (logits row, sequence), all sampled together (``sample_rows``; from a
     sampling head's ``TopLogits``, ``sample_top``, reading the full logits only for rows it cannot
     decide); a sequence's grammar masks its row first. An entry is the exception instead for a
-    sequence whose row cannot be sampled (the others go on)."""
+    sequence whose row cannot be sampled (the others go on). ``plan``: ``plan_rows(rows)``, made
+    earlier."""
     if not rows:
         return []
     if len(rows) == 1 and not isinstance(logits, TopLogits):  # one sequence: no batch to build
@@ -448,30 +470,29 @@ def sample_sequences(rows: Sequence[tuple[int, RunningSequence]],
             return [seq.sampler.sample(scores, seq.history)]
         except Exception as exc:
             return [exc]
-    index = [row for row, _ in rows]
-    first = index[0]
-    consecutive = index == list(range(first, first + len(index)))  # the usual case: rows as views
+    if plan is None:
+        plan = plan_rows(rows)
+    pick = plan.pick
     if isinstance(logits, TopLogits):
-        pick = slice(first, first + len(index)) if consecutive else index
-        tokens, redo = sample_top([seq.sampler for _, seq in rows], logits.ids[pick], logits.vals[pick],
-                                  logits.finite[pick], logits.vocab)
+        tokens, redo = sample_top(plan.samplers, logits.ids[pick], logits.vals[pick], logits.finite[pick],
+                                  logits.vocab, greedy=plan.greedy)
         out: list[int | Exception] = tokens.tolist()
         if redo:
             for j, token in zip(redo, sample_sequences([rows[j] for j in redo], logits.full()), strict=True):
                 out[j] = token
         return out
     constrained = [j for j, (_, seq) in enumerate(rows) if seq.constraint is not None]
-    if consecutive and not constrained:
-        scores = logits[first:first + len(index)]  # a view: the sampler undoes what it writes
+    if isinstance(pick, slice) and not constrained:
+        scores = logits[pick]  # a view: the sampler undoes what it writes
     else:
-        scores = logits[index]
+        scores = logits[pick] if isinstance(pick, list) else logits[pick].copy()
     failed: dict[int, Exception] = {}
     for j in constrained:
         try:
             scores[j] = rows[j][1].constraint.apply(scores[j])
         except Exception as exc:  # a grammar failure fails its sequence only
             failed[j] = exc
-    tokens, errors = sample_rows([seq.sampler for _, seq in rows], scores, [seq.history for _, seq in rows])
+    tokens, errors = sample_rows(plan.samplers, scores, [seq.history for _, seq in rows])
     errors.update(failed)
     return [errors.get(j, token) for j, token in enumerate(tokens.tolist())]
 
