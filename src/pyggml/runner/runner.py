@@ -535,12 +535,7 @@ class Runner:
             seq.scores.append(logits[row].copy())
         for plugin in self.plugins:
             plugin.after_logits(step, logits)
-        live = []
-        for item in step.rows:
-            seq = item[1]
-            seq.outputs_in_flight -= 1
-            if not seq.done:
-                live.append(item)
+        live = [item for item in step.rows if not item[1].done]
         taken = []
         plan = step.plan if len(live) == len(step.rows) else None  # (made for all its rows)
         for (row, seq), token in zip(live, sample_sequences(live, logits, plan), strict=True):
@@ -559,7 +554,10 @@ class Runner:
 
     def _accept(self, step: Step, taken: list) -> None:
         """Each sequence takes its sampled token (detokenize, stop strings, stream); then the
-        sequences ``step`` finished by length end."""
+        sequences ``step`` finished by length end. (Its rows stop counting as in flight here, after
+        the launch: nothing between reads the count.)"""
+        for _, seq in step.rows:
+            seq.outputs_in_flight -= 1
         for item in taken:
             self._take(*item)
         for seq in step.finishing:
