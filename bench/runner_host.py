@@ -3,6 +3,7 @@
     python bench/runner_host.py                                  # synthetic: 1 tiny layer, 32k vocabulary
     python bench/runner_host.py --vocab 151936 --parallel 1,128  # a Qwen-sized vocabulary
     python bench/runner_host.py /work/shared/models/stories260K.gguf --steps 20
+    python bench/runner_host.py --parallel 1,128 --device-sampling --build-ahead  # the device's wait too
 
 On a GPU the Runner's Python is what the device waits for at high concurrency (issue 26: 49 % of a
 step at 128 sequences). The same host work dominates a CPU run of a model with one tiny layer, so
@@ -26,6 +27,13 @@ A timing wrapper costs about a microsecond per call, and several wrap each seque
 sequences some 0.5 ms of a step), so every row is run twice: once with every phase timed (the phase
 columns, ``host`` and ``step``), and once with only the compute timed (``lean host``: the step's time
 less its compute, ``lean step``, and ``tok/s``): the host work without the measurement's own.
+
+``--build-ahead`` adds a table of the runner as it serves on a GPU (``build_ahead=True``: the next step is
+built, and the last one's tokens streamed, while a step computes in the runner's worker thread): per step
+the compute (``Backend._run``: writing the inputs and computing), the ``idle`` time from one compute's end to
+the next one's start (the host work the device waits for: reading and sampling the last step, launching
+the next), the step from start to start and the idle share; wall clock, one compute thread (``--threads``)
+beside the runner's, as a GPU would compute beside it.
 
 The phases are found by wrapping the runner's functions (whichever of the listed names exist), so the
 script measures older and newer runners alike.

@@ -469,7 +469,7 @@ class Runner:
             if step.read and step.graph.top is not None and not step.scored and not step.spec and \
                     all(seq.samples_from_top(self.engine.sample_head) for _, seq in step.rows):
                 step.read = "top"  # the sampling head's K logits per row are all the step needs
-            step.plan = plan_rows(step.rows)
+            step.plan = plan_rows(step.rows) if len(step.rows) > 1 else None  # (one row: no batch to plan)
         except Exception as exc:
             self.engine.drop(busy)
             if step.graph is not None and not step.graph.kept and step.graph is not busy:
