@@ -8,8 +8,10 @@ on the GPU; run it with ``PYTHONPATH`` on another tree to compare trees.) ``--on
 every stream in turn, as a server's event loop does; otherwise a thread per sequence.
 
 P sequences (threads, one completion each, as a server's clients) generate N tokens greedily; the
-GPU is busy exactly while a compute call (``Engine.compute``, timed by wrapping it) runs, so
-host share = 1 - (sum of compute-call time) / wall time of the run.
+GPU is busy at most while a compute call (``Engine.compute``, timed by wrapping it) runs, so
+host share = 1 - (sum of compute-call time) / wall time of the run. ``Engine.compute`` also holds some
+Python (reading the outputs, and ggml's graph planning when the graph changed); ``backend_host_share``
+counts only ``Backend._run`` (writing the inputs and the native compute) as busy.
 """
 import inspect
 import json
@@ -22,7 +24,7 @@ import numpy as np
 
 import pyggml
 from pyggml import models
-from pyggml.backend import BackendParams
+from pyggml.backend import Backend, BackendParams
 from pyggml.runner import CompletionRequest, Runner
 from pyggml.runner import engine as engine_mod
 
@@ -32,19 +34,24 @@ parallels = [int(x) for x in (sys.argv[sys.argv.index("--parallel") + 1] if "--p
                               else "1,16,64,128").split(",")]
 N = int(sys.argv[sys.argv.index("--tokens") + 1]) if "--tokens" in sys.argv else 128
 ONE_CONSUMER = "--one-consumer" in sys.argv
-busy = [0.0]
-orig = engine_mod.Engine.compute
+busy = [0.0, 0.0]  # seconds in Engine.compute, in Backend._run
 
 
-def timed(self, *a, **k):
-    t = time.perf_counter()
-    try:
-        return orig(self, *a, **k)
-    finally:
-        busy[0] += time.perf_counter() - t
+def timing(cls, name, slot):
+    original = getattr(cls, name)
+
+    def timed(self, *a, **k):
+        t = time.perf_counter()
+        try:
+            return original(self, *a, **k)
+        finally:
+            busy[slot] += time.perf_counter() - t
+
+    setattr(cls, name, timed)
 
 
-engine_mod.Engine.compute = timed
+timing(engine_mod.Engine, "compute", 0)
+timing(Backend, "_run", 1)
 model = models.load(path, BackendParams(gpu_layers="all", flash_attention=True))
 extra = {}
 if ds != "auto" and "device_sampling" in inspect.signature(Runner).parameters:
@@ -59,10 +66,10 @@ for P in parallels:
                 got += len(ch.tokens)
             sink.append(got)
         one(0, [])
-        walls, shares, rates = [], [], []
+        walls, shares, backend_shares, rates = [], [], [], []
         for _ in range(3):
             sink = []
-            busy[0] = 0.0
+            busy[:] = [0.0, 0.0]
             t = time.perf_counter()
             if ONE_CONSUMER:  # one thread reads every stream in turn (as a server's event loop does)
                 streams = [r.completion(CompletionRequest(prompt=[1, 300 + i, 400 + i, 500 + i], max_tokens=N,
@@ -85,8 +92,10 @@ for P in parallels:
             dt = time.perf_counter() - t
             rates.append(sum(sink) / dt)
             shares.append(1 - busy[0] / dt)
+            backend_shares.append(1 - busy[1] / dt)
             walls.append(dt)
         row = {"tok_s": round(float(np.median(rates)), 1), "host_share": round(float(np.median(shares)), 3),
+               "backend_host_share": round(float(np.median(backend_shares)), 3),
                "step_ms": round(1e3 * float(np.median(walls)) / N, 3), "runs_tok_s": [round(x) for x in rates]}
         res["rows"][P] = row
         print(label, "P", P, row, flush=True)

@@ -336,6 +336,24 @@ def test_runner_host_build_ahead_table(tmp_path):
         assert step >= max(compute, idle) and 0 < share <= 1  # each step is its compute and its idle time
 
 
+def test_runner_gpu_script_runs_anywhere(tmp_path):
+    """bench/runner_gpu.py (issue 26's GPU harness) runs on a build without a GPU too (every layer on the
+    CPU), so it cannot rot between GPU sessions: a row per P with the tok/s and both host
+    shares (compute calls as busy, and only the backend's runs as busy: never less host)."""
+    from pyggml.synthetic import write_synthetic
+
+    model = write_synthetic(tmp_path / "tiny.gguf", "tiny", "f32")
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "runner_gpu.py"), str(model), "cpu", str(out),
+                           "--parallel", "1,3", "--tokens", "6", "--one-consumer", "--device-sampling", "1"],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["cpu"]["rows"]
+    assert sorted(rows) == ["1", "3"]
+    for row in rows.values():
+        assert row["tok_s"] > 0 and 0 <= row["host_share"] <= row["backend_host_share"] < 1
+
+
 @pytest.mark.parametrize("arch", sorted(models.registry()))
 def test_every_architectures_default_make_model_loads_and_runs(tmp_path, arch):
     """``pyggml make-model ARCH`` with no options (q4_0): qwen3moe and gpt-oss failed (no experts), a
