@@ -277,6 +277,46 @@ def test_with_build_ahead_a_step_computes_while_the_previous_tokens_stream(stori
     assert again >= len(computed) - 1 - runner.engine.built  # a new graph only when built
 
 
+@pytest.mark.parametrize("device_sampling", [False, True])
+def test_build_ahead_with_the_loop_thread_and_a_client_thread_each_gives_the_serial_texts(stories, device_sampling):
+    """Build-ahead as a server runs it (the loop in its thread, a thread per client, 24 requests over 8 slots,
+    stop strings, some cancelled after a few chunks) streams what one request at a time without build-ahead
+    streams: the launch hand-shake and the refilled graph in flight change no token."""
+    import random
+
+    rng = random.Random(5)
+    requests = [dict(prompt=rng.choice(["Once upon a time", "Lily went to the", "The dog", "Tom had a"]),
+                     max_tokens=rng.randint(1, 60), stop=rng.choice([[], ["park"], ["."], ["the", "a"]]),
+                     temperature=0.0) for _ in range(24)]
+    cancel_after = {i: rng.randint(1, 5) for i in range(0, 24, 5)}
+
+    def texts(build_ahead: bool, background: bool) -> list[str]:
+        out = [""] * len(requests)
+        with Runner(stories, parallel=8, num_ctx=256, batch_size=64, build_ahead=build_ahead, background=background,
+                    device_sampling=device_sampling) as runner:
+            def one(i):
+                stream = runner.completion(CompletionRequest(**requests[i]))
+                for n, chunk in enumerate(stream, 1):
+                    out[i] += chunk.text
+                    if n == cancel_after.get(i):
+                        stream.cancel()
+                        break
+            if background:
+                clients = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+                for c in clients:
+                    c.start()
+                for c in clients:
+                    c.join()
+            else:
+                for i in range(len(requests)):
+                    one(i)
+        return out
+
+    serial = texts(build_ahead=False, background=False)
+    assert texts(build_ahead=True, background=True) == serial
+    assert sum(bool(t) for t in serial) > 20
+
+
 def test_context_shift_reprocesses_when_the_cache_cannot_shift(stories_path):
     model = load(stories_path)
     model.cache = Causal(None)  # a model without a key-shift function
