@@ -269,9 +269,10 @@ class Cells:
             # (``count`` may have freed cells below a top, never taken any above one)
             tops = self._stream_tops()[streams]
             rows = np.arange(streams.size)
-            if count is self._count and (tops < size).all() and (self._stream_used[streams] == tops).all():
-                # no stream has a free cell below its top (the usual decode step): each takes its top,
-                # without a pass over the streams' cells (P x context)
+            if count is self._count and (tops < size).all() and (self._stream_used[streams] == tops).all() and \
+                    not count[tops + streams.astype(np.int64) * size].any():
+                # no stream has a free cell below its top (the usual decode step): each takes its top (free,
+                # checked), without a pass over the streams' cells (P x context)
                 taken, short = tops, tops < 0
             else:
                 block = count.reshape(self.max_sequences, size)[streams, :min(int(tops.max()) + 1, size)]

@@ -446,6 +446,7 @@ class RowPlan:
 
 
 def plan_rows(rows: Sequence[tuple[int, RunningSequence]]) -> RowPlan:
+    """The ``RowPlan`` of (logits row, sequence) pairs."""
     index = [row for row, _ in rows]
     first = index[0] if index else 0
     consecutive = index == list(range(first, first + len(index)))
@@ -484,8 +485,8 @@ def sample_sequences(rows: Sequence[tuple[int, RunningSequence]], logits: np.nda
     constrained = [j for j, (_, seq) in enumerate(rows) if seq.constraint is not None]
     if isinstance(pick, slice) and not constrained:
         scores = logits[pick]  # a view: the sampler undoes what it writes
-    else:
-        scores = logits[pick] if isinstance(pick, list) else logits[pick].copy()
+    else:  # a copy, which the grammars mask (a list of rows copies already)
+        scores = logits[pick].copy() if isinstance(pick, slice) else logits[pick]
     failed: dict[int, Exception] = {}
     for j in constrained:
         try:
