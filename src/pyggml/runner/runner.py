@@ -489,7 +489,8 @@ class Runner:
             self._in_flight = step
             # until the worker's compute runs native code (without the GIL), Python here would hold the GIL
             # the worker needs to get there: the device would wait for this thread's next turn to block
-            started.wait()
+            while not started.wait(0.5) and not step.future.done():  # (set even when the compute fails)
+                pass
             self._notify()
         else:
             self._notify()  # the consumers' threads run while this batch computes
