@@ -11,7 +11,8 @@ P sequences (threads, one completion each, as a server's clients) generate N tok
 GPU is busy at most while a compute call (``Engine.compute``, timed by wrapping it) runs, so
 host share = 1 - (sum of compute-call time) / wall time of the run. ``Engine.compute`` also holds some
 Python (reading the outputs, and ggml's graph planning when the graph changed); ``backend_host_share``
-counts only ``Backend._run`` (writing the inputs and the native compute) as busy.
+counts only ``Backend._run`` (writing the inputs and the native compute, of any graph: the cache's copies
+of a shared prompt prefix too) as busy.
 """
 import inspect
 import json
