@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from runner_host import drain  # (bench/, this script's directory)
 
 import pyggml
 from pyggml import models
@@ -73,17 +74,9 @@ for P in parallels:
             busy[:] = [0.0, 0.0]
             t = time.perf_counter()
             if ONE_CONSUMER:  # one thread reads every stream in turn (as a server's event loop does)
-                streams = [r.completion(CompletionRequest(prompt=[1, 300 + i, 400 + i, 500 + i], max_tokens=N,
-                                                          temperature=0)) for i in range(P)]
-                live = list(streams)
-                got = 0
-                while live:
-                    for s in list(live):
-                        ch = next(s)
-                        got += len(ch.tokens)
-                        if ch.done:
-                            live.remove(s)
-                sink.append(got)
+                sink.append(drain([r.completion(CompletionRequest(prompt=[1, 300 + i, 400 + i, 500 + i],
+                                                                  max_tokens=N, temperature=0))
+                                   for i in range(P)])[0])
             else:
                 th = [threading.Thread(target=one, args=(i, sink)) for i in range(P)]
                 for x in th:

@@ -131,15 +131,11 @@ def run(model, parallel: int, steps: int, warmup: int, sampling: str, device_sam
     """Median ms per step of each phase over ``steps`` decode steps with ``parallel`` sequences.
     ``lean``: only the compute is timed (the other phases read 0 and ``host`` is the step's time
     less its compute): no timing wrapper around each sequence's calls adds to the host figure."""
-    from pyggml.runner import Runner
 
     profiler = Profiler(clock)
     per_step: list[dict[str, float]] = []
     spans: list[float] = []  # each step's time
-    # every prompt fits one batch (the runner's batches are at most num_ctx)
-    extra = dict(device_sampling=True) if device_sampling else {}  # (runners before issue 26 lack it)
-    with Runner(model, parallel=parallel, num_ctx=max(4 * parallel, warmup + steps + 16), batch_size=4 * parallel,
-                build_ahead=False, background=False, **extra) as runner:
+    with runner_for(model, parallel, warmup + steps, device_sampling, build_ahead=False) as runner:
         profiler.wrap_all(("compute",) if lean else PHASES)
         original = runner._iterate  # the timed one (in "sched")
 
@@ -166,6 +162,16 @@ def run(model, parallel: int, steps: int, warmup: int, sampling: str, device_sam
     row["step"] = float(np.median(span))
     row["tok/s"] = tokens / wall
     return row
+
+
+def runner_for(model, parallel: int, steps: int, device_sampling: bool, build_ahead: bool):
+    """The benchmark's Runner: ``parallel`` slots with room for ``steps`` tokens each after the prompt, every
+    prompt in one batch (a batch is at most num_ctx), driven by the caller's thread (no loop thread)."""
+    from pyggml.runner import Runner
+
+    extra = dict(device_sampling=True) if device_sampling else {}  # (runners before issue 26 lack it)
+    return Runner(model, parallel=parallel, num_ctx=max(4 * parallel, steps + 16), batch_size=4 * parallel,
+                  build_ahead=build_ahead, background=False, **extra)
 
 
 def requests(model, parallel: int, max_tokens: int, sampling: str, device_sampling: bool) -> list:
@@ -204,7 +210,6 @@ def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
     next one's start: the host work the device waits for, ggml's graph planning included), of ``step``
     (start to start), and ``idle share`` (idle / step). Wall clock: the compute is another thread."""
     from pyggml.backend import Backend
-    from pyggml.runner import Runner
 
     spans: list[tuple[float, float]] = []  # (start, end) of each compute
     original = Backend._run
@@ -216,11 +221,9 @@ def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
         finally:
             spans.append((t0, time.perf_counter()))
 
-    extra = dict(device_sampling=True) if device_sampling else {}
     Backend._run = compute
     try:
-        with Runner(model, parallel=parallel, num_ctx=max(4 * parallel, warmup + steps + 16),
-                    batch_size=4 * parallel, build_ahead=True, background=False, **extra) as runner:
+        with runner_for(model, parallel, warmup + steps, device_sampling, build_ahead=True) as runner:
             tokens, wall = drain([runner.completion(r) for r in requests(model, parallel, warmup + steps + 2,
                                                                          sampling, device_sampling)])
     finally:

@@ -3,6 +3,7 @@ rules, and context shifting, against a fake cache that records what it is asked 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from pyggml.kvcache import NotSupportedError
@@ -257,3 +258,6 @@ def test_text_inputs_are_shared_and_cannot_change():
     assert a.token == 17
     for far in (-1, 1 << 40):
         assert text_input(far) is not text_input(far) and text_input(far) == Input(token=far)
+    assert type(text_input(np.int64(123457)).token) is int and text_input(123457) is text_input(np.int64(123457))
+    with pytest.raises(TypeError):
+        text_input(2.5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,6 +64,7 @@ def text_input(token: int) -> Input:
     traces while it lives, and slot histories keep theirs)."""
     inp = _TEXT_INPUTS.get(token)
     if inp is None:
+        token = operator.index(token)  # an int (a numpy integer becomes one; a float is refused)
         if not 0 <= token < _MAX_SHARED_ID:
             return Input(token=token)
         inp = object.__new__(_SharedText)

@@ -613,8 +613,8 @@ class Cells:
         else:  # rows of (stream, cell) views: one slice per token rather than a gather per cell
             size = self.stream_size
             cell_pos = self._pos.reshape(-1, size)[seq, :n_kv]
-            counts = self._count.reshape(-1, size)  # a stream's used cells are its sequence's
-            # and a free cell stores -1: as unsigned it lies past every position (one pass, no count read)
+            # a stream's used cells are its sequence's, and a free cell stores -1: as unsigned it lies past
+            # every position (one pass, no count read)
             visible = cell_pos.view(np.uint32) <= pos.view(np.uint32)[:, None]
         for start, end in noncausal:
             if not 0 <= start <= end <= pos.size:
@@ -622,9 +622,10 @@ class Cells:
             for s in np.unique(seq[start:end]):
                 rows = start + np.flatnonzero(seq[start:end] == s)
                 lo, hi = pos[rows].min(), pos[rows].max()
-                member, at = (self._row(int(s), n_kv), cell_pos) if not streams else \
-                    (counts[s, :n_kv] > 0, cell_pos[rows])
-                visible[rows] |= member & (at >= lo) & (at <= hi)
+                if streams:  # the rows' own stream: its free cells' -1 lies below lo
+                    visible[rows] |= (cell_pos[rows] >= lo) & (cell_pos[rows] <= hi)
+                else:
+                    visible[rows] |= self._row(int(s), n_kv) & (cell_pos >= lo) & (cell_pos <= hi)
         if self.swa_window is not None:
             visible &= tok_pos - cell_pos < self.swa_window
         if self.chunk_size is not None:
