@@ -415,8 +415,9 @@ def test_rows_sampled_by_a_plan_made_earlier_give_the_same_tokens():
                     SimpleNamespace(logits=SimpleNamespace(shape=(vocab, 6), numpy=lambda: logits)))
 
     def seq(temperature, constraint=None):
-        return SimpleNamespace(sampler=Sampler(temperature=temperature, top_k=8, seed=3), constraint=constraint,
-                               history=[])
+        sampler = Sampler(temperature=temperature, top_k=8, seed=3)
+        return SimpleNamespace(sampler=sampler, constraint=constraint, history=[],
+                               top_need=0 if constraint is not None else sampler.top_need)
 
     greedy = [seq(0.0) for _ in range(6)]
     for rows in ([(i, greedy[i]) for i in range(6)], [(4, greedy[0]), (1, greedy[1]), (5, greedy[2])]):
@@ -424,11 +425,14 @@ def test_rows_sampled_by_a_plan_made_earlier_give_the_same_tokens():
         for scores in (logits, top):
             assert sample_sequences(rows, scores) == want
             assert sample_sequences(rows, scores, plan_rows(rows)) == want
+    assert plan_rows(rows).top_need == 1 and plan_rows(rows).from_top(1)  # greedy: the largest logit decides
     best = int(np.argmax(logits[1]))
     masked = [(1, seq(0.0, Forbid(best))), (2, seq(0.0))]
+    assert not plan_rows(masked).from_top(vocab)  # a grammar's row needs its full logits
     assert sample_sequences(masked, logits, plan_rows(masked))[0] == int(np.argsort(logits[1])[-2])
     np.testing.assert_array_equal(logits, kept)
     mixed = [(0, seq(0.8)), (1, seq(0.0)), (2, seq(1.2))]
     first = sample_sequences(mixed, logits)
     mixed = [(0, seq(0.8)), (1, seq(0.0)), (2, seq(1.2))]  # the same seeds again
     assert sample_sequences(mixed, logits, plan_rows(mixed)) == first
+    assert plan_rows(mixed).top_need == 9 and not plan_rows(mixed).from_top(8)  # top-k 8 must see a 9th below

@@ -185,3 +185,72 @@ def test_rope_positions_move_after_an_image_and_follow_a_cut_short_slot():
     assert [list(r) for r in scheduler.schedule([s], build_ahead=False).batch.rope_positions] == [[7] * 3]
     text = seq(1, [1, 2, 3])
     assert not len(scheduler.schedule([text], build_ahead=False).batch.rope_positions)  # nothing moved
+
+
+def test_the_decode_path_packs_what_the_general_path_packs():
+    """``Scheduler._take_decode`` (the usual decode input in fewer calls) gives the steps, rows and slot
+    contents that ``_take`` alone gives, over random runs: prompts, decode inputs with and without
+    placeholders, drafts, prompt scores, stops, full slots, images whose rope positions move, slots cut
+    short, sequences ending by length. And it is the path the decode inputs take."""
+    import random
+
+    def world(seed):
+        rng = random.Random(seed)
+        seqs = [seq(i, [rng.randrange(1, 100) for _ in range(rng.randrange(1, 6))], max_tokens=rng.choice((-1, 6, 20)),
+                    scores=[] if rng.random() < 0.1 else None) for i in range(6)]
+        seqs[0].pending.appendleft(Input(token=3, rope_step=4, rope_offset=(0, 1, 2)))  # moves what follows
+        return seqs
+
+    def run(seqs, seed, decode_path):
+        rng = random.Random(seed)
+        scheduler = Scheduler(batch_size=12, num_ctx=24)
+        if not decode_path:
+            scheduler._take_decode = lambda step, s: False
+        taken = [0]
+        general = scheduler._take
+
+        def counted(*args):
+            taken[0] += 1
+            general(*args)
+        scheduler._take = counted
+        trace = []
+        for _ in range(40):
+            build_ahead = rng.random() < 0.5
+            if rng.random() < 0.2:
+                scheduler.stops[rng.randrange(6)] = rng.randrange(24)
+            step = scheduler.schedule(seqs, build_ahead)
+            rope = [list(r) for r in step.batch.rope_positions] if step.batch is not None else None
+            trace.append((step.tokens, step.positions, step.sequences, step.outputs, step.ropes, rope,
+                           [(r, s.slot.id) for r, s in step.rows], [(r, s.slot.id) for r, s in step.spec],
+                           [i for i, _, _ in step.late], [s.slot.id for s in step.finishing], step.moved,
+                           [(s.slot.id, [i.token for i in s.pending], len(s.slot.inputs), s.outputs_in_flight)
+                            for s in seqs], dict(scheduler.stops)))
+            for _, s in step.rows + step.spec:  # sampled: the token goes in the placeholder, or is the next input
+                s.outputs_in_flight -= 1
+                s.generated += 1 + len(s.drafts)
+                token = rng.randrange(1, 100)
+                if s.placeholder is not None:
+                    s.placeholder.token, s.placeholder = token, None
+                elif not s.pending:  # now and then one that moves the rope positions after it by 2, or (for good)
+                    odd = rng.random()  # one that asks to go with more inputs than a slot holds: it waits
+                    s.pending.append(Input(token=token, rope_step=2 if odd < 0.1 else 1, same_batch=30 * (odd > 0.98)))
+                if s.drafts:
+                    s.drafts = []
+                    del s.slot.inputs[len(s.slot.inputs) - rng.randrange(2):]  # a draft rejected: the slot cut short
+            for s in seqs:
+                if s.max_tokens >= 0 and s.generated >= s.max_tokens and not s.outputs_in_flight:
+                    s.done = True
+                elif len(s.slot.inputs) >= 24 and not s.outputs_in_flight and rng.random() < 0.5:  # a context shift
+                    s.slot.inputs = s.slot.inputs[:4] + s.slot.inputs[-4:]
+                elif rng.random() < 0.03:  # the slot's list replaced by one as long, which counts its rope anew
+                    s.slot.inputs = [Input(token=9, rope_step=2)] * len(s.slot.inputs)
+                elif len(s.pending) == 1 and not s.outputs_in_flight and rng.random() < 0.1:
+                    s.drafts = [rng.randrange(1, 100) for _ in range(2)]
+                    s.pending.extend(Input(token=t) for t in s.drafts)
+        return trace, taken[0]
+
+    for seed in range(30):
+        fast, fast_general = run(world(seed), seed, True)
+        slow, slow_general = run(world(seed), seed, False)
+        assert fast == slow, seed
+        assert fast_general < slow_general, seed  # decode inputs did take the decode path

@@ -79,7 +79,7 @@ class Sampler(SamplingOptions):
         self._bias_set = frozenset(self._bias_ids.tolist())
         # the fewest of a row's largest logits this sampler decides from (``fits_top``); 0: it needs them all
         plain = not self._penalises and not self._bias_ids.size and self.typical_p >= 1.0
-        self._top_need = 0 if not plain else 1 if self.temperature <= 0 else self.top_k + 1 if self.top_k > 0 else 0
+        self.top_need = 0 if not plain else 1 if self.temperature <= 0 else self.top_k + 1 if self.top_k > 0 else 0
         # a drawn top-k row with nothing but a bias to apply (``_draw_top_k``)
         self._top_k_alone = self.temperature > 0 and self.top_k > 0 and not self._penalises and self.typical_p >= 1.0
 
@@ -151,7 +151,7 @@ class Sampler(SamplingOptions):
         """Whether a row's K largest logits (``k``) are all this sampler needs (``sample_top``): no
         penalties, bias or typical sampling, and greedy or a top-k below ``k`` (the k-th value must be
         seen to be above the K-th, so that no equal logit hides outside the K)."""
-        return 0 < self._top_need <= k
+        return 0 < self.top_need <= k
 
     def _candidates(self, logits: np.ndarray, history: Sequence[int]) -> tuple[Any, np.ndarray | None]:
         """The surviving (ids, logits) in drawing order after penalties, bias and truncation;

@@ -465,11 +465,11 @@ class Runner:
             if step.late and not reads_in_place(step.graph.ctx, step.ids):  # the start-up check did not hold
                 self.build_ahead = False
                 raise RuntimeError("the model copied the batch's token ids; build-ahead is now off")
-            step.read = step.reads_logits  # decided here, beside the compute in flight, not before its own
+            step.plan = plan_rows(step.rows)  # decided here, beside the compute in flight, not before its own
+            step.read = step.reads_logits
             if step.read and step.graph.top is not None and not step.scored and not step.spec and \
-                    all(seq.samples_from_top(self.engine.sample_head) for _, seq in step.rows):
+                    step.plan.from_top(self.engine.sample_head):
                 step.read = "top"  # the sampling head's K logits per row are all the step needs
-            step.plan = plan_rows(step.rows) if len(step.rows) > 1 else None  # (one row: no batch to plan)
         except Exception as exc:
             self.engine.drop(busy)
             if step.graph is not None and not step.graph.kept and step.graph is not busy:

@@ -159,10 +159,39 @@ class Scheduler:
                 seq.placeholder = Input(token=UNSET)
                 seq.pending.append(seq.placeholder)
             room = self.batch_size - len(step.tokens)  # < 0 after an image that made the batch grow
-            if seq.pending and room > 0:
+            if seq.pending and room > 0 and not self._take_decode(step, seq):
                 self._take(step, seq, room)
         step.seal()
         return step
+
+    def _take_decode(self, step: Step, seq: RunningSequence) -> bool:
+        """``_take`` of the usual decode input in fewer calls: ``seq``'s one pending input is text (a
+        sampled token or a placeholder), without drafts or prompt scores, its slot has room and no stop
+        there, and its rope position is remembered with nothing added since. False, having done
+        nothing, when any of that does not hold (``_take`` then decides)."""
+        pending, slot = seq.pending, seq.slot
+        inputs = slot.inputs
+        n = len(inputs)
+        memo = self._ropes.get(slot.id)
+        if memo is None or memo[0] is not inputs or memo[1] != n or n >= self.num_ctx or len(pending) != 1 or \
+                seq.drafts or seq.scores is not None or (self.stops and slot.id in self.stops):
+            return False
+        inp = pending[0]
+        if inp.multimodal or inp.same_batch:
+            return False
+        pending.popleft()
+        rope = memo[2]
+        step.add(inp, n, slot.id, seq, rope)
+        inputs.append(inp)
+        memo[1], memo[2] = n + 1, rope + inp.rope_step
+        step.seqs.append(seq)
+        if seq.wants_logits:
+            step.outputs.append(len(step.tokens) - 1)
+            step.rows.append((len(step.outputs) - 1, seq))
+            seq.outputs_in_flight += 1
+        else:
+            step.finishing.append(seq)
+        return True
 
     def _take(self, step: Step, seq: RunningSequence, room: int) -> None:
         """Move up to ``room`` of ``seq``'s pending inputs into the step and its slot. A full slot

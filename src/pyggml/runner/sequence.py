@@ -263,6 +263,15 @@ class RunningSequence:
     """A request while the runner works on it. Only the runner's loop thread touches it, except
     ``cancelled`` and ``max_backlog`` (set by the consumer) and ``out`` (read by the consumer)."""
 
+    # slots: the runner reads a dozen of these per sequence every step; more attributes than an instance
+    # dict shares keys for (30) would make each read a hash lookup in a dict of its own
+    __slots__ = ("request", "constraint", "prompt", "history", "sampler", "tokenizer", "_eog", "_n_logprobs",
+                 "_max_tokens", "_plain", "top_need", "decoder", "stops", "matcher", "num_keep", "admitted", "slot",
+                 "pending", "outputs_in_flight", "placeholder", "generated", "cached_tokens", "cancelled", "done",
+                 "drafts", "draft_tokens", "accepted_tokens", "scores", "out", "max_backlog", "notify", "due",
+                 "finished", "_notify_due", "_text", "stop_sequence", "_tokens", "_logprobs", "t_queued", "t_start",
+                 "t_first")
+
     def __init__(self, request: CompletionRequest, prompt: list[Input], tokenizer, stops: list[str], num_keep: int,
                  constraint: Constraint | None = None):
         self.request = request
@@ -274,6 +283,7 @@ class RunningSequence:
         # what ``accept`` reads for every token, kept as attributes
         self._eog, self._n_logprobs, self._max_tokens = tokenizer.vocab.eog, request.logprobs, request.max_tokens
         self._plain = constraint is None and not request.logprobs  # its sampler alone picks its tokens
+        self.top_need = self.sampler.top_need if self._plain else 0  # see ``samples_from_top``
         self.decoder = tokenizer.stream(skip_special=True, continuation=True)
         self.stops = stops
         self.matcher = StopMatcher(stops)
@@ -321,7 +331,7 @@ class RunningSequence:
     def samples_from_top(self, k: int) -> bool:
         """Whether the K largest logits of its row are all its next token needs (``sample_top``): no
         grammar, no logprobs, and a sampler that ``fits_top(k)``."""
-        return self._plain and self.sampler.fits_top(k)
+        return 0 < self.top_need <= k
 
     def accept(self, token: int, logits: np.ndarray | None) -> str | None:
         """Take a sampled token: stream the text it completes; returns a finish reason or None.
@@ -443,6 +453,11 @@ class RowPlan:
     pick: slice | list[int]
     samplers: list[Sampler]
     greedy: bool
+    top_need: int  # the fewest largest logits per row that decide every row (0: some row needs them all)
+
+    def from_top(self, k: int) -> bool:
+        """Whether a sampling head's ``k`` largest logits per row are all the rows need (``samples_from_top``)."""
+        return 0 < self.top_need <= k
 
 
 def plan_rows(rows: Sequence[tuple[int, RunningSequence]]) -> RowPlan:
@@ -451,8 +466,9 @@ def plan_rows(rows: Sequence[tuple[int, RunningSequence]]) -> RowPlan:
     first = index[0] if index else 0
     consecutive = index == list(range(first, first + len(index)))
     samplers = [seq.sampler for _, seq in rows]
+    needs = [seq.top_need for _, seq in rows]
     return RowPlan(slice(first, first + len(index)) if consecutive else index, samplers,
-                   all(s.temperature <= 0 for s in samplers))
+                   all(s.temperature <= 0 for s in samplers), max(needs) if needs and min(needs) > 0 else 0)
 
 
 def sample_sequences(rows: Sequence[tuple[int, RunningSequence]], logits: np.ndarray | TopLogits,
