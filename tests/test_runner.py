@@ -257,6 +257,12 @@ def test_with_build_ahead_a_step_computes_while_the_previous_tokens_stream(stori
         computed.append(graph)
         return engine_compute(self, graph, *args, **kwargs)
 
+    fed, feed = [], Runner._feed
+
+    def spying_feed(step, done, sampled):
+        fed.append(feed(step, done, sampled))
+        return fed[-1]
+
     requests = [dict(prompt="Once upon a time", max_tokens=24), dict(prompt="Lily went to the", max_tokens=30,
                                                                      stop=["park"])]
     with Runner(stories, parallel=2, num_ctx=128, batch_size=16, build_ahead=False) as runner:
@@ -265,6 +271,7 @@ def test_with_build_ahead_a_step_computes_while_the_previous_tokens_stream(stori
     monkeypatch.setattr(RunningSequence, "accept", spying_accept)
     monkeypatch.setattr(Runner, "_compute", spying_runner_compute)
     monkeypatch.setattr(Engine, "compute", spying_engine_compute)
+    monkeypatch.setattr(Runner, "_feed", staticmethod(spying_feed))
     with Runner(stories, parallel=2, num_ctx=128, batch_size=16, build_ahead=True) as runner:
         ahead = run_concurrently(runner, requests)
         assert runner.engine.built <= built + 1
@@ -273,16 +280,29 @@ def test_with_build_ahead_a_step_computes_while_the_previous_tokens_stream(stori
     assert plain[1][1][-1].finish_reason == "stop"
     assert sum(beside) > len(beside) // 2  # most tokens were taken while the next step computed
     assert all(native)  # ... which had begun its native compute
+    # the sampled ids went into the next step in one write, before the sequences took them (not at the first
+    # decode step, whose placeholders follow prompts, nor once the stop string ended a sequence)
+    assert sum(fed) >= len(fed) - 3 and sum(fed) > 20
     again = sum(a is b for a, b in zip(computed, computed[1:], strict=False))
     assert again >= len(computed) - 1 - runner.engine.built  # a new graph only when built
 
 
 @pytest.mark.parametrize("device_sampling", [False, True])
-def test_build_ahead_with_the_loop_thread_and_a_client_thread_each_gives_the_serial_texts(stories, device_sampling):
+def test_build_ahead_with_the_loop_thread_and_a_client_thread_each_gives_the_serial_texts(stories, device_sampling,
+                                                                                          monkeypatch):
     """Build-ahead as a server runs it (the loop in its thread, a thread per client, 24 requests over 8 slots,
     stop strings, some cancelled after a few chunks) streams what one request at a time without build-ahead
-    streams: the launch hand-shake and the refilled graph in flight change no token."""
+    streams: the launch hand-shake, the refilled graph in flight and the ids written into it in one pass (or,
+    once a row ended meanwhile, placeholder by placeholder) change no token."""
     import random
+
+    fed, feed = [], Runner._feed
+
+    def spying_feed(step, done, sampled):
+        fed.append(feed(step, done, sampled))
+        return fed[-1]
+
+    monkeypatch.setattr(Runner, "_feed", staticmethod(spying_feed))
 
     rng = random.Random(5)
     requests = [dict(prompt=rng.choice(["Once upon a time", "Lily went to the", "The dog", "Tom had a"]),
@@ -315,6 +335,7 @@ def test_build_ahead_with_the_loop_thread_and_a_client_thread_each_gives_the_ser
     serial = texts(build_ahead=False, background=False)
     assert texts(build_ahead=True, background=True) == serial
     assert sum(bool(t) for t in serial) > 20
+    assert any(fed) and not all(fed)  # both ways of filling the placeholders ran
 
 
 def test_context_shift_reprocesses_when_the_cache_cannot_shift(stories_path):

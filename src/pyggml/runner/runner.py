@@ -50,11 +50,11 @@ from pyggml.input import Input, text_input
 from pyggml.models import Model, ModelError, Pooling
 from pyggml.runner.checkpoints import Checkpoints
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
-from pyggml.runner.engine import AUTO_HEAD_MIN_ROWS, SAMPLE_HEAD_K, Engine, reads_in_place
+from pyggml.runner.engine import AUTO_HEAD_MIN_ROWS, SAMPLE_HEAD_K, Engine, TopLogits, reads_in_place
 from pyggml.runner.images import Images
 from pyggml.runner.inputcache import InputCache
 from pyggml.runner.plugins import Constraints, ContextShift, StepPlugin
-from pyggml.runner.scheduler import UNSET, Scheduler, Step, StepBatch
+from pyggml.runner.scheduler import UNSET, Scheduler, Step, StepBatch, feed_rows
 from pyggml.runner.sequence import (
     MAX_DRAFT,
     CompletionRequest,
@@ -69,6 +69,8 @@ from pyggml.runner.speculative import Speculation
 from pyggml.tensor import DType
 
 log = logging.getLogger(__name__)
+# what ``Runner._sample`` gives: a step's live rows (row, sequence), their tokens (or exceptions), its logits
+Sampled = tuple[list[tuple[int, RunningSequence]], list[int | Exception], np.ndarray | TopLogits]
 
 __all__ = ["ARRIVAL_QUIET_S", "ARRIVAL_WAIT_S", "MAX_DRAFT", "Runner", "RunnerClosedError"]
 
@@ -346,9 +348,13 @@ class Runner:
             plugin.before_build()
         step = self._build()
         done, self._in_flight = self._in_flight, None
-        taken = self._sample(done) if done is not None else []
+        sampled = self._sample(done) if done is not None else None
+        early = step is None or not self._feed(step, done, sampled)
+        taken = self._hand_out(sampled) if early else []  # (the placeholders give the launch its ids)
         if step is not None:
             self._launch(step)  # before ``done``'s tokens are detokenized and streamed: they run beside it
+        if not early:
+            taken = self._hand_out(sampled)  # the ids are in the batch already: the rest runs beside it too
         if done is not None:
             self._accept(done, taken)
         if step is None or done is not None:
@@ -466,6 +472,8 @@ class Runner:
                 self.build_ahead = False
                 raise RuntimeError("the model copied the batch's token ids; build-ahead is now off")
             step.plan = plan_rows(step.rows)  # decided here, beside the compute in flight, not before its own
+            if step.late and self._in_flight is not None:
+                step.feed = feed_rows(step.late, self._in_flight.rows)
             step.read = step.reads_logits
             if step.read and step.graph.top is not None and not step.scored and not step.spec and \
                     step.plan.from_top(self.engine.sample_head):
@@ -499,9 +507,9 @@ class Runner:
                 self._notify()  # a first token (time to first token) or an end (a free slot): now
 
     def _fill(self, step: Step) -> None:
-        """Write the ids sampled since the batch was built. A sequence that failed meanwhile left
-        its placeholder unset (-1 in its slot never matches a prompt): any valid id will do."""
-        if not step.late:
+        """Write the ids sampled since the batch was built (unless ``_feed`` did). A sequence that failed
+        meanwhile left its placeholder unset (-1 in its slot never matches a prompt): any valid id will do."""
+        if not step.late or step.fed:
             return
         tokens = [inp.token for _, inp, _ in step.late]
         if UNSET in tokens and any(inp.token == UNSET and not seq.done for _, inp, seq in step.late):
@@ -519,27 +527,52 @@ class Runner:
 
     def _complete(self, step: Step) -> None:
         """Wait for a batch, sample it and take its tokens."""
-        self._accept(step, self._sample(step))
+        self._accept(step, self._hand_out(self._sample(step)))
 
-    def _sample(self, step: Step) -> list[tuple[RunningSequence, int, np.ndarray | None, bool]]:
-        """Wait for a batch, let the plug-ins and then the samplers take its logits rows; fill the
-        placeholders of the batch built ahead. Returns the arguments of ``_take`` (sequence, token,
-        logits row for logprobs, whether a placeholder took it) still to ``_accept``: a constrained
-        sequence takes its token here, since the next batch's grammar masks start when it launches,
-        which may be before ``_accept``."""
+    def _sample(self, step: Step) -> Sampled | None:
+        """Wait for a batch, let the plug-ins and then the samplers take its logits rows: its live rows
+        (row, sequence), their tokens (an exception for a row that cannot be sampled) and its logits; None
+        when the batch failed."""
         try:
             logits = step.future.result() if step.future is not None else self._compute(step)
         except Exception as exc:
             self._reset(exc)
-            return []
+            return None
         for row, seq in step.scored:
             seq.scores.append(logits[row].copy())
         for plugin in self.plugins:
             plugin.after_logits(step, logits)
         live = [item for item in step.rows if not item[1].done]
-        taken = []
         plan = step.plan if len(live) == len(step.rows) else None  # (made for all its rows)
-        for (row, seq), token in zip(live, sample_sequences(live, logits, plan), strict=True):
+        return live, sample_sequences(live, logits, plan), logits
+
+    @staticmethod
+    def _feed(step: Step, done: Step | None, sampled: Sampled | None) -> bool:
+        """Write the tokens sampled in ``done`` into the ids of ``step``'s placeholders in one pass
+        (``step.feed``), so that it launches before the sequences hear of them; False when it cannot (no
+        map, or a row ended or failed meanwhile): ``_hand_out`` fills the placeholders first."""
+        if step.feed is None or sampled is None or len(sampled[0]) != len(done.rows):
+            return False
+        try:
+            tokens = np.array(sampled[1], np.int32)
+        except (TypeError, ValueError, OverflowError):  # an exception in place of a token
+            return False
+        index, rows = step.feed
+        step.ids[index] = tokens[rows]
+        step.fed = True
+        return True
+
+    def _hand_out(self, sampled: Sampled | None) -> list[tuple[RunningSequence, int, np.ndarray | None, bool]]:
+        """Give each sampled row's token to its sequence's placeholder in the batch built ahead (if it
+        has one), or fail the sequence. Returns the arguments of ``_take`` (sequence, token, logits row
+        for logprobs, whether a placeholder took it) still to ``_accept``: a constrained sequence takes
+        its token here, since the next batch's grammar masks start when it launches, which may be before
+        ``_accept``."""
+        if sampled is None:
+            return []
+        live, tokens, logits = sampled
+        taken = []
+        for (row, seq), token in zip(live, tokens, strict=True):
             if isinstance(token, Exception):
                 self.release(seq, error=token)
                 continue

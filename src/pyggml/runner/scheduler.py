@@ -78,6 +78,8 @@ class Step:
     moved: bool = False  # some input's rope position is not its position (``rope_positions`` needed)
     read: bool | str = False  # what the runner reads once it computed (``Engine.compute``'s ``read``)
     plan: Any = None  # how its rows are sampled (``sequence.plan_rows``), made while the step before computes
+    feed: tuple[np.ndarray, np.ndarray] | None = None  # ``feed_rows`` of its placeholders
+    fed: bool = False  # its placeholders' ids are written (``Runner._feed``)
 
     @property
     def reads_logits(self) -> bool:
@@ -108,6 +110,23 @@ class Step:
                 if self.moved else ()
             self.batch = StepBatch(self.ids, outputs=self.outputs, positions=self.positions,
                                    sequences=self.sequences, multimodal=self.multimodal, rope_positions=ropes)
+
+
+def feed_rows(late: list[tuple[int, Input, RunningSequence]],
+              rows: list[tuple[int, RunningSequence]]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where the tokens of placeholders ``late`` (a step's, by batch index) come from: (their batch indices,
+    their sequences' indices in ``rows``, the step in flight's), so that its sampled tokens are written in
+    one pass. None when a placeholder's sequence has no row there, or a row's sequence has a grammar (it
+    takes its token, and starts its next mask, before the next step launches)."""
+    at = {}
+    for j, (_, seq) in enumerate(rows):
+        if seq.constraint is not None:
+            return None
+        at[seq] = j
+    try:
+        return np.array([index for index, _, _ in late], np.int64), np.array([at[seq] for _, _, seq in late], np.int64)
+    except KeyError:
+        return None
 
 
 def packing_order(seq: RunningSequence) -> tuple[bool, int]:
