@@ -77,7 +77,8 @@ class Sampler(SamplingOptions):
         self._plain_greedy = self.temperature <= 0 and not self._penalises and not np.any(self._bias_values > 0)
         self._bias_top = int(self._bias_ids.max()) if self._bias_ids.size else -1
         self._bias_set = frozenset(self._bias_ids.tolist())
-        # the fewest of a row's largest logits this sampler decides from (``fits_top``); 0: it needs them all
+        # the fewest of a row's largest logits this sampler decides from (``fits_top``; read by the runner's
+        # sampling plan); 0: it needs them all
         plain = not self._penalises and not self._bias_ids.size and self.typical_p >= 1.0
         self.top_need = 0 if not plain else 1 if self.temperature <= 0 else self.top_k + 1 if self.top_k > 0 else 0
         # a drawn top-k row with nothing but a bias to apply (``_draw_top_k``)

@@ -17,7 +17,10 @@ all compute, a builder thread only competes with them and costs a thread hand-of
 in a worker thread (cffi releases the GIL around ggml's compute). Nothing in the KV bookkeeping of N+1 depends on N's
 results: a sequence whose next token is still being computed gets a placeholder input, and its
 id is written into N+1's token array after N is sampled, just before N+1 is launched (the same
-scheme as Ollama's runner). A launch returns once the worker's compute runs natively: until then
+scheme as Ollama's runner): all of N's ids in one write where N's rows map onto N+1's placeholders
+(``scheduler.feed_rows``, made while N computes), so that N+1 launches before N's sequences take their
+tokens (``_hand_out``); one by one, through the placeholders, when a row ended meanwhile or a grammar
+must take its token first. A launch returns once the worker's compute runs natively: until then
 the worker needs the GIL, and the loop's Python would keep it (up to Python's 5 ms switch interval,
 or until the loop blocked: nothing overlapped). N+1 refills N's graph, whose inputs are written by
 then: one graph computed again keeps ggml's allocation plan (two graphs in turn were planned anew

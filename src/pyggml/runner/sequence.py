@@ -283,7 +283,9 @@ class RunningSequence:
         # what ``accept`` reads for every token, kept as attributes
         self._eog, self._n_logprobs, self._max_tokens = tokenizer.vocab.eog, request.logprobs, request.max_tokens
         self._plain = constraint is None and not request.logprobs  # its sampler alone picks its tokens
-        self.top_need = self.sampler.top_need if self._plain else 0  # see ``samples_from_top``
+        # the fewest of its row's largest logits that decide its next token (``sample_top``, a sampling head):
+        # its sampler's ``top_need``; 0 (all of them) with a grammar or logprobs
+        self.top_need = self.sampler.top_need if self._plain else 0
         self.decoder = tokenizer.stream(skip_special=True, continuation=True)
         self.stops = stops
         self.matcher = StopMatcher(stops)
@@ -327,11 +329,6 @@ class RunningSequence:
         """Whether another token will be sampled after the outputs already in flight."""
         limit = self._max_tokens
         return limit < 0 or self.generated + self.outputs_in_flight < limit
-
-    def samples_from_top(self, k: int) -> bool:
-        """Whether the K largest logits of its row are all its next token needs (``sample_top``): no
-        grammar, no logprobs, and a sampler that ``fits_top(k)``."""
-        return 0 < self.top_need <= k
 
     def accept(self, token: int, logits: np.ndarray | None) -> str | None:
         """Take a sampled token: stream the text it completes; returns a finish reason or None.
@@ -456,7 +453,7 @@ class RowPlan:
     top_need: int  # the fewest largest logits per row that decide every row (0: some row needs them all)
 
     def from_top(self, k: int) -> bool:
-        """Whether a sampling head's ``k`` largest logits per row are all the rows need (``samples_from_top``)."""
+        """Whether a sampling head's ``k`` largest logits per row are all the rows need."""
         return 0 < self.top_need <= k
 
 
