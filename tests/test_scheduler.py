@@ -190,8 +190,8 @@ def test_rope_positions_move_after_an_image_and_follow_a_cut_short_slot():
 def test_the_decode_path_packs_what_the_general_path_packs():
     """``Scheduler._take_decode`` (the usual decode input in fewer calls) gives the steps, rows and slot
     contents that ``_take`` alone gives, over random runs: prompts, decode inputs with and without
-    placeholders, drafts, prompt scores, stops, full slots, images whose rope positions move, slots cut
-    short, sequences ending by length. And it is the path the decode inputs take."""
+    placeholders, drafts, prompt scores, stops, full slots, inputs that move the rope positions, slots cut
+    short or replaced, sequences ending by length. And it is the path the decode inputs take."""
     import random
 
     def world(seed):
