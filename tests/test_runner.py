@@ -4,6 +4,7 @@ synthetic random-weight model (always)."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -288,6 +289,57 @@ def test_with_build_ahead_a_step_computes_while_the_previous_tokens_stream(stori
 
 
 @pytest.mark.parametrize("device_sampling", [False, True])
+def test_on_a_slow_device_the_worker_samples_each_step_and_launches_the_next(stories, monkeypatch, device_sampling):
+    """Build-ahead on a device slower than the host (each compute held 30 ms): the runner thread offers the step
+    it built to the worker computing the one before (``Runner._chain``), which samples that one, writes the ids and
+    launches the next itself, with no thread hand-off between the two computes. Greedy, seeded, stop-string and
+    logprobs requests stream what the serial runner streams; a grammar request among them is served too (its
+    steps are not chained: it takes its token on the runner thread first)."""
+    from pyggml.runner.engine import Engine
+
+    engine_compute = Engine.compute
+
+    def slow_compute(self, graph, *args, **kwargs):
+        out = engine_compute(self, graph, *args, **kwargs)
+        time.sleep(0.03)
+        return out
+
+    chained, go_on = [], Runner._go_on
+
+    def spying_go_on(self, step, logits):
+        out = go_on(self, step, logits)
+        chained.append(out[0] is not None)
+        return out
+
+    requests = [dict(prompt="Once upon a time", max_tokens=40),
+                dict(prompt="Lily went to the", max_tokens=24, stop=["park"]),
+                dict(prompt="The dog", max_tokens=16, temperature=0.8, top_k=20, seed=7),
+                dict(prompt="Tom had a", max_tokens=12, logprobs=2)]
+    try:
+        import llguidance  # noqa: F401
+
+        from pyggml.constrain import Grammar
+        requests.append(dict(prompt="Yes or no?", max_tokens=30, temperature=1.0, seed=5,
+                             grammar=Grammar.regex(r"(yes|no): [a-c]{2,4}!")))
+    except ImportError:  # (the other requests still test the chain)
+        pass
+    with Runner(stories, parallel=5, num_ctx=128, batch_size=16, build_ahead=False) as runner:
+        plain = run_concurrently(runner, requests)
+    monkeypatch.setattr(Engine, "compute", slow_compute)
+    monkeypatch.setattr(Runner, "_go_on", spying_go_on)
+    with Runner(stories, parallel=5, num_ctx=128, batch_size=16, build_ahead=True,
+                device_sampling=device_sampling) as runner:
+        ahead = run_concurrently(runner, requests)
+    assert [(text, tokens_of(chunks)) for text, chunks in ahead] == \
+        [(text, tokens_of(chunks)) for text, chunks in plain]
+    assert [c.logprobs for c in ahead[3][1] if c.logprobs] == [c.logprobs for c in plain[3][1] if c.logprobs]
+    # all steps but the first and those while the grammar's runs (~10), barring a host slower than 30 ms a step
+    assert sum(chained) > 10, "".join("x" if c else "." for c in chained)
+    if len(requests) == 5:
+        assert re.fullmatch(r"(yes|no): [a-c]{2,4}!", ahead[4][0])
+
+
+@pytest.mark.parametrize("device_sampling", [False, True])
 def test_build_ahead_with_the_loop_thread_and_a_client_thread_each_gives_the_serial_texts(stories, device_sampling,
                                                                                           monkeypatch):
     """Build-ahead as a server runs it (the loop in its thread, a thread per client, 24 requests over 8 slots,
@@ -462,21 +514,36 @@ def test_an_error_in_one_sequence_fails_only_that_sequence(stories):
         assert slots_free(runner)
 
 
-def test_a_failed_compute_fails_the_running_sequences_and_the_runner_goes_on(stories, monkeypatch):
+@pytest.mark.parametrize("build_ahead", [False, True])
+def test_a_failed_compute_fails_the_running_sequences_and_the_runner_goes_on(stories, monkeypatch, build_ahead):
+    """(With build-ahead the computes are slowed so that the worker launches the steps itself, ``_chain``: the
+    one that fails is such a step, and the runner had built the next one on its graph.)"""
     compute = Context.compute
     calls = []
 
     def flaky(self, *tensors, **options):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 4:
             raise RuntimeError("compute failed: simulated")
-        return compute(self, *tensors, **options)
+        out = compute(self, *tensors, **options)
+        if build_ahead:  # a slow device: the runner thread waits for the step, offering the next one
+            time.sleep(0.02)
+        return out
+
+    chained, go_on = [], Runner._go_on
+
+    def spying_go_on(self, step, logits):
+        out = go_on(self, step, logits)
+        chained.append(out[0] is not None)
+        return out
 
     monkeypatch.setattr(Context, "compute", flaky)
-    with Runner(stories, parallel=2, num_ctx=64, batch_size=16) as runner:
+    monkeypatch.setattr(Runner, "_go_on", spying_go_on)
+    with Runner(stories, parallel=2, num_ctx=64, batch_size=16, build_ahead=build_ahead) as runner:
         with pytest.raises(RuntimeError, match="simulated"):
             list(runner.completion(CompletionRequest("Once upon a time", max_tokens=10)))
         assert slots_free(runner) and all(s.inputs == [] for s in runner.input_cache.slots)
+        assert any(chained) == build_ahead  # the worker launched steps (the one that failed among them)
         text, chunks = run(runner, "Once upon a time", max_tokens=24)
     assert text.startswith(", there was a little girl named Lily.") and chunks[-1].cached_tokens == 0
 

@@ -44,7 +44,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
 import numpy as np
@@ -57,7 +57,7 @@ from pyggml.runner.engine import AUTO_HEAD_MIN_ROWS, SAMPLE_HEAD_K, Engine, TopL
 from pyggml.runner.images import Images
 from pyggml.runner.inputcache import InputCache
 from pyggml.runner.plugins import Constraints, ContextShift, StepPlugin
-from pyggml.runner.scheduler import UNSET, Scheduler, Step, StepBatch, feed_rows
+from pyggml.runner.scheduler import CLOSED, UNSET, Scheduler, Step, StepBatch, feed_rows
 from pyggml.runner.sequence import (
     MAX_DRAFT,
     CompletionRequest,
@@ -149,6 +149,7 @@ class Runner:
             self.plugins.insert(0, Checkpoints(self))
         self._error: BaseException | None = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pyggml-compute") if self.build_ahead else None
+        self._chain_lock = threading.Lock()  # a step's ``chain``: offered by this thread, taken by the worker
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._loop, name="pyggml-runner", daemon=True)
@@ -351,13 +352,23 @@ class Runner:
             plugin.before_build()
         step = self._build()
         done, self._in_flight = self._in_flight, None
+        chained = step is not None and done is not None and self._chain(done, step)
         sampled = self._sample(done) if done is not None else None
-        early = step is None or not self._feed(step, done, sampled)
-        taken = self._hand_out(sampled) if early else []  # (the placeholders give the launch its ids)
-        if step is not None:
-            self._launch(step)  # before ``done``'s tokens are detokenized and streamed: they run beside it
-        if not early:
-            taken = self._hand_out(sampled)  # the ids are in the batch already: the rest runs beside it too
+        if done is not None and sampled is None and step is not None:  # ``done`` failed (``_reset``): so did
+            self._discard(step)  # ``step``'s sequences, and the graph it refilled is dropped
+            step = None
+        if chained and step.future is not None:  # the worker sampled ``done`` and launched ``step`` itself
+            for plugin in self.plugins:  # (its compute has begun, or is about to)
+                plugin.launched(step)
+            self._launched(step, step.started)
+            taken = self._hand_out(sampled)
+        else:
+            early = step is None or not self._feed(step, done, sampled)
+            taken = self._hand_out(sampled) if early else []  # (the placeholders give the launch its ids)
+            if step is not None:
+                self._launch(step)  # before ``done``'s tokens are detokenized and streamed: they run beside it
+            if not early:
+                taken = self._hand_out(sampled)  # the ids are in the batch already: the rest runs beside it too
         if done is not None:
             self._accept(done, taken)
         if step is None or done is not None:
@@ -420,6 +431,11 @@ class Runner:
     def _shut_down(self) -> None:
         """Stop: wait for the batch in flight, drop the kept graphs, end every sequence."""
         self.wait_in_flight()  # let it finish before the model is touched again
+        if self._pool is not None:  # and any step the worker launched itself (a chain cut short by an error)
+            try:
+                self._pool.submit(int).result()
+            except RuntimeError:  # (the pool is shut down already)
+                pass
         self._in_flight = None
         self.engine.close()
         with self._cond:
@@ -496,18 +512,73 @@ class Runner:
             plugin.launched(step)
         if self.build_ahead:
             started = threading.Event()
-            step.future = self._pool.submit(self._compute, step, started)
-            self._in_flight = step
-            # until the worker's compute runs native code (without the GIL), Python here would hold the GIL
-            # the worker needs to get there: the device would wait for this thread's next turn to block
-            while not started.wait(0.5) and not step.future.done():  # (set even when the compute fails)
-                pass
-            self._notify()
+            step.future = Future()
+            self._pool.submit(self._work, step, started)
+            self._launched(step, started)
         else:
             self._notify()  # the consumers' threads run while this batch computes
             self._complete(step)
             if any(seq.done or seq.generated == 1 for seq in self._due):
                 self._notify()  # a first token (time to first token) or an end (a free slot): now
+
+    def _discard(self, step: Step) -> None:
+        """Never launch ``step`` (built ahead of a batch that failed): close its graph unless kept."""
+        if step.graph is not None and not step.graph.kept:
+            step.graph.ctx.close()
+
+    def _launched(self, step: Step, started: threading.Event) -> None:
+        """``step`` computes in the worker: it is the step in flight once its native compute runs."""
+        self._in_flight = step
+        # until the worker's compute runs native code (without the GIL), Python here would hold the GIL
+        # the worker needs to get there: the device would wait for this thread's next turn to block
+        while not started.wait(0.5) and not step.future.done():  # (set even when the compute fails)
+            pass
+        self._notify()
+
+    def _chain(self, done: Step, step: Step) -> bool:
+        """Offer ``step`` to the worker computing ``done``: once ``done`` computed, the worker samples it,
+        writes the ids into ``step`` and computes ``step`` at once (``_work``), rather than hand ``done`` to
+        this thread and wait for ``step`` to come back (two thread hand-offs between the computes). Only
+        for a ``step`` whose ids all come from ``done``'s rows (``feed``) after a ``done`` whose sampling
+        needs no plug-in (no grammar masks, drafts or prompt rows). False when the worker is past ``done``."""
+        if step.feed is None or done.scored or done.spec or done.masks is not None:
+            return False
+        with self._chain_lock:
+            if done.chain is not None:  # CLOSED: the worker took ``done``'s result already
+                return False
+            done.chain = step
+            return True
+
+    def _work(self, step: Step, started: threading.Event) -> None:
+        """The worker's task: compute ``step`` (its ``future`` gets the logits); then, while a step is chained
+        to the one just computed (``_chain``), sample that one, write the ids and compute the chained one."""
+        while step is not None:
+            try:
+                logits = self._compute(step, started)
+            except BaseException as exc:
+                with self._chain_lock:
+                    step.chain = CLOSED
+                step.future.set_exception(exc)
+                return
+            step, started = self._go_on(step, logits)
+
+    def _go_on(self, step: Step, logits: np.ndarray | TopLogits | None) -> tuple[Step | None, threading.Event | None]:
+        """``step`` computed in the worker: sample it and launch the step chained to it, if any and if its
+        ids can come from ``step``'s rows (else the runner thread decides, from the tokens sampled here).
+        Returns the chained step and its start event, or (None, None)."""
+        with self._chain_lock:
+            chained, step.chain = step.chain, CLOSED
+        try:
+            if chained is not None:
+                step.sampled = self._draw(step, logits)
+                if self._feed(chained, step, step.sampled):
+                    chained.future, chained.started = Future(), threading.Event()
+                    step.future.set_result(logits)
+                    return chained, chained.started
+            step.future.set_result(logits)
+        except BaseException as exc:  # (a bug: the runner thread fails the batch)
+            step.future.set_exception(exc)
+        return None, None
 
     def _fill(self, step: Step) -> None:
         """Write the ids sampled since the batch was built (unless ``_feed`` did). A sequence that failed
@@ -545,6 +616,11 @@ class Runner:
             seq.scores.append(logits[row].copy())
         for plugin in self.plugins:
             plugin.after_logits(step, logits)
+        return step.sampled if step.sampled is not None else self._draw(step, logits)
+
+    @staticmethod
+    def _draw(step: Step, logits: np.ndarray | TopLogits) -> Sampled:
+        """Sample ``step``'s live rows (``_sample``; for a chained step, the worker's)."""
         live = [item for item in step.rows if not item[1].done]
         plan = step.plan if len(live) == len(step.rows) else None  # (made for all its rows)
         return live, sample_sequences(live, logits, plan), logits

@@ -28,6 +28,7 @@ from pyggml.input import ROPE_AXES, Batch, Input, Multimodal, MultimodalIndex, r
 from pyggml.runner.sequence import RunningSequence
 
 UNSET = -1  # token id of a placeholder input whose token is not sampled yet
+CLOSED = "closed"  # ``Step.chain`` once nothing more may be chained to the step
 
 
 class StepBatch(Batch):
@@ -80,6 +81,11 @@ class Step:
     plan: Any = None  # how its rows are sampled (``sequence.plan_rows``), made while the step before computes
     feed: tuple[np.ndarray, np.ndarray] | None = None  # ``feed_rows`` of its placeholders
     fed: bool = False  # its placeholders' ids are written (``Runner._feed``)
+    # build-ahead: the next step, for the worker to launch once this one is sampled (``Runner._chain``;
+    # CLOSED once the worker took this one's result), and what the worker sampled then
+    chain: Any = None
+    sampled: Any = None
+    started: Any = None  # a step the worker launched: set once its native compute runs
 
     @property
     def reads_logits(self) -> bool:
