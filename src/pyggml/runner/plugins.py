@@ -37,11 +37,13 @@ class StepPlugin:
         """Before the scheduler packs the next batch (the previous one may still compute)."""
 
     def launched(self, step: Step) -> None:
-        """``step``'s token ids are final and its graph starts computing."""
+        """``step``'s token ids are final and its graph starts computing (a step the worker launched
+        itself, ``Runner._chain``: has just started)."""
 
     def after_logits(self, step: Step, logits: np.ndarray | None) -> None:
         """``step`` computed (``logits``: its rows, or None when none were read); its plain rows
-        are sampled after every plug-in's ``after_logits``."""
+        are sampled after every plug-in's ``after_logits``, except in a step the worker sampled
+        (``Runner._chain``: one without grammar masks, drafts or prompt rows)."""
 
     def close(self) -> None:
         """The runner closes: stop any worker of the plug-in's own."""
