@@ -527,7 +527,7 @@ def test_a_failed_compute_fails_the_running_sequences_and_the_runner_goes_on(sto
             raise RuntimeError("compute failed: simulated")
         out = compute(self, *tensors, **options)
         if build_ahead:  # a slow device: the runner thread waits for the step, offering the next one
-            time.sleep(0.02)
+            time.sleep(0.05)
         return out
 
     chained, go_on = [], Runner._go_on
