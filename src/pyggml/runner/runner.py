@@ -91,6 +91,22 @@ class RunnerClosedError(RuntimeError):
     """The runner was closed (or stopped on an internal error)."""
 
 
+class _HandOver:
+    """What the start of a compute the worker launched itself signals (``Runner._go_on``, as ``started``):
+    that compute's start event, and the step sampled before it, handed to the runner thread only now: woken
+    earlier, the runner thread's Python would take the GIL whenever this thread released it (every cffi
+    call on the way into the compute) and hold it for its own work."""
+
+    def __init__(self, started: threading.Event, done: Step, logits: np.ndarray | TopLogits | None):
+        self._started, self._done, self._logits = started, done, logits
+
+    def set(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done.future.set_result(self._logits)
+        self._started.set()
+
+
 class Runner:
     """Serves completions of ``parallel`` sequences at once, each with a context of ``num_ctx``
     tokens (the model's cache holds ``parallel * num_ctx``). ``completion`` may be called from
@@ -552,7 +568,7 @@ class Runner:
             done.chain = step
             return True
 
-    def _work(self, step: Step, started: threading.Event) -> None:
+    def _work(self, step: Step, started: threading.Event | _HandOver) -> None:
         """The worker's task: compute ``step`` (its ``future`` gets the logits); then, while a step is chained
         to the one just computed (``_chain``), sample that one, write the ids and compute the chained one."""
         while step is not None:
@@ -565,10 +581,10 @@ class Runner:
                 return
             step, started = self._go_on(step, logits)
 
-    def _go_on(self, step: Step, logits: np.ndarray | TopLogits | None) -> tuple[Step | None, threading.Event | None]:
+    def _go_on(self, step: Step, logits: np.ndarray | TopLogits | None) -> tuple[Step | None, _HandOver | None]:
         """``step`` computed in the worker: sample it and launch the step chained to it, if any and if its
         ids can come from ``step``'s rows (else the runner thread decides, from the tokens sampled here).
-        Returns the chained step and its start event, or (None, None)."""
+        Returns the chained step and what its compute's start signals, or (None, None)."""
         with self._chain_lock:
             chained, step.chain = step.chain, CLOSED
         try:
@@ -576,8 +592,7 @@ class Runner:
                 step.sampled = self._draw(step, logits)
                 if self._feed(chained, step, step.sampled):
                     chained.future, chained.started = Future(), threading.Event()
-                    step.future.set_result(logits)
-                    return chained, chained.started
+                    return chained, _HandOver(chained.started, step, logits)
             step.future.set_result(logits)
         except BaseException as exc:  # (a bug: the runner thread fails the batch)
             step.future.set_exception(exc)
@@ -593,7 +608,7 @@ class Runner:
             raise RuntimeError("internal error: a batch input has no token id")
         step.ids[[index for index, _, _ in step.late]] = np.maximum(tokens, 0)
 
-    def _compute(self, step: Step, started: threading.Event | None = None) -> np.ndarray | None:
+    def _compute(self, step: Step, started: threading.Event | _HandOver | None = None) -> np.ndarray | None:
         """Compute ``step`` and read what its sampling needs; ``started`` (build-ahead) is set once the
         native compute begins, or when it fails before."""
         try:
