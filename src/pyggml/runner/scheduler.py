@@ -192,7 +192,7 @@ class Scheduler:
     def _take_decode(self, step: Step, seq: RunningSequence) -> bool:
         """``_take`` of the usual decode input in fewer calls: ``seq``'s one pending input is text (a
         sampled token or a placeholder), without drafts or prompt scores, its slot has room and no stop
-        there, and its rope position is remembered with nothing added since. False, having done
+        asked for, and its rope position is remembered with nothing added since. False, having done
         nothing, when any of that does not hold (``_take`` then decides)."""
         pending, slot = seq.pending, seq.slot
         inputs = slot.inputs
