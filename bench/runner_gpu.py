@@ -12,7 +12,8 @@ GPU is busy at most while a compute call (``Engine.compute``, timed by wrapping 
 host share = 1 - (sum of compute-call time) / wall time of the run. ``Engine.compute`` also holds some
 Python (reading the outputs, and ggml's graph planning when the graph changed); ``backend_host_share``
 counts only ``Backend._run`` (writing the inputs and the native compute, of any graph: the cache's copies
-of a shared prompt prefix too) as busy.
+of a shared prompt prefix too) as busy. ``chained``: the share of the worker's computed steps after which it
+sampled the step and launched the next itself (``Runner._chain``; absent for a runner without it).
 """
 import inspect
 import json
@@ -54,6 +55,16 @@ def timing(cls, name, slot):
 
 timing(engine_mod.Engine, "compute", 0)
 timing(Backend, "_run", 1)
+went_on: list[bool] = []  # per step the worker computed: whether it launched the next itself
+if hasattr(Runner, "_go_on"):
+    go_on = Runner._go_on
+
+    def counted_go_on(self, step, logits):
+        out = go_on(self, step, logits)
+        went_on.append(out[0] is not None)
+        return out
+
+    Runner._go_on = counted_go_on
 model = models.load(path, BackendParams(gpu_layers="all", flash_attention=True))
 extra = {}
 if ds != "auto" and "device_sampling" in inspect.signature(Runner).parameters:
@@ -69,6 +80,7 @@ for P in parallels:
             sink.append(got)
         one(0, [])
         walls, shares, backend_shares, rates = [], [], [], []
+        went_on.clear()
         for _ in range(3):
             sink = []
             busy[:] = [0.0, 0.0]
@@ -91,6 +103,8 @@ for P in parallels:
         row = {"tok_s": round(float(np.median(rates)), 1), "host_share": round(float(np.median(shares)), 3),
                "backend_host_share": round(float(np.median(backend_shares)), 3),
                "step_ms": round(1e3 * float(np.median(walls)) / N, 3), "runs_tok_s": [round(x) for x in rates]}
+        if hasattr(Runner, "_go_on"):
+            row["chained"] = round(float(np.mean(went_on)), 3) if went_on else 0.0
         res["rows"][P] = row
         print(label, "P", P, row, flush=True)
 doc = json.loads(out.read_text()) if out.exists() else {}

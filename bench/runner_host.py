@@ -51,7 +51,7 @@ import numpy as np
 
 PHASES = ("compute", "cache", "sched", "sample", "detok", "stream")
 COLUMNS = ("P", *PHASES, "host", "step", "lean host", "lean step", "tok/s")
-AHEAD_COLUMNS = ("P", "compute", "idle", "step", "idle share", "tok/s")  # --build-ahead
+AHEAD_COLUMNS = ("P", "compute", "idle", "step", "idle share", "chained", "tok/s")  # --build-ahead
 # phase -> (module, class or None, attribute) of the functions whose own time (not their timed callees') goes there
 TIMED: dict[str, list[tuple[str, str | None, str]]] = {
     "compute": [("pyggml.runner.engine", "Engine", "compute")],
@@ -208,11 +208,15 @@ def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
     streamed, while a batch computes in the runner's worker): median ms per step of ``compute`` (the
     backend writing the inputs and computing: ``Backend._run``), of ``idle`` (from one compute's end to the
     next one's start: the host work the device waits for, ggml's graph planning included), of ``step``
-    (start to start), and ``idle share`` (idle / step). Wall clock: the compute is another thread."""
+    (start to start), ``idle share`` (idle / step) and ``chained``, the share of the computed steps after which
+    the worker sampled the step and launched the next itself (``Runner._chain``; 0 for a runner without it).
+    Wall clock: the compute is another thread."""
     from pyggml.backend import Backend
+    from pyggml.runner import Runner
 
     spans: list[tuple[float, float]] = []  # (start, end) of each compute
-    original = Backend._run
+    original, go_on = Backend._run, getattr(Runner, "_go_on", None)
+    went_on: list[bool] = []
 
     def compute(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -221,19 +225,29 @@ def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
         finally:
             spans.append((t0, time.perf_counter()))
 
+    def counted_go_on(self, step, logits):
+        out = go_on(self, step, logits)
+        went_on.append(out[0] is not None)
+        return out
+
     Backend._run = compute
+    if go_on is not None:
+        Runner._go_on = counted_go_on
     try:
         with runner_for(model, parallel, warmup + steps, device_sampling, build_ahead=True) as runner:
             tokens, wall = drain([runner.completion(r) for r in requests(model, parallel, warmup + steps + 2,
                                                                          sampling, device_sampling)])
     finally:
         Backend._run = original
+        if go_on is not None:
+            Runner._go_on = go_on
     measured = spans[warmup + 1:warmup + 2 + steps]  # +1: the prompt step; one more for the last gap
     idle = [1e3 * (b[0] - a[1]) for a, b in zip(measured, measured[1:], strict=False)]
     step = [1e3 * (b[0] - a[0]) for a, b in zip(measured, measured[1:], strict=False)]
     row = {"compute": float(np.median([1e3 * (e - s) for s, e in measured[:-1]])), "idle": float(np.median(idle)),
            "step": float(np.median(step))}
     row["idle share"] = row["idle"] / row["step"]
+    row["chained"] = float(np.mean(went_on)) if went_on else 0.0
     row["tok/s"] = tokens / wall
     return row
 

@@ -327,13 +327,14 @@ def test_runner_host_build_ahead_table(tmp_path):
                           capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    at = lines.index("| P | compute | idle | step | idle share | tok/s |")
+    at = lines.index("| P | compute | idle | step | idle share | chained | tok/s |")
     rows = [line.strip("|").split("|") for line in lines[at + 2:at + 4]]
     assert [int(r[0]) for r in rows] == [1, 3]
     for row in rows:
-        compute, idle, step, share, tok_s = (float(v) for v in row[1:])
+        compute, idle, step, share, chained, tok_s = (float(v) for v in row[1:])
         assert compute > 0 and idle > 0 and tok_s > 0
         assert step >= max(compute, idle) and 0 < share <= 1  # each step is its compute and its idle time
+        assert 0 <= chained <= 1
 
 
 def test_runner_gpu_script_runs_anywhere(tmp_path):
@@ -352,6 +353,7 @@ def test_runner_gpu_script_runs_anywhere(tmp_path):
     assert sorted(rows) == ["1", "3"]
     for row in rows.values():
         assert row["tok_s"] > 0 and 0 <= row["host_share"] < 1 and 0 <= row["backend_host_share"] < 1
+        assert 0 <= row["chained"] <= 1
 
 
 @pytest.mark.parametrize("arch", sorted(models.registry()))
