@@ -37,12 +37,13 @@ GREEDY = {"temperature": 0}
 
 @contextlib.contextmanager
 def running_server(path, parallel: int, queue: int, num_ctx: int = 256, sndbuf: int | None = None,
-                   app_options: dict | None = None, **options):
+                   app_options: dict | None = None, runner_options: dict | None = None, **options):
     """(base_url, served) of a server on a free 127.0.0.1 port; stopped and unloaded on exit.
-    ``options`` go to ``ServedModel``, ``app_options`` to ``create_app``; ``sndbuf`` sets the send
-    buffer of the connections it accepts (small: a client that stops reading is felt at once)."""
+    ``options`` go to ``ServedModel``, ``app_options`` to ``create_app``, ``runner_options`` to ``Runner``;
+    ``sndbuf`` sets the send buffer of the connections it accepts (small: a client that stops reading is
+    felt at once)."""
     model = models.load(path, BackendParams(n_threads=1))
-    runner = Runner(model, parallel=parallel, num_ctx=num_ctx, batch_size=64)
+    runner = Runner(model, parallel=parallel, num_ctx=num_ctx, batch_size=64, **(runner_options or {}))
     served = ServedModel(runner, path, queue=queue, **options)
     try:
         with serving(create_app(served, **(app_options or {})), sndbuf=sndbuf, on_exit=runner.close) as base:
@@ -501,6 +502,62 @@ def test_64_requests_from_16_clients_each_get_their_single_request_answer(storie
     assert results == [alone[prompts[i % len(prompts)]] for i in range(64)]
     assert elapsed < 60
     assert wait_idle(base)["slots_in_use"] == 0
+
+
+def test_a_server_building_ahead_as_on_a_gpu_answers_what_it_answers_without(monkeypatch):
+    """Build-ahead is the default on a GPU, never on these CPUs: forced on, with each compute held 5 ms (a device
+    slower than the host, so the worker samples most steps and launches the next itself, ``Runner._chain``), 32
+    requests from 16 clients over both APIs get the answers they get from a server without it, while streams
+    dropped after a few chunks come and go; every slot is free afterwards."""
+    if not STORIES.exists():
+        pytest.skip(f"{STORIES} is absent")
+    from pyggml.runner.engine import Engine
+
+    prompts = ["Once upon a time", "Lily went to the", "The cat sat", "Tom had a big red", "One day, a boy",
+               "The sun was", "She loved to", "In the park"]
+
+    def complete(base: str, i: int) -> str:
+        prompt = prompts[i % len(prompts)]
+        if i % 2:
+            return openai_client(base).completions.create(model="stories260K", prompt=prompt, max_tokens=12,
+                                                          temperature=0).choices[0].text
+        return ollama.Client(host=base, timeout=60).generate(model="stories260K", prompt=prompt,
+                                                             options={**GREEDY, "num_predict": 12}).response
+
+    def dropped(base: str, served) -> None:
+        with long_stream(base, served) as lines:
+            for _ in range(3):
+                next(lines)
+
+    with running_server(STORIES, parallel=4, queue=32) as (base, _):
+        alone = [complete(base, i) for i in range(len(prompts))]
+    engine_compute = Engine.compute
+
+    def held(self, *args, **kwargs):
+        out = engine_compute(self, *args, **kwargs)
+        time.sleep(0.005)
+        return out
+
+    went_on, go_on = [], Runner._go_on
+
+    def counted_go_on(self, step, logits):
+        out = go_on(self, step, logits)
+        went_on.append(out[0] is not None)
+        return out
+
+    monkeypatch.setattr(Engine, "compute", held)
+    monkeypatch.setattr(Runner, "_go_on", counted_go_on)
+    with running_server(STORIES, parallel=4, queue=32, runner_options={"build_ahead": True}) as (base, served):
+        assert served.runner.build_ahead
+        with ThreadPoolExecutor(16) as pool:
+            drops = [pool.submit(dropped, base, served) for _ in range(4)]
+            futures = [pool.submit(complete, base, i) for i in range(32)]
+            results = [f.result(timeout=120) for f in futures]
+            for d in drops:
+                d.result(timeout=120)
+        assert results == [alone[i % len(prompts)] for i in range(32)]
+        assert wait_idle(base)["slots_in_use"] == 0
+    assert any(went_on)  # the worker launched steps itself (84 of 114 in one run here)
 
 
 def test_cli_registers_serve():
