@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from runner_host import drain  # (bench/, this script's directory)
+from runner_host import counting_chains, drain  # (bench/, this script's directory)
 
 import pyggml
 from pyggml import models
@@ -55,58 +55,49 @@ def timing(cls, name, slot):
 
 timing(engine_mod.Engine, "compute", 0)
 timing(Backend, "_run", 1)
-went_on: list[bool] = []  # per step the worker computed: whether it launched the next itself
-if hasattr(Runner, "_go_on"):
-    go_on = Runner._go_on
-
-    def counted_go_on(self, step, logits):
-        out = go_on(self, step, logits)
-        went_on.append(out[0] is not None)
-        return out
-
-    Runner._go_on = counted_go_on
 model = models.load(path, BackendParams(gpu_layers="all", flash_attention=True))
 extra = {}
 if ds != "auto" and "device_sampling" in inspect.signature(Runner).parameters:
     extra["device_sampling"] = ds == "1"
 res = {"label": label, "one_consumer": ONE_CONSUMER, "pyggml": pyggml.__file__, "device_sampling": ds, "rows": {}}
-for P in parallels:
-    with Runner(model, parallel=P, num_ctx=512, batch_size=512, **extra) as r:
-        def one(i, sink):
-            req = CompletionRequest(prompt=[1, 300 + i, 400 + i, 500 + i], max_tokens=N, temperature=0)
-            got = 0
-            for ch in r.completion(req):
-                got += len(ch.tokens)
-            sink.append(got)
-        one(0, [])
-        walls, shares, backend_shares, rates = [], [], [], []
-        went_on.clear()
-        for _ in range(3):
-            sink = []
-            busy[:] = [0.0, 0.0]
-            t = time.perf_counter()
-            if ONE_CONSUMER:  # one thread reads every stream in turn (as a server's event loop does)
-                sink.append(drain([r.completion(CompletionRequest(prompt=[1, 300 + i, 400 + i, 500 + i],
-                                                                  max_tokens=N, temperature=0))
-                                   for i in range(P)])[0])
-            else:
-                th = [threading.Thread(target=one, args=(i, sink)) for i in range(P)]
-                for x in th:
-                    x.start()
-                for x in th:
-                    x.join()
-            dt = time.perf_counter() - t
-            rates.append(sum(sink) / dt)
-            shares.append(1 - busy[0] / dt)
-            backend_shares.append(1 - busy[1] / dt)
-            walls.append(dt)
-        row = {"tok_s": round(float(np.median(rates)), 1), "host_share": round(float(np.median(shares)), 3),
-               "backend_host_share": round(float(np.median(backend_shares)), 3),
-               "step_ms": round(1e3 * float(np.median(walls)) / N, 3), "runs_tok_s": [round(x) for x in rates]}
-        if hasattr(Runner, "_go_on"):
-            row["chained"] = round(float(np.mean(went_on)), 3) if went_on else 0.0
-        res["rows"][P] = row
-        print(label, "P", P, row, flush=True)
+with counting_chains() as went_on:  # per step the worker computed: whether it launched the next itself
+    for P in parallels:
+        with Runner(model, parallel=P, num_ctx=512, batch_size=512, **extra) as r:
+            def one(i, sink):
+                req = CompletionRequest(prompt=[1, 300 + i, 400 + i, 500 + i], max_tokens=N, temperature=0)
+                got = 0
+                for ch in r.completion(req):
+                    got += len(ch.tokens)
+                sink.append(got)
+            one(0, [])
+            walls, shares, backend_shares, rates = [], [], [], []
+            went_on.clear()
+            for _ in range(3):
+                sink = []
+                busy[:] = [0.0, 0.0]
+                t = time.perf_counter()
+                if ONE_CONSUMER:  # one thread reads every stream in turn (as a server's event loop does)
+                    sink.append(drain([r.completion(CompletionRequest(prompt=[1, 300 + i, 400 + i, 500 + i],
+                                                                      max_tokens=N, temperature=0))
+                                       for i in range(P)])[0])
+                else:
+                    th = [threading.Thread(target=one, args=(i, sink)) for i in range(P)]
+                    for x in th:
+                        x.start()
+                    for x in th:
+                        x.join()
+                dt = time.perf_counter() - t
+                rates.append(sum(sink) / dt)
+                shares.append(1 - busy[0] / dt)
+                backend_shares.append(1 - busy[1] / dt)
+                walls.append(dt)
+            row = {"tok_s": round(float(np.median(rates)), 1), "host_share": round(float(np.median(shares)), 3),
+                   "backend_host_share": round(float(np.median(backend_shares)), 3),
+                   "step_ms": round(1e3 * float(np.median(walls)) / N, 3), "runs_tok_s": [round(x) for x in rates]}
+            if hasattr(Runner, "_go_on"):
+                row["chained"] = round(float(np.mean(went_on)), 3) if went_on else 0.0
+            res["rows"][P] = row
+            print(label, "P", P, row, flush=True)
 doc = json.loads(out.read_text()) if out.exists() else {}
 doc[label] = res
 out.write_text(json.dumps(doc, indent=1))

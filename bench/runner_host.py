@@ -45,6 +45,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -202,6 +203,30 @@ def drain(streams: list) -> tuple[int, float]:
     return tokens, time.perf_counter() - t0
 
 
+@contextmanager
+def counting_chains():
+    """Within it, a list that gets, per step the runner's worker computed, whether it launched the next step
+    itself (``Runner._chain``); it stays empty with a runner that has no chain."""
+    from pyggml.runner import Runner
+
+    went_on: list[bool] = []
+    go_on = getattr(Runner, "_go_on", None)
+    if go_on is None:
+        yield went_on
+        return
+
+    def counted(self, step, logits):
+        out = go_on(self, step, logits)
+        went_on.append(out[0] is not None)
+        return out
+
+    Runner._go_on = counted
+    try:
+        yield went_on
+    finally:
+        Runner._go_on = go_on
+
+
 def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
               device_sampling: bool = False) -> dict[str, float]:
     """The runner as it serves (``build_ahead``: the next batch is built, and the last one's tokens
@@ -212,11 +237,9 @@ def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
     the worker sampled the step and launched the next itself (``Runner._chain``; 0 for a runner without it).
     Wall clock: the compute is another thread."""
     from pyggml.backend import Backend
-    from pyggml.runner import Runner
 
     spans: list[tuple[float, float]] = []  # (start, end) of each compute
-    original, go_on = Backend._run, getattr(Runner, "_go_on", None)
-    went_on: list[bool] = []
+    original = Backend._run
 
     def compute(self, *args, **kwargs):
         t0 = time.perf_counter()
@@ -225,22 +248,14 @@ def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
         finally:
             spans.append((t0, time.perf_counter()))
 
-    def counted_go_on(self, step, logits):
-        out = go_on(self, step, logits)
-        went_on.append(out[0] is not None)
-        return out
-
     Backend._run = compute
-    if go_on is not None:
-        Runner._go_on = counted_go_on
     try:
-        with runner_for(model, parallel, warmup + steps, device_sampling, build_ahead=True) as runner:
+        with counting_chains() as went_on, \
+                runner_for(model, parallel, warmup + steps, device_sampling, build_ahead=True) as runner:
             tokens, wall = drain([runner.completion(r) for r in requests(model, parallel, warmup + steps + 2,
                                                                          sampling, device_sampling)])
     finally:
         Backend._run = original
-        if go_on is not None:
-            Runner._go_on = go_on
     measured = spans[warmup + 1:warmup + 2 + steps]  # +1: the prompt step; one more for the last gap
     idle = [1e3 * (b[0] - a[1]) for a, b in zip(measured, measured[1:], strict=False)]
     step = [1e3 * (b[0] - a[0]) for a, b in zip(measured, measured[1:], strict=False)]

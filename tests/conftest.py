@@ -114,3 +114,46 @@ def shared_models() -> Path:
     if not SHARED_MODELS.is_dir():
         pytest.skip(f"shared models not found at {SHARED_MODELS}")
     return SHARED_MODELS
+
+
+def record_calls(monkeypatch, owner, name: str, note=lambda result: result) -> list:
+    """Wrap ``owner.<name>`` (a method or a staticmethod) for the test: each call's ``note(result)`` is appended
+    to the list returned."""
+    import inspect
+
+    original = inspect.getattr_static(owner, name)
+    static = isinstance(original, staticmethod)
+    function = original.__func__ if static else original
+    notes: list = []
+
+    def recorded(*args, **kwargs):
+        result = function(*args, **kwargs)
+        notes.append(note(result))
+        return result
+
+    monkeypatch.setattr(owner, name, staticmethod(recorded) if static else recorded)
+    return notes
+
+
+def chained_steps(monkeypatch) -> list[bool]:
+    """Per step the runner's worker computed, whether it launched the next itself (``Runner._chain``)."""
+    from pyggml.runner import Runner
+
+    return record_calls(monkeypatch, Runner, "_go_on", lambda out: out[0] is not None)
+
+
+def hold_computes(monkeypatch, seconds: float) -> None:
+    """Make every ``Engine.compute`` last ``seconds`` longer after its native compute: a device slower than the
+    host, so that with build-ahead the runner thread waits for each step (and offers the worker the next)."""
+    import time
+
+    from pyggml.runner.engine import Engine
+
+    compute = Engine.compute
+
+    def held(self, *args, **kwargs):
+        out = compute(self, *args, **kwargs)
+        time.sleep(seconds)
+        return out
+
+    monkeypatch.setattr(Engine, "compute", held)

@@ -26,7 +26,7 @@ from pyggml.runner.plugins import StepPlugin
 from pyggml.runner.sequence import RunningSequence
 from pyggml.synthetic import write_synthetic
 
-from .conftest import SHARED_MODELS
+from .conftest import SHARED_MODELS, chained_steps, hold_computes, record_calls
 
 STORIES = SHARED_MODELS / "stories260K.gguf"
 
@@ -258,12 +258,6 @@ def test_with_build_ahead_a_step_computes_while_the_previous_tokens_stream(stori
         computed.append(graph)
         return engine_compute(self, graph, *args, **kwargs)
 
-    fed, feed = [], Runner._feed
-
-    def spying_feed(step, done, sampled):
-        fed.append(feed(step, done, sampled))
-        return fed[-1]
-
     requests = [dict(prompt="Once upon a time", max_tokens=24), dict(prompt="Lily went to the", max_tokens=30,
                                                                      stop=["park"])]
     with Runner(stories, parallel=2, num_ctx=128, batch_size=16, build_ahead=False) as runner:
@@ -272,7 +266,7 @@ def test_with_build_ahead_a_step_computes_while_the_previous_tokens_stream(stori
     monkeypatch.setattr(RunningSequence, "accept", spying_accept)
     monkeypatch.setattr(Runner, "_compute", spying_runner_compute)
     monkeypatch.setattr(Engine, "compute", spying_engine_compute)
-    monkeypatch.setattr(Runner, "_feed", staticmethod(spying_feed))
+    fed = record_calls(monkeypatch, Runner, "_feed")
     with Runner(stories, parallel=2, num_ctx=128, batch_size=16, build_ahead=True) as runner:
         ahead = run_concurrently(runner, requests)
         assert runner.engine.built <= built + 1
@@ -295,22 +289,6 @@ def test_on_a_slow_device_the_worker_samples_each_step_and_launches_the_next(sto
     launches the next itself, with no thread hand-off between the two computes. Greedy, seeded, stop-string and
     logprobs requests stream what the serial runner streams; a grammar request among them is served too (its
     steps are not chained: it takes its token on the runner thread first)."""
-    from pyggml.runner.engine import Engine
-
-    engine_compute = Engine.compute
-
-    def slow_compute(self, graph, *args, **kwargs):
-        out = engine_compute(self, graph, *args, **kwargs)
-        time.sleep(0.03)
-        return out
-
-    chained, go_on = [], Runner._go_on
-
-    def spying_go_on(self, step, logits):
-        out = go_on(self, step, logits)
-        chained.append(out[0] is not None)
-        return out
-
     requests = [dict(prompt="Once upon a time", max_tokens=40),
                 dict(prompt="Lily went to the", max_tokens=24, stop=["park"]),
                 dict(prompt="The dog", max_tokens=16, temperature=0.8, top_k=20, seed=7),
@@ -325,8 +303,8 @@ def test_on_a_slow_device_the_worker_samples_each_step_and_launches_the_next(sto
         pass
     with Runner(stories, parallel=5, num_ctx=128, batch_size=16, build_ahead=False) as runner:
         plain = run_concurrently(runner, requests)
-    monkeypatch.setattr(Engine, "compute", slow_compute)
-    monkeypatch.setattr(Runner, "_go_on", spying_go_on)
+    hold_computes(monkeypatch, 0.03)
+    chained = chained_steps(monkeypatch)
     with Runner(stories, parallel=5, num_ctx=128, batch_size=16, build_ahead=True,
                 device_sampling=device_sampling) as runner:
         ahead = run_concurrently(runner, requests)
@@ -348,14 +326,7 @@ def test_build_ahead_with_the_loop_thread_and_a_client_thread_each_gives_the_ser
     once a row ended meanwhile, placeholder by placeholder) change no token."""
     import random
 
-    fed, feed = [], Runner._feed
-
-    def spying_feed(step, done, sampled):
-        fed.append(feed(step, done, sampled))
-        return fed[-1]
-
-    monkeypatch.setattr(Runner, "_feed", staticmethod(spying_feed))
-
+    fed = record_calls(monkeypatch, Runner, "_feed")
     rng = random.Random(5)
     requests = [dict(prompt=rng.choice(["Once upon a time", "Lily went to the", "The dog", "Tom had a"]),
                      max_tokens=rng.randint(1, 60), stop=rng.choice([[], ["park"], ["."], ["the", "a"]]),
@@ -530,15 +501,8 @@ def test_a_failed_compute_fails_the_running_sequences_and_the_runner_goes_on(sto
             time.sleep(0.05)
         return out
 
-    chained, go_on = [], Runner._go_on
-
-    def spying_go_on(self, step, logits):
-        out = go_on(self, step, logits)
-        chained.append(out[0] is not None)
-        return out
-
     monkeypatch.setattr(Context, "compute", flaky)
-    monkeypatch.setattr(Runner, "_go_on", spying_go_on)
+    chained = chained_steps(monkeypatch)
     with Runner(stories, parallel=2, num_ctx=64, batch_size=16, build_ahead=build_ahead) as runner:
         with pytest.raises(RuntimeError, match="simulated"):
             list(runner.completion(CompletionRequest("Once upon a time", max_tokens=10)))

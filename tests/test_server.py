@@ -20,7 +20,7 @@ from pyggml.runner import Runner
 from pyggml.synthetic import write_synthetic
 
 from ._server import serving
-from .conftest import SHARED_MODELS
+from .conftest import SHARED_MODELS, chained_steps, hold_computes
 
 _NEEDS = "the server tests need: pip install starlette uvicorn httpx openai ollama"
 pytest.importorskip("starlette", reason=_NEEDS)
@@ -480,26 +480,30 @@ def test_a_failure_mid_stream_ends_the_stream_with_an_error(synthetic, monkeypat
 
 # ---- load -------------------------------------------------------------------------------------------
 
+STORY_PROMPTS = ["Once upon a time", "Lily went to the", "The cat sat", "Tom had a big red", "One day, a boy",
+                 "The sun was", "She loved to", "In the park"]
+
+
+def story_answer(base: str, i: int, max_tokens: int) -> str:
+    """The text of load request ``i`` to a stories260K server: prompt ``i`` (mod 8), greedy; odd ones through
+    the OpenAI client, even ones through Ollama's."""
+    prompt = STORY_PROMPTS[i % len(STORY_PROMPTS)]
+    if i % 2:
+        return openai_client(base).completions.create(model="stories260K", prompt=prompt, max_tokens=max_tokens,
+                                                      temperature=0).choices[0].text
+    return ollama.Client(host=base, timeout=60).generate(model="stories260K", prompt=prompt,
+                                                         options={**GREEDY, "num_predict": max_tokens}).response
+
+
 def test_64_requests_from_16_clients_each_get_their_single_request_answer(stories):
     base, _ = stories
-    prompts = ["Once upon a time", "Lily went to the", "The cat sat", "Tom had a big red", "One day, a boy",
-               "The sun was", "She loved to", "In the park"]
-    oa, ol = openai_client(base), ollama.Client(host=base, timeout=60)
-
-    def complete(i: int) -> str:
-        prompt = prompts[i % len(prompts)]
-        if i % 2:
-            return oa.completions.create(model="stories260K", prompt=prompt, max_tokens=10,
-                                         temperature=0).choices[0].text
-        return ol.generate(model="stories260K", prompt=prompt, options={**GREEDY, "num_predict": 10}).response
-
-    alone = {prompts[i]: complete(i) for i in range(len(prompts))}
+    alone = [story_answer(base, i, 10) for i in range(len(STORY_PROMPTS))]
     start = time.monotonic()
     with ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(complete, i) for i in range(64)]
+        futures = [pool.submit(story_answer, base, i, 10) for i in range(64)]
         results = [f.result(timeout=60) for f in futures]
     elapsed = time.monotonic() - start
-    assert results == [alone[prompts[i % len(prompts)]] for i in range(64)]
+    assert results == [alone[i % len(STORY_PROMPTS)] for i in range(64)]
     assert elapsed < 60
     assert wait_idle(base)["slots_in_use"] == 0
 
@@ -511,18 +515,6 @@ def test_a_server_building_ahead_as_on_a_gpu_answers_what_it_answers_without(mon
     dropped after a few chunks come and go; every slot is free afterwards."""
     if not STORIES.exists():
         pytest.skip(f"{STORIES} is absent")
-    from pyggml.runner.engine import Engine
-
-    prompts = ["Once upon a time", "Lily went to the", "The cat sat", "Tom had a big red", "One day, a boy",
-               "The sun was", "She loved to", "In the park"]
-
-    def complete(base: str, i: int) -> str:
-        prompt = prompts[i % len(prompts)]
-        if i % 2:
-            return openai_client(base).completions.create(model="stories260K", prompt=prompt, max_tokens=12,
-                                                          temperature=0).choices[0].text
-        return ollama.Client(host=base, timeout=60).generate(model="stories260K", prompt=prompt,
-                                                             options={**GREEDY, "num_predict": 12}).response
 
     def dropped(base: str, served) -> None:
         with long_stream(base, served) as lines:
@@ -530,32 +522,18 @@ def test_a_server_building_ahead_as_on_a_gpu_answers_what_it_answers_without(mon
                 next(lines)
 
     with running_server(STORIES, parallel=4, queue=32) as (base, _):
-        alone = [complete(base, i) for i in range(len(prompts))]
-    engine_compute = Engine.compute
-
-    def held(self, *args, **kwargs):
-        out = engine_compute(self, *args, **kwargs)
-        time.sleep(0.005)
-        return out
-
-    went_on, go_on = [], Runner._go_on
-
-    def counted_go_on(self, step, logits):
-        out = go_on(self, step, logits)
-        went_on.append(out[0] is not None)
-        return out
-
-    monkeypatch.setattr(Engine, "compute", held)
-    monkeypatch.setattr(Runner, "_go_on", counted_go_on)
+        alone = [story_answer(base, i, 12) for i in range(len(STORY_PROMPTS))]
+    hold_computes(monkeypatch, 0.005)
+    went_on = chained_steps(monkeypatch)
     with running_server(STORIES, parallel=4, queue=32, runner_options={"build_ahead": True}) as (base, served):
         assert served.runner.build_ahead
         with ThreadPoolExecutor(16) as pool:
             drops = [pool.submit(dropped, base, served) for _ in range(4)]
-            futures = [pool.submit(complete, base, i) for i in range(32)]
+            futures = [pool.submit(story_answer, base, i, 12) for i in range(32)]
             results = [f.result(timeout=120) for f in futures]
             for d in drops:
                 d.result(timeout=120)
-        assert results == [alone[i % len(prompts)] for i in range(32)]
+        assert results == [alone[i % len(STORY_PROMPTS)] for i in range(32)]
         assert wait_idle(base)["slots_in_use"] == 0
     assert any(went_on)  # the worker launched steps itself (84 of 114 in one run here)
 

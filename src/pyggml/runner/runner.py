@@ -56,7 +56,7 @@ from pyggml.input import Input, text_input
 from pyggml.models import Model, ModelError, Pooling
 from pyggml.runner.checkpoints import Checkpoints
 from pyggml.runner.embedding import Embedder, EmbeddingsNotSupportedError, GenerationNotSupportedError
-from pyggml.runner.engine import AUTO_HEAD_MIN_ROWS, SAMPLE_HEAD_K, Engine, TopLogits, reads_in_place
+from pyggml.runner.engine import AUTO_HEAD_MIN_ROWS, SAMPLE_HEAD_K, Engine, Graph, TopLogits, reads_in_place
 from pyggml.runner.images import Images
 from pyggml.runner.inputcache import InputCache
 from pyggml.runner.plugins import Constraints, ContextShift, StepPlugin
@@ -379,7 +379,7 @@ class Runner:
         if chained and step.future is not None:  # the worker sampled ``done`` and launched ``step`` itself
             for plugin in self.plugins:  # (its compute has begun, or is about to)
                 plugin.launched(step)
-            self._launched(step, step.started)
+            self._launched(step)
             taken = self._hand_out(sampled)
         else:
             early = step is None or not self._feed(step, done, sampled)
@@ -518,8 +518,7 @@ class Runner:
                 step.read = "top"  # the sampling head's K logits per row are all the step needs
         except Exception as exc:
             self.engine.drop(busy)
-            if step.graph is not None and not step.graph.kept and step.graph is not busy:
-                step.graph.ctx.close()
+            self._discard(step, busy)
             self._fail_step(step, exc)
             return None
         return step
@@ -530,27 +529,28 @@ class Runner:
         for plugin in self.plugins:
             plugin.launched(step)
         if self.build_ahead:
-            started = threading.Event()
-            step.future = Future()
-            self._pool.submit(self._work, step, started)
-            self._launched(step, started)
+            step.future, step.started = Future(), threading.Event()
+            self._pool.submit(self._work, step, step.started)
+            self._launched(step)
         else:
             self._notify()  # the consumers' threads run while this batch computes
             self._complete(step)
             if any(seq.done or seq.generated == 1 for seq in self._due):
                 self._notify()  # a first token (time to first token) or an end (a free slot): now
 
-    def _discard(self, step: Step) -> None:
-        """Never launch ``step`` (built ahead of a batch that failed): close its graph unless kept."""
-        if step.graph is not None and not step.graph.kept:
+    @staticmethod
+    def _discard(step: Step, busy: Graph | None = None) -> None:
+        """Never launch ``step`` (its build failed, or the batch before it did): close its graph unless
+        kept or ``busy`` (computing)."""
+        if step.graph is not None and not step.graph.kept and step.graph is not busy:
             step.graph.ctx.close()
 
-    def _launched(self, step: Step, started: threading.Event) -> None:
+    def _launched(self, step: Step) -> None:
         """``step`` computes in the worker: it is the step in flight once its native compute runs."""
         self._in_flight = step
         # until the worker's compute runs native code (without the GIL), Python here would hold the GIL
         # the worker needs to get there: the device would wait for this thread's next turn to block
-        while not started.wait(0.5) and not step.future.done():  # (set even when the compute fails)
+        while not step.started.wait(0.5) and not step.future.done():  # (set even when the compute fails)
             pass
         self._notify()
 

@@ -18,6 +18,7 @@ for a batch boundary at a slot position (``stops``: a recurrent state is checkpo
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from pyggml.input import ROPE_AXES, Batch, Input, Multimodal, MultimodalIndex, rope_positions, rope_start
-from pyggml.runner.sequence import RunningSequence
+from pyggml.runner.sequence import RowPlan, RunningSequence
 
 UNSET = -1  # token id of a placeholder input whose token is not sampled yet
 CLOSED = "closed"  # ``Step.chain`` once nothing more may be chained to the step
@@ -78,14 +79,14 @@ class Step:
     masks: Any = None  # the grammar masks of its constrained rows, computed beside the graph
     moved: bool = False  # some input's rope position is not its position (``rope_positions`` needed)
     read: bool | str = False  # what the runner reads once it computed (``Engine.compute``'s ``read``)
-    plan: Any = None  # how its rows are sampled (``sequence.plan_rows``), made while the step before computes
+    plan: RowPlan | None = None  # how its rows are sampled (``plan_rows``), made while the step before computes
     feed: tuple[np.ndarray, np.ndarray] | None = None  # ``feed_rows`` of its placeholders
     fed: bool = False  # its placeholders' ids are written (``Runner._feed``)
     # build-ahead: the next step, for the worker to launch once this one is sampled (``Runner._chain``;
     # CLOSED once the worker took this one's result), and what the worker sampled then
     chain: Any = None
     sampled: Any = None
-    started: Any = None  # a step the worker launched: set once its native compute runs
+    started: threading.Event | None = None  # set once its native compute runs (build-ahead)
 
     @property
     def reads_logits(self) -> bool:
@@ -210,12 +211,7 @@ class Scheduler:
         inputs.append(inp)
         memo[1], memo[2] = n + 1, rope + inp.rope_step
         step.seqs.append(seq)
-        if seq.wants_logits:
-            step.outputs.append(len(step.tokens) - 1)
-            step.rows.append((len(step.outputs) - 1, seq))
-            seq.outputs_in_flight += 1
-        else:
-            step.finishing.append(seq)
+        self._ask_logits(step, seq, len(step.tokens) - 1, 1)
         return True
 
     def _take(self, step: Step, seq: RunningSequence, room: int) -> None:

@@ -266,7 +266,7 @@ class RunningSequence:
     # slots: the runner reads a dozen of these per sequence every step; more attributes than an instance
     # dict shares keys for (30) would make each read a hash lookup in a dict of its own
     __slots__ = ("request", "constraint", "prompt", "history", "sampler", "tokenizer", "_eog", "_n_logprobs",
-                 "_max_tokens", "_plain", "top_need", "decoder", "stops", "matcher", "num_keep", "admitted", "slot",
+                 "_max_tokens", "top_need", "decoder", "stops", "matcher", "num_keep", "admitted", "slot",
                  "pending", "outputs_in_flight", "placeholder", "generated", "cached_tokens", "cancelled", "done",
                  "drafts", "draft_tokens", "accepted_tokens", "scores", "out", "max_backlog", "notify", "due",
                  "finished", "_notify_due", "_text", "stop_sequence", "_tokens", "_logprobs", "t_queued", "t_start",
@@ -282,10 +282,9 @@ class RunningSequence:
         self.tokenizer = tokenizer
         # what ``accept`` reads for every token, kept as attributes
         self._eog, self._n_logprobs, self._max_tokens = tokenizer.vocab.eog, request.logprobs, request.max_tokens
-        self._plain = constraint is None and not request.logprobs  # its sampler alone picks its tokens
         # the fewest of its row's largest logits that decide its next token (``sample_top``, a sampling head):
         # its sampler's ``top_need``; 0 (all of them) with a grammar or logprobs
-        self.top_need = self.sampler.top_need if self._plain else 0
+        self.top_need = self.sampler.top_need if constraint is None and not request.logprobs else 0
         self.decoder = tokenizer.stream(skip_special=True, continuation=True)
         self.stops = stops
         self.matcher = StopMatcher(stops)
