@@ -6,6 +6,8 @@ Mask tables are written one string per batch row, one character per cell:
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, settings
@@ -464,11 +466,24 @@ class CellsMachine(RuleBasedStateMachine):
         order = data.draw(st.permutations(range(len(pairs))))
         self.place_pairs([pairs[i] for i in order])
 
+    @rule(data=st.data())
+    def decode(self, data):
+        """A decode step as the runner packs it: one token after the end of each of some sequences, in
+        increasing order (with streams, ``place`` takes its shortcut, ``_append_streams``, when it can)."""
+        seqs = data.draw(st.lists(st.integers(0, N_SEQ - 1), min_size=1, max_size=N_SEQ, unique=True))
+        self.place_pairs([(s, max(self.model[s], default=-1) + 1) for s in sorted(seqs)])
+
     def place_pairs(self, pairs: list[tuple[int, int]]) -> None:
         before = state(self.cells)
         free = self.cells.free_count
+        general = copy.deepcopy(self.cells)  # the same batch without the decode shortcut: the same cells and state
+        general._append_streams = lambda pos, seq: None
         try:
             cells = self.cells.place(*batch(*pairs))
+            np.testing.assert_array_equal(cells, general.place(*batch(*pairs)))
+            assert_same_state(state(general), self.cells)
+            assert self.cells.stream_extents().tolist() == general.stream_extents().tolist()
+            assert self.cells.used_extent() == general.used_extent()
         except CacheFullError:
             event("place: cache full")
             if self.cells.per_sequence:  # some stream has too few free cells

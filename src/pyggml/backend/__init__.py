@@ -924,7 +924,11 @@ class Backend:
             data = state.inputs.get(indices)
             if data is None and indices.flags & 1:  # GGML_TENSOR_FLAG_INPUT: made by ctx.empty, never set
                 raise ValueError(f"{op}: the indices were never given data (call .set() before compute)")
-            if data is not None and data.size and (data.min() < 0 or data.max() >= bound):
+            if data is None or not data.size:
+                continue
+            # one pass: a negative index seen as unsigned lies past every bound (ggml's indices are signed ints)
+            unsigned = data.view(f"u{data.itemsize}") if data.dtype.kind == "i" else data
+            if unsigned.max() >= bound:
                 raise ValueError(f"{op}: index {int(data.max()) if data.max() >= bound else int(data.min())} "
                                  f"out of range 0..{bound - 1}")
 

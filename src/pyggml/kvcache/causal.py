@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -68,7 +69,15 @@ class _Pass:
 def _elements(cells: np.ndarray, width: int, capacity: int) -> np.ndarray:
     """Flat indices into a transposed V (width rows of ``capacity`` cells) of each token's values,
     token-major: token t's value e is element e * capacity + cells[t]."""
-    return (np.arange(width, dtype=np.int32)[None, :] * capacity + cells[:, None]).reshape(-1)
+    return (_row_starts(width, capacity) + cells[:, None]).reshape(-1)
+
+
+@functools.lru_cache(maxsize=32)
+def _row_starts(width: int, capacity: int) -> np.ndarray:
+    """(1, width): where each of a transposed V's rows starts (made once: every decode step asks)."""
+    starts = np.arange(width, dtype=np.int32)[None, :] * capacity
+    starts.flags.writeable = False
+    return starts
 
 
 class _Group:
@@ -313,8 +322,8 @@ class Causal(Cache):
         """Each group's mask as numpy (n_seqs, 1, n_tokens, n_kv) (ggml: (n_kv, n_tokens, 1, n_seqs))."""
         if reserve:
             return [np.zeros((g.n_seqs, 1, g.n_tokens, g.n_kv), self._mask_dtype) for g in groups]
-        full = self.cells.stream_mask(positions, sequences, max(g.n_kv for g in groups), noncausal=noncausal or (),
-                                      dtype=self._mask_dtype)
+        full = self.cells.placed_stream_mask(positions, sequences, max(g.n_kv for g in groups),
+                                             noncausal=noncausal or (), dtype=self._mask_dtype)
         return [full[g.rows, :g.n_kv].reshape(g.n_seqs, 1, g.n_tokens, g.n_kv) for g in groups]
 
     def refill(self, ctx: Context, batch: Batch) -> bool:

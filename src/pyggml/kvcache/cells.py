@@ -121,6 +121,7 @@ class Cells:
         self._stream_top: np.ndarray | None = np.zeros(max_sequences, np.int64) if per_sequence else None
         # with it, per stream its used cells: as many as its top means no free cell below the top
         self._stream_used: np.ndarray | None = np.zeros(max_sequences, np.int64) if per_sequence else None
+        self._stream_starts = np.arange(max_sequences, dtype=np.int64) * self.stream_size  # each stream's first cell
         # upper bound of each sequence's highest stored position (-1: none), to skip lookups
         self._top = np.full(max_sequences, -1, np.int64)
 
@@ -206,6 +207,10 @@ class Cells:
         # one token of each sequence, in slot order (a decode step): no pair can repeat, and the
         # per-sequence updates below need no unbuffered (``ufunc.at``) or sorting passes
         distinct = bool((seq[1:] > seq[:-1]).all())
+        if distinct and self.per_sequence and self.swa_window is None:
+            cells = self._append_streams(pos, seq)
+            if cells is not None:
+                return cells
         if not distinct:
             keys = np.sort((seq.astype(np.int64) << 32) | pos)
             if (keys[1:] == keys[:-1]).any():
@@ -245,6 +250,27 @@ class Cells:
         else:
             np.maximum.at(self._top, seq, pos)
         return cells
+
+    def _append_streams(self, pos: np.ndarray, seq: np.ndarray) -> np.ndarray | None:
+        """``place`` of the usual decode step with streams, in a third of its numpy calls (each ~5 us while
+        the caches are cold from a compute): one token of each of increasing sequences, each after every
+        position its sequence stores, into its stream's top cell when no stream has a free cell below its
+        top (the cell the general path would choose then). None, having changed nothing, otherwise."""
+        tops = self._stream_tops()[seq]
+        if not ((pos > self._top[seq]).all() and (tops < self.stream_size).all() and
+                (self._stream_used[seq] == tops).all()):
+            return None
+        new = tops + self._stream_starts[seq]
+        if self._count[new].any():  # (a top cell is free by definition: a stale count goes the general way)
+            return None
+        self._pos[new] = pos
+        self._count[new] = 1
+        self._top[seq] = pos
+        self._stream_top[seq] = tops + 1
+        self._stream_used[seq] += 1  # (each stream once: no repeated index)
+        if self._extent is not None:
+            self._extent = max(self._extent, int(new[-1]) + 1)  # (the increasing streams' last cell is the highest)
+        return new.astype(np.int32)
 
     def _free_cells(self, count: np.ndarray, seqs: np.ndarray, distinct: bool = False) -> np.ndarray:
         """One free cell (by ``count``) for each token of sequences ``seqs``, lowest first (in each
@@ -388,6 +414,11 @@ class Cells:
         (rows, n_kv), column j of row i being cell j of the stream of token i's sequence; 0
         visible, -inf hidden, by the rules of ``mask``."""
         pos, seq = self._batch("stream_mask", positions, sequences)
+        return self.placed_stream_mask(pos, seq, n_kv, noncausal=noncausal, dtype=dtype)
+
+    def placed_stream_mask(self, pos: np.ndarray, seq: np.ndarray, n_kv: int, *,
+                           noncausal: Sequence[tuple[int, int]] = (), dtype: DTypeLike = np.float32) -> np.ndarray:
+        """``stream_mask`` of the int32 arrays that ``place`` took (checked there: not again, every step)."""
         if not self.per_sequence:
             raise ValueError("stream_mask: the cells are not split per sequence (per_sequence=False)")
         if not 0 < n_kv <= self.stream_size:

@@ -196,9 +196,12 @@ class StreamDecoder:
         else:
             if id not in self._texts:
                 try:  # whole UTF-8 on its own: with nothing held back, its text is what decoding gives
-                    self._texts[id] = piece.decode()
+                    text = self._texts[id] = piece.decode()
                 except UnicodeDecodeError:
                     pass
+                else:
+                    if not self._held and not self._strip:  # (the decoder would hold nothing either)
+                        return text
             if self._strip and piece.startswith(b" "):
                 piece = piece[1:]
             self._strip = False
