@@ -352,11 +352,15 @@ def test_bad_metadata(meta_: dict, message: str) -> None:
 
 def test_bad_ids() -> None:
     tok = from_metadata(tiny_spm())
-    for bad in (-1, 9, 10**9, "1", None):
+    tok.decode(list(range(tok.vocab_size)))  # every id's bytes and text cached (by id): a bad id still finds none
+    normal = [i for i, t in enumerate(tok.vocab.types) if t == TokenType.NORMAL]
+    for bad in (-1, normal[-1] - tok.vocab_size, 9, 10**9, "1", None, 2.0):
         with pytest.raises(ValueError, match="out of range"):
             tok.decode([1, bad])
         with pytest.raises(ValueError, match="out of range"):
             tok.token_to_piece(bad)
+        with pytest.raises(ValueError, match="out of range"):
+            tok.stream(continuation=True).feed(bad)
     assert TokenType(tok.vocab.types[7]) is TokenType.BYTE
 
 

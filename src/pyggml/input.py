@@ -54,7 +54,7 @@ class _SharedText(Input):
         raise AttributeError(f"Input.{name}: a shared text input (text_input) cannot change; make an Input")
 
 
-_TEXT_INPUTS: dict[int, Input] = {}
+_TEXT_INPUTS: list[Input | None] = []  # by id: a list, one memory read per lookup (see Tokenizer._texts)
 _MAX_SHARED_ID = 1 << 20  # ids past any vocabulary get their own input (the table stays bounded)
 
 
@@ -62,11 +62,17 @@ def text_input(token: int) -> Input:
     """The input of text token ``token`` (as ``Input(token=token)``): one shared, unchangeable object
     per id, so a decode step allocates none (each allocation is an object the garbage collector
     traces while it lives, and slot histories keep theirs)."""
-    inp = _TEXT_INPUTS.get(token)
+    try:
+        inp = _TEXT_INPUTS[token] if token >= 0 else None
+    except (IndexError, TypeError):  # not made yet, or not an int (refused below)
+        inp = None
     if inp is None:
         token = operator.index(token)  # an int (a numpy integer becomes one; a float is refused)
         if not 0 <= token < _MAX_SHARED_ID:
             return Input(token=token)
+        if token >= len(_TEXT_INPUTS):  # grow by doubling: few copies while the ids of a vocabulary come
+            size = min(max(token + 1, 2 * len(_TEXT_INPUTS)), _MAX_SHARED_ID)
+            _TEXT_INPUTS.extend([None] * (size - len(_TEXT_INPUTS)))
         inp = object.__new__(_SharedText)
         object.__setattr__(inp, "token", token)  # the other fields read the class defaults
         _TEXT_INPUTS[token] = inp

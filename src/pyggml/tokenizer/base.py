@@ -37,8 +37,10 @@ class Tokenizer:
         self.vocab_size = len(vocab.tokens)
         self._ids = {text: i for i, text in enumerate(vocab.tokens)}
         self._types = vocab.types
-        self._pieces: dict[int, bytes] = {}
-        self._texts: dict[int, str] = {}  # ordinary tokens whose bytes are whole UTF-8, as text (StreamDecoder)
+        # by id, filled as tokens are decoded: lists, not dicts, as a decode step looks up an id per sequence and
+        # a list entry is one memory read where a dict's is three (hash slot, entry, key), most of them cache misses
+        self._pieces: list[bytes | None] = [None] * self.vocab_size
+        self._texts: list[str | None] = [None] * self.vocab_size  # ordinary tokens whole in UTF-8 (StreamDecoder)
         specials = [i for i, t in enumerate(vocab.types) if t in SPECIAL_TYPES and vocab.tokens[i]]
         self._specials = sorted(specials, key=lambda i: -len(vocab.tokens[i].encode()))
         self._lstrip, self._rstrip = self._strip_attributes()
@@ -116,7 +118,10 @@ class Tokenizer:
 
     def token_to_piece(self, id: int) -> bytes:
         """The raw bytes token ``id`` stands for (special tokens give their text)."""
-        piece = self._pieces.get(id)
+        try:
+            piece = self._pieces[id] if id >= 0 else None
+        except (IndexError, TypeError):  # not an id of this vocabulary: _check_id says why
+            piece = None
         if piece is None:
             self._check_id(id)
             ttype, text = self._types[id], self.vocab.tokens[id]
@@ -180,7 +185,10 @@ class StreamDecoder:
     def feed(self, id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
         if not self._held and not self._strip:  # the usual token: its text, cached once decoded
-            text = self._texts.get(id)
+            try:
+                text = self._texts[id] if id >= 0 else None
+            except (IndexError, TypeError):  # not an id of this vocabulary: token_to_piece says why
+                text = None
             if text is not None:
                 return text
         tok = self._tok
@@ -194,7 +202,7 @@ class StreamDecoder:
             elif piece:
                 self._strip = False
         else:
-            if id not in self._texts:
+            if self._texts[id] is None:
                 try:  # whole UTF-8 on its own: with nothing held back, its text is what decoding gives
                     text = self._texts[id] = piece.decode()
                 except UnicodeDecodeError:
