@@ -416,7 +416,7 @@ def test_rows_sampled_by_a_plan_made_earlier_give_the_same_tokens():
 
     def seq(temperature, constraint=None):
         sampler = Sampler(temperature=temperature, top_k=8, seed=3)
-        return SimpleNamespace(sampler=sampler, constraint=constraint, history=[],
+        return SimpleNamespace(sampler=sampler, constraint=constraint, history=[], greedy=temperature <= 0,
                                top_need=0 if constraint is not None else sampler.top_need)
 
     greedy = [seq(0.0) for _ in range(6)]

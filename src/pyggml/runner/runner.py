@@ -676,7 +676,7 @@ class Runner:
             placeholder = seq.placeholder
             if placeholder is not None:
                 placeholder.token, seq.placeholder = token, None
-            item = (seq, token, logits[row] if seq.request.logprobs else None, placeholder is not None)
+            item = (seq, token, logits[row] if seq.n_logprobs else None, placeholder is not None)
             if seq.constraint is not None:
                 self._take(*item)
             else:

@@ -204,6 +204,8 @@ class StopMatcher:
     stops): each character costs the same however many and however long the stops are. Built
     once per request, in the caller's thread; ``feed`` runs on the runner's thread."""
 
+    __slots__ = ("state", "starts", "_goto", "_fail", "_ends", "_depth")  # (state and starts: read every step)
+
     def __init__(self, stops: Sequence[str]):
         self._goto: list[dict[str, int]] = [{}]
         self._fail = [0]
@@ -264,13 +266,14 @@ class RunningSequence:
     ``cancelled`` and ``max_backlog`` (set by the consumer) and ``out`` (read by the consumer)."""
 
     # slots: the runner reads a dozen of these per sequence every step; more attributes than an instance
-    # dict shares keys for (30) would make each read a hash lookup in a dict of its own
-    __slots__ = ("request", "constraint", "prompt", "history", "sampler", "tokenizer", "_eog", "_n_logprobs",
-                 "_max_tokens", "top_need", "decoder", "stops", "matcher", "num_keep", "admitted", "slot",
-                 "pending", "outputs_in_flight", "placeholder", "generated", "cached_tokens", "cancelled", "done",
-                 "drafts", "draft_tokens", "accepted_tokens", "scores", "out", "max_backlog", "notify", "due",
-                 "finished", "_notify_due", "_text", "stop_sequence", "_tokens", "_logprobs", "t_queued", "t_start",
-                 "t_first")
+    # dict shares keys for (30) would make each read a hash lookup in a dict of its own. Those read every
+    # step come first: they share a few cache lines, which a compute has evicted by the time the host reads them
+    __slots__ = ("pending", "slot", "done", "cancelled", "outputs_in_flight", "placeholder", "generated",
+                 "_max_tokens", "drafts", "scores", "max_backlog", "top_need", "sampler", "greedy", "constraint",
+                 "n_logprobs", "prompt_lookup", "_eog", "history", "_tokens", "decoder", "matcher", "_text", "out",
+                 "notify", "request", "prompt", "tokenizer", "stops", "num_keep", "admitted", "draft_tokens",
+                 "accepted_tokens", "due", "finished", "_notify_due", "stop_sequence", "_logprobs", "t_queued",
+                 "t_start", "t_first", "cached_tokens")
 
     def __init__(self, request: CompletionRequest, prompt: list[Input], tokenizer, stops: list[str], num_keep: int,
                  constraint: Constraint | None = None):
@@ -279,9 +282,12 @@ class RunningSequence:
         self.prompt = prompt
         self.history = [inp.token for inp in prompt]  # prompt + generated tokens, for the penalties
         self.sampler = request.sampler()
+        self.greedy = self.sampler.temperature <= 0  # (its sampler picks the largest logit)
         self.tokenizer = tokenizer
-        # what ``accept`` reads for every token, kept as attributes
-        self._eog, self._n_logprobs, self._max_tokens = tokenizer.vocab.eog, request.logprobs, request.max_tokens
+        # what ``accept`` and the runner read for every token, kept as attributes (not read through the request:
+        # one object fewer to fetch per sequence and step, which a compute has left out of the CPU's caches)
+        self._eog, self.n_logprobs, self._max_tokens = tokenizer.vocab.eog, request.logprobs, request.max_tokens
+        self.prompt_lookup = request.prompt_lookup
         # the fewest of its row's largest logits that decide its next token (``sample_top``, a sampling head):
         # its sampler's ``top_need``; 0 (all of them) with a grammar or logprobs
         self.top_need = self.sampler.top_need if constraint is None and not request.logprobs else 0
@@ -343,8 +349,8 @@ class RunningSequence:
             return "stop"
         self.history.append(token)
         self._tokens.append(token)
-        if self._n_logprobs:
-            lp, top = logprobs(logits, token, self._n_logprobs)
+        if self.n_logprobs:
+            lp, top = logprobs(logits, token, self.n_logprobs)
             self._logprobs.append(TokenLogprob(token, lp, top))
         piece = self.decoder.feed(token)
         matcher = self.matcher
@@ -430,7 +436,7 @@ class RunningSequence:
         self._text = self._text[:cut]
 
     def _chunk(self, text: str) -> CompletionChunk:
-        if self._n_logprobs:
+        if self.n_logprobs:
             chunk = CompletionChunk(text, self._tokens, self._logprobs)
             self._logprobs = []
         else:
@@ -458,13 +464,14 @@ class RowPlan:
 
 def plan_rows(rows: Sequence[tuple[int, RunningSequence]]) -> RowPlan:
     """The ``RowPlan`` of (logits row, sequence) pairs."""
-    index = [row for row, _ in rows]
-    first = index[0] if index else 0
-    consecutive = index == list(range(first, first + len(index)))
-    samplers = [seq.sampler for _, seq in rows]
-    needs = [seq.top_need for _, seq in rows]
-    return RowPlan(slice(first, first + len(index)) if consecutive else index, samplers,
-                   all(s.temperature <= 0 for s in samplers), max(needs) if needs and min(needs) > 0 else 0)
+    if not rows:
+        return RowPlan(slice(0, 0), [], True, 0)
+    index, seqs = zip(*rows, strict=True)
+    first = index[0]
+    consecutive = index == tuple(range(first, first + len(index)))
+    needs = [seq.top_need for seq in seqs]
+    return RowPlan(slice(first, first + len(index)) if consecutive else list(index), [seq.sampler for seq in seqs],
+                   all([seq.greedy for seq in seqs]), max(needs) if min(needs) > 0 else 0)
 
 
 def sample_sequences(rows: Sequence[tuple[int, RunningSequence]], logits: np.ndarray | TopLogits,

@@ -90,7 +90,7 @@ class Speculation(StepPlugin):
 
     def before_build(self) -> None:
         r = self.runner
-        if self.drafter is None and not any(seq.request.prompt_lookup for seq in r.active):
+        if self.drafter is None and not any(seq.prompt_lookup for seq in r.active):
             return  # nothing drafts (nor has drafts: they are verified in the step they are computed)
         if r.in_flight is not None and self.drafts_after(r.in_flight):
             r.complete_in_flight()  # the next batch's drafts follow the tokens it samples

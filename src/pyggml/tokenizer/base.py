@@ -173,6 +173,9 @@ class Tokenizer:
 class StreamDecoder:
     """Turns ids into text one at a time, holding back incomplete UTF-8 sequences."""
 
+    # (slots: a runner feeds one per sequence each step; what ``feed`` reads sits in one or two cache lines)
+    __slots__ = ("_held", "_strip", "_texts", "_tok", "_skip_special", "_utf8")
+
     def __init__(self, tokenizer: Tokenizer, skip_special: bool = False,
                  continuation: bool = False) -> None:
         self._tok = tokenizer
