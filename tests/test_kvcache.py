@@ -1026,7 +1026,8 @@ def test_batch_groups_are_runs_of_consecutive_streams_with_equal_token_counts():
 
     rng = np.random.default_rng(8)
     for _ in range(300):
-        order = rng.permutation(12)[: rng.integers(1, 12)] if rng.random() < 0.3 else np.arange(rng.integers(1, 12))
+        order = rng.permutation(12)[: rng.integers(1, 12)] if rng.random() < 0.3 else \
+            rng.integers(0, 4) + np.arange(rng.integers(1, 12))
         counts = rng.integers(1, 3, size=order.size) if rng.random() < 0.5 else np.ones(order.size, int)
         sequences = np.repeat(order, counts).astype(np.int32)
         expected, start = [], 0
@@ -1040,3 +1041,8 @@ def test_batch_groups_are_runs_of_consecutive_streams_with_equal_token_counts():
         got = _plan_groups(sequences)
         assert [[g.start, g.stream, g.n_seqs, g.n_tokens] for g in got] == expected, sequences
     assert _plan_groups(np.array([0, 1, 0], np.int32)) is None
+    # as many entries as from the first to the last sequence, but not one each: not the one-group shortcut
+    for sequences, expected in (([0, 0, 2], [[0, 0, 1, 2], [2, 2, 1, 1]]), ([3, 5, 4], [[0, 3, 1, 1], [1, 5, 1, 1],
+                                                                                     [2, 4, 1, 1]])):
+        got = _plan_groups(np.array(sequences, np.int32))
+        assert [[g.start, g.stream, g.n_seqs, g.n_tokens] for g in got] == expected, sequences

@@ -565,6 +565,9 @@ class CellsMachine(RuleBasedStateMachine):
         if c.per_sequence:  # and so are the streams' extents
             used = c.cell_positions.reshape(N_SEQ, -1) >= 0
             assert c.stream_extents().tolist() == [int(np.flatnonzero(u)[-1]) + 1 if u.any() else 0 for u in used]
+            for first, count, padding in ((0, N_SEQ, 1), (1, 2, 4), (N_SEQ - 1, 1, 3)):
+                assert c.streams_extent(first, count, padding) == \
+                    int(c.stream_extents(padding)[first:first + count].max())
         window = self.config.get("swa_window")
         for s in range(N_SEQ):
             top = max(self.model[s], default=-1)

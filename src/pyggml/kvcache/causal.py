@@ -104,6 +104,9 @@ def _plan_groups(sequences: np.ndarray) -> list[_Group] | None:
     n = sequences.size
     if n == 1:
         return [_Group(0, int(sequences[0]), 1, 1)]
+    first, last = int(sequences[0]), int(sequences[-1])
+    if last - first == n - 1 and (sequences[1:] > sequences[:-1]).all():  # one token of consecutive sequences
+        return [_Group(0, first, n, 1)]  # (a decode step of slots in a row): one group
     if (sequences[1:] > sequences[:-1]).all():  # one token of each sequence (a decode step)
         first = np.flatnonzero(_edges(sequences[1:] != sequences[:-1] + 1)).tolist()
         ends = [*first[1:], n]
@@ -311,10 +314,8 @@ class Causal(Cache):
     def _plan(self, positions: np.ndarray, sequences: np.ndarray) -> list[_Group] | None:
         """The groups of a placed batch, each with the attention width of its longest stream."""
         groups = _plan_groups(sequences)
-        if groups is not None:
-            extents = self.cells.stream_extents(self.config.padding)
-            for g in groups:
-                g.n_kv = max(int(extents[g.stream:g.stream + g.n_seqs].max()), 1)
+        for g in groups or ():
+            g.n_kv = max(self.cells.streams_extent(g.stream, g.n_seqs, self.config.padding), 1)
         return groups
 
     def _group_masks(self, positions: np.ndarray, sequences: np.ndarray, groups: list[_Group], reserve: bool = False,

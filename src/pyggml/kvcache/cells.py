@@ -170,6 +170,12 @@ class Cells:
             return np.array([self.used_extent(padding)])
         return np.minimum(-(-self._stream_tops() // padding) * padding, self.stream_size)
 
+    def streams_extent(self, first: int, count: int, padding: int = 1) -> int:
+        """The largest of ``stream_extents(padding)`` over streams [first, first + count) (``per_sequence``),
+        in one numpy call (rounding up commutes with the largest)."""
+        top = int(self._stream_tops()[first:first + count].max())
+        return min(-(-top // padding) * padding, self.stream_size)
+
     def _stream_tops(self) -> np.ndarray:
         """Per stream its highest used cell + 1, counted from the stream's start (``per_sequence``)."""
         if self._stream_top is None:
