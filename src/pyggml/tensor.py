@@ -1430,7 +1430,8 @@ def _int_limits(np_dtype: np.dtype) -> tuple[int, int]:
 
 def _prepare_host_array(array: Any, dtype: DType, shape: tuple[int, ...], op: str) -> np.ndarray:
     """A C-contiguous array holding exactly the bytes ggml expects for (dtype, shape)."""
-    array = np.asarray(array)
+    if type(array) is not np.ndarray:  # (a decode step refills a graph's inputs with arrays: no numpy call for them)
+        array = np.asarray(array)
     expected = tuple(reversed(shape))
     np_dtype = dtype.numpy_dtype
     if np_dtype is None:  # quantized/BF16: raw blocks, so the byte count is what must match
@@ -1450,7 +1451,7 @@ def _prepare_host_array(array: Any, dtype: DType, shape: tuple[int, ...], op: st
                 raise ValueError(f"{op}: {array.dtype} values in {lo}..{hi} do not fit a {dtype.name} tensor "
                                  f"({low}..{high})")
         array = array.astype(np_dtype)
-    return np.ascontiguousarray(array)
+    return array if array.ndim and array.flags.c_contiguous else np.ascontiguousarray(array)  # (0-d: 1-d)
 
 
 def quantize(data: np.ndarray, dtype: DType | str) -> np.ndarray:
