@@ -619,6 +619,13 @@ TestCellsMachine.settings = settings(
 )
 
 
+def test_an_empty_batch_places_nothing():
+    for cells in (Cells(64, 4), Cells(64, 4, per_sequence=True), Cells(64, 4, per_sequence=True, swa_window=3)):
+        before = state(cells)
+        assert cells.place(np.array([], np.int32), np.array([], np.int32)).tolist() == []
+        assert_same_state(before, cells)
+
+
 def test_streams_take_their_lowest_free_cells_in_batch_order():
     """per_sequence: each new token gets the lowest free cell of its own stream, a sequence's tokens in
     batch order, for decode steps (one token each) and mixed batches; a full stream refuses the batch

@@ -213,7 +213,7 @@ class Cells:
         # one token of each sequence, in slot order (a decode step): no pair can repeat, and the
         # per-sequence updates below need no unbuffered (``ufunc.at``) or sorting passes
         distinct = bool((seq[1:] > seq[:-1]).all())
-        if distinct and self.per_sequence and self.swa_window is None:
+        if distinct and n and self.per_sequence and self.swa_window is None:
             cells = self._append_streams(pos, seq)
             if cells is not None:
                 return cells

@@ -267,7 +267,7 @@ class RunningSequence:
 
     # slots: the runner reads a dozen of these per sequence every step; more attributes than an instance
     # dict shares keys for (30) would make each read a hash lookup in a dict of its own. Those read every
-    # step come first: they share a few cache lines, which a compute has evicted by the time the host reads them
+    # step come first (they share a few cache lines)
     __slots__ = ("pending", "slot", "done", "cancelled", "outputs_in_flight", "placeholder", "generated",
                  "_max_tokens", "drafts", "scores", "max_backlog", "top_need", "sampler", "greedy", "constraint",
                  "n_logprobs", "prompt_lookup", "_eog", "history", "_tokens", "decoder", "matcher", "_text", "out",
@@ -284,8 +284,8 @@ class RunningSequence:
         self.sampler = request.sampler()
         self.greedy = self.sampler.temperature <= 0  # (its sampler picks the largest logit)
         self.tokenizer = tokenizer
-        # what ``accept`` and the runner read for every token, kept as attributes (not read through the request:
-        # one object fewer to fetch per sequence and step, which a compute has left out of the CPU's caches)
+        # what ``accept`` and the runner read for every token, kept as attributes (not read through the request
+        # or the sampler: fewer objects to visit per sequence and step)
         self._eog, self.n_logprobs, self._max_tokens = tokenizer.vocab.eog, request.logprobs, request.max_tokens
         self.prompt_lookup = request.prompt_lookup
         # the fewest of its row's largest logits that decide its next token (``sample_top``, a sampling head):
