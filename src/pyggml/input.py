@@ -46,7 +46,7 @@ class Input:
         return hash((self.token, self.multimodal_hash))
 
 
-class _SharedText(Input):
+class SharedText(Input):
     """A plain text token's input, one object per id shared by every sequence (``text_input``):
     changing it would change every slot's history, so it refuses."""
 
@@ -73,7 +73,7 @@ def text_input(token: int) -> Input:
         if token >= len(_TEXT_INPUTS):  # grow by doubling: few copies while the ids of a vocabulary come
             size = min(max(token + 1, 2 * len(_TEXT_INPUTS)), _MAX_SHARED_ID)
             _TEXT_INPUTS.extend([None] * (size - len(_TEXT_INPUTS)))
-        inp = object.__new__(_SharedText)
+        inp = object.__new__(SharedText)
         object.__setattr__(inp, "token", token)  # the other fields read the class defaults
         _TEXT_INPUTS[token] = inp
     return inp

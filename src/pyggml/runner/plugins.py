@@ -60,8 +60,9 @@ class ContextShift(StepPlugin):
 
     def before_build(self) -> None:
         r = self.runner
-        for seq in r.active:
-            if len(seq.slot.inputs) >= r.num_ctx and r.scheduler.wants_input(seq, r.build_ahead):
+        num_ctx = r.num_ctx
+        for seq in [s for s in r.active if len(s.slot.inputs) >= num_ctx]:  # (one pass; most steps find none)
+            if r.scheduler.wants_input(seq, r.build_ahead):
                 r.wait_in_flight()
                 try:
                     r.input_cache.shift_cache_slot(seq.slot, seq.num_keep)

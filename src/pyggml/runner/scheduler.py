@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pyggml.input import ROPE_AXES, Batch, Input, Multimodal, MultimodalIndex, rope_positions, rope_start
+from pyggml.input import ROPE_AXES, Batch, Input, Multimodal, MultimodalIndex, SharedText, rope_positions, rope_start
 from pyggml.runner.sequence import RowPlan, RunningSequence
 
 UNSET = -1  # token id of a placeholder input whose token is not sampled yet
@@ -93,18 +93,20 @@ class Step:
         return bool(self.rows or self.scored or self.spec)
 
     def add(self, inp: Input, position: int, sequence: int, seq: RunningSequence, rope: int | None = None) -> None:
-        if inp.multimodal:
-            self.multimodal.append(MultimodalIndex(len(self.tokens), inp.multimodal))
-        if inp.token == UNSET:
-            self.late.append((len(self.tokens), inp, seq))
-        self.tokens.append(inp.token)
+        token = inp.token
+        if type(inp) is not SharedText:  # (a sampled token's shared input is plain text: nothing to ask it)
+            if inp.multimodal:
+                self.multimodal.append(MultimodalIndex(len(self.tokens), inp.multimodal))
+            if token == UNSET:
+                self.late.append((len(self.tokens), inp, seq))
+            if inp.rope_offset:
+                self.moved = True
+        self.tokens.append(token)
         self.positions.append(position)
         self.sequences.append(sequence)
         if rope is None:
             rope = position
         elif rope != position:
-            self.moved = True
-        if inp.rope_offset:
             self.moved = True
         self.ropes.append(rope)
         self.inputs.append(inp)
@@ -203,7 +205,7 @@ class Scheduler:
                 seq.drafts or seq.scores is not None or (self.stops and slot.id in self.stops):
             return False
         inp = pending[0]
-        if inp.multimodal or inp.same_batch:
+        if type(inp) is not SharedText and (inp.multimodal or inp.same_batch):
             return False
         pending.popleft()
         rope = memo[2]

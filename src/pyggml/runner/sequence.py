@@ -522,15 +522,16 @@ class CompletionStream(Iterator[CompletionChunk]):
 
     def __init__(self, seq: RunningSequence, wake: Callable[[], None], pump: Callable[[], None] | None = None):
         self._seq, self._wake, self._pump = seq, wake, pump  # pump: a runner without a loop thread
+        self._out = seq.out  # (read for every chunk)
         self._over = False
 
     def __next__(self) -> CompletionChunk:
         if self._over:
             raise StopIteration
         if self._pump is not None:
-            while self._seq.out.empty():
+            while self._out.empty():
                 self._pump()
-        return self._took(self._seq.out.get())
+        return self._took(self._out.get())
 
     def poll(self) -> CompletionChunk | None:
         """The next chunk if one is there, else None (never blocks; raises the completion's error).
@@ -538,7 +539,7 @@ class CompletionStream(Iterator[CompletionChunk]):
         if self._over:
             raise StopIteration
         try:
-            item = self._seq.out.get_nowait()
+            item = self._out.get_nowait()
         except queue.Empty:
             return None
         return self._took(item)
@@ -546,7 +547,7 @@ class CompletionStream(Iterator[CompletionChunk]):
     def _took(self, item: CompletionChunk | BaseException) -> CompletionChunk:
         """A chunk just taken from the queue: resume a sequence paused on a full backlog, raise an error."""
         limit = self._seq.max_backlog
-        if limit is not None and self._seq.out.qsize() == limit - 1:  # it was paused: resume it
+        if limit is not None and self._out.qsize() == limit - 1:  # it was paused: resume it
             self._wake()
         if isinstance(item, BaseException):
             self._over = True
@@ -557,7 +558,7 @@ class CompletionStream(Iterator[CompletionChunk]):
     @property
     def backlog(self) -> int:
         """Chunks waiting unread (at ``max_backlog`` the sequence is paused)."""
-        return self._seq.out.qsize()
+        return self._out.qsize()
 
     def set_notify(self, notify: Callable[[], None] | None) -> None:
         """Have ``notify()`` called (on the runner's thread) after new chunks were queued: at most
