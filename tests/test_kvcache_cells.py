@@ -471,9 +471,16 @@ class CellsMachine(RuleBasedStateMachine):
         """A decode step as the runner packs it: one token after the end of each of some sequences, in
         increasing order (with streams, ``place`` takes its shortcut, ``_append_streams``, when it can)."""
         seqs = data.draw(st.lists(st.integers(0, N_SEQ - 1), min_size=1, max_size=N_SEQ, unique=True))
-        self.place_pairs([(s, max(self.model[s], default=-1) + 1) for s in sorted(seqs)])
+        count = state(self.cells)["_count"]
+        pairs = [(s, max(self.model[s], default=-1) + 1) for s in sorted(seqs)]
+        cells = self.place_pairs(pairs)
+        if cells is not None and self.cells.per_sequence and not self.config.get("swa_window"):
+            size = self.cells.stream_size  # each token in its stream's lowest cell free before the step
+            assert cells.tolist() == [s * size + int(np.flatnonzero(count[s * size:(s + 1) * size] == 0)[0])
+                                      for s, _ in pairs]
 
-    def place_pairs(self, pairs: list[tuple[int, int]]) -> None:
+    def place_pairs(self, pairs: list[tuple[int, int]]) -> np.ndarray | None:
+        """Place ``pairs`` (checking it against the model); the cells, or None when the cache was full."""
         before = state(self.cells)
         free = self.cells.free_count
         general = copy.deepcopy(self.cells)  # the same batch without the decode shortcut: the same cells and state
@@ -493,7 +500,7 @@ class CellsMachine(RuleBasedStateMachine):
             else:
                 assert free < len(pairs)
             assert_same_state(before, self.cells)
-            return
+            return None
         memory = self.cells.swa_memory
         for s in {s for s, _ in pairs}:
             low = min(p for q, p in pairs if q == s)
@@ -504,6 +511,7 @@ class CellsMachine(RuleBasedStateMachine):
             self.value[cell], self.key[cell] = self.next_id, p
             self.next_id += 1
         self.check_masks(pairs)
+        return cells
 
     def stored_seq(self, data) -> int:
         """A sequence that holds something, when there is one."""
@@ -624,6 +632,17 @@ def test_an_empty_batch_places_nothing():
         before = state(cells)
         assert cells.place(np.array([], np.int32), np.array([], np.int32)).tolist() == []
         assert_same_state(before, cells)
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2, 3], [2, 1, 3, 0]])
+def test_a_decode_step_fills_a_hole_below_a_streams_top(order):
+    """A stream whose middle was removed has a free cell below its top: a decode step (in slot order, and
+    not) puts that stream's token there, the others' after their last cell."""
+    cells = Cells(4 * 8, 4, per_sequence=True)
+    cells.place(*batch(*[(s, p) for s in range(4) for p in range(4)]))
+    cells.remove(1, 1, 2)  # stream 1: position 1's cell (9) is free, later positions move down
+    placed = cells.place(*batch(*[(s, 3 if s == 1 else 4) for s in order]))
+    assert dict(zip(order, placed.tolist(), strict=True)) == {0: 4, 1: 9, 2: 20, 3: 28}
 
 
 def test_streams_take_their_lowest_free_cells_in_batch_order():

@@ -104,10 +104,9 @@ def _plan_groups(sequences: np.ndarray) -> list[_Group] | None:
     n = sequences.size
     if n == 1:
         return [_Group(0, int(sequences[0]), 1, 1)]
-    first, last = int(sequences[0]), int(sequences[-1])
-    if last - first == n - 1 and (sequences[1:] > sequences[:-1]).all():  # one token of consecutive sequences
-        return [_Group(0, first, n, 1)]  # (a decode step of slots in a row): one group
     if (sequences[1:] > sequences[:-1]).all():  # one token of each sequence (a decode step)
+        if int(sequences[-1]) - int(sequences[0]) == n - 1:  # of slots in a row: one group
+            return [_Group(0, int(sequences[0]), n, 1)]
         first = np.flatnonzero(_edges(sequences[1:] != sequences[:-1] + 1)).tolist()
         ends = [*first[1:], n]
         return [_Group(start, int(sequences[start]), end - start, 1) for start, end in zip(first, ends, strict=True)]

@@ -168,13 +168,12 @@ class Cells:
         stream's size. Without streams, ``[used_extent(padding)]``."""
         if not self.per_sequence:
             return np.array([self.used_extent(padding)])
-        return np.minimum(-(-self._stream_tops() // padding) * padding, self.stream_size)
+        return np.minimum(_round_up(self._stream_tops(), padding), self.stream_size)
 
     def streams_extent(self, first: int, count: int, padding: int = 1) -> int:
         """The largest of ``stream_extents(padding)`` over streams [first, first + count) (``per_sequence``),
         in one numpy call (rounding up commutes with the largest)."""
-        top = int(self._stream_tops()[first:first + count].max())
-        return min(-(-top // padding) * padding, self.stream_size)
+        return min(_round_up(int(self._stream_tops()[first:first + count].max()), padding), self.stream_size)
 
     def _stream_tops(self) -> np.ndarray:
         """Per stream its highest used cell + 1, counted from the stream's start (``per_sequence``)."""
@@ -258,25 +257,33 @@ class Cells:
         return cells
 
     def _append_streams(self, pos: np.ndarray, seq: np.ndarray) -> np.ndarray | None:
-        """``place`` of the usual decode step with streams, in a third of its numpy calls (each ~5 us while
-        the caches are cold from a compute): one token of each of increasing sequences, each after every
-        position its sequence stores, into its stream's top cell when no stream has a free cell below its
-        top (the cell the general path would choose then). None, having changed nothing, otherwise."""
-        tops = self._stream_tops()[seq]
-        if not ((pos > self._top[seq]).all() and (tops < self.stream_size).all() and
-                (self._stream_used[seq] == tops).all()):
+        """``place`` of the usual decode step with streams, in a third of its numpy calls (each costs
+        microseconds): one token of each of increasing sequences, each after every position its sequence
+        stores, into its stream's top cell (``_top_cells``: the cell the general path would choose). None,
+        having changed nothing, when that does not hold."""
+        if not (pos > self._top[seq]).all():
             return None
-        new = tops + self._stream_starts[seq]
-        if self._count[new].any():  # (a top cell is free by definition: a stale count goes the general way)
+        new = self._top_cells(seq)
+        if new is None:
             return None
         self._pos[new] = pos
         self._count[new] = 1
         self._top[seq] = pos
-        self._stream_top[seq] = tops + 1
-        self._stream_used[seq] += 1  # (each stream once: no repeated index)
+        self._stream_top[seq] += 1  # (each stream once: no repeated index)
+        self._stream_used[seq] += 1
         if self._extent is not None:
             self._extent = max(self._extent, int(new[-1]) + 1)  # (the increasing streams' last cell is the highest)
         return new.astype(np.int32)
+
+    def _top_cells(self, streams: np.ndarray) -> np.ndarray | None:
+        """Each of ``streams``' top cell (after its highest used one) when none of them is full or has a free
+        cell below its top: then it is the stream's lowest free cell, found without a pass over the streams'
+        cells (P x context). None otherwise."""
+        tops = self._stream_tops()[streams]
+        if not ((tops < self.stream_size).all() and (self._stream_used[streams] == tops).all()):
+            return None
+        cells = tops + self._stream_starts[streams]
+        return None if self._count[cells].any() else cells  # (free by definition: a stale count says no)
 
     def _free_cells(self, count: np.ndarray, seqs: np.ndarray, distinct: bool = False) -> np.ndarray:
         """One free cell (by ``count``) for each token of sequences ``seqs``, lowest first (in each
@@ -299,17 +306,14 @@ class Cells:
             streams, inverse, wanted = np.unique(seqs, return_inverse=True, return_counts=True)
         if distinct or wanted.max() == 1:  # a decode step: the lowest free cell of each stream, at or below its top
             # (``count`` may have freed cells below a top, never taken any above one)
+            top = self._top_cells(streams) if count is self._count else None
+            if top is not None:
+                return top if inverse is None else top[inverse]
             tops = self._stream_tops()[streams]
             rows = np.arange(streams.size)
-            if count is self._count and (tops < size).all() and (self._stream_used[streams] == tops).all() and \
-                    not count[tops + streams.astype(np.int64) * size].any():
-                # no stream has a free cell below its top (the usual decode step): each takes its top (free,
-                # checked), without a pass over the streams' cells (P x context)
-                taken, short = tops, tops < 0
-            else:
-                block = count.reshape(self.max_sequences, size)[streams, :min(int(tops.max()) + 1, size)]
-                taken = np.argmin(block, axis=1)  # the first 0, where there is one
-                short = block[rows, taken] != 0
+            block = count.reshape(self.max_sequences, size)[streams, :min(int(tops.max()) + 1, size)]
+            taken = np.argmin(block, axis=1)  # the first 0, where there is one
+            short = block[rows, taken] != 0
         else:
             free = (count.reshape(self.max_sequences, size) == 0)[streams]
             rank = np.cumsum(free, axis=1)
