@@ -4,6 +4,7 @@ synthetic random-weight model (always)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 import time
@@ -23,7 +24,7 @@ from pyggml.runner import (
 )
 from pyggml.runner import runner as runner_module
 from pyggml.runner.plugins import StepPlugin
-from pyggml.runner.sequence import RunningSequence
+from pyggml.runner.sequence import CompletionChunk, RunningSequence, TokenLogprob
 from pyggml.synthetic import write_synthetic
 
 from .conftest import SHARED_MODELS, chained_steps, hold_computes, record_calls
@@ -86,6 +87,19 @@ def tokens_of(chunks) -> list[int]:
 
 def slots_free(runner: Runner) -> bool:
     return all(not s.in_use for s in runner.input_cache.slots) and runner.active_sequences == 0
+
+
+def test_a_streamed_chunk_is_the_chunk_its_fields_make():
+    """``CompletionChunk.streamed`` sets three fields and leaves the rest to the class defaults: the result must
+    equal (and print as) the chunk the constructor makes, and setting a field on it must not touch the class."""
+    tokens, logprobs = [5, 6], [TokenLogprob(5, -0.5, [(5, -0.5)])]
+    for args in (("ab", tokens), ("ab", tokens, logprobs)):
+        made, streamed = CompletionChunk(*args), CompletionChunk.streamed(*args)
+        assert streamed == made and repr(streamed) == repr(made)
+        assert dataclasses.asdict(streamed) == dataclasses.asdict(made)
+    streamed.done, streamed.finish_reason = True, "stop"
+    assert streamed != made and CompletionChunk.streamed("", []).done is False
+    assert CompletionChunk.streamed("", []).finish_reason is None and CompletionChunk().tokens == []
 
 
 def test_completion_streams_text_then_a_final_chunk(stories):

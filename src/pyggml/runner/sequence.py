@@ -99,6 +99,16 @@ class CompletionChunk:
     draft_tokens: int = 0  # speculative decoding: tokens drafted, and of those accepted
     accepted_tokens: int = 0
 
+    @classmethod
+    def streamed(cls, text: str, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> CompletionChunk:
+        """A chunk with only ``text``, ``tokens`` and ``logprobs`` set: every other field reads its class
+        default (a sequence makes one per step: three writes and a small instance, not fourteen)."""
+        chunk = object.__new__(cls)
+        chunk.text, chunk.tokens = text, tokens
+        if logprobs is not None:
+            chunk.logprobs = logprobs
+        return chunk
+
 
 def check_stops(stop: object) -> list[str]:
     """The stop strings of a request's ``stop`` (a string or a sequence of strings; empty ones
@@ -437,10 +447,10 @@ class RunningSequence:
 
     def _chunk(self, text: str) -> CompletionChunk:
         if self.n_logprobs:
-            chunk = CompletionChunk(text, self._tokens, self._logprobs)
+            chunk = CompletionChunk.streamed(text, self._tokens, self._logprobs)
             self._logprobs = []
         else:
-            chunk = CompletionChunk(text, self._tokens)
+            chunk = CompletionChunk.streamed(text, self._tokens)
         self._tokens = []
         return chunk
 
