@@ -463,6 +463,10 @@ def _top_k_slice(m: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     if n == 1:  # one row: its candidates, the k first in canonical order
         c = np.flatnonzero(m[0] >= bound[0])
         v = m[0, c]
+        if c.size > k:  # sort only the k largest (a partition, then k entries), unless the k-th value has a twin
+            kth = np.argpartition(v, c.size - k)[c.size - k:]
+            if np.count_nonzero(v >= v[kth].min()) == k:
+                c, v = c[kth], v[kth]
         top = _by_row_value_id(None, v, c, vocab)[:k]
         return c[top][None], v[top][None]
     r, c = np.divmod(np.flatnonzero(m >= bound[:, None]), vocab)  # by row, then id

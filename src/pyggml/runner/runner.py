@@ -509,7 +509,8 @@ class Runner:
             if step.late and not reads_in_place(step.graph.ctx, step.ids):  # the start-up check did not hold
                 self.build_ahead = False
                 raise RuntimeError("the model copied the batch's token ids; build-ahead is now off")
-            step.plan = plan_rows(step.rows)  # decided here, beside the compute in flight, not before its own
+            if len(step.rows) > 1 or step.graph.top is not None:  # (one row without a head needs none)
+                step.plan = plan_rows(step.rows)  # decided here, beside the compute in flight, not before its own
             if step.late and self._in_flight is not None:
                 step.feed = feed_rows(step.late, self._in_flight.rows)
             step.read = step.reads_logits
