@@ -36,6 +36,8 @@ apart. With slots free the loop waits for such a burst (``arriving``, ``ARRIVAL_
 ``ARRIVAL_WAIT_S``) so that its prompts start in one step; started as soon as the first request is
 in, the others would wait through that request's whole prompt step before theirs began (the time to
 first token at 8 parallel clients: 1.2-1.3x llama-server's before, 0.85-0.91x after, docs/bench.md).
+Not while a step of generating sequences computes (build-ahead): the device would wait for the build
+(``_generating_in_flight``).
 
 ``LLM`` is this runner with one sequence; ``pyggml bench`` times the same ``Engine``.
 """
@@ -405,7 +407,7 @@ class Runner:
                     self._notify()
                     continue
                 self._cond.wait()
-            if block and len(self.active) + len(self._waiting) < self.parallel:
+            if block and len(self.active) + len(self._waiting) < self.parallel and not self._generating_in_flight():
                 self._await_arrivals()
             closing = self._closing
             dropped = [s for s in self._waiting if s.cancelled]
@@ -418,12 +420,20 @@ class Runner:
             seq.finish("cancelled")
         return None if closing else admitted
 
+    def _generating_in_flight(self) -> bool:
+        """Whether a step computing now (build-ahead) samples tokens of sequences still going: then the loop
+        builds the next step without waiting for arrivals (``_await_arrivals``), since the device would wait
+        for the build instead once the step in flight ends (a device's step at many sequences takes a few ms,
+        the wait up to ARRIVAL_QUIET_S or more); requests arriving meanwhile go into the next step built."""
+        step = self._in_flight
+        return step is not None and any(not seq.done for _, seq in step.rows)
+
     def _await_arrivals(self) -> None:
         """Slots are free and requests are arriving (or were, or a sequence just ended: its
         client's next request is usually a millisecond behind): let them in before building,
         so that a burst shares one prompt step (see ``arriving``). Called holding _cond."""
         deadline = time.monotonic() + ARRIVAL_WAIT_S
-        while not self._closing:
+        while not self._closing and len(self.active) + len(self._waiting) < self.parallel:  # (a full burst: go)
             # a request still being prepared ARRIVAL_WAIT_S after it came holds nothing up any more
             quiet = self._last_arrival + (ARRIVAL_WAIT_S if self._arriving else ARRIVAL_QUIET_S)
             left = min(deadline, quiet) - time.monotonic()
@@ -648,13 +658,22 @@ class Runner:
     def _feed(step: Step, done: Step | None, sampled: Sampled | None) -> bool:
         """Write the tokens sampled in ``done`` into the ids of ``step``'s placeholders in one pass
         (``step.feed``), so that it launches before the sequences hear of them; False when it cannot (no
-        map, or a row ended or failed meanwhile): ``_hand_out`` fills the placeholders first."""
-        if step.feed is None or sampled is None or len(sampled[0]) != len(done.rows):
+        map, or a row failed): ``_hand_out`` fills the placeholders first. A row whose sequence ended after
+        ``done`` was built (a stop string in the step before) was not sampled: a placeholder of its sequence
+        (if any) gets id 0, as ``_fill`` gives one (any valid id will do)."""
+        if step.feed is None or sampled is None:
             return False
         try:
             tokens = np.array(sampled[1], np.int32)
         except (TypeError, ValueError, OverflowError):  # an exception in place of a token
             return False
+        if tokens.size != len(done.rows):  # (``_draw`` left out the rows whose sequence was done)
+            live = np.array([not seq.done for _, seq in done.rows])
+            if np.count_nonzero(live) != tokens.size:
+                return False
+            aligned = np.zeros(live.size, np.int32)
+            aligned[live] = tokens
+            tokens = aligned
         index, rows = step.feed
         step.ids[index] = tokens[rows]
         step.fed = True
