@@ -32,8 +32,14 @@ less its compute, ``lean step``, and ``tok/s``): the host work without the measu
 built, and the last one's tokens streamed, while a step computes in the runner's worker thread): per step
 the compute (``Backend._run``: writing the inputs and computing), the ``idle`` time from one compute's end to
 the next one's start (the host work the device waits for: reading and sampling the last step, launching
-the next), the step from start to start and the idle share; wall clock, one compute thread (``--threads``)
-beside the runner's, as a GPU would compute beside it.
+the next), the step from start to start, the idle share and the host share of the whole run (the prompt step
+and the last steps too); wall clock, one compute thread (``--threads``) beside the runner's, as a GPU would
+compute beside it. ``--device-ms MS`` makes it a simulated GPU: each compute is followed by MS ms of sleep (the
+GIL free, as in a CUDA compute), the runner's loop runs in its own thread and this one reads every stream, as a
+server's event loop does (``bench/runner_gpu.py --one-consumer`` on a real GPU):
+
+    python bench/runner_host.py --vocab 512 --parallel 16,64,128 --sampling greedy --device-sampling \
+        --build-ahead --device-ms 4.7   # P=128: ~4 ms of CPU compute + 4.7: the H200's 8.7 ms TinyLlama step
 
 The phases are found by wrapping the runner's functions (whichever of the listed names exist), so the
 script measures older and newer runners alike.
@@ -52,7 +58,7 @@ import numpy as np
 
 PHASES = ("compute", "cache", "sched", "sample", "detok", "stream")
 COLUMNS = ("P", *PHASES, "host", "step", "lean host", "lean step", "tok/s")
-AHEAD_COLUMNS = ("P", "compute", "idle", "step", "idle share", "chained", "tok/s")  # --build-ahead
+AHEAD_COLUMNS = ("P", "compute", "idle", "step", "idle share", "chained", "host share", "tok/s")  # --build-ahead
 # phase -> (module, class or None, attribute) of the functions whose own time (not their timed callees') goes there
 TIMED: dict[str, list[tuple[str, str | None, str]]] = {
     "compute": [("pyggml.runner.engine", "Engine", "compute")],
@@ -165,14 +171,15 @@ def run(model, parallel: int, steps: int, warmup: int, sampling: str, device_sam
     return row
 
 
-def runner_for(model, parallel: int, steps: int, device_sampling: bool, build_ahead: bool):
+def runner_for(model, parallel: int, steps: int, device_sampling: bool, build_ahead: bool, background: bool = False):
     """The benchmark's Runner: ``parallel`` slots with room for ``steps`` tokens each after the prompt, every
-    prompt in one batch (a batch is at most num_ctx), driven by the caller's thread (no loop thread)."""
+    prompt in one batch (a batch is at most num_ctx), driven by the caller's thread (no loop thread) unless
+    ``background``."""
     from pyggml.runner import Runner
 
     extra = dict(device_sampling=True) if device_sampling else {}  # (runners before issue 26 lack it)
     return Runner(model, parallel=parallel, num_ctx=max(4 * parallel, steps + 16), batch_size=4 * parallel,
-                  build_ahead=build_ahead, background=False, **extra)
+                  build_ahead=build_ahead, background=background, **extra)
 
 
 def requests(model, parallel: int, max_tokens: int, sampling: str, device_sampling: bool) -> list:
@@ -228,14 +235,18 @@ def counting_chains():
 
 
 def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
-              device_sampling: bool = False) -> dict[str, float]:
+              device_sampling: bool = False, device_ms: float = 0.0) -> dict[str, float]:
     """The runner as it serves (``build_ahead``: the next batch is built, and the last one's tokens
     streamed, while a batch computes in the runner's worker): median ms per step of ``compute`` (the
     backend writing the inputs and computing: ``Backend._run``), of ``idle`` (from one compute's end to the
     next one's start: the host work the device waits for, ggml's graph planning included), of ``step``
     (start to start), ``idle share`` (idle / step) and ``chained``, the share of the computed steps after which
-    the worker sampled the step and launched the next itself (``Runner._chain``; 0 for a runner without it).
-    Wall clock: the compute is another thread."""
+    the worker sampled the step and launched the next itself (``Runner._chain``; 0 for a runner without it);
+    ``host share``: 1 - the time in ``Backend._run`` over the whole run's (prompts and the last steps too), as
+    ``runner_gpu.py`` counts it. Wall clock: the compute is another thread. ``device_ms``: a simulated GPU: each
+    compute is followed by that many ms of sleep (the GIL free, as in a CUDA compute), and the runner's loop runs
+    in its own thread while this one reads every stream (as a server's event loop; ``runner_gpu.py
+    --one-consumer``)."""
     from pyggml.backend import Backend
 
     spans: list[tuple[float, float]] = []  # (start, end) of each compute
@@ -246,12 +257,14 @@ def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
         try:
             return original(self, *args, **kwargs)
         finally:
+            if device_ms:
+                time.sleep(device_ms / 1e3)
             spans.append((t0, time.perf_counter()))
 
     Backend._run = compute
     try:
-        with counting_chains() as went_on, \
-                runner_for(model, parallel, warmup + steps, device_sampling, build_ahead=True) as runner:
+        with counting_chains() as went_on, runner_for(model, parallel, warmup + steps, device_sampling,
+                                                      build_ahead=True, background=device_ms > 0) as runner:
             tokens, wall = drain([runner.completion(r) for r in requests(model, parallel, warmup + steps + 2,
                                                                          sampling, device_sampling)])
     finally:
@@ -263,6 +276,7 @@ def run_ahead(model, parallel: int, steps: int, warmup: int, sampling: str,
            "step": float(np.median(step))}
     row["idle share"] = row["idle"] / row["step"]
     row["chained"] = float(np.mean(went_on)) if went_on else 0.0
+    row["host share"] = 1 - sum(e - s for s, e in spans) / wall
     row["tok/s"] = tokens / wall
     return row
 
@@ -284,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--build-ahead", action="store_true",
                         help="also the runner as it serves (build_ahead=True): how long the compute waits for the "
                              "host each step (columns " + ", ".join(AHEAD_COLUMNS[1:]) + "; wall clock)")
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="with --build-ahead: a simulated GPU, each compute followed by MS ms of sleep (the GIL "
+                             "free); the loop in its own thread, this one reading the streams (default 0: off)")
     args = parser.parse_args(argv)
     from pyggml import models
     from pyggml.backend import BackendParams
@@ -307,11 +324,13 @@ def main(argv: list[str] | None = None) -> int:
                 cells = [str(parallel)] + [f"{row[c]:.3f}" for c in COLUMNS[1:-1]] + [f"{row['tok/s']:.0f}"]
                 print("| " + " | ".join(cells) + " |", flush=True)
             if args.build_ahead:
-                print(f"\n### build-ahead ({sampling}): the compute's wait for the host, wall clock\n")
+                device = f", each compute + {args.device_ms:g} ms (a simulated GPU)" if args.device_ms else ""
+                print(f"\n### build-ahead ({sampling}{device}): the compute's wait for the host, wall clock\n")
                 print("| " + " | ".join(AHEAD_COLUMNS) + " |")
                 print("|" + "---|" * len(AHEAD_COLUMNS))
                 for parallel in parallels:
-                    row = run_ahead(model, parallel, args.steps, args.warmup, sampling, args.device_sampling)
+                    row = run_ahead(model, parallel, args.steps, args.warmup, sampling, args.device_sampling,
+                                    args.device_ms)
                     cells = [str(parallel)] + [f"{row[c]:.3f}" for c in AHEAD_COLUMNS[1:-1]] + [f"{row['tok/s']:.0f}"]
                     print("| " + " | ".join(cells) + " |", flush=True)
     finally:

@@ -316,25 +316,28 @@ def test_runner_host_script_prints_every_phase(tmp_path):
         assert values[9] > values[8]  # the lean step holds its host work and its compute
 
 
-def test_runner_host_build_ahead_table(tmp_path):
+@pytest.mark.parametrize("device_ms", [0, 20])
+def test_runner_host_build_ahead_table(tmp_path, device_ms):
     """--build-ahead adds, per sampling, a table of the runner as it serves: per P the compute, the device's
-    wait for the host between computes (idle), the step from start to start (compute plus idle) and the
-    idle share."""
+    wait for the host between computes (idle), the step from start to start (compute plus idle), the idle
+    share, and the host share of the whole run. --device-ms simulates a GPU: every compute lasts that much
+    longer (the loop in its own thread, this one reading the streams)."""
     env = {**os.environ, "PYGGML_CACHE_DIR": str(tmp_path)}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "runner_host.py"), "--vocab", "300",
                            "--parallel", "1,3", "--steps", "3", "--warmup", "1", "--sampling", "greedy",
-                           "--build-ahead", "--device-sampling"],
+                           "--build-ahead", "--device-sampling", "--device-ms", str(device_ms)],
                           capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    at = lines.index("| P | compute | idle | step | idle share | chained | tok/s |")
+    at = lines.index("| P | compute | idle | step | idle share | chained | host share | tok/s |")
+    assert ("a simulated GPU" in lines[at - 2]) == bool(device_ms)
     rows = [line.strip("|").split("|") for line in lines[at + 2:at + 4]]
     assert [int(r[0]) for r in rows] == [1, 3]
     for row in rows:
-        compute, idle, step, share, chained, tok_s = (float(v) for v in row[1:])
-        assert compute > 0 and idle > 0 and tok_s > 0
+        compute, idle, step, share, chained, host_share, tok_s = (float(v) for v in row[1:])
+        assert compute > device_ms and idle > 0 and tok_s > 0
         assert step >= max(compute, idle) and 0 < share <= 1  # each step is its compute and its idle time
-        assert 0 <= chained <= 1
+        assert 0 <= chained <= 1 and 0 < host_share < 1
 
 
 def test_runner_gpu_script_runs_anywhere(tmp_path):
