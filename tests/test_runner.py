@@ -388,8 +388,9 @@ def test_build_ahead_with_the_loop_thread_and_a_client_thread_each_gives_the_ser
                                                                                           monkeypatch):
     """Build-ahead as a server runs it (the loop in its thread, a thread per client, 24 requests over 8 slots,
     stop strings, some cancelled after a few chunks) streams what one request at a time without build-ahead
-    streams: the launch hand-shake, the refilled graph in flight and the ids written into it in one pass (or,
-    once a row ended meanwhile, placeholder by placeholder) change no token."""
+    streams: the launch hand-shake, the refilled graph in flight and the ids written into it in one pass (rows
+    whose sequence stopped meanwhile left out; or placeholder by placeholder, when a placeholder's sequence had no
+    row in the step before) change no token."""
     import random
 
     fed = record_calls(monkeypatch, Runner, "_feed")

@@ -8,11 +8,14 @@ published test vectors are the reference.
 from __future__ import annotations
 
 import codecs
-import operator
 from collections.abc import Sequence
 from typing import ClassVar
 
 from .vocab import SPECIAL_TYPES, TokenType, Vocab
+
+# (a token type's enum member read once here: ``TokenType.BYTE`` in a function costs an enum lookup per call)
+_BYTE, _UNUSED, _USER_DEFINED = TokenType.BYTE, TokenType.UNUSED, TokenType.USER_DEFINED
+_NO_ID = b"<not an id>"  # token_to_piece: the id is not one of this vocabulary's (a marker, never a piece)
 
 _ASCII_SPACE = " \t\n\v\f\r"
 # Tokenizers cache the ids of the words they have seen (at most 100,000); only words up to this
@@ -119,34 +122,30 @@ class Tokenizer:
     def token_to_piece(self, id: int) -> bytes:
         """The raw bytes token ``id`` stands for (special tokens give their text)."""
         try:
-            piece = self._pieces[id] if id >= 0 else None
-        except (IndexError, TypeError):  # not an id of this vocabulary: _check_id says why
-            piece = None
-        if piece is None:
-            self._check_id(id)
+            piece = self._pieces[id] if id >= 0 else _NO_ID
+        except (IndexError, TypeError):
+            piece = _NO_ID
+        if piece is None:  # an id of this vocabulary, not decoded yet (a runner decodes most tokens once)
             ttype, text = self._types[id], self.vocab.tokens[id]
-            if ttype == TokenType.BYTE and len(text) == 6 and text.startswith("<0x"):
+            if ttype == _BYTE and len(text) == 6 and text.startswith("<0x"):
                 piece = bytes([int(text[3:5], 16)])
             elif ttype in SPECIAL_TYPES:
                 piece = text.encode()
-            elif ttype == TokenType.UNUSED:
+            elif ttype == _UNUSED:
                 piece = b""
             else:
                 piece = self._normal_piece(text)
             self._pieces[id] = piece
+        elif piece is _NO_ID:
+            raise self._bad_id(id)
         return piece
 
     def _normal_piece(self, text: str) -> bytes:
         raise NotImplementedError
 
-    def _check_id(self, id: int) -> None:
-        try:
-            ok = 0 <= operator.index(id) < self.vocab_size
-        except TypeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"token id {id!r} is out of range for a vocabulary of "
-                             f"{self.vocab_size} tokens")
+    def _bad_id(self, id: object) -> ValueError:
+        """The error for ``id``, which is not a token id of this vocabulary (out of range, or not an int)."""
+        return ValueError(f"token id {id!r} is out of range for a vocabulary of {self.vocab_size} tokens")
 
     def decode(self, ids: Sequence[int], skip_special: bool = False,
                continuation: bool = False) -> str:
@@ -198,7 +197,7 @@ class StreamDecoder:
         piece = tok.token_to_piece(id)
         ttype = tok._types[id]
         if ttype in SPECIAL_TYPES:
-            if self._skip_special and ttype != TokenType.USER_DEFINED:
+            if self._skip_special and ttype != _USER_DEFINED:
                 piece = b""
             if tok.strips_after_special:
                 self._strip = True
