@@ -15,7 +15,7 @@ from .vocab import SPECIAL_TYPES, TokenType, Vocab
 
 # (a token type's enum member read once here: ``TokenType.BYTE`` in a function costs an enum lookup per call)
 _BYTE, _UNUSED, _USER_DEFINED = TokenType.BYTE, TokenType.UNUSED, TokenType.USER_DEFINED
-_NO_ID = b"<not an id>"  # token_to_piece: the id is not one of this vocabulary's (a marker, never a piece)
+_NO_ID = object()  # token_to_piece: the id is not one of this vocabulary's
 
 _ASCII_SPACE = " \t\n\v\f\r"
 # Tokenizers cache the ids of the words they have seen (at most 100,000); only words up to this
