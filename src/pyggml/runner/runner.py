@@ -709,8 +709,9 @@ class Runner:
         the launch: nothing between reads the count.)"""
         for _, seq in step.rows:
             seq.outputs_in_flight -= 1
-        for item in taken:
-            self._take(*item)
+        take = self._take
+        for seq, token, row, placed in taken:
+            take(seq, token, row, placed)
         for seq in step.finishing:
             if not seq.done:
                 self.release(seq, "cancelled" if seq.cancelled else "length")

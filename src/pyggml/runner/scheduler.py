@@ -138,10 +138,13 @@ def feed_rows(late: list[tuple[int, Input, RunningSequence]],
         return None
 
 
-def packing_order(seq: RunningSequence) -> tuple[bool, int]:
-    """Decode inputs (one token, perhaps with drafts) first, by slot; then prompts in arrival order."""
-    prompt = len(seq.pending) - len(seq.drafts) > 1
-    return prompt, 0 if prompt else seq.slot.id
+_PROMPT_KEY = 1 << 62  # past every slot id
+
+
+def packing_order(seq: RunningSequence) -> int:
+    """Decode inputs (one token, perhaps with drafts) first, by slot; then prompts in arrival order (a stable
+    sort keeps it: they share one key)."""
+    return _PROMPT_KEY if len(seq.pending) - len(seq.drafts) > 1 else seq.slot.id
 
 
 def encoded(inp: Input) -> bool:
