@@ -344,7 +344,7 @@ def test_on_a_slow_device_the_chain_goes_on_after_a_sequence_stops(stories, monk
     with Runner(stories, parallel=5, num_ctx=128, batch_size=16, build_ahead=False) as runner:
         plain = run_concurrently(runner, requests)
     assert [chunks[-1].finish_reason for _, chunks in plain] == ["stop"] * 4 + ["length"]
-    hold_computes(monkeypatch, 0.03)
+    hold_computes(monkeypatch, 0.05)
     after_stops = []  # per step computed with a row whose sequence stopped and rows still going: whether it chained
     go_on = Runner._go_on
 
@@ -360,7 +360,7 @@ def test_on_a_slow_device_the_chain_goes_on_after_a_sequence_stops(stories, monk
         ahead = run_concurrently(runner, requests)
     assert [(text, tokens_of(chunks)) for text, chunks in ahead] == \
         [(text, tokens_of(chunks)) for text, chunks in plain]
-    # (a host slower than the held 30 ms could miss a chain; none was taken before _feed skipped such rows)
+    # (a host slower than the held 50 ms could miss a chain; none was taken before _feed skipped such rows)
     assert len(after_stops) >= 2 and sum(after_stops) > len(after_stops) / 2, after_stops
 
 
