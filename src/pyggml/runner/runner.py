@@ -19,8 +19,8 @@ results: a sequence whose next token is still being computed gets a placeholder 
 id is written into N+1's token array after N is sampled, just before N+1 is launched (the same
 scheme as Ollama's runner): all of N's ids in one write where N's rows map onto N+1's placeholders
 (``scheduler.feed_rows``, made while N computes), so that N+1 launches before N's sequences take their
-tokens (``_hand_out``); one by one, through the placeholders, when a row ended meanwhile or a grammar
-must take its token first. When N+1 is built before N has computed (a device slower than the host), the
+tokens (``_hand_out``; a row whose sequence stopped meanwhile is left out); one by one, through the
+placeholders, when a row failed or a grammar must take its token first. When N+1 is built before N has computed (a device slower than the host), the
 loop offers it to the worker (``_chain``): the worker samples N itself, writes the ids and computes N+1
 at once, with no thread hand-off between the two computes, and the loop takes N's tokens from it.
 A launch returns once the worker's compute runs natively: until then
