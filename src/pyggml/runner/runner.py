@@ -20,9 +20,10 @@ id is written into N+1's token array after N is sampled, just before N+1 is laun
 scheme as Ollama's runner): all of N's ids in one write where N's rows map onto N+1's placeholders
 (``scheduler.feed_rows``, made while N computes), so that N+1 launches before N's sequences take their
 tokens (``_hand_out``; a row whose sequence stopped meanwhile is left out); one by one, through the
-placeholders, when a row failed or a grammar must take its token first. When N+1 is built before N has computed (a device slower than the host), the
-loop offers it to the worker (``_chain``): the worker samples N itself, writes the ids and computes N+1
-at once, with no thread hand-off between the two computes, and the loop takes N's tokens from it.
+placeholders, when a row failed or a grammar must take its token first. When N+1 is built before N has
+computed (a device slower than the host), the loop offers it to the worker (``_chain``): the worker samples
+N itself, writes the ids and computes N+1 at once, with no thread hand-off between the two computes, and the
+loop takes N's tokens from it.
 A launch returns once the worker's compute runs natively: until then
 the worker needs the GIL, and the loop's Python would keep it (up to Python's 5 ms switch interval,
 or until the loop blocked: nothing overlapped). N+1 refills N's graph, whose inputs are written by
