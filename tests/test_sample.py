@@ -342,9 +342,12 @@ def test_sampling_from_the_k_largest_equals_sampling_from_all():
     ids = rng.permuted(ids, axis=1)  # a device's order is its own
     vals = np.take_along_axis(logits, ids, axis=1)
     pick = [options[i % len(options)] for i in range(n)]
-    top_tokens, redo = sample_top([Sampler(**o, seed=i) for i, o in enumerate(pick)], ids, vals, finite, vocab)
+    samplers = [Sampler(**o, seed=i) for i, o in enumerate(pick)]
+    top_tokens, redo = sample_top(samplers, ids, vals, finite, vocab)
     full_tokens, errors = sample_rows([Sampler(**o, seed=i) for i, o in enumerate(pick)], logits)
     assert 7 in redo and 9 in redo and 9 in errors
+    # a row handed back drew nothing from its generator (the runner samples it from its full row next)
+    assert pick[7].get("temperature", 0.8) > 0 and samplers[7].uniform() == Sampler(**pick[7], seed=7).uniform()
     decided = [i for i in range(n) if i not in redo]
     assert len(decided) >= n - 3
     assert top_tokens[decided].tolist() == full_tokens[decided].tolist()
@@ -436,3 +439,10 @@ def test_rows_sampled_by_a_plan_made_earlier_give_the_same_tokens():
     mixed = [(0, seq(0.8)), (1, seq(0.0)), (2, seq(1.2))]  # the same seeds again
     assert sample_sequences(mixed, logits, plan_rows(mixed)) == first
     assert plan_rows(mixed).top_need == 9 and not plan_rows(mixed).from_top(8)  # top-k 8 must see a 9th below
+
+
+def test_uniform_is_the_generators_stream_one_by_one():
+    """A sampler fetches its generator's numbers in blocks (``Sampler.uniform``): the same numbers in the same order
+    as one call each, across refills, so a seed draws what it drew before."""
+    sampler, generator = Sampler(seed=3), np.random.default_rng(3)
+    assert [sampler.uniform() for _ in range(150)] == [float(generator.random()) for _ in range(150)]

@@ -45,6 +45,9 @@ class SamplingOptions:
         return {f.name: getattr(self, f.name) for f in fields(SamplingOptions)}
 
 
+_UNIFORMS_AT_ONCE = 64  # a sampler's generator draws this many numbers per call (``Sampler.uniform``)
+
+
 @dataclass
 class Sampler(SamplingOptions):
     """Sampling options (checked) plus a private random generator (seeded: reproducible draws)."""
@@ -71,6 +74,8 @@ class Sampler(SamplingOptions):
         _check(not np.any(self._bias_ids < 0), "logit_bias token ids must be >= 0", bias)
         _check(not np.any(np.isnan(self._bias_values)), "logit_bias values must not be NaN", bias)
         self._rng = np.random.default_rng(self.seed)
+        self._uniforms: list[float] = []  # drawn from _rng ahead, _UNIFORMS_AT_ONCE at a time (``uniform``)
+        self._next_uniform = 0
         neutral = self.repeat_penalty == 1.0 and not self.presence_penalty and not self.frequency_penalty
         self._penalises = not neutral and self.repeat_last_n != 0
         # greedy without penalties, and a bias that only lowers logits: the argmax of the logits as they are
@@ -114,10 +119,17 @@ class Sampler(SamplingOptions):
     def draw(self, probs: np.ndarray) -> int:
         """An index drawn from ``probs`` (non-negative weights) with this sampler's generator."""
         cdf = np.cumsum(probs)
-        return int(_pick(cdf[None], np.array([self._rng.random()]))[0])
+        return int(_pick(cdf[None], np.array([self.uniform()]))[0])
 
     def uniform(self) -> float:
-        return float(self._rng.random())
+        """The next number in [0, 1) of this sampler's generator: fetched _UNIFORMS_AT_ONCE at a time, the same
+        numbers in the same order as one call each (a sampled row per step costs one list read, not a call
+        into the generator)."""
+        i = self._next_uniform
+        if i == len(self._uniforms):
+            self._uniforms, i = self._rng.random(_UNIFORMS_AT_ONCE).tolist(), 0
+        self._next_uniform = i + 1
+        return self._uniforms[i]
 
     def _argmax(self, row: np.ndarray, errors: dict[int, Exception]) -> int | None:
         """A plain greedy row (``_plain_greedy``) in scalars: its argmax, None when a bias lowers it
@@ -146,7 +158,7 @@ class Sampler(SamplingOptions):
             if biased.size:
                 row[biased] = old
         n = _prefix_kept(self, vals[0])
-        return int(ids[0, _draw_one(vals[0, :n], self.temperature, self._rng.random())])
+        return int(ids[0, _draw_one(vals[0, :n], self.temperature, self.uniform())])
 
     def fits_top(self, k: int) -> bool:
         """Whether a row's K largest logits (``k``) are all this sampler needs (``sample_top``): no
@@ -265,20 +277,20 @@ def sample_top(samplers: Sequence[Sampler], ids: np.ndarray, vals: np.ndarray, f
         decided = finite & ((top[:, 0] > vals.min(axis=1)) | (k_top >= vocab))
         tokens[~decided] = -1
         return tokens, np.flatnonzero(~decided).tolist()
-    order = _by_row_value_id(np.repeat(np.arange(n), k_top), vals.reshape(-1), ids.reshape(-1), vocab)
-    ids, vals = ids.reshape(-1)[order].reshape(n, k_top), vals.reshape(-1)[order].reshape(n, k_top)
-    need = np.array([1 if s.temperature <= 0 else s.top_k for s in samplers])
+    at = _by_value_id(vals, ids) + np.arange(0, n * k_top, k_top)[:, None]  # (flat: cheaper than take_along_axis)
+    ids, vals = ids.reshape(-1)[at], vals.reshape(-1)[at]
+    drawn = np.array([s.temperature > 0 for s in samplers])
+    top_k = np.array([s.top_k for s in samplers])
+    need = np.where(drawn, top_k, 1)
     decided = finite & ((vals[np.arange(n), need - 1] > vals[:, -1]) | (k_top >= vocab)) & \
         (need < vocab)  # a top-k of the whole vocabulary samples in id order (``_pools``)
     tokens = np.full(n, -1, np.int64)
     redo = np.flatnonzero(~decided).tolist()
-    greedy = [i for i in range(n) if decided[i] and samplers[i].temperature <= 0]
+    greedy = np.flatnonzero(decided & ~drawn)
     tokens[greedy] = ids[greedy, 0]
-    by_k: dict[int, list[int]] = {}
-    for i in range(n):
-        if decided[i] and samplers[i].temperature > 0:
-            by_k.setdefault(samplers[i].top_k, []).append(i)
-    for k, rows in by_k.items():
+    drawn &= decided
+    for k in np.unique(top_k[drawn]).tolist():  # (rows of one top-k go together; usually all of them)
+        rows = np.flatnonzero(drawn & (top_k == k)).tolist()
         for pool in _truncate(samplers, _Pool(rows, ids[rows, :k], vals[rows, :k], None)):
             _draw_pool(samplers, pool, tokens)
     return tokens, redo
@@ -541,6 +553,17 @@ def _top_k_groups(m: np.ndarray, k: int, maxima: np.ndarray | None = None) -> tu
     return ids[top].reshape(n, k), v[top].reshape(n, k)
 
 
+def _by_value_id(vals: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Per row of (rows, K) ``vals`` and their ``ids`` (ids below 2**31): the order of its entries by value,
+    largest first, then by id. For float32 one sort of int64 keys per row (the value's bits made monotonic, then
+    the id), each row's sort staying in the CPU's cache (half the time of one sort over all rows)."""
+    if vals.dtype != np.float32:
+        return np.lexsort((ids, -vals), axis=-1)
+    bits = (vals + np.float32(0.0)).view(np.int32)  # + 0: -0.0 becomes 0.0, equal values equal bits
+    monotonic = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)  # ordered like the floats
+    return np.argsort(((0x7FFFFFFF - monotonic) << 31) | ids, axis=1)  # (< 2**32 << 31: within int64)
+
+
 def _by_row_value_id(r: np.ndarray | None, v: np.ndarray, c: np.ndarray, vocab: int) -> np.ndarray:
     """The order of entries (ids ``c`` ascending within a row) by row (None: all in one), then value
     (largest first), then id. For float32 one sort of unique int64 keys (row, the value's bits made
@@ -622,11 +645,11 @@ def _draw_pool(samplers: Sequence[Sampler], pool: _Pool, tokens: np.ndarray) -> 
     if len(pool.rows) == 1 and (pool.keep is None or pool.n_keep is not None):
         s = samplers[pool.rows[0]]
         n = pool.vals.shape[1] if pool.n_keep is None else int(pool.n_keep[0])
-        index = _draw_one(pool.vals[0, :n], s.temperature, s._rng.random())
+        index = _draw_one(pool.vals[0, :n], s.temperature, s.uniform())
         tokens[pool.rows[0]] = index if pool.ids is None else pool.ids[0, index]
         return
     temps = np.array([samplers[i].temperature for i in pool.rows], np.float32)
-    u = np.array([samplers[i]._rng.random() for i in pool.rows])
+    u = np.array([samplers[i].uniform() for i in pool.rows])
     index = _draw(pool.vals, pool.keep, temps, u)
     tokens[pool.rows] = index if pool.ids is None else pool.ids[np.arange(len(pool.rows)), index]
 
