@@ -302,6 +302,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --build-ahead: a simulated GPU, each compute followed by MS ms of sleep (the GIL "
                              "free); the loop in its own thread, this one reading the streams (default 0: off)")
     args = parser.parse_args(argv)
+    if args.device_ms and not args.build_ahead:
+        parser.error("--device-ms simulates a GPU for the --build-ahead table: add --build-ahead")
+    if args.device_ms < 0:
+        parser.error(f"--device-ms must be >= 0 (ms of sleep after each compute), got {args.device_ms:g}")
     from pyggml import models
     from pyggml.backend import BackendParams
 

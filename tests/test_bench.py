@@ -340,6 +340,16 @@ def test_runner_host_build_ahead_table(tmp_path, device_ms):
         assert 0 <= chained <= 1 and 0 < host_share < 1
 
 
+@pytest.mark.parametrize("args, says", [(["--device-ms", "3"], "add --build-ahead"),
+                                        (["--build-ahead", "--device-ms", "-1"], "--device-ms must be >= 0")])
+def test_runner_host_refuses_a_device_it_cannot_simulate(args, says):
+    """--device-ms only means something for the --build-ahead table, and only as a non-negative time: the script
+    says which flag to change instead of ignoring it."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "runner_host.py"), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr
+
+
 def test_runner_gpu_script_runs_anywhere(tmp_path):
     """bench/runner_gpu.py (issue 26's GPU harness) runs on a build without a GPU too (every layer on the
     CPU), so it cannot rot between GPU sessions: a row per P with the tok/s and both host

@@ -117,8 +117,10 @@ class Step:
             self.ids = np.array(self.tokens, np.int32)
             ropes = [rope_positions(r, inp, ROPE_AXES) for r, inp in zip(self.ropes, self.inputs, strict=True)] \
                 if self.moved else ()
-            self.batch = StepBatch(self.ids, outputs=self.outputs, positions=self.positions,
-                                   sequences=self.sequences, multimodal=self.multimodal, rope_positions=ropes)
+            # positions and sequences as int32 once: the cache and the graph's inputs take these as they are
+            self.batch = StepBatch(self.ids, outputs=self.outputs, positions=np.array(self.positions, np.int32),
+                                   sequences=np.array(self.sequences, np.int32), multimodal=self.multimodal,
+                                   rope_positions=ropes)
 
 
 def feed_rows(late: list[tuple[int, Input, RunningSequence]],

@@ -300,7 +300,7 @@ class RunningSequence:
         self.prompt_lookup = request.prompt_lookup
         # the fewest of its row's largest logits that decide its next token (``sample_top``, a sampling head):
         # its sampler's ``top_need``; 0 (all of them) with a grammar or logprobs
-        self.top_need = self.sampler.top_need if constraint is None and not request.logprobs else 0
+        self.top_need = self.sampler.top_need if constraint is None and not self.n_logprobs else 0
         self.decoder = tokenizer.stream(skip_special=True, continuation=True)
         self.stops = stops
         self.matcher = StopMatcher(stops)

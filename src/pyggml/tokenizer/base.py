@@ -145,7 +145,8 @@ class Tokenizer:
 
     def _bad_id(self, id: object) -> ValueError:
         """The error for ``id``, which is not a token id of this vocabulary (out of range, or not an int)."""
-        return ValueError(f"token id {id!r} is out of range for a vocabulary of {self.vocab_size} tokens")
+        return ValueError(f"token id {id!r} is out of range: this vocabulary's ids are the ints "
+                          f"0..{self.vocab_size - 1}")
 
     def decode(self, ids: Sequence[int], skip_special: bool = False,
                continuation: bool = False) -> str:
