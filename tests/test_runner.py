@@ -771,3 +771,22 @@ def test_a_step_plug_in_sees_every_step_without_changing_the_loop(synthetic_path
     assert sum(rows is not None for kind, _, rows in recorder.events if kind == "logits") == 6  # one per token
     kinds = [kind for kind, _, _ in recorder.events]
     assert kinds[0] == "before" and kinds.count("before") >= len(launched)
+
+
+class _PlannedSeq:
+    """What a row plan reads of a sequence (compared by identity, as a RunningSequence is)."""
+
+    def __init__(self, greedy: bool = True):
+        self.top_need, self.sampler, self.greedy = 1, object(), greedy
+
+
+def test_a_step_with_the_last_steps_rows_reuses_their_plan():
+    """``Runner._plan``: the same (row, sequence) pairs as the last step's (the usual decode step) get the same
+    plan; any other rows (another sequence, or the same ones at other rows) get their own."""
+    a, b, c = _PlannedSeq(), _PlannedSeq(), _PlannedSeq(greedy=False)
+    runner = type("R", (), {"_last_plan": None})()
+    first = Runner._plan(runner, [(0, a), (1, b)])
+    assert Runner._plan(runner, [(0, a), (1, b)]) is first and first.greedy
+    other = Runner._plan(runner, [(0, a), (1, c)])
+    assert other is not first and other.samplers == [a.sampler, c.sampler] and not other.greedy
+    assert Runner._plan(runner, [(1, a), (2, c)]).pick == slice(1, 3)

@@ -148,6 +148,23 @@ def test_wants_input_says_which_sequences_the_context_shift_must_serve():
     assert not scheduler.wants_input(seq(0, [1], paused=True), build_ahead=False)
 
 
+def test_packing_that_fills_a_slot_says_a_slot_may_be_full():
+    """The context shift looks at the slots only while one may be full (``maybe_full``): a decode input or a
+    prompt that fills its slot sets it; the shift clears it once it finds none full."""
+    scheduler = Scheduler(batch_size=8, num_ctx=4)
+    scheduler.maybe_full = False
+    s = seq(0, [1], cached=2)
+    scheduler.schedule([s], build_ahead=False)  # (a slot's first packing: the general path)
+    assert not scheduler.maybe_full and len(s.slot.inputs) == 3
+    s.pending.append(Input(token=2))
+    s.outputs_in_flight = 0
+    scheduler.schedule([s], build_ahead=False)  # a decode input (the shortcut) fills it
+    assert scheduler.maybe_full and len(s.slot.inputs) == 4
+    scheduler.maybe_full = False
+    scheduler.schedule([seq(1, range(6))], build_ahead=False)  # so does a prompt
+    assert scheduler.maybe_full
+
+
 def test_a_stop_ends_the_batch_there_once():
     """``stops``: a plug-in asks for a batch boundary at a slot position (a recurrent state is
     checkpointed there); the next batch goes on from it, and a stop reached at a batch's start costs nothing."""

@@ -91,6 +91,7 @@ def test_several_speculating_sequences_at_once(runner):
                for i, p in enumerate(prompts)]
     together = [[t for c in s for t in c.tokens] for s in streams]
     assert together == alone
+    assert runner.prompt_lookups == 0  # (counted while they ran: the runner looks for drafts only then)
 
 
 def test_sampled_speculation_keeps_max_tokens_and_seeds(runner):

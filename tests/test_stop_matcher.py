@@ -23,3 +23,11 @@ def test_pieces_without_a_stop_start_are_skipped_correctly():
                 break
             assert matcher.partial == partial_stop(held, stops), (stops, held)
             held = held[len(held) - matcher.partial:]
+
+
+def test_matchers_of_the_same_stops_share_their_tables_not_their_state():
+    a, b = StopMatcher(["\n\nUser:", "END"]), StopMatcher(["\n\nUser:", "END"])
+    assert a._goto is b._goto and a.starts is b.starts  # (one automaton for every request of these stops)
+    assert StopMatcher(["END"])._goto is not a._goto
+    assert a.feed("xx\n\nUs", 0) is None and a.state and not b.state
+    assert b.feed("an END", 0) == 3 and a.feed("er:", 6) == 2

@@ -263,7 +263,8 @@ def sample_top(samplers: Sequence[Sampler], ids: np.ndarray, vals: np.ndarray, f
     if greedy is None:
         greedy = all(s.temperature <= 0 for s in samplers)
     if greedy:  # greedy: the largest value, the lowest id among equals
-        top = vals.max(axis=1, keepdims=True)
+        # (found by argmax: numpy's max along rows as short as K costs three times as much)
+        top = vals[np.arange(n), vals.argmax(axis=1)][:, None]
         largest = vals == top
         # the usual case, each row's largest value once (then, with K >= 2, below it lies the K-th): its
         # id, the one marked in its row (few numpy calls: each costs microseconds on caches a compute left cold)

@@ -60,8 +60,13 @@ class ContextShift(StepPlugin):
 
     def before_build(self) -> None:
         r = self.runner
+        if not r.scheduler.maybe_full:  # no slot can be full: no pass over them
+            return
         num_ctx = r.num_ctx
-        for seq in [s for s in r.active if len(s.slot.inputs) >= num_ctx]:  # (one pass; most steps find none)
+        full = [s for s in r.active if len(s.slot.inputs) >= num_ctx]
+        if not full:
+            r.scheduler.maybe_full = False
+        for seq in full:
             if r.scheduler.wants_input(seq, r.build_ahead):
                 r.wait_in_flight()
                 try:

@@ -68,6 +68,7 @@ from pyggml.runner.sequence import (
     MAX_DRAFT,
     CompletionRequest,
     CompletionStream,
+    RowPlan,
     RunningSequence,
     check_int,
     plan_rows,
@@ -160,9 +161,11 @@ class Runner:
         self._arriving = 0  # requests being prepared (``arriving``) that have not reached _waiting yet
         self._last_arrival = 0.0  # time.monotonic() a request last entered or left ``arriving``, or a sequence ended
         self.active: list[RunningSequence] = []  # admitted sequences, in admission order
+        self.prompt_lookups = 0  # of which draft by prompt lookup (read every step: no pass over them)
         self._closing = False
         self._in_flight: Step | None = None  # the batch computing in the worker (build-ahead)
         self._due: list[RunningSequence] = []  # sequences whose consumer waits for a notify (``_notify``)
+        self._last_plan: tuple[list, RowPlan] | None = None  # (rows, their plan): ``_plan``
         self.speculation = Speculation(self, self._drafter(draft, draft_max, cache_type, batch_size), draft_max)
         # in hook order: masks are ready before drafts are verified; drafts queue before full slots shift
         self.plugins: list[StepPlugin] = [Constraints(), self.speculation, ContextShift(self),
@@ -488,6 +491,8 @@ class Runner:
         seq.cached_tokens = len(seq.prompt) - len(remaining)
         seq.admitted.set()
         self.active.append(seq)
+        self.prompt_lookups += bool(seq.prompt_lookup)
+        self.scheduler.maybe_full = True  # (its slot may start full: a cached prefix of num_ctx inputs)
 
     # ---- one step -------------------------------------------------------------------------------
     @property
@@ -521,7 +526,7 @@ class Runner:
                 self.build_ahead = False
                 raise RuntimeError("the model copied the batch's token ids; build-ahead is now off")
             if len(step.rows) > 1 or step.graph.top is not None:  # (one row without a head needs none)
-                step.plan = plan_rows(step.rows)  # decided here, beside the compute in flight, not before its own
+                step.plan = self._plan(step.rows)  # decided here, beside the compute in flight, not before its own
             if step.late and self._in_flight is not None:
                 step.feed = feed_rows(step.late, self._in_flight.rows)
             step.read = step.reads_logits
@@ -534,6 +539,16 @@ class Runner:
             self._fail_step(step, exc)
             return None
         return step
+
+    def _plan(self, rows: list[tuple[int, RunningSequence]]) -> RowPlan:
+        """``plan_rows(rows)``; the last step's plan again when its rows were the same (the usual decode step:
+        a plan reads only each sequence's fixed sampling settings, and making one visits every sequence)."""
+        last = self._last_plan
+        if last is not None and last[0] == rows:  # (each pair compared: row ints by value, sequences by identity)
+            return last[1]
+        plan = plan_rows(rows)
+        self._last_plan = (rows, plan)
+        return plan
 
     def _launch(self, step: Step) -> None:
         """Compute ``step``: in the worker (build-ahead; sampled in the next turn), or now."""
@@ -699,7 +714,7 @@ class Runner:
                 placeholder.token, seq.placeholder = token, None
             item = (seq, token, logits[row] if seq.n_logprobs else None, placeholder is not None)
             if seq.constraint is not None:
-                self._take(*item)
+                self._take([item])
             else:
                 taken.append(item)
         return taken
@@ -710,25 +725,25 @@ class Runner:
         the launch: nothing between reads the count.)"""
         for _, seq in step.rows:
             seq.outputs_in_flight -= 1
-        take = self._take
-        for seq, token, row, placed in taken:
-            take(seq, token, row, placed)
+        self._take(taken)
         for seq in step.finishing:
             if not seq.done:
                 self.release(seq, "cancelled" if seq.cancelled else "length")
 
-    def _take(self, seq: RunningSequence, token: int, row: np.ndarray | None, placed: bool) -> None:
-        """``seq`` sampled ``token`` (from logits ``row``; ``placed``: into the placeholder of the batch
-        built ahead, else it queues as the next input): stream it, or end the sequence."""
-        try:
-            reason = "cancelled" if seq.cancelled else seq.accept(token, row)
-        except Exception as exc:  # the grammar refused the token: a bug, fail this sequence only
-            self.release(seq, error=exc)
-            return
-        if reason:
-            self.release(seq, reason)
-        elif not placed:
-            seq.pending.append(text_input(token))
+    def _take(self, taken: list[tuple[RunningSequence, int, np.ndarray | None, bool]]) -> None:
+        """Each (sequence, token, logits row, placed) took ``token`` (from logits ``row``; ``placed``: into the
+        placeholder of the batch built ahead, else it queues as the next input): stream it, or end the sequence.
+        (One loop for a step's sequences: a call per sequence costs as much as what most of them do.)"""
+        for seq, token, row, placed in taken:
+            try:
+                reason = "cancelled" if seq.cancelled else seq.accept(token, row)
+            except Exception as exc:  # the grammar refused the token: a bug, fail this sequence only
+                self.release(seq, error=exc)
+                continue
+            if reason:
+                self.release(seq, reason)
+            elif not placed:
+                seq.pending.append(text_input(token))
 
     def _reset(self, exc: BaseException) -> None:
         """A batch failed: its keys and values are missing, and later prompts may share them: every
@@ -763,6 +778,7 @@ class Runner:
             seq.slot.in_use = False
         if seq in self.active:
             self.active.remove(seq)
+            self.prompt_lookups -= bool(seq.prompt_lookup)
             self._last_arrival = time.monotonic()  # its client's next request is often on its way
         if error is not None:
             seq.fail(error)

@@ -161,6 +161,9 @@ class Scheduler:
     def __init__(self, batch_size: int, num_ctx: int):
         self.batch_size, self.num_ctx = batch_size, num_ctx
         self.stops: dict[int, int] = {}  # slot id -> a position a batch must end at (once), e.g. a checkpoint
+        # whether a slot may hold num_ctx inputs: set when packing (or an admission) may have filled one, cleared
+        # by the context shift once it finds none full (so most steps it visits no slot)
+        self.maybe_full = True
         # slot id -> [its inputs, n, rope_start(n)] (a list updated in place: no new object per step)
         self._ropes: dict[int, list] = {}
 
@@ -184,9 +187,9 @@ class Scheduler:
         """The next step: ``step.batch`` is None when no sequence has an input to compute."""
         step = Step()
         for seq in sorted(seqs, key=packing_order):
-            if seq.cancelled and not seq.done and not seq.outputs_in_flight:
-                step.cancelled.append(seq)
-            if not self.feeds(seq):
+            if seq.done or seq.cancelled or seq.paused:  # (``feeds``, inline: every sequence, every step)
+                if seq.cancelled and not seq.done and not seq.outputs_in_flight:
+                    step.cancelled.append(seq)
                 continue
             if build_ahead and self.awaits_placeholder(seq, build_ahead):
                 seq.placeholder = Input(token=UNSET)
@@ -213,12 +216,28 @@ class Scheduler:
         if type(inp) is not SharedText and (inp.multimodal or inp.same_batch):
             return False
         pending.popleft()
-        rope = memo[2]
-        step.add(inp, n, slot.id, seq, rope)
+        rope, token = memo[2], inp.token
+        # (``step.add`` of a text input, inline: a call per sequence costs as much as what it does)
+        if token == UNSET:
+            step.late.append((len(step.tokens), inp, seq))
+        if rope != n or inp.rope_offset:
+            step.moved = True
+        step.tokens.append(token)
+        step.positions.append(n)
+        step.sequences.append(slot.id)
+        step.ropes.append(rope)
+        step.inputs.append(inp)
         inputs.append(inp)
         memo[1], memo[2] = n + 1, rope + inp.rope_step
+        if n + 1 >= self.num_ctx:
+            self.maybe_full = True
         step.seqs.append(seq)
-        self._ask_logits(step, seq, len(step.tokens) - 1, 1)
+        if seq.wants_logits:  # (``_ask_logits`` of one input, neither drafts nor prompt scores)
+            step.outputs.append(len(step.tokens) - 1)
+            step.rows.append((len(step.outputs) - 1, seq))
+            seq.outputs_in_flight += 1
+        else:
+            step.finishing.append(seq)
         return True
 
     def _take(self, step: Step, seq: RunningSequence, room: int) -> None:
@@ -229,7 +248,10 @@ class Scheduler:
         rope = self._rope_start(slot)
         while pending and taken < room:
             inp = pending[0]
-            if len(inputs) >= self.num_ctx or (inp.multimodal and not encoded(inp)):
+            if len(inputs) >= self.num_ctx:  # (the context shift makes room before the next step: it looks now)
+                self.maybe_full = True
+                break
+            if inp.multimodal and not encoded(inp):
                 break
             if stop == len(inputs):
                 del self.stops[slot.id]
@@ -249,6 +271,8 @@ class Scheduler:
             rope += inp.rope_step
             taken += 1
         if taken:
+            if len(inputs) >= self.num_ctx:
+                self.maybe_full = True
             memo = self._ropes.get(slot.id)
             if memo is None:
                 self._ropes[slot.id] = [inputs, len(inputs), rope]

@@ -4,6 +4,7 @@ side of a completion (``CompletionStream``)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import queue
 import threading
@@ -209,44 +210,53 @@ def partial_stop(text: str, stops: Sequence[str]) -> int:
     return best
 
 
+@functools.lru_cache(maxsize=64)
+def _automaton(stops: tuple[str, ...]) -> tuple[list[dict[str, int]], list[int], list[tuple[int, ...]], list[int],
+                                                 frozenset[str]]:
+    """The Aho-Corasick tables of ``stops`` (goto, fail, the lengths of the stops ending at each state, each
+    state's depth) and the stops' first characters; shared by every ``StopMatcher`` of these stops, which
+    only read them."""
+    goto: list[dict[str, int]] = [{}]
+    fail, ends, depth = [0], [()], [0]
+    for stop in stops:
+        state = 0
+        for ch in stop:
+            nxt = goto[state].get(ch)
+            if nxt is None:
+                nxt = len(goto)
+                goto[state][ch] = nxt
+                goto.append({})
+                fail.append(0)
+                ends.append(())
+                depth.append(depth[state] + 1)
+            state = nxt
+        ends[state] += (len(stop),)
+    todo = deque(goto[0].values())
+    while todo:  # breadth first: a state's fallback is shallower, so already linked
+        state = todo.popleft()
+        for ch, child in goto[state].items():
+            f = fail[state]
+            while f and ch not in goto[f]:
+                f = fail[f]
+            back = goto[f].get(ch, 0)
+            fail[child] = back if back != child else 0
+            ends[child] += ends[fail[child]]
+            todo.append(child)
+    return goto, fail, ends, depth, frozenset(goto[0])
+
+
 class StopMatcher:
     """Finds stop strings in text fed a piece at a time (an Aho-Corasick automaton over the
     stops): each character costs the same however many and however long the stops are. Built
-    once per request, in the caller's thread; ``feed`` runs on the runner's thread."""
+    in the caller's thread; ``feed`` runs on the runner's thread. Matchers of the same stops share
+    one automaton (``_automaton``: requests of one chat template all stop at its strings), so a
+    step's sequences read the same tables, not one copy each."""
 
     __slots__ = ("state", "starts", "_goto", "_fail", "_ends", "_depth")  # (state and starts: read every step)
 
     def __init__(self, stops: Sequence[str]):
-        self._goto: list[dict[str, int]] = [{}]
-        self._fail = [0]
-        self._ends: list[tuple[int, ...]] = [()]  # lengths of the stops that end at each state
-        self._depth = [0]
-        for stop in stops:
-            state = 0
-            for ch in stop:
-                nxt = self._goto[state].get(ch)
-                if nxt is None:
-                    nxt = len(self._goto)
-                    self._goto[state][ch] = nxt
-                    self._goto.append({})
-                    self._fail.append(0)
-                    self._ends.append(())
-                    self._depth.append(self._depth[state] + 1)
-                state = nxt
-            self._ends[state] += (len(stop),)
-        todo = deque(self._goto[0].values())
-        while todo:  # breadth first: a state's fallback is shallower, so already linked
-            state = todo.popleft()
-            for ch, child in self._goto[state].items():
-                f = self._fail[state]
-                while f and ch not in self._goto[f]:
-                    f = self._fail[f]
-                back = self._goto[f].get(ch, 0)
-                self._fail[child] = back if back != child else 0
-                self._ends[child] += self._ends[self._fail[child]]
-                todo.append(child)
+        self._goto, self._fail, self._ends, self._depth, self.starts = _automaton(tuple(stops))
         self.state = 0  # 0: no stop string begun (``accept`` reads it, and ``starts``, before calling ``feed``)
-        self.starts = frozenset(self._goto[0])  # first characters of the stops
 
     @property
     def partial(self) -> int:
@@ -280,7 +290,7 @@ class RunningSequence:
     # step come first (they share a few cache lines)
     __slots__ = ("pending", "slot", "done", "cancelled", "outputs_in_flight", "placeholder", "generated",
                  "_max_tokens", "drafts", "scores", "max_backlog", "top_need", "sampler", "greedy", "constraint",
-                 "n_logprobs", "prompt_lookup", "_eog", "history", "_tokens", "decoder", "matcher", "_text", "out",
+                 "n_logprobs", "prompt_lookup", "_eog", "history", "_unsent", "decoder", "matcher", "_text", "out",
                  "notify", "request", "prompt", "tokenizer", "stops", "num_keep", "admitted", "draft_tokens",
                  "accepted_tokens", "due", "finished", "_notify_due", "stop_sequence", "_logprobs", "t_queued",
                  "t_start", "t_first", "cached_tokens")
@@ -314,7 +324,9 @@ class RunningSequence:
         self.cached_tokens = 0
         self.cancelled = False
         self.done = False
-        self.drafts: list[int] = []  # drafted tokens in the batch in flight (speculative decoding)
+        # drafted tokens in the batch in flight (speculative decoding); () when none: one shared object, not a
+        # list per sequence for every step to visit
+        self.drafts: Sequence[int] = ()
         self.draft_tokens = self.accepted_tokens = 0
         self.scores: list[np.ndarray] | None = [] if request.prompt_logits else None  # prompt rows' logits
         self.out: queue.SimpleQueue = queue.SimpleQueue()
@@ -328,7 +340,7 @@ class RunningSequence:
         self._notify_due = False
         self._text = ""  # decoded text held back (it may begin a stop string)
         self.stop_sequence: str | None = None  # the stop string that ended the output
-        self._tokens: list[int] = []
+        self._unsent = 0  # generated tokens (the end of ``history``) no chunk has carried yet
         self._logprobs: list[TokenLogprob] = []
         self.t_queued = time.perf_counter()
         self.t_start = self.t_first = 0.0
@@ -358,7 +370,7 @@ class RunningSequence:
         if token in self._eog:
             return "stop"
         self.history.append(token)
-        self._tokens.append(token)
+        self._unsent += 1
         if self.n_logprobs:
             lp, top = logprobs(logits, token, self.n_logprobs)
             self._logprobs.append(TokenLogprob(token, lp, top))
@@ -384,10 +396,10 @@ class RunningSequence:
             if matcher.state:  # hold back what may begin a stop string
                 emit = len(text) - matcher.partial
                 if emit:
-                    self._put(self._chunk(text[:emit]))
+                    self._send(text[:emit])
                     self._text = text[emit:]
             else:
-                self._put(self._chunk(text))
+                self._send(text)
                 self._text = ""
         if 0 <= self._max_tokens <= self.generated:
             return "length"
@@ -406,7 +418,8 @@ class RunningSequence:
         now = time.perf_counter()
         start = self.t_start or now
         first = self.t_first or now
-        chunk = self._chunk(self._text)
+        tokens = self.history[-self._unsent:] if self._unsent else []
+        chunk = CompletionChunk.streamed(self._text, tokens, self._logprobs if self.n_logprobs else None)
         chunk.done, chunk.finish_reason, chunk.stop_sequence = True, reason, self.stop_sequence
         chunk.prompt_tokens, chunk.cached_tokens = len(self.prompt), self.cached_tokens
         chunk.generated_tokens = self.generated
@@ -415,7 +428,7 @@ class RunningSequence:
             chunk.prompt_logits = np.stack(self.scores) if self.scores else None
         chunk.timings = Timings(queued_seconds=start - self.t_queued, prompt_seconds=first - start,
                                 generate_seconds=now - first)
-        self._text = ""
+        self._text, self._unsent, self._logprobs = "", 0, []
         self.out.put(chunk)
         self.admitted.set()
         self.finished.set()
@@ -428,8 +441,14 @@ class RunningSequence:
         self.finished.set()
         self._due()
 
-    def _put(self, item: CompletionChunk) -> None:
-        self.out.put(item)
+    def _send(self, text: str) -> None:
+        """Queue a chunk of ``text`` with the tokens (and logprobs) since the last one, and have its consumer
+        told (``_due``) if it asked."""
+        n_logprobs, unsent, self._unsent = self.n_logprobs, self._unsent, 0
+        tokens = self.history[-unsent:] if unsent else []  # (the tokens generated since the last chunk)
+        self.out.put(CompletionChunk.streamed(text, tokens, self._logprobs if n_logprobs else None))
+        if n_logprobs:
+            self._logprobs = []
         if self.notify is not None:
             self._due()
 
@@ -444,16 +463,6 @@ class RunningSequence:
         remembering which stop it was (the first to end: the shortest there)."""
         self.stop_sequence = min((s for s in self.stops if self._text.startswith(s, cut)), key=len)
         self._text = self._text[:cut]
-
-    def _chunk(self, text: str) -> CompletionChunk:
-        if self.n_logprobs:
-            chunk = CompletionChunk.streamed(text, self._tokens, self._logprobs)
-            self._logprobs = []
-        else:
-            chunk = CompletionChunk.streamed(text, self._tokens)
-        self._tokens = []
-        return chunk
-
 
 @dataclass(eq=False)
 class RowPlan:

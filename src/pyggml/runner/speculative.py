@@ -90,7 +90,7 @@ class Speculation(StepPlugin):
 
     def before_build(self) -> None:
         r = self.runner
-        if self.drafter is None and not any(seq.prompt_lookup for seq in r.active):
+        if self.drafter is None and not r.prompt_lookups:
             return  # nothing drafts (nor has drafts: they are verified in the step they are computed)
         if r.in_flight is not None and self.drafts_after(r.in_flight):
             r.complete_in_flight()  # the next batch's drafts follow the tokens it samples
@@ -167,13 +167,13 @@ class Speculation(StepPlugin):
     def _queue(seq: RunningSequence, drafts: list[int]) -> None:
         if drafts and seq.constraint is not None:  # the matcher is past the decode input: check the draft
             drafts = drafts[:seq.constraint.validate(drafts)]
-        seq.drafts = drafts
+        seq.drafts = drafts or ()
         seq.pending.extend(text_input(t) for t in drafts)
 
     def _verify(self, logits: np.ndarray, first: int, seq: RunningSequence) -> None:
         """Check a sequence's drafts against the target's rows ``first..first+len(drafts)``: keep the
         longest accepted prefix plus the token that follows it, and remove the rest from the cache."""
-        drafts, seq.drafts = seq.drafts, []
+        drafts, seq.drafts = seq.drafts, ()
         seq.outputs_in_flight -= 1
         if seq.done:
             return
