@@ -179,7 +179,7 @@ class Sampler(SamplingOptions):
             raise errors[0]
         if self.temperature <= 0:
             return int(np.argmax(row[0])), None
-        pool = _pools([self], row, [0])[0]
+        pool = _pools([self], RowParams.of([self]), row, [0])[0]
         keep = slice(None) if pool.keep is None else pool.keep[0]
         ids = np.arange(row.shape[1]) if pool.ids is None else pool.ids[0]
         return ids[keep], pool.vals[0][keep]
@@ -198,6 +198,26 @@ class _Pool:
     vals: np.ndarray
     keep: np.ndarray | None
     n_keep: np.ndarray | None = None  # top-p/min-p of a sorted pool: how many lead entries are kept
+
+
+@dataclass(frozen=True, eq=False)
+class RowParams:
+    """The settings of a batch's samplers as arrays, indexed like its rows: what drawing and truncating read
+    for every row, gathered once (``of``) rather than in a Python pass per row and step (a runner's row plan
+    keeps them while its rows stay the same)."""
+
+    temperature: np.ndarray  # float32, the dtype the draw divides by
+    top_k: np.ndarray
+    top_p: np.ndarray  # float64: the mass bound is compared in float64
+    min_p: np.ndarray
+    typical: np.ndarray  # bool: typical_p < 1
+
+    @classmethod
+    def of(cls, samplers: Sequence[Sampler]) -> RowParams:
+        return cls(np.array([s.temperature for s in samplers], np.float32), np.array([s.top_k for s in samplers]),
+                   np.array([s.top_p for s in samplers], np.float64),
+                   np.array([s.min_p for s in samplers], np.float64),
+                   np.array([s.typical_p < 1.0 for s in samplers], bool))
 
 
 def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray,
@@ -242,8 +262,9 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray,
                 kept = [j for j, i in enumerate(drawn) if i not in errors]
                 drawn = [drawn[j] for j in kept]
                 maxima = maxima[kept] if maxima is not None else None
-        for pool in _pools(samplers, logits, drawn, maxima):
-            _draw_pool(samplers, pool, tokens)
+        params = RowParams.of(samplers) if drawn else None
+        for pool in _pools(samplers, params, logits, drawn, maxima):
+            _draw_pool(samplers, params, pool, tokens)
     finally:
         undo()
     if errors:
@@ -252,13 +273,13 @@ def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray,
 
 
 def sample_top(samplers: Sequence[Sampler], ids: np.ndarray, vals: np.ndarray, finite: np.ndarray,
-               vocab: int, greedy: bool | None = None) -> tuple[np.ndarray, list[int]]:
+               vocab: int, greedy: bool | None = None, params: RowParams | None = None) -> tuple[np.ndarray, list[int]]:
     """``sample_rows`` from each row's K largest logits only (``ids``, ``vals``: (rows, K), any
     order; ``finite``: whether the whole row is), for samplers that ``fits_top(K)``: the same tokens,
     as the candidates are the same once put in the canonical order. Rows it cannot decide get -1 and
     are listed for ``sample_rows`` on their full logits: a NaN or infinity in the row, or a tie at the
     K-th value that could hide an equal logit outside the K. ``greedy``: whether every sampler is
-    (None: found here)."""
+    (None: found here). ``params``: ``RowParams.of(samplers)``, if made already."""
     n, k_top = ids.shape
     if greedy is None:
         greedy = all(s.temperature <= 0 for s in samplers)
@@ -278,10 +299,10 @@ def sample_top(samplers: Sequence[Sampler], ids: np.ndarray, vals: np.ndarray, f
         decided = finite & ((top[:, 0] > vals.min(axis=1)) | (k_top >= vocab))
         tokens[~decided] = -1
         return tokens, np.flatnonzero(~decided).tolist()
-    at = _by_value_id(vals, ids) + np.arange(0, n * k_top, k_top)[:, None]  # (flat: cheaper than take_along_axis)
-    ids, vals = ids.reshape(-1)[at], vals.reshape(-1)[at]
-    drawn = np.array([s.temperature > 0 for s in samplers])
-    top_k = np.array([s.top_k for s in samplers])
+    ids, vals = _sorted_by_value_id(vals, ids)
+    if params is None:
+        params = RowParams.of(samplers)
+    drawn, top_k = params.temperature > 0, params.top_k
     need = np.where(drawn, top_k, 1)
     decided = finite & ((vals[np.arange(n), need - 1] > vals[:, -1]) | (k_top >= vocab)) & \
         (need < vocab)  # a top-k of the whole vocabulary samples in id order (``_pools``)
@@ -292,8 +313,8 @@ def sample_top(samplers: Sequence[Sampler], ids: np.ndarray, vals: np.ndarray, f
     drawn &= decided
     for k in np.unique(top_k[drawn]).tolist():  # (rows of one top-k go together; usually all of them)
         rows = np.flatnonzero(drawn & (top_k == k)).tolist()
-        for pool in _truncate(samplers, _Pool(rows, ids[rows, :k], vals[rows, :k], None)):
-            _draw_pool(samplers, pool, tokens)
+        for pool in _truncate(samplers, params, _Pool(rows, ids[rows, :k], vals[rows, :k], None)):
+            _draw_pool(samplers, params, pool, tokens)
     return tokens, redo
 
 
@@ -411,7 +432,7 @@ def _adjust(samplers: Sequence[Sampler], logits: np.ndarray, histories: Sequence
     return undo
 
 
-def _pools(samplers: Sequence[Sampler], logits: np.ndarray, rows: list[int],
+def _pools(samplers: Sequence[Sampler], params: RowParams, logits: np.ndarray, rows: list[int],
            maxima: np.ndarray | None = None) -> list[_Pool]:
     """The candidates of the sampled ``rows``: top-k rows of one k together (most likely first),
     untruncated rows together (id order), and rows with typical sampling, or top-p over the whole
@@ -427,7 +448,7 @@ def _pools(samplers: Sequence[Sampler], logits: np.ndarray, rows: list[int],
         if k > 0:
             ids, vals = _top_k_rows(logits, group, k) if maxima is None else _top_k_groups(_take(logits, group), k,
                                                                                            maxima)
-            pools += _truncate(samplers, _Pool(group, ids, vals, None))
+            pools += _truncate(samplers, params, _Pool(group, ids, vals, None))
         elif k == 0:  # no truncation but min-p: the whole vocabulary in id order
             vals = _take(logits, group)
             min_p = np.array([samplers[i].min_p for i in group])
@@ -554,15 +575,19 @@ def _top_k_groups(m: np.ndarray, k: int, maxima: np.ndarray | None = None) -> tu
     return ids[top].reshape(n, k), v[top].reshape(n, k)
 
 
-def _by_value_id(vals: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Per row of (rows, K) ``vals`` and their ``ids`` (ids below 2**31): the order of its entries by value,
-    largest first, then by id. For float32 one sort of int64 keys per row (the value's bits made monotonic, then
-    the id), each row's sort staying in the CPU's cache (half the time of one sort over all rows)."""
+def _sorted_by_value_id(vals: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row of (rows, K) ``vals`` and their ``ids`` (ids in 0..2**31) ordered by value, largest first, then by
+    id: (ids, vals). For float32 one sort of int64 keys per row (the value's bits made monotonic, then the id), each
+    row's sort staying in the CPU's cache, and the sorted keys give back both (no gather by sorted index)."""
     if vals.dtype != np.float32:
-        return np.lexsort((ids, -vals), axis=-1)
+        at = np.lexsort((ids, -vals), axis=-1)
+        return np.take_along_axis(ids, at, axis=1), np.take_along_axis(vals, at, axis=1)
     bits = (vals + np.float32(0.0)).view(np.int32)  # + 0: -0.0 becomes 0.0, equal values equal bits
     monotonic = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).astype(np.int64)  # ordered like the floats
-    return np.argsort(((0x7FFFFFFF - monotonic) << 31) | ids, axis=1)  # (< 2**32 << 31: within int64)
+    keys = np.sort(((0x7FFFFFFF - monotonic) << 31) | ids, axis=1)  # (< 2**32 << 31: within int64)
+    monotonic = (0x7FFFFFFF - (keys >> 31)).astype(np.int32)
+    bits = monotonic ^ ((monotonic >> 31) & 0x7FFFFFFF)  # (the same transform undoes itself)
+    return (keys & 0x7FFFFFFF).astype(ids.dtype), bits.view(np.float32)
 
 
 def _by_row_value_id(r: np.ndarray | None, v: np.ndarray, c: np.ndarray, vocab: int) -> np.ndarray:
@@ -582,12 +607,13 @@ def _by_row_value_id(r: np.ndarray | None, v: np.ndarray, c: np.ndarray, vocab: 
     return np.argsort(keys)
 
 
-def _truncate(samplers: Sequence[Sampler], pool: _Pool) -> list[_Pool]:
+def _truncate(samplers: Sequence[Sampler], params: RowParams, pool: _Pool) -> list[_Pool]:
     """Top-p and min-p on a pool of rows sorted most likely first (both keep a prefix); a row with
     typical sampling goes its own way."""
-    typical = [j for j, i in enumerate(pool.rows) if samplers[i].typical_p < 1.0]
-    singles = [_truncate_one(samplers[pool.rows[j]], pool.rows[j], pool.ids[j], pool.vals[j]) for j in typical]
-    if typical:
+    singles = []
+    if params.typical[pool.rows].any():
+        typical = np.flatnonzero(params.typical[pool.rows]).tolist()
+        singles = [_truncate_one(samplers[pool.rows[j]], pool.rows[j], pool.ids[j], pool.vals[j]) for j in typical]
         rest = [j for j in range(len(pool.rows)) if j not in set(typical)]
         if not rest:
             return singles
@@ -598,15 +624,13 @@ def _truncate(samplers: Sequence[Sampler], pool: _Pool) -> list[_Pool]:
         pool.n_keep = np.array([_prefix_kept(samplers[pool.rows[0]], vals[0])])
         return [pool, *singles]
     n_keep = None
-    top_p = [samplers[i].top_p for i in pool.rows]
-    if min(top_p) < 1.0:
-        p = np.array(top_p)
+    p = params.top_p[pool.rows]
+    if p.min() < 1.0:
         cum = np.cumsum(np.exp(vals - vals[:, :1]), axis=1)
         reach = np.minimum((cum < p[:, None] * cum[:, -1:]).sum(axis=1) + 1, width)
         n_keep = np.where(p < 1.0, reach, width)
-    min_p = [samplers[i].min_p for i in pool.rows]
-    if max(min_p) > 0.0:
-        m = np.array(min_p)
+    m = params.min_p[pool.rows]
+    if m.max() > 0.0:
         with np.errstate(divide="ignore"):
             above = (vals >= (vals[:, 0] + np.log(m).astype(vals.dtype))[:, None]).sum(axis=1)
         n_keep = np.where(m > 0, np.minimum(width if n_keep is None else n_keep, above), n_keep)
@@ -641,7 +665,7 @@ def _truncate_one(s: Sampler, row: int, ids: np.ndarray, vals: np.ndarray) -> _P
     return _Pool([row], ids[None], vals[None], None)
 
 
-def _draw_pool(samplers: Sequence[Sampler], pool: _Pool, tokens: np.ndarray) -> None:
+def _draw_pool(samplers: Sequence[Sampler], params: RowParams, pool: _Pool, tokens: np.ndarray) -> None:
     """Draw each row of ``pool`` (one uniform number from its sampler's generator) into ``tokens``."""
     if len(pool.rows) == 1 and (pool.keep is None or pool.n_keep is not None):
         s = samplers[pool.rows[0]]
@@ -649,9 +673,8 @@ def _draw_pool(samplers: Sequence[Sampler], pool: _Pool, tokens: np.ndarray) -> 
         index = _draw_one(pool.vals[0, :n], s.temperature, s.uniform())
         tokens[pool.rows[0]] = index if pool.ids is None else pool.ids[0, index]
         return
-    temps = np.array([samplers[i].temperature for i in pool.rows], np.float32)
     u = np.array([samplers[i].uniform() for i in pool.rows])
-    index = _draw(pool.vals, pool.keep, temps, u)
+    index = _draw(pool.vals, pool.keep, params.temperature[pool.rows], u)
     tokens[pool.rows] = index if pool.ids is None else pool.ids[np.arange(len(pool.rows)), index]
 
 
@@ -662,8 +685,8 @@ def _draw(vals: np.ndarray, keep: np.ndarray | None, temps: np.ndarray, u: np.nd
     scaled = vals / temps[:, None]
     if keep is not None:
         scaled = np.where(keep, scaled, -np.inf)
-    weights = np.exp(scaled - scaled.max(axis=1)[:, None])
-    return _pick(np.cumsum(weights, axis=1), u)
+    top = scaled[np.arange(scaled.shape[0]), scaled.argmax(axis=1)]  # (the rows' maxima: cheaper than max)
+    return _pick(np.cumsum(np.exp(scaled - top[:, None]), axis=1), u)
 
 
 def _draw_one(vals: np.ndarray, temperature: float, u: float) -> int:

@@ -697,7 +697,7 @@ class Runner:
 
     def _hand_out(self, sampled: Sampled | None) -> list[tuple[RunningSequence, int, np.ndarray | None, bool]]:
         """Give each sampled row's token to its sequence's placeholder in the batch built ahead (if it
-        has one), or fail the sequence. Returns the arguments of ``_take`` (sequence, token, logits row
+        has one), or fail the sequence. Returns the items of ``_take`` (sequence, token, logits row
         for logprobs, whether a placeholder took it) still to ``_accept``: a constrained sequence takes
         its token here, since the next batch's grammar masks start when it launches, which may be before
         ``_accept``."""

@@ -140,6 +140,14 @@ def feed_rows(late: list[tuple[int, Input, RunningSequence]],
         return None
 
 
+def placeholder() -> Input:
+    """An input whose token the batch in flight samples (``UNSET`` until then). Its other fields read the class
+    defaults: every generating sequence gets one each step, a write rather than the dataclass's six."""
+    inp = object.__new__(Input)
+    inp.token = UNSET
+    return inp
+
+
 _PROMPT_KEY = 1 << 62  # past every slot id
 
 
@@ -192,7 +200,7 @@ class Scheduler:
                     step.cancelled.append(seq)
                 continue
             if build_ahead and self.awaits_placeholder(seq, build_ahead):
-                seq.placeholder = Input(token=UNSET)
+                seq.placeholder = placeholder()
                 seq.pending.append(seq.placeholder)
             room = self.batch_size - len(step.tokens)  # < 0 after an image that made the batch grow
             if seq.pending and room > 0 and not self._take_decode(step, seq):

@@ -20,7 +20,7 @@ from pyggml.constrain import Constraint, grammar_for
 from pyggml.input import Input, text_input
 from pyggml.runner.engine import TopLogits
 from pyggml.runner.inputcache import InputCacheSlot
-from pyggml.sample import Sampler, SamplingOptions, logprobs, sample_rows, sample_top
+from pyggml.sample import RowParams, Sampler, SamplingOptions, logprobs, sample_rows, sample_top
 
 MAX_LOGPROBS = 20
 MAX_DRAFT = 32  # most tokens drafted per step (speculative decoding)
@@ -476,6 +476,11 @@ class RowPlan:
     greedy: bool
     top_need: int  # the fewest largest logits per row that decide every row (0: some row needs them all)
 
+    @functools.cached_property
+    def params(self) -> RowParams:
+        """Its samplers' settings as arrays (``RowParams``): made once, for every step of these rows."""
+        return RowParams.of(self.samplers)
+
     def from_top(self, k: int) -> bool:
         """Whether a sampling head's ``k`` largest logits per row are all the rows need."""
         return 0 < self.top_need <= k
@@ -514,7 +519,7 @@ def sample_sequences(rows: Sequence[tuple[int, RunningSequence]], logits: np.nda
     pick = plan.pick
     if isinstance(logits, TopLogits):
         tokens, redo = sample_top(plan.samplers, logits.ids[pick], logits.vals[pick], logits.finite[pick],
-                                  logits.vocab, greedy=plan.greedy)
+                                  logits.vocab, greedy=plan.greedy, params=None if plan.greedy else plan.params)
         out: list[int | Exception] = tokens.tolist()
         if redo:
             for j, token in zip(redo, sample_sequences([rows[j] for j in redo], logits.full()), strict=True):
