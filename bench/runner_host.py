@@ -69,7 +69,8 @@ TIMED: dict[str, list[tuple[str, str | None, str]]] = {
                ("pyggml.sample", "Sampler", "sample"),
                ("pyggml.sample", None, "sample_rows"), ("pyggml.sample", None, "sample_top")],
     "detok": [("pyggml.runner.runner", "Runner", "_accept"), ("pyggml.runner.sequence", "RunningSequence", "accept")],
-    "stream": [("pyggml.runner.sequence", "RunningSequence", "_put"), ("pyggml.runner.runner", "Runner", "_notify"),
+    "stream": [("pyggml.runner.sequence", "RunningSequence", name) for name in ("_put", "_send")] +
+              [("pyggml.runner.runner", "Runner", "_notify"),
                ("pyggml.runner.sequence", "CompletionStream", "__next__")],
 }
 
