@@ -451,7 +451,7 @@ def _pools(samplers: Sequence[Sampler], params: RowParams, logits: np.ndarray, r
             pools += _truncate(samplers, params, _Pool(group, ids, vals, None))
         elif k == 0:  # no truncation but min-p: the whole vocabulary in id order
             vals = _take(logits, group)
-            min_p = np.array([samplers[i].min_p for i in group])
+            min_p = params.min_p[group]
             keep = None
             if min_p.any():
                 with np.errstate(divide="ignore"):
