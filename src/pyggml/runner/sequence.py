@@ -464,6 +464,7 @@ class RunningSequence:
         self.stop_sequence = min((s for s in self.stops if self._text.startswith(s, cut)), key=len)
         self._text = self._text[:cut]
 
+
 @dataclass(eq=False)
 class RowPlan:
     """What sampling a step's rows needs that is known once the step is packed (``plan_rows``): where
