@@ -219,6 +219,13 @@ class RowParams:
                    np.array([s.min_p for s in samplers], np.float64),
                    np.array([s.typical_p < 1.0 for s in samplers], bool))
 
+    def rows(self, rows: list[int]) -> RowParams:
+        """Those of ``rows`` (distinct, increasing): itself when they are all of them (the usual pool)."""
+        if len(rows) == len(self.temperature):
+            return self
+        at = np.array(rows, np.intp)
+        return RowParams(self.temperature[at], self.top_k[at], self.top_p[at], self.min_p[at], self.typical[at])
+
 
 def sample_rows(samplers: Sequence[Sampler], logits: np.ndarray,
                 histories: Sequence[Sequence[int]] | None = None) -> tuple[np.ndarray, dict[int, Exception]]:
@@ -610,26 +617,27 @@ def _by_row_value_id(r: np.ndarray | None, v: np.ndarray, c: np.ndarray, vocab: 
 def _truncate(samplers: Sequence[Sampler], params: RowParams, pool: _Pool) -> list[_Pool]:
     """Top-p and min-p on a pool of rows sorted most likely first (both keep a prefix); a row with
     typical sampling goes its own way."""
-    singles = []
-    if params.typical[pool.rows].any():
-        typical = np.flatnonzero(params.typical[pool.rows]).tolist()
+    singles, own = [], params.rows(pool.rows)
+    if own.typical.any():
+        typical = np.flatnonzero(own.typical).tolist()
         singles = [_truncate_one(samplers[pool.rows[j]], pool.rows[j], pool.ids[j], pool.vals[j]) for j in typical]
         rest = [j for j in range(len(pool.rows)) if j not in set(typical)]
         if not rest:
             return singles
         pool = _Pool([pool.rows[j] for j in rest], pool.ids[rest], pool.vals[rest], None)
+        own = params.rows(pool.rows)
     vals = pool.vals
     width = vals.shape[1]
     if len(pool.rows) == 1:
         pool.n_keep = np.array([_prefix_kept(samplers[pool.rows[0]], vals[0])])
         return [pool, *singles]
     n_keep = None
-    p = params.top_p[pool.rows]
+    p = own.top_p
     if p.min() < 1.0:
         cum = np.cumsum(np.exp(vals - vals[:, :1]), axis=1)
         reach = np.minimum((cum < p[:, None] * cum[:, -1:]).sum(axis=1) + 1, width)
         n_keep = np.where(p < 1.0, reach, width)
-    m = params.min_p[pool.rows]
+    m = own.min_p
     if m.max() > 0.0:
         with np.errstate(divide="ignore"):
             above = (vals >= (vals[:, 0] + np.log(m).astype(vals.dtype))[:, None]).sum(axis=1)
@@ -674,7 +682,7 @@ def _draw_pool(samplers: Sequence[Sampler], params: RowParams, pool: _Pool, toke
         tokens[pool.rows[0]] = index if pool.ids is None else pool.ids[0, index]
         return
     u = np.array([samplers[i].uniform() for i in pool.rows])
-    index = _draw(pool.vals, pool.keep, params.temperature[pool.rows], u)
+    index = _draw(pool.vals, pool.keep, params.rows(pool.rows).temperature, u)
     tokens[pool.rows] = index if pool.ids is None else pool.ids[np.arange(len(pool.rows)), index]
 
 
