@@ -683,10 +683,9 @@ class Runner:
             tokens = np.array(sampled[1], np.int32)
         except (TypeError, ValueError, OverflowError):  # an exception in place of a token
             return False
-        if tokens.size != len(done.rows):  # (``_draw`` left out the rows whose sequence was done)
-            live = np.array([not seq.done for _, seq in done.rows])
-            if np.count_nonzero(live) != tokens.size:
-                return False
+        if tokens.size != len(done.rows):  # (``_draw`` left out the rows whose sequence was done: those it kept)
+            kept = {id(item) for item in sampled[0]}
+            live = np.array([id(item) in kept for item in done.rows])
             aligned = np.zeros(live.size, np.int32)
             aligned[live] = tokens
             tokens = aligned

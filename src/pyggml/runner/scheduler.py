@@ -224,28 +224,14 @@ class Scheduler:
         if type(inp) is not SharedText and (inp.multimodal or inp.same_batch):
             return False
         pending.popleft()
-        rope, token = memo[2], inp.token
-        # (``step.add`` of a text input, inline: a call per sequence costs as much as what it does)
-        if token == UNSET:
-            step.late.append((len(step.tokens), inp, seq))
-        if rope != n or inp.rope_offset:
-            step.moved = True
-        step.tokens.append(token)
-        step.positions.append(n)
-        step.sequences.append(slot.id)
-        step.ropes.append(rope)
-        step.inputs.append(inp)
+        rope = memo[2]
+        step.add(inp, n, slot.id, seq, rope)
         inputs.append(inp)
         memo[1], memo[2] = n + 1, rope + inp.rope_step
         if n + 1 >= self.num_ctx:
             self.maybe_full = True
         step.seqs.append(seq)
-        if seq.wants_logits:  # (``_ask_logits`` of one input, neither drafts nor prompt scores)
-            step.outputs.append(len(step.tokens) - 1)
-            step.rows.append((len(step.outputs) - 1, seq))
-            seq.outputs_in_flight += 1
-        else:
-            step.finishing.append(seq)
+        self._ask_logits(step, seq, len(step.tokens) - 1, 1)
         return True
 
     def _take(self, step: Step, seq: RunningSequence, room: int) -> None:
